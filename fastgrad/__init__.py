@@ -1,0 +1,3 @@
+"""fastgrad: fused, sync-free gradient management for PyTorch."""
+
+__version__ = "0.1.0"
