@@ -59,7 +59,7 @@ class Backend:
 
     #: registry name: "torch", "triton", "cuda" or "cpu"
     name: str = ""
-    #: device types (``torch.device.type``) whose tensors this backend can process
+    #: device types (``torch.device.type``) whose tensors this backend can process; empty means any
     devices: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ availability
@@ -76,7 +76,7 @@ class Backend:
         if type(self)._impl(op) is getattr(Backend, _METHOD[op]):
             return f"{op} is not implemented by the {self.name} backend"
         dev = tensors[0].device.type if tensors else "cpu"
-        if dev not in self.devices:
+        if self.devices and dev not in self.devices:
             return f"{dev} tensors are not supported (supports: {', '.join(self.devices)})"
         for t in tensors:
             if t.layout != torch.strided:

@@ -1,0 +1,153 @@
+"""Input handling shared by every public function and backend: collecting gradients, validating arguments,
+grouping by device. Everything here runs before any gradient is modified, so a bad call leaves the
+gradients untouched."""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .backends import Backend
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------- collecting
+def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
+    """torch's handling of ``parameters``: one tensor, an iterable, or a generator (consumed once; an empty
+    generator warns as torch.nn.utils.clip_grad_norm_ does)."""
+    if isinstance(parameters, Tensor):
+        return [parameters]
+    is_generator = isinstance(parameters, types.GeneratorType)
+    items = list(parameters)
+    if warn_empty_generator and is_generator and not items:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
+    return items
+
+
+def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+# ---------------------------------------------------------------- validating
+def check_norm_type(norm_type) -> float:
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"norm_type must be a real number or 'inf', got {norm_type!r}"
+        ) from None
+    if math.isnan(p):
+        raise ValueError("norm_type must not be NaN")
+    return p
+
+
+def check_max_norm(max_norm) -> float:
+    value = _as_float("max_norm", max_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
+    return value
+
+
+def check_clip_value(clip_value) -> float:
+    value = _as_float("clip_value", clip_value)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"clip_value must be a non-negative number, got {clip_value!r}")
+    return value
+
+
+def check_non_negative(name: str, value) -> float:
+    v = _as_float(name, value)
+    if math.isnan(v) or v < 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return v
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()  # an argument the caller passed as a tensor; torch reads it the same way
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallback: bool = True) -> bool:
+    """Reject integer/bool tensors with TypeError. Returns True when some tensor needs torch's own
+    implementation (sparse or complex), which the clipping functions delegate to."""
+    needs_torch = False
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{what} must be tensors, got {type(t).__name__}")
+        dt = t.dtype
+        if dt in _FLOATING and t.layout == torch.strided:
+            continue
+        if dt.is_complex or t.layout != torch.strided:
+            if not allow_fallback:
+                kind = "complex" if dt.is_complex else f"{t.layout}"
+                raise TypeError(f"{kind} {what} are not supported by this function")
+            needs_torch = True
+            continue
+        if not dt.is_floating_point:
+            raise TypeError(f"{what} must be floating point; got a tensor of dtype {dt}")
+        # other floating dtypes (float8...): torch's implementation decides
+        needs_torch = True
+    return needs_torch
+
+
+# ---------------------------------------------------------------- grouping and dispatch
+def group_by_device(tensors: list[Tensor]) -> dict[torch.device, list[int]]:
+    """Indices of ``tensors`` per device, in first-seen order (so the first group is the first tensor's)."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        d = t.device
+        idx = groups.get(d)
+        if idx is None:
+            groups[d] = idx = []
+        idx.append(i)
+    return groups
+
+
+def split_by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
+    if not tensors:
+        return []
+    first = tensors[0].device
+    # Fast path: one device (almost every call); comparing devices is cheaper than hashing them.
+    if all(t.device == first for t in tensors):
+        return [tensors]
+    return [[tensors[i] for i in idx] for idx in group_by_device(tensors).values()]
+
+
+def restore_order(values: Tensor, groups: dict[torch.device, list[int]]) -> Tensor:
+    """``values`` holds per-tensor results concatenated group by group (the order of ``groups``); return
+    them in the original input order. Single-group input is returned as is."""
+    order = [i for idx in groups.values() for i in idx]
+    if len(groups) <= 1:
+        return values
+    inverse = torch.empty(len(order), dtype=torch.int64)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return values.index_select(0, inverse.to(values.device))
+
+
+def requested_backend(backend: str | None) -> str | None:
+    return backend if backend is not None else backends.get_default_backend()
+
+
+def pick(op: str, tensors: list[Tensor], backend: str | None, **params) -> Backend:
+    return backends.select(op, tensors, backend, **params)
+
+
+def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype

@@ -1,0 +1,165 @@
+"""The torch backend: every primitive in plain PyTorch ops. Always available, any device.
+
+It is the reference the other backends are tested against, so it favours the obvious formulation
+(fp32 accumulation through ``dtype=``, torch's ``_foreach_*`` where they give the same result) over speed.
+It honours ``foreach`` exactly as ``torch.nn.utils`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .base import Backend, acc_dtype
+
+try:  # private helpers torch.nn.utils itself uses; present since torch 2.0
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+except ImportError:  # pragma: no cover - very old or very new torch
+    def _device_has_foreach_support(device: torch.device) -> bool:
+        return device.type in ("cpu", "cuda")
+
+    def _has_foreach_support(tensors, device) -> bool:
+        return _device_has_foreach_support(device) and all(t is None or type(t) is Tensor for t in tensors)
+
+_INF = float("inf")
+
+
+def _use_foreach(tensors: Sequence[Tensor], foreach: bool | None) -> bool:
+    """torch.nn.utils' rule, including its error text for foreach=True on unsupported devices."""
+    device = tensors[0].device
+    if foreach is None:
+        return _has_foreach_support(list(tensors), device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return bool(foreach)
+
+
+def _by_dtype(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float, dtype: torch.dtype,
+                     foreach: bool | None = None) -> list[Tensor]:
+    """Each tensor's p-norm accumulated in ``dtype``, in input order.
+
+    A zero-size tensor's norm is 0 for p >= 0 and inf (torch raises for those on empty input, but the
+    norm of nothing is 0); for negative p and -inf torch's own answer is kept.
+    """
+    out: list[Tensor | None] = [None] * len(tensors)
+    todo = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0 and (norm_type >= 0):
+            out[i] = torch.zeros((), dtype=dtype, device=t.device)
+        else:
+            todo.append(i)
+    if todo:
+        ts = [tensors[i] for i in todo]
+        if _use_foreach(ts, foreach):
+            norms = torch._foreach_norm(ts, norm_type, dtype=dtype)
+        else:
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in ts]
+        for i, n in zip(todo, norms):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+def combine_norms(norms: Tensor, norm_type: float) -> Tensor:
+    """Total norm from a 1-D tensor of per-part norms.
+
+    For p != 0 this is the p-norm of the norms (what torch computes). The 0-"norm" counts nonzeros, so
+    parts combine by summing (torch's norm-of-norms would count *parts* with a nonzero instead)."""
+    if norm_type == 0:
+        return norms.sum()
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    devices = ()  # any device torch runs on
+
+    # ---------------------------------------------------------------- norms
+    def norm(self, tensors, norm_type, *, per_tensor=False, foreach=None):
+        dtype = acc_dtype(tensors)
+        norms = torch.stack(per_tensor_norms(tensors, norm_type, dtype, foreach))
+        # The total of one device's list is the norm of its per-tensor norms, as in torch. (For p = 0 that
+        # counts tensors with a nonzero element, which is torch's answer for a single device.)
+        total = torch.linalg.vector_norm(norms, norm_type)
+        return total, (norms if per_tensor else None)
+
+    def amp_norm(self, tensors, inv_scale, norm_type):
+        dtype = acc_dtype(tensors)
+        nonempty = [t for t in tensors if t.numel()]
+        if nonempty:
+            # max |x| propagates NaN, so one reduction finds NaN and +-inf alike.
+            amax = torch.stack(torch._foreach_norm(nonempty, _INF, dtype=dtype)).max()
+            found_inf = (~torch.isfinite(amax)).to(torch.float32)
+        else:
+            found_inf = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+        # The values unscale_ would produce (rounded to the grad dtype), then their norm: exactly what
+        # scaler.unscale_ followed by clip_grad_norm_ computes.
+        unscaled = [t * inv_scale.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+                    for t in tensors]
+        unscaled = [u.to(t.dtype) for u, t in zip(unscaled, tensors)]
+        total, _ = self.norm(unscaled, norm_type)
+        return total, found_inf
+
+    # ---------------------------------------------------------------- elementwise
+    def scale_(self, tensors, factor, *, foreach=None):
+        for group in _by_dtype(tensors).values():
+            if _use_foreach(group, foreach):
+                torch._foreach_mul_(group, factor)
+            else:
+                for t in group:
+                    t.mul_(factor)
+
+    def clip_value_(self, tensors, clip_value, *, foreach=None):
+        for group in _by_dtype(tensors).values():
+            if _use_foreach(group, foreach):
+                torch._foreach_clamp_min_(group, -clip_value)
+                torch._foreach_clamp_max_(group, clip_value)
+            else:
+                for t in group:
+                    t.clamp_(min=-clip_value, max=clip_value)
+
+    # ---------------------------------------------------------------- per-parameter ops
+    def agc_(self, params, grads, clip_factor, eps, norm_type):
+        for p, g in zip(params, grads):
+            dtype = acc_dtype((p, g))
+            dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
+            p_norm = _unit_norm(p, norm_type, dims, dtype)
+            g_norm = _unit_norm(g, norm_type, dims, dtype)
+            max_norm = p_norm.clamp(min=eps).mul_(clip_factor)
+            ratio = max_norm / g_norm.clamp(min=1e-6)
+            # timm keeps G where g_norm < max_norm and clips everywhere else, so NaN norms clip (to NaN).
+            # Multiplying the kept units by exactly 1 leaves their bits unchanged.
+            g.mul_(torch.where(g_norm < max_norm, torch.ones_like(ratio), ratio))
+
+    def centralize_(self, grads):
+        for g in grads:
+            dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+            mean = g.mean(dim=tuple(range(1, g.ndim)), keepdim=True, dtype=dtype)
+            g.sub_(mean)  # computed in `dtype`, rounded once to g's dtype
+
+    def grad_stats(self, tensors):
+        dtype = acc_dtype(tensors)
+        dev = tensors[0].device
+        norms = torch.stack(per_tensor_norms(tensors, 2.0, dtype))
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        max_abs = torch.stack([t.abs().amax().to(dtype) if t.numel() else zero for t in tensors])
+        nan = torch.stack([torch.isnan(t).sum() for t in tensors])
+        inf = torch.stack([torch.isinf(t).sum() for t in tensors])
+        zeros = torch.stack([(t == 0).sum() for t in tensors])
+        return {"norm": norms, "max_abs": max_abs, "nan": nan, "inf": inf, "zero": zeros}
+
+
+def _unit_norm(x: Tensor, norm_type: float, dims, dtype: torch.dtype) -> Tensor:
+    """timm's unitwise_norm with fp32 (fp64) accumulation: whole tensor for ndim <= 1, else per dim-0 slice."""
+    if x.numel() == 0:
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1) if dims is not None else (1,) * x.ndim
+        return torch.zeros(shape, dtype=dtype, device=x.device)
+    return torch.linalg.vector_norm(x, norm_type, dim=dims, keepdim=True, dtype=dtype)

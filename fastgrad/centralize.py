@@ -1,0 +1,33 @@
+"""Gradient centralization (Yong et al. 2020): SPEC section 6.
+
+Public entry point; the kernels are the backends' ``centralize_`` primitive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _inputs as I
+
+__all__ = ["centralize_gradient_"]
+
+
+@torch.no_grad()
+def centralize_gradient_(parameters, *, gc_conv_only: bool = False, backend: str | None = None) -> None:
+    """Subtract from every gradient with ``ndim > 1`` (``ndim > 3`` when ``gc_conv_only``) its mean over
+    dims 1..n-1, in place: ``G -= G.mean(dim=(1, ..., n-1), keepdim=True)``. The mean is accumulated in
+    float32 (float64 for float64) and the result rounded once to the gradient's dtype. 1-D (bias, norm)
+    gradients are untouched, as in the official implementation.
+
+    Call it after ``backward()`` (and after unscaling under AMP) and before clipping/``optimizer.step()``.
+    """
+    params = I.as_list(parameters)
+    min_ndim = 3 if gc_conv_only else 1
+    all_grads = I.grads_of(params)
+    I.check_tensors(all_grads, allow_fallback=False)
+    grads = [g for g in all_grads if g.ndim > min_ndim]
+    if not grads:
+        return None
+    for group in I.split_by_device(grads):
+        I.pick("centralize", group, backend).centralize_(group)
+    return None

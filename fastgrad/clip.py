@@ -1,0 +1,181 @@
+"""Norms and clipping: drop-ins for ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``,
+``clip_grads_with_norm_`` and ``clip_grad_value_``, plus ``multi_tensor_norm``.
+
+Public entry points only; the kernels are the backends' ``norm``, ``scale_`` and ``clip_value_`` primitives
+(``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
+
+* per-tensor norms are accumulated in float32 (float64 for float64) whatever the gradient dtype, and the
+  clip coefficient is computed from that fp32 norm on the device (torch rounds both to the grad dtype);
+* the fused backends skip the scale pass entirely (no memory traffic) when the coefficient is 1;
+* a NaN or negative ``max_norm``/``clip_value`` or a NaN ``norm_type`` raises ValueError (torch silently
+  turns the gradients into NaN or flips their sign);
+* the infinity norm of a zero-size gradient is 0 (torch raises).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _inputs as I
+from .backends import BackendError, acc_dtype
+from .backends.torch_backend import combine_norms
+
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "clip_grad_value_", "multi_tensor_norm"]
+
+_NONFINITE_MSG = (
+    "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be clipped. "
+    "To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
+
+
+def _torch_fallback_allowed(backend: str | None, fn: str) -> None:
+    """Sparse and complex gradients go to torch.nn.utils itself; only an automatic or torch choice may."""
+    name = I.requested_backend(backend)
+    if name not in (None, "torch"):
+        raise BackendError(
+            f"fastgrad backend {name!r} cannot run {fn}: sparse, complex or non-standard floating gradients "
+            "are handled only by torch's own implementation (backend='torch' or automatic choice)"
+        )
+
+
+def _norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach: bool | None,
+          per_tensor: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Total norm (accumulation dtype, on the first tensor's device) and optionally per-tensor norms in
+    input order. One backend call per device; devices combine through their totals."""
+    groups = I.split_by_device(tensors)
+    if len(groups) == 1:
+        b = I.pick("norm", tensors, backend, norm_type=norm_type)
+        return b.norm(tensors, norm_type, per_tensor=per_tensor, foreach=foreach)
+    first = tensors[0].device
+    dtype = acc_dtype(tensors)
+    totals, pers = [], []
+    for group in groups:
+        b = I.pick("norm", group, backend, norm_type=norm_type)
+        total, per = b.norm(group, norm_type, per_tensor=per_tensor, foreach=foreach)
+        totals.append(total.to(first, dtype))
+        if per_tensor:
+            pers.append(per.to(first, dtype))
+    total = combine_norms(torch.stack(totals), norm_type)
+    per = None
+    if per_tensor:
+        per = I.restore_order(torch.cat(pers), I.group_by_device(tensors))
+    return total, per
+
+
+def _check_finite(total: Tensor, norm_type: float) -> None:
+    # The one host sync the SPEC allows, and only when the caller asked for it.
+    if torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(_NONFINITE_MSG.format(norm_type))
+
+
+def _scale(grads: list[Tensor], coef: Tensor, backend: str | None, foreach: bool | None) -> None:
+    for group in I.split_by_device(grads):
+        b = I.pick("scale", group, backend)
+        b.scale_(group, coef.to(group[0].device), foreach=foreach)
+
+
+@torch.no_grad()
+def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None, *, backend: str | None = None) -> Tensor:
+    """Norm of the per-tensor norms of ``tensors``, like ``torch.nn.utils.get_total_norm``.
+
+    Returns a 0-dim tensor on the first tensor's device in the promoted dtype of the tensors
+    (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched).
+    """
+    tensors = I.as_list(tensors)
+    p = I.check_norm_type(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    if I.check_tensors(tensors, "tensors"):
+        _torch_fallback_allowed(backend, "get_total_norm")
+        return torch.nn.utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
+    total, _ = _norm(tensors, p, backend, foreach)
+    if error_if_nonfinite:
+        _check_finite(total, p)
+    return total.to(I.promoted_dtype(tensors))
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, foreach: bool | None = None,
+                          *, backend: str | None = None) -> None:
+    """Scale gradients by ``min(max_norm / (total_norm + 1e-6), 1)``, like
+    ``torch.nn.utils.clip_grads_with_norm_``. The coefficient is computed on ``total_norm``'s device in
+    float32 (float64 with float64 grads or norm); fused backends skip the write when it is 1."""
+    params = I.as_list(parameters)
+    max_norm = I.check_max_norm(max_norm)
+    grads = I.grads_of(params)
+    if not grads:
+        return None
+    if I.check_tensors(grads):
+        _torch_fallback_allowed(backend, "clip_grads_with_norm_")
+        return torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    if not isinstance(total_norm, Tensor):
+        total_norm = torch.tensor(float(total_norm), device=grads[0].device)
+    dtype = torch.float64 if total_norm.dtype == torch.float64 else acc_dtype(grads)
+    coef = torch.clamp(max_norm / (total_norm.to(dtype) + 1e-6), max=1.0)
+    _scale(grads, coef, backend, foreach)
+    return None
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, *, backend: str | None = None) -> Tensor:
+    """Clip the gradients' total norm in place, like ``torch.nn.utils.clip_grad_norm_``; returns the total
+    norm before clipping (0-dim, first grad's device, promoted grad dtype).
+
+    One read pass for the norm, then a scale pass that fused backends skip on the device when no clipping
+    is needed. No host sync unless ``error_if_nonfinite=True`` (which checks before anything is written).
+    """
+    params = I.as_list(parameters, warn_empty_generator=True)
+    max_norm = I.check_max_norm(max_norm)
+    p = I.check_norm_type(norm_type)
+    grads = I.grads_of(params)
+    if not grads:
+        return torch.tensor(0.0)
+    if I.check_tensors(grads):
+        _torch_fallback_allowed(backend, "clip_grad_norm_")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
+    total, _ = _norm(grads, p, backend, foreach)
+    if error_if_nonfinite:
+        _check_finite(total, p)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    _scale(grads, coef, backend, foreach)
+    return total.to(I.promoted_dtype(grads))
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None, *,
+                     backend: str | None = None) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` in place, like
+    ``torch.nn.utils.clip_grad_value_``, in one read+write pass (torch makes two). NaN stays NaN."""
+    params = I.as_list(parameters)
+    clip_value = I.check_clip_value(clip_value)
+    grads = I.grads_of(params)
+    if not grads:
+        return None
+    if I.check_tensors(grads):
+        _torch_fallback_allowed(backend, "clip_grad_value_")
+        return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
+    for group in I.split_by_device(grads):
+        b = I.pick("clip_value", group, backend)
+        b.clip_value_(group, clip_value, foreach=foreach)
+    return None
+
+
+@torch.no_grad()
+def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = False,
+                      backend: str | None = None):
+    """Total p-norm of a list of tensors in float32 (float64 if any tensor is float64), on the first
+    tensor's device; with ``per_tensor=True`` returns ``(total, per_tensor_norms)``, the latter a 1-D tensor
+    in input order. Unlike get_total_norm the result keeps the accumulation dtype. Dense real floating
+    tensors only."""
+    tensors = I.as_list(tensors)
+    p = I.check_norm_type(norm_type)
+    if not tensors:
+        total = torch.tensor(0.0)
+        return (total, torch.zeros(0)) if per_tensor else total
+    I.check_tensors(tensors, "tensors", allow_fallback=False)
+    total, per = _norm(tensors, p, backend, None, per_tensor)
+    return (total, per) if per_tensor else total

@@ -1,0 +1,105 @@
+"""One-pass gradient health statistics: SPEC section 7.
+
+``grad_stats`` is the public entry point (the kernels are the backends' ``grad_stats`` primitive); it
+returns a :class:`GradStats` whose tensors stay on the device, so computing it never syncs the host.
+Rendering a report from it (one sync) is the job of ``fastgrad.report``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from . import _inputs as I
+from .backends import acc_dtype
+
+__all__ = ["GradStats", "grad_stats"]
+
+
+@dataclass
+class GradStats:
+    """Per-tensor gradient statistics, in the order of the inputs that had a gradient.
+
+    Tensor fields live on the first gradient's device: ``norm`` and ``max_abs`` in float32 (float64 if any
+    gradient is float64), the counts in int64. ``total_norm`` is the L2 norm over all gradients.
+    ``no_grad`` names the inputs whose ``.grad`` was None (frozen or unused parameters).
+    """
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    norm: Tensor
+    max_abs: Tensor
+    nan: Tensor
+    inf: Tensor
+    zero: Tensor
+    numel: Tensor
+    total_norm: Tensor
+    no_grad: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def to_dict(self) -> dict:
+        """Plain Python values (one host sync), e.g. for a logger."""
+        cols = {k: getattr(self, k).tolist() for k in ("norm", "max_abs", "nan", "inf", "zero", "numel")}
+        per = {
+            name: {k: cols[k][i] for k in cols} | {"shape": list(self.shapes[i]), "dtype": str(self.dtypes[i])}
+            for i, name in enumerate(self.names)
+        }
+        return {"total_norm": float(self.total_norm), "parameters": per, "no_grad": list(self.no_grad)}
+
+
+def _named(obj) -> list[tuple[str, Tensor]]:
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.named_parameters())
+    items = I.as_list(obj)
+    named = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            named.append(item)
+        elif isinstance(item, Tensor):
+            named.append((str(i), item))
+        else:
+            raise TypeError(
+                "grad_stats takes a module, parameters, or (name, parameter) pairs; "
+                f"got an item of type {type(item).__name__}"
+            )
+    return named
+
+
+@torch.no_grad()
+def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None) -> GradStats:
+    """Read each gradient once and return, per tensor, its L2 norm, max |g|, and counts of NaN, Inf and
+    exact zeros, plus numel and the total L2 norm, all on the device (no host sync).
+
+    Accepts an ``nn.Module`` (its ``named_parameters()``), an iterable of ``(name, parameter)`` pairs, an
+    iterable of parameters (named by position), or one tensor.
+    """
+    named = _named(parameters_or_named_parameters_or_module)
+    with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
+    no_grad = [n for n, p in named if p.grad is None]
+    if not with_grad:
+        empty_f = torch.zeros(0)
+        empty_i = torch.zeros(0, dtype=torch.int64)
+        return GradStats([], [], [], empty_f, empty_f, empty_i, empty_i, empty_i, empty_i, torch.tensor(0.0),
+                         no_grad)
+    names = [n for n, _ in with_grad]
+    grads = [g for _, g in with_grad]
+    I.check_tensors(grads, allow_fallback=False)
+    first = grads[0].device
+    dtype = acc_dtype(grads)
+    parts: dict[str, list[Tensor]] = {}
+    groups = I.group_by_device(grads)
+    for idx in groups.values():
+        group = [grads[i] for i in idx]
+        out = I.pick("grad_stats", group, backend).grad_stats(group)
+        for k, v in out.items():
+            parts.setdefault(k, []).append(v.to(first, dtype if v.is_floating_point() else torch.int64))
+    cols = {k: I.restore_order(torch.cat(v), groups) for k, v in parts.items()}
+    numel = torch.tensor([g.numel() for g in grads], dtype=torch.int64).to(first, non_blocking=True)
+    total = torch.linalg.vector_norm(cols["norm"])
+    return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
+                     cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], numel, total, no_grad)
