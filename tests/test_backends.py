@@ -1,0 +1,78 @@
+"""Backend registry and selection (SPEC section 8) and ``python -m fastgrad.info``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastgrad
+from fastgrad import BackendError, backends
+
+from .helpers import make_params
+
+
+def test_torch_backend_always_available():
+    assert "torch" in fastgrad.available_backends()
+    assert set(backends.registered()) >= {"torch", "triton", "cuda", "cpu"}
+
+
+def test_automatic_choice_for_cpu_tensors():
+    t = [torch.randn(3)]
+    chosen = backends.select("norm", t, None, norm_type=2.0)
+    expected = "cpu" if "cpu" in fastgrad.available_backends() else "torch"
+    assert chosen.name == expected
+    # norm types the fused kernels lack fall back quietly
+    assert backends.select("norm", t, None, norm_type=0.0).name == "torch"
+
+
+def test_named_unusable_backend_raises_with_reason():
+    unusable = [n for n, b in backends.registered().items() if b.unavailable_reason() is not None]
+    if not unusable:
+        pytest.skip("every backend is usable here")
+    name = unusable[0]
+    params = make_params([(4,)], torch.float32, "cpu")
+    with pytest.raises(BackendError, match=f"backend '{name}' cannot run norm"):
+        fastgrad.clip_grad_norm_(params, 1.0, backend=name)
+
+
+def test_env_and_set_backend_order(monkeypatch):
+    t = [torch.randn(3)]
+    monkeypatch.setenv("FASTGRAD_BACKEND", "torch")
+    assert backends.get_default_backend() == "torch"
+    assert backends.select("norm", t, None, norm_type=2.0).name == "torch"
+    unusable = [n for n, b in backends.registered().items() if b.unavailable_reason() is not None]
+    if unusable:
+        monkeypatch.setenv("FASTGRAD_BACKEND", unusable[0])
+        with pytest.raises(BackendError):
+            backends.select("norm", t, None, norm_type=2.0)
+        # the argument wins over the environment
+        assert backends.select("norm", t, "torch", norm_type=2.0).name == "torch"
+    fastgrad.set_backend("torch")
+    assert backends.get_default_backend() == "torch"  # set_backend overrides the environment
+    fastgrad.set_backend(None)
+    with pytest.raises(ValueError, match="unknown fastgrad backend"):
+        fastgrad.set_backend("tpu")
+
+
+def test_supports_reasons_name_the_problem():
+    tb = backends.get("torch")
+    assert tb.supports("norm", [torch.randn(2)], norm_type=2.0) is None
+    assert "sparse" in tb.supports("norm", [torch.randn(2).to_sparse()], norm_type=2.0)
+    assert "dtype" in tb.supports("norm", [torch.ones(2, dtype=torch.int32)], norm_type=2.0)
+    assert "unknown op" in tb.supports("nope", [torch.randn(2)])
+
+
+def test_info_cli_reports_backends():
+    out = subprocess.run([sys.executable, "-m", "fastgrad.info"], capture_output=True, text=True, check=True)
+    assert "torch   usable" in out.stdout
+    for name in ("triton", "cuda", "cpu"):
+        assert name in out.stdout
+    js = subprocess.run([sys.executable, "-m", "fastgrad.info", "--json"], capture_output=True, text=True,
+                        check=True)
+    info = json.loads(js.stdout)
+    assert info["backends"]["torch"]["usable"] is True
+    assert info["torch"] == torch.__version__
