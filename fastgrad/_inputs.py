@@ -134,7 +134,8 @@ def restore_order(values: Tensor, groups: dict[torch.device, list[int]]) -> Tens
         return values
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(len(order))
-    return values.index_select(0, inverse.to(values.device))
+    # non_blocking: a blocking host-to-device copy counts as a sync under set_sync_debug_mode("error")
+    return values.index_select(0, inverse.to(values.device, non_blocking=True))
 
 
 def requested_backend(backend: str | None) -> str | None:
