@@ -1,13 +1,121 @@
-"""Triton backend: placeholder until the Triton kernels land (issue 3)."""
+"""Triton backend: every primitive of the backend contract as fused multi-tensor Triton kernels
+(``fastgrad.triton_kernels``).
+
+Serves CUDA tensors, and CPU tensors only under ``TRITON_INTERPRET=1`` (how CI runs the kernels without a
+GPU). Triton is imported lazily, so this module imports fine without it. Eager calls go straight to the
+kernel launchers; under ``torch.compile`` the same work goes through the ``fastgrad_triton::*`` custom ops.
+"""
 
 from __future__ import annotations
 
-from .base import Backend
+import os
+
+import torch
+
+from .base import Backend, is_fast_norm_type
+
+_kernels = None
+_import_error: str | None = None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load():
+    """The kernels package (imports Triton and registers the custom ops on first use)."""
+    global _kernels
+    if _kernels is None:
+        from .. import triton_kernels
+
+        _kernels = triton_kernels
+    return _kernels
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
 class TritonBackend(Backend):
     name = "triton"
     devices = ("cuda", "cpu")
 
+    def __init__(self) -> None:
+        self._reason: str | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------------ availability
     def unavailable_reason(self) -> str | None:
-        return "the Triton kernels are not implemented yet"
+        if not self._checked:
+            self._checked = True
+            try:
+                import triton  # noqa: F401
+            except Exception as e:  # ImportError, or a broken install
+                self._reason = f"Triton is not importable ({type(e).__name__}: {e})"
+        if self._reason is not None:
+            return self._reason
+        if not (torch.cuda.is_available() or _interpret()):
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors in the interpreter)"
+        return None
+
+    def supports(self, op, tensors, **params):
+        why = super().supports(op, tensors, **params)
+        if why is not None:
+            return why
+        if tensors and tensors[0].device.type == "cpu" and not _interpret():
+            return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+        norm_type = params.get("norm_type")
+        if norm_type is not None and not is_fast_norm_type(float(norm_type)):
+            return f"norm_type={norm_type} has no Triton kernel (fast kernels: 1, 2, inf, any finite p > 0)"
+        return None
+
+    # ------------------------------------------------------------------ primitives
+    def norm(self, tensors, norm_type, *, per_tensor=False, foreach=None):
+        k = _load()
+        if _compiling():
+            total, per = k.norm(list(tensors), float(norm_type))
+        else:
+            total, per, _ = k.launch_norm(tensors, float(norm_type))
+        return total, (per if per_tensor else None)
+
+    def amp_norm(self, tensors, inv_scale, norm_type):
+        k = _load()
+        if _compiling():
+            return k.amp_norm(list(tensors), inv_scale, float(norm_type))
+        return k.launch_amp_norm(tensors, inv_scale, float(norm_type))
+
+    def scale_(self, tensors, factor, *, foreach=None):
+        k = _load()
+        if _compiling():
+            k.scale_(list(tensors), factor)
+        else:
+            k.launch_scale_(tensors, factor)
+
+    def clip_value_(self, tensors, clip_value, *, foreach=None):
+        k = _load()
+        if _compiling():
+            k.clip_value_(list(tensors), float(clip_value))
+        else:
+            k.launch_clip_value_(tensors, float(clip_value))
+
+    def agc_(self, params, grads, clip_factor, eps, norm_type):
+        k = _load()
+        if _compiling():
+            k.agc_(list(params), list(grads), float(clip_factor), float(eps), float(norm_type))
+        else:
+            k.launch_agc_(params, grads, float(clip_factor), float(eps), float(norm_type))
+
+    def centralize_(self, grads):
+        k = _load()
+        if _compiling():
+            k.centralize_(list(grads))
+        else:
+            k.launch_centralize_(grads)
+
+    def grad_stats(self, tensors):
+        k = _load()
+        if _compiling():
+            out = k.grad_stats(list(tensors))
+        else:
+            out = k.launch_grad_stats(tensors)
+        return dict(zip(("norm", "max_abs", "nan", "inf", "zero"), out))

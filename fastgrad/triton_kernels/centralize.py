@@ -1,0 +1,90 @@
+"""Gradient centralization over a whole list: per dim-0 row, subtract the row mean (accumulated in fp32,
+fp64 for fp64). Three launches (per dtype group for the passes over memory): row partial sums, per-row
+means reduced in a fixed order, and the subtraction ``x = T(float(x) - mean)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .multi_tensor import (to_dt, Config, acc_of, block_info, block_ptr, copy_back, device_guard, div_rn,
+                           flat_inputs, get_plan, rows_of, segment_reduce, tl_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit(do_not_specialize=["b0"])
+def _gc_partial_kernel(ptr_tab, blk_tab, part, b0, DT: tl.constexpr, ACC: tl.constexpr,
+                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    bid = b0 + tl.program_id(0)
+    t, start, n, seg = block_info(blk_tab, bid)
+    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    acc = tl.zeros([BLOCK], ACC)
+    ar = tl.arange(0, BLOCK)
+    nfull = n - n % BLOCK
+    for i in range(0, nfull, BLOCK):
+        acc += tl.load(ptr + i + ar).to(ACC)
+    offs = nfull + ar
+    acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(ACC)
+    tl.store(part + bid, tl.sum(acc, 0))
+
+
+@triton.jit(do_not_specialize=["nsegs"])
+def _gc_mean_kernel(part, seg_tab, mean, nsegs, ACC: tl.constexpr, SEG_BLOCK: tl.constexpr,
+                    PART_BLOCK: tl.constexpr):
+    segs = tl.program_id(0) * SEG_BLOCK + tl.arange(0, SEG_BLOCK)
+    smask = segs < nsegs
+    s = segment_reduce(part, seg_tab, segs, smask, ACC, False, PART_BLOCK)
+    length = tl.load(seg_tab + segs.to(tl.int64) * 3 + 2, mask=smask, other=1).to(ACC)
+    tl.store(mean + segs, div_rn(s, length), mask=smask)
+
+
+@triton.jit(do_not_specialize=["b0"])
+def _gc_apply_kernel(ptr_tab, blk_tab, mean, b0, DT: tl.constexpr, C: tl.constexpr,
+                     ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    bid = b0 + tl.program_id(0)
+    t, start, n, seg = block_info(blk_tab, bid)
+    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    mu = tl.load(mean + seg).to(C)
+    ar = tl.arange(0, BLOCK)
+    nfull = n - n % BLOCK
+    for i in range(0, nfull, BLOCK):
+        x = tl.load(ptr + i + ar)
+        tl.store(ptr + i + ar, to_dt(x.to(C) - mu, DT))
+    offs = nfull + ar
+    m = offs < n
+    x = tl.load(ptr + offs, mask=m, other=0.0)
+    tl.store(ptr + offs, to_dt(x.to(C) - mu, DT), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def launch_centralize_(grads: Sequence[Tensor]) -> None:
+    flat, copies = flat_inputs(grads, rowwise=True)
+    plan = get_plan((flat,), rows_of(flat))
+    if plan.nblocks == 0:
+        return
+    dev = flat[0].device
+    acc = acc_of(flat)
+    part = torch.empty(plan.nblocks, dtype=acc, device=dev)
+    mean = torch.empty(plan.nsegs, dtype=acc, device=dev)
+    with device_guard(dev):
+        for g in plan.groups:
+            if g.count:
+                _gc_partial_kernel[(g.count,)](
+                    plan.ptr_tabs[0], plan.blk, part, g.b0, DT=tl_dtype(g.dtypes[0]), ACC=tl_dtype(acc),
+                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+        _gc_mean_kernel[(triton.cdiv(plan.nsegs, Config.SEG_BLOCK),)](
+            part, plan.seg, mean, plan.nsegs, ACC=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK,
+            PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+        for g in plan.groups:
+            if g.count:
+                dt = g.dtypes[0]
+                _gc_apply_kernel[(g.count,)](
+                    plan.ptr_tabs[0], plan.blk, mean, g.b0, DT=tl_dtype(dt),
+                    C=tl.float64 if dt == torch.float64 else tl.float32,
+                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+    copy_back(copies)

@@ -1,0 +1,96 @@
+"""Multi-tensor in-place scale (the clip/unscale write) and clip-by-value, one pass each.
+
+The scale factor is read from device memory by every program; when it is exactly 1 (the clip coefficient
+clamped to 1: nothing to clip) the program returns before touching gradient memory, so "not clipping"
+costs one 4-byte read per program and no host sync. A NaN factor is != 1 and writes NaN, as torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .multi_tensor import to_dt, Config, block_info, block_ptr, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit(do_not_specialize=["b0"])
+def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0,
+                  DT: tl.constexpr, C: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    f = tl.load(factor_ptr).to(C)
+    if f != 1.0:
+        bid = b0 + tl.program_id(0)
+        t, start, n, seg = block_info(blk_tab, bid)
+        ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+        ar = tl.arange(0, BLOCK)
+        nfull = n - n % BLOCK
+        for i in range(0, nfull, BLOCK):
+            x = tl.load(ptr + i + ar)
+            tl.store(ptr + i + ar, to_dt(x.to(C) * f, DT))
+        offs = nfull + ar
+        m = offs < n
+        x = tl.load(ptr + offs, mask=m, other=0.0)
+        tl.store(ptr + offs, to_dt(x.to(C) * f, DT), mask=m)
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    # comparisons are false for NaN, so NaN passes through unchanged
+    return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+
+
+@triton.jit(do_not_specialize=["b0"])
+def _clip_value_kernel(ptr_tab, blk_tab, clip_value: tl.float64, b0,
+                       DT: tl.constexpr, C: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    bid = b0 + tl.program_id(0)
+    t, start, n, seg = block_info(blk_tab, bid)
+    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    # (tl.full, not tl.cast: the interpreter would round a Python float through fp32)
+    # torch clamps in the op-math type with the bound rounded to it, then rounds to the tensor's dtype
+    hi = tl.full([], clip_value, C)
+    lo = -hi
+    ar = tl.arange(0, BLOCK)
+    nfull = n - n % BLOCK
+    for i in range(0, nfull, BLOCK):
+        x = tl.load(ptr + i + ar)
+        tl.store(ptr + i + ar, to_dt(_clamp(x.to(C), lo, hi), DT))
+    offs = nfull + ar
+    m = offs < n
+    x = tl.load(ptr + offs, mask=m, other=0.0)
+    tl.store(ptr + offs, to_dt(_clamp(x.to(C), lo, hi), DT), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
+    flat, copies = flat_inputs(tensors)
+    plan = get_plan((flat,))
+    f64 = factor.dtype == torch.float64
+    with device_guard(flat[0].device):
+        for g in plan.groups:
+            if g.count == 0:
+                continue
+            dt = g.dtypes[0]
+            _scale_kernel[(g.count,)](
+                plan.ptr_tabs[0], plan.blk, factor, g.b0,
+                DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32,
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+    copy_back(copies)
+
+
+def launch_clip_value_(tensors: Sequence[Tensor], clip_value: float) -> None:
+    flat, copies = flat_inputs(tensors)
+    plan = get_plan((flat,))
+    with device_guard(flat[0].device):
+        for g in plan.groups:
+            if g.count == 0:
+                continue
+            dt = g.dtypes[0]
+            _clip_value_kernel[(g.count,)](
+                plan.ptr_tabs[0], plan.blk, float(clip_value), g.b0,
+                DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32,
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+    copy_back(copies)

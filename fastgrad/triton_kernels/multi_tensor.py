@@ -1,0 +1,358 @@
+"""Multi-tensor machinery shared by every Triton kernel of fastgrad.
+
+A *plan* describes one list of tensors (or K parallel lists of same-shaped tensors, e.g. AGC's params
+and grads) as work for a 1-D grid:
+
+* a pointer table per list (int64 data pointers, in input order);
+* a block table, one row ``(tensor, start, end, segment)`` per program: each program handles the flat
+  element range ``[start, end)`` (at most ``CHUNK`` elements) of one *segment*. A segment is a whole
+  tensor (norms, clip, stats) or one dim-0 row (AGC, GC); a segment's blocks are consecutive rows;
+* a segment table, one row ``(first block, number of blocks, length)`` per segment, in input order, which
+  the finalize kernels use to reduce the per-block partials of a segment in a fixed order.
+
+Blocks are ordered by dtype group (the tuple of the K dtypes), so each group is one contiguous range of
+the grid and is launched once with its dtypes as compile-time constants: a pass over a list is one launch
+per dtype present (usually one), whatever the list's length. Plans are built once on the host with
+vectorised torch ops, copied to the device in one transfer and cached by the lists' (data_ptr, numel,
+dtype) tuples, so a training loop that reuses its gradient buffers pays for the tables once.
+Offsets are int64 throughout; kernels never recompile for a new list (counts are not specialised).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+INF = tl.constexpr(float("inf"))
+# The interpreter rounds fp32 -> bf16 by truncation; hardware rounds to nearest even. Under the
+# interpreter the kernels round by hand so CPU runs give the bits a GPU gives.
+_EMULATE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+_TL_DTYPE = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+
+
+class Config:
+    """Tile sizes. ``BLOCK`` elements per loop iteration (a compile-time constant), ``CHUNK`` elements per
+    program at most (host-side only: it shapes the tables). Tests shrink both to cross boundaries with
+    small tensors; environment overrides: FASTGRAD_TRITON_BLOCK, FASTGRAD_TRITON_CHUNK."""
+
+    BLOCK = int(os.environ.get("FASTGRAD_TRITON_BLOCK", "2048"))
+    CHUNK = int(os.environ.get("FASTGRAD_TRITON_CHUNK", "32768"))
+    NUM_WARPS = 8
+    #: segments per finalize tile and partials per segment per finalize iteration
+    SEG_BLOCK = 128
+    PART_BLOCK = 16
+    CACHE_SIZE = 256
+
+
+def tl_dtype(dtype: torch.dtype):
+    return _TL_DTYPE[dtype]
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def block_info(blk_tab, bid):
+    """(tensor index, start, length, segment) of block ``bid``; start and length are int64."""
+    row = blk_tab + bid.to(tl.int64) * 4
+    t = tl.load(row)
+    start = tl.load(row + 1)
+    end = tl.load(row + 2)
+    seg = tl.load(row + 3)
+    return t, start, end - start, seg
+
+
+@triton.jit
+def block_ptr(ptr_tab, t, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Typed pointer to element ``start`` of tensor ``t``. ALIGNED is only set after the host checked that
+    every block start of the launch is 16-byte aligned, so the hint lets full tiles use vector loads."""
+    p = tl.load(ptr_tab + t).to(tl.pointer_type(DT)) + start
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def to_dt(x, DT: tl.constexpr):
+    """Round a compute value to the storage dtype DT (round to nearest even)."""
+    if DT == tl.bfloat16 and _EMULATE_BF16:
+        f = x.to(tl.float32)
+        b = f.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(f != f, 0x7FC0, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def sqrt_rn(x):
+    # fp32 sqrt must be correctly rounded to match torch; fp64 sqrt always is.
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def div_rn(a, b):
+    # Triton's fp32 '/' is approximate; fp64 division is IEEE.
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def pow_fp64(a, p):
+    """``a ** p`` for a >= 0 (or NaN) and p > 0, in fp64 so the power stays accurate for fp32 data too
+    (the interpreter has no libdevice, so this is built from exp2/log2)."""
+    a64 = a.to(tl.float64)
+    pos = a64 > 0
+    r = tl.exp2(tl.log2(tl.where(pos, a64, 1.0)) * p)
+    # 0 -> 0, NaN -> NaN (NaN > 0 is false, so keep the input itself), inf -> inf via exp2(inf)
+    return tl.where(pos, r, tl.where(a64 == a64, 0.0, a64))
+
+
+@triton.jit
+def nan_sticky(x):
+    """0 where x is a number, NaN where it is NaN: adding it to an accumulator makes NaN sticky without
+    relying on how max() treats NaN."""
+    return tl.where(x == x, 0.0, x)
+
+
+@triton.jit
+def segment_reduce(part, seg_tab, segs, smask, ACC: tl.constexpr, IS_MAX: tl.constexpr,
+                   PART_BLOCK: tl.constexpr):
+    """Reduce the per-block partials of the segments ``segs`` (a vector) in a fixed order.
+
+    For IS_MAX the partials are >= 0 or NaN, and NaN propagates."""
+    row = seg_tab + segs.to(tl.int64) * 3
+    first = tl.load(row, mask=smask, other=0)
+    nb = tl.load(row + 1, mask=smask, other=0)
+    m = tl.max(nb, 0)
+    acc = tl.zeros([segs.shape[0], PART_BLOCK], ACC)
+    nanacc = tl.zeros([segs.shape[0], PART_BLOCK], ACC)
+    for j in range(0, m, PART_BLOCK):
+        jj = j + tl.arange(0, PART_BLOCK)
+        msk = jj[None, :] < nb[:, None]
+        x = tl.load(part + first[:, None] + jj[None, :], mask=msk, other=0).to(ACC)
+        if IS_MAX:
+            acc = tl.maximum(acc, tl.where(x == x, x, 0.0))
+            nanacc += nan_sticky(x)
+        else:
+            acc += x
+    if IS_MAX:
+        return tl.max(acc, 1) + tl.sum(nanacc, 1)
+    else:
+        return tl.sum(acc, 1)
+
+
+# ---------------------------------------------------------------------------------------------- plans
+class Group:
+    __slots__ = ("dtypes", "b0", "count", "aligned")
+
+    def __init__(self, dtypes, b0, count, aligned):
+        self.dtypes = dtypes
+        self.b0 = b0
+        self.count = count
+        self.aligned = aligned
+
+
+class Plan:
+    """Device tables for one list (or K parallel lists); see the module docstring."""
+
+    __slots__ = ("ptr_tabs", "blk", "seg", "groups", "nblocks", "nsegs", "ntensors", "_keep")
+
+
+def _pad2(x: Tensor) -> Tensor:
+    # Sections start on 16-byte boundaries, so every table view gets the same pointer specialisation.
+    return torch.cat([x, x.new_zeros(1)]) if x.numel() % 2 else x
+
+
+def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk: int,
+           device: torch.device) -> Plan:
+    n = len(lists[0])
+    numel = torch.tensor([t.numel() for t in lists[0]], dtype=torch.int64)
+    r = torch.ones(n, dtype=torch.int64) if rows is None else torch.tensor(rows, dtype=torch.int64)
+    seg_len_t = torch.where(r > 0, numel // r.clamp(min=1), torch.zeros_like(numel))
+
+    # dtype groups, in order of first appearance
+    gkeys = [tuple(lst[i].dtype for lst in lists) for i in range(n)]
+    gid_of: dict = {}
+    gid = torch.tensor([gid_of.setdefault(k, len(gid_of)) for k in gkeys], dtype=torch.int64)
+
+    nsegs = int(r.sum())
+    seg_tensor = torch.repeat_interleave(torch.arange(n), r)
+    seg_len = seg_len_t[seg_tensor]
+    first_seg = torch.cumsum(r, 0) - r
+    seg_base = (torch.arange(nsegs) - first_seg[seg_tensor]) * seg_len
+    seg_nb = (seg_len + chunk - 1) // chunk
+
+    seg_order = torch.sort(gid[seg_tensor], stable=True).indices
+    nb_ord = seg_nb[seg_order]
+    nblocks = int(nb_ord.sum())
+    seg_first = torch.zeros(nsegs, dtype=torch.int64)
+    seg_first[seg_order] = torch.cumsum(nb_ord, 0) - nb_ord
+    block_seg = torch.repeat_interleave(seg_order, nb_ord)
+    k = torch.arange(nblocks) - seg_first[block_seg]
+    b_start = seg_base[block_seg] + k * chunk
+    b_end = torch.minimum(b_start + chunk, seg_base[block_seg] + seg_len[block_seg])
+    b_tensor = seg_tensor[block_seg]
+
+    blk = torch.stack([b_tensor, b_start, b_end, block_seg], 1).reshape(-1)
+    seg = torch.stack([seg_first, seg_nb, seg_len], 1).reshape(-1)
+    ptrs = [torch.tensor([t.data_ptr() for t in lst], dtype=torch.int64) for lst in lists]
+
+    # per-group block ranges and alignment (checked here, hinted in the kernels)
+    counts = torch.bincount(gid[b_tensor], minlength=len(gid_of)).tolist() if nblocks else [0] * len(gid_of)
+    groups = []
+    b0 = 0
+    rows_l = [1] * n if rows is None else list(rows)
+    lens = seg_len_t.tolist()
+    for key, g in gid_of.items():
+        aligned = True
+        for lst, dt in zip(lists, key):
+            es = torch.empty((), dtype=dt).element_size()
+            if (chunk * es) % 16:
+                aligned = False
+            for i in range(n):
+                if gkeys[i] != key:
+                    continue
+                if lst[i].data_ptr() % 16 or (rows_l[i] > 1 and (lens[i] * es) % 16):
+                    aligned = False
+                    break
+        groups.append(Group(key, b0, counts[g], aligned))
+        b0 += counts[g]
+
+    sections = [_pad2(p) for p in ptrs] + [_pad2(blk), _pad2(seg)]
+    host = torch.cat(sections)
+    if device.type == "cuda":
+        host = host.pin_memory()
+        buf = host.to(device, non_blocking=True)
+    else:
+        buf = host.to(device)
+    views = []
+    off = 0
+    for s in sections:
+        views.append(buf[off:off + s.numel()])
+        off += s.numel()
+    plan = Plan()
+    plan.ptr_tabs = views[:len(lists)]
+    plan.blk = views[len(lists)]
+    plan.seg = views[len(lists) + 1]
+    plan.groups = groups
+    plan.nblocks = nblocks
+    plan.nsegs = nsegs
+    plan.ntensors = n
+    plan._keep = host  # the pinned source must outlive the asynchronous copy
+    return plan
+
+
+_CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
+_stats = {"hits": 0, "builds": 0}
+
+
+def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = None) -> Plan:
+    """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors)."""
+    chunk = Config.CHUNK
+    device = lists[0][0].device
+    key = (device, chunk, None if rows is None else tuple(rows),
+           tuple(t.numel() for t in lists[0]),
+           *(tuple(t.data_ptr() for t in lst) for lst in lists),
+           *(tuple(t.dtype for t in lst) for lst in lists))
+    plan = _CACHE.get(key)
+    if plan is not None:
+        _CACHE.move_to_end(key)
+        _stats["hits"] += 1
+        return plan
+    plan = _build(lists, rows, chunk, device)
+    _stats["builds"] += 1
+    _CACHE[key] = plan
+    if len(_CACHE) > Config.CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return plan
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def cache_stats() -> dict:
+    return dict(_stats, size=len(_CACHE))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _dense(t: Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill [data_ptr, data_ptr + numel * itemsize) exactly."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
+                               key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def flat_inputs(tensors: Sequence[Tensor], rowwise: bool = False) -> tuple[list[Tensor], list]:
+    """Tensors the kernels can address as one flat buffer (``rowwise``: row-major with dim-0 rows), and
+    the (original, contiguous copy) pairs an in-place op must copy back."""
+    out = list(tensors)
+    copies = []
+    for i, t in enumerate(out):
+        if t.is_contiguous() or (not rowwise and _dense(t)):
+            continue
+        c = t.contiguous()
+        out[i] = c
+        copies.append((t, c))
+    return out, copies
+
+
+def copy_back(copies) -> None:
+    for t, c in copies:
+        t.copy_(c)
+
+
+def rows_of(tensors: Sequence[Tensor]) -> list[int]:
+    """Units of AGC/GC: dim-0 slices for ndim > 1, the whole tensor otherwise."""
+    return [t.shape[0] if t.dim() > 1 else 1 for t in tensors]
+
+
+def acc_of(tensors: Sequence[Tensor]) -> torch.dtype:
+    for t in tensors:
+        if t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+class device_guard:
+    """Launch on the tensors' GPU even when another one is current (no-op on CPU)."""
+
+    __slots__ = ("dev", "prev")
+
+    def __init__(self, device: torch.device):
+        self.dev = device
+        self.prev = None
+
+    def __enter__(self):
+        if self.dev.type == "cuda" and self.dev.index is not None:
+            cur = torch.cuda.current_device()
+            if cur != self.dev.index:
+                self.prev = cur
+                torch.cuda.set_device(self.dev.index)
+        return self
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+        return False

@@ -1,0 +1,166 @@
+"""Multi-tensor p-norms: per-block partials, then one deterministic finalize program.
+
+Pass 1 (one launch per dtype group): each program reduces its block to one partial in the accumulation
+dtype: sum x^2 (p=2), sum |x| (p=1), max |x| with NaN propagating (p=inf) or sum |x|^p (any p > 0), and,
+for the AMP path, a "non-finite seen" flag of the stored values from the same read.
+Pass 2 (one program): reduces each tensor's partials in a fixed order (per-tensor norms), the per-tensor
+sums into the total, and the flags into found_inf. No atomics, so results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .multi_tensor import (to_dt, INF, Config, acc_of, block_info, block_ptr, device_guard, get_plan,
+                           nan_sticky, pow_fp64, segment_reduce, sqrt_rn, tl_dtype, flat_inputs)
+
+MODE_L2, MODE_L1, MODE_INF, MODE_P = 0, 1, 2, 3
+
+
+def mode_of(norm_type: float) -> int:
+    if norm_type == 2.0:
+        return MODE_L2
+    if norm_type == 1.0:
+        return MODE_L1
+    if norm_type == float("inf"):
+        return MODE_INF
+    return MODE_P
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _norm_step(x, acc, nanacc, bad, scale, p, C: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+               MODE: tl.constexpr, HAS_SCALE: tl.constexpr, FLAG: tl.constexpr):
+    xf = x.to(C)
+    if FLAG:
+        bad = tl.maximum(bad, tl.where(tl.abs(xf) < INF, 0, 1))
+    if HAS_SCALE:
+        # the value unscale_ would store, rounded to the gradient's dtype
+        xf = to_dt(xf * scale, DT).to(C)
+    a = tl.abs(xf.to(ACC))
+    if MODE == 0:
+        acc += a * a
+    elif MODE == 1:
+        acc += a
+    elif MODE == 2:
+        acc = tl.maximum(acc, tl.where(a == a, a, 0.0))
+        nanacc += nan_sticky(a)
+    else:
+        acc += pow_fp64(a, p).to(ACC)
+    return acc, nanacc, bad
+
+
+@triton.jit(do_not_specialize=["b0"])
+def _norm_partial_kernel(ptr_tab, blk_tab, part, flags, scale_ptr, p: tl.float64, b0,
+                         DT: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, FLAG: tl.constexpr, ALIGNED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    p = tl.full([], p, tl.float64)  # exact fp64 in the interpreter too
+    bid = b0 + tl.program_id(0)
+    t, start, n, seg = block_info(blk_tab, bid)
+    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(C)
+    acc = tl.zeros([BLOCK], ACC)
+    nanacc = tl.zeros([BLOCK], ACC)
+    bad = tl.zeros([BLOCK], tl.int32)
+    ar = tl.arange(0, BLOCK)
+    nfull = n - n % BLOCK
+    # full tiles without a mask (vectorisable), then one masked tail
+    for i in range(0, nfull, BLOCK):
+        x = tl.load(ptr + i + ar)
+        acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
+    offs = nfull + ar
+    x = tl.load(ptr + offs, mask=offs < n, other=0.0)
+    acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
+    if MODE == 2:
+        r = tl.max(acc, 0) + tl.sum(nanacc, 0)
+    else:
+        r = tl.sum(acc, 0)
+    tl.store(part + bid, r)
+    if FLAG:
+        tl.store(flags + bid, tl.max(bad, 0))
+
+
+@triton.jit
+def _root(s, pinv, MODE: tl.constexpr):
+    if MODE == 0:
+        return sqrt_rn(s)
+    elif MODE == 3:
+        return pow_fp64(s, pinv).to(s.dtype)
+    else:
+        return s
+
+
+@triton.jit(do_not_specialize=["nsegs", "nblocks"])
+def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, pinv: tl.float64, nsegs,
+                          nblocks,
+                          ACC: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
+                          SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+    pinv = tl.full([], pinv, tl.float64)
+    tot = tl.zeros([SEG_BLOCK], ACC)
+    totnan = tl.zeros([SEG_BLOCK], ACC)
+    for s0 in range(0, nsegs, SEG_BLOCK):
+        segs = s0 + tl.arange(0, SEG_BLOCK)
+        smask = segs < nsegs
+        v = segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK)
+        tl.store(per_out + segs, _root(v, pinv, MODE), mask=smask)
+        # the total is reduced from the per-tensor sums (not roots): same value, one rounding fewer
+        if MODE == 2:
+            tot = tl.maximum(tot, tl.where(v == v, v, 0.0))
+            totnan += nan_sticky(v)
+        else:
+            tot += v
+    if MODE == 2:
+        total = tl.max(tot, 0) + tl.sum(totnan, 0)
+    else:
+        total = tl.sum(tot, 0)
+    tl.store(total_out, _root(total, pinv, MODE))
+    if FLAG:
+        anybad = tl.zeros([SEG_BLOCK], tl.int32)
+        for b in range(0, nblocks, SEG_BLOCK):
+            bb = b + tl.arange(0, SEG_BLOCK)
+            anybad = tl.maximum(anybad, tl.load(flags + bb, mask=bb < nblocks, other=0))
+        tl.store(found_out, (tl.max(anybad, 0) > 0).to(tl.float32))
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(total, per-tensor norms, found_inf or None). ``inv_scale``: the AMP pass (norm of the unscaled
+    values and the finiteness flag of the stored ones)."""
+    flat, _ = flat_inputs(tensors)
+    plan = get_plan((flat,))
+    dev = flat[0].device
+    acc = acc_of(flat)
+    mode = mode_of(norm_type)
+    amp = inv_scale is not None
+    nb = max(plan.nblocks, 1)
+    part = torch.empty(nb, dtype=acc, device=dev)
+    flags = torch.empty(nb, dtype=torch.int32, device=dev) if amp else part
+    total = torch.empty((), dtype=acc, device=dev)
+    per = torch.empty(plan.ntensors, dtype=acc, device=dev)
+    found = torch.empty((), dtype=torch.float32, device=dev) if amp else total
+    p = float(norm_type) if mode == MODE_P else 1.0
+    tl_acc = tl_dtype(acc)
+    with device_guard(dev):
+        for g in plan.groups:
+            if g.count == 0:
+                continue
+            dt = g.dtypes[0]
+            _norm_partial_kernel[(g.count,)](
+                plan.ptr_tabs[0], plan.blk, part, flags, inv_scale if amp else part, p, g.b0,
+                DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32, ACC=tl_acc,
+                MODE=mode, HAS_SCALE=amp, FLAG=amp, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
+                num_warps=Config.NUM_WARPS)
+        _norm_finalize_kernel[(1,)](
+            part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
+            ACC=tl_acc, MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
+            num_warps=4)
+    return total, per, (found if amp else None)
