@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _inputs as I
 from .backends import acc_dtype
 
-__all__ = ["GradStats", "grad_stats"]
+__all__ = ["GradStats", "grad_stats", "tensor_stats"]
 
 
 @dataclass
@@ -88,18 +88,29 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
                          no_grad)
     names = [n for n, _ in with_grad]
     grads = [g for _, g in with_grad]
-    I.check_tensors(grads, allow_fallback=False)
-    first = grads[0].device
-    dtype = acc_dtype(grads)
+    cols = tensor_stats(grads, backend=backend)
+    return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
+                     cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"], cols["total_norm"],
+                     no_grad)
+
+
+def tensor_stats(tensors: list[Tensor], *, backend: str | None = None) -> dict[str, Tensor]:
+    """The statistics of ``grad_stats`` over any non-empty list of dense real floating tensors (e.g. the
+    parameters themselves, for ``find_nonfinite``): a dict of 1-D tensors ``norm``, ``max_abs``, ``nan``,
+    ``inf``, ``zero``, ``numel`` in input order and the 0-dim ``total_norm``, on the first tensor's device,
+    with no host sync."""
+    I.check_tensors(tensors, allow_fallback=False)
+    first = tensors[0].device
+    dtype = acc_dtype(tensors)
     parts: dict[str, list[Tensor]] = {}
-    groups = I.group_by_device(grads)
+    groups = I.group_by_device(tensors)
     for idx in groups.values():
-        group = [grads[i] for i in idx]
+        group = [tensors[i] for i in idx]
         out = I.pick("grad_stats", group, backend).grad_stats(group)
         for k, v in out.items():
             parts.setdefault(k, []).append(v.to(first, dtype if v.is_floating_point() else torch.int64))
     cols = {k: I.restore_order(torch.cat(v), groups) for k, v in parts.items()}
-    numel = torch.tensor([g.numel() for g in grads], dtype=torch.int64).to(first, non_blocking=True)
-    total = torch.linalg.vector_norm(cols["norm"])
-    return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
-                     cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], numel, total, no_grad)
+    # numel is known on the host; the copy is asynchronous, so it costs no sync.
+    cols["numel"] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64).to(first, non_blocking=True)
+    cols["total_norm"] = torch.linalg.vector_norm(cols["norm"])
+    return cols
