@@ -1,0 +1,393 @@
+// CPU implementations of the fastgrad ops (schemas in csrc/ops.cpp).
+#include "kernels.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+namespace fastgrad {
+namespace cpu {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+
+inline const char* at_elem(const Flat& f, int64_t i) {
+  return static_cast<const char*>(f.ptr) + i * static_cast<int64_t>(c10::elementSize(f.st));
+}
+inline char* at_elem_mut(const Flat& f, int64_t i) {
+  return static_cast<char*>(f.ptr) + i * static_cast<int64_t>(c10::elementSize(f.st));
+}
+
+// Combines two partials of the same reduction; for Inf the max keeps NaN.
+inline double combine(Mode m, double a, double b) {
+  if (m != Mode::Inf) return a + b;
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::quiet_NaN();
+  return a > b ? a : b;
+}
+
+// Norm from its partial: sum of |x|^p -> p-th root.
+inline double finalize(Mode m, double s, double p) {
+  switch (m) {
+    case Mode::L2:
+      return std::sqrt(s);
+    case Mode::P:
+      return std::pow(s, 1.0 / p);
+    default:
+      return s;  // L1, Inf, Sum
+  }
+}
+
+void check_cpu(TensorList ts, const char* op) {
+  for (const auto& t : ts)
+    TORCH_CHECK(t.device().is_cpu(), "fastgrad::", op, " (CPU kernel): all tensors must be on the CPU, got ",
+                t.device());
+}
+
+int64_t total_numel(const std::vector<Flat>& fl) {
+  int64_t n = 0;
+  for (const auto& f : fl) n += f.n;
+  return n;
+}
+
+std::vector<Flat> flats(TensorList ts, bool writeback) {
+  std::vector<Flat> fl;
+  fl.reserve(ts.size());
+  for (const auto& t : ts) fl.push_back(flat(t, writeback));
+  return fl;
+}
+
+Tensor make_1d(const std::vector<double>& v, bool acc64) {
+  Tensor out = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat));
+  if (acc64) {
+    double* o = out.data_ptr<double>();
+    for (size_t i = 0; i < v.size(); ++i) o[i] = v[i];
+  } else {
+    float* o = out.data_ptr<float>();
+    for (size_t i = 0; i < v.size(); ++i) o[i] = static_cast<float>(v[i]);
+  }
+  return out;
+}
+
+Tensor make_0d(double v, at::ScalarType st) {
+  Tensor out = at::empty({}, at::TensorOptions().dtype(st));
+  if (st == at::kDouble)
+    *out.data_ptr<double>() = v;
+  else
+    *out.data_ptr<float>() = static_cast<float>(v);
+  return out;
+}
+
+// Per-tensor partials of a read pass -> (total, per-tensor) norms.
+std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::vector<Item>& items,
+                                      const std::vector<double>& part, Mode mode, double p, bool acc64) {
+  const size_t nt = fl.size();
+  std::vector<double> sums(nt, 0.0);
+  for (size_t i = 0; i < items.size(); ++i) sums[items[i].t] = combine(mode, sums[items[i].t], part[i]);
+  std::vector<double> per(nt);
+  double tot = 0.0;
+  for (size_t t = 0; t < nt; ++t) {
+    per[t] = finalize(mode, sums[t], p);
+    tot = combine(mode, tot, sums[t]);
+  }
+  const double total = finalize(mode, tot, p);
+  return {make_0d(total, acc64 ? at::kDouble : at::kFloat), make_1d(per, acc64)};
+}
+
+// ------------------------------------------------------------------------------------------- norm
+std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
+  check_cpu(tensors, "norm");
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  std::vector<double> part(items.size());
+  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
+    const Item& it = items[i];
+    const Flat& f = fl[it.t];
+    part[i] = reduce_range(mode, f.st, acc64, at_elem(f, it.begin), it.len, p);
+  });
+  return norms_from(fl, items, part, mode, p, acc64);
+}
+
+std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_scale, double p) {
+  check_cpu(tensors, "amp_norm");
+  TORCH_CHECK(inv_scale.device().is_cpu() && inv_scale.numel() == 1,
+              "fastgrad::amp_norm: inv_scale must be a one-element CPU tensor");
+  const double inv = inv_scale.item<double>();  // CPU memory: no device sync involved
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  std::vector<double> part(items.size());
+  std::vector<char> bad(items.size(), 0);
+  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
+    const Item& it = items[i];
+    const Flat& f = fl[it.t];
+    bool nf = false;
+    part[i] = amp_range(mode, f.st, acc64, at_elem(f, it.begin), it.len, p, inv, &nf);
+    bad[i] = nf ? 1 : 0;
+  });
+  bool found = false;
+  for (char b : bad) found = found || b;
+  Tensor total = std::get<0>(norms_from(fl, items, part, mode, p, acc64));
+  return {total, make_0d(found ? 1.0 : 0.0, at::kFloat)};
+}
+
+// ------------------------------------------------------------------------------------ elementwise
+void scale_cpu(TensorList tensors, const Tensor& factor) {
+  check_cpu(tensors, "scale_");
+  TORCH_CHECK(factor.device().is_cpu() && factor.numel() == 1,
+              "fastgrad::scale_: factor must be a one-element CPU tensor");
+  const double f = factor.item<double>();
+  // Multiplying by exactly 1 changes nothing: skip the memory entirely (the "not clipping" case).
+  if (f == 1.0) return;
+  const bool f32_is_one = static_cast<float>(f) == 1.0f;
+  std::vector<Flat> fl;
+  fl.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    // float/half/bf16 tensors multiply in float, like torch's mul_ by a 0-dim tensor.
+    if (f32_is_one && t.scalar_type() != at::kDouble) continue;
+    fl.push_back(flat(t, true));
+  }
+  const auto items = split(fl);
+  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
+    const Item& it = items[i];
+    const Flat& fv = fl[it.t];
+    scale_range(fv.st, at_elem_mut(fv, it.begin), it.len, f, false);
+  });
+  for (auto& x : fl) finish(x);
+}
+
+void clip_value_cpu(TensorList tensors, double clip_value) {
+  check_cpu(tensors, "clip_value_");
+  auto fl = flats(tensors, true);
+  const auto items = split(fl);
+  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
+    const Item& it = items[i];
+    const Flat& fv = fl[it.t];
+    clamp_range(fv.st, at_elem_mut(fv, it.begin), it.len, clip_value);
+  });
+  for (auto& x : fl) finish(x);
+}
+
+// --------------------------------------------------------------------------------- per-row ops
+// Units are dim-0 slices ("rows") of length L. Short rows are grouped into one work item up to
+// kChunk elements; long rows are cut into kChunk pieces whose partials are combined in order.
+struct RowItem {
+  int64_t t;      // tensor
+  int64_t row0;   // first row (tensor-local)
+  int64_t nrows;  // whole rows in this item, or 1 for a piece
+  int64_t off;    // element offset inside the row (pieces only)
+  int64_t len;    // elements per row (whole rows) or piece length
+  bool piece;
+};
+
+struct RowPlan {
+  std::vector<int64_t> L, rows, base;  // per tensor: row length, row count, index of its first row
+  std::vector<RowItem> items;
+  int64_t total_rows = 0;
+  int64_t total_elems = 0;
+};
+
+RowPlan plan_rows(const std::vector<int64_t>& numel, const std::vector<int64_t>& rows) {
+  RowPlan pl;
+  const size_t nt = numel.size();
+  pl.L.resize(nt);
+  pl.rows = rows;
+  pl.base.resize(nt);
+  for (size_t t = 0; t < nt; ++t) {
+    const int64_t r = rows[t];
+    const int64_t L = r > 0 ? numel[t] / r : 0;
+    pl.L[t] = L;
+    pl.base[t] = pl.total_rows;
+    pl.total_rows += r;
+    pl.total_elems += numel[t];
+    if (L == 0) continue;
+    if (L <= kChunk) {
+      const int64_t g = kChunk / L;
+      for (int64_t r0 = 0; r0 < r; r0 += g)
+        pl.items.push_back({static_cast<int64_t>(t), r0, std::min(g, r - r0), 0, L, false});
+    } else {
+      for (int64_t r0 = 0; r0 < r; ++r0)
+        for (int64_t b = 0; b < L; b += kChunk)
+          pl.items.push_back({static_cast<int64_t>(t), r0, 1, b, std::min(kChunk, L - b), true});
+    }
+  }
+  return pl;
+}
+
+// Row reductions of `fl` (one flat per tensor, rows are consecutive runs) into one value per row.
+std::vector<double> row_reduce(const RowPlan& pl, const std::vector<Flat>& fl, Mode mode, double p,
+                               const std::vector<char>& acc64) {
+  std::vector<double> out(static_cast<size_t>(pl.total_rows), 0.0);
+  std::vector<double> part(pl.items.size(), 0.0);
+  for_items(static_cast<int64_t>(pl.items.size()), pl.total_elems, [&](int64_t i) {
+    const RowItem& it = pl.items[i];
+    const Flat& f = fl[it.t];
+    const int64_t L = pl.L[it.t];
+    if (it.piece) {
+      part[i] = reduce_range(mode, f.st, acc64[it.t], at_elem(f, it.row0 * L + it.off), it.len, p);
+    } else {
+      for (int64_t r = it.row0; r < it.row0 + it.nrows; ++r)
+        out[pl.base[it.t] + r] = reduce_range(mode, f.st, acc64[it.t], at_elem(f, r * L), L, p);
+    }
+  });
+  for (size_t i = 0; i < pl.items.size(); ++i) {
+    const RowItem& it = pl.items[i];
+    if (!it.piece) continue;
+    double& o = out[pl.base[it.t] + it.row0];
+    o = it.off == 0 ? part[i] : combine(mode, o, part[i]);
+  }
+  return out;
+}
+
+// Applies fn(flat, row, ptr, n) to every row (or piece of a row) for which want[row] is set.
+template <typename F>
+void row_apply(const RowPlan& pl, const std::vector<Flat>& fl, const std::vector<char>& want, const F& fn) {
+  for_items(static_cast<int64_t>(pl.items.size()), pl.total_elems, [&](int64_t i) {
+    const RowItem& it = pl.items[i];
+    const Flat& f = fl[it.t];
+    const int64_t L = pl.L[it.t];
+    for (int64_t r = it.row0; r < it.row0 + it.nrows; ++r) {
+      const int64_t g = pl.base[it.t] + r;
+      if (!want[g]) continue;
+      if (it.piece)
+        fn(f, g, at_elem_mut(f, r * L + it.off), it.len);
+      else
+        fn(f, g, at_elem_mut(f, r * L), L);
+    }
+  });
+}
+
+void agc_cpu(TensorList params, TensorList grads, double clip_factor, double eps, double p) {
+  check_cpu(params, "agc_");
+  check_cpu(grads, "agc_");
+  TORCH_CHECK(params.size() == grads.size(), "fastgrad::agc_: params and grads differ in length");
+  const size_t nt = grads.size();
+  std::vector<Flat> fw, fg;
+  std::vector<int64_t> numel(nt), rows(nt);
+  std::vector<char> acc64(nt);
+  for (size_t t = 0; t < nt; ++t) {
+    TORCH_CHECK(params[t].sizes() == grads[t].sizes(), "fastgrad::agc_: param and grad shapes differ");
+    fw.push_back(flat_rows(params[t], false));
+    fg.push_back(flat_rows(grads[t], true));
+    numel[t] = grads[t].numel();
+    rows[t] = grads[t].dim() <= 1 ? 1 : grads[t].size(0);
+    acc64[t] = params[t].scalar_type() == at::kDouble || grads[t].scalar_type() == at::kDouble;
+  }
+  const Mode mode = mode_for(p);
+  const RowPlan pl = plan_rows(numel, rows);
+  const auto ws = row_reduce(pl, fw, mode, p, acc64);
+  const auto gs = row_reduce(pl, fg, mode, p, acc64);
+  std::vector<double> ratio(static_cast<size_t>(pl.total_rows), 1.0);
+  std::vector<char> want(static_cast<size_t>(pl.total_rows), 0);
+  bool any = false;
+  for (size_t t = 0; t < nt; ++t) {
+    for (int64_t r = 0; r < pl.rows[t]; ++r) {
+      const int64_t g = pl.base[t] + r;
+      // Whole formula in double and one rounding at the final multiply: never less accurate than
+      // timm's fp32 chain (norms, clamp, ratio and product each rounded), element by element.
+      const double wn = finalize(mode, ws[g], p);
+      const double gn = finalize(mode, gs[g], p);
+      const double max_norm = (std::isnan(wn) ? wn : (wn < eps ? eps : wn)) * clip_factor;
+      if (gn < max_norm) continue;  // kept; NaN norms fall through and clip (to NaN), as in timm
+      const double den = std::isnan(gn) ? gn : (gn < 1e-6 ? 1e-6 : gn);
+      ratio[g] = max_norm / den;
+      want[g] = 1;
+      any = true;
+    }
+  }
+  if (any) {
+    row_apply(pl, fg, want, [&](const Flat& f, int64_t g, char* ptr, int64_t n) {
+      scale_range(f.st, ptr, n, ratio[g], true);
+    });
+  }
+  for (auto& x : fg) finish(x);
+}
+
+void centralize_cpu(TensorList grads) {
+  check_cpu(grads, "centralize_");
+  const size_t nt = grads.size();
+  std::vector<Flat> fg;
+  std::vector<int64_t> numel(nt), rows(nt);
+  std::vector<char> acc64(nt);
+  for (size_t t = 0; t < nt; ++t) {
+    fg.push_back(flat_rows(grads[t], true));
+    numel[t] = grads[t].numel();
+    // 1-D (and 0-D) gradients are not centralised: no rows.
+    rows[t] = grads[t].dim() <= 1 ? 0 : grads[t].size(0);
+    if (rows[t] == 0) numel[t] = 0;
+    // The row sum cancels (a mean is small next to the elements), so it is accumulated in double.
+    acc64[t] = 1;
+  }
+  const RowPlan pl = plan_rows(numel, rows);
+  const auto sums = row_reduce(pl, fg, Mode::Sum, 1.0, acc64);
+  std::vector<double> mean(sums.size());
+  std::vector<char> want(sums.size(), 1);
+  for (size_t t = 0; t < nt; ++t)
+    for (int64_t r = 0; r < pl.rows[t]; ++r) {
+      const int64_t g = pl.base[t] + r;
+      const double m = sums[g] / static_cast<double>(pl.L[t]);
+      mean[g] = m;  // kept in double: x - mean is rounded once (more accurate than torch's fp32 mean)
+    }
+  row_apply(pl, fg, want, [&](const Flat& f, int64_t g, char* ptr, int64_t n) { sub_range(f.st, ptr, n, mean[g]); });
+  for (auto& x : fg) finish(x);
+}
+
+// ------------------------------------------------------------------------------------- grad_stats
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList tensors) {
+  check_cpu(tensors, "grad_stats");
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const auto items = split(fl);
+  std::vector<Stats> part(items.size());
+  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
+    const Item& it = items[i];
+    const Flat& f = fl[it.t];
+    part[i] = stats_range(f.st, acc64, at_elem(f, it.begin), it.len);
+  });
+  const size_t nt = fl.size();
+  std::vector<Stats> s(nt);
+  for (size_t i = 0; i < items.size(); ++i) {
+    Stats& o = s[items[i].t];
+    const Stats& q = part[i];
+    o.sumsq += q.sumsq;
+    o.maxabs = combine(Mode::Inf, o.maxabs, q.maxabs);
+    o.nan += q.nan;
+    o.inf += q.inf;
+    o.zero += q.zero;
+  }
+  std::vector<double> norm(nt), mx(nt);
+  Tensor nan = at::empty({static_cast<int64_t>(nt)}, at::TensorOptions().dtype(at::kLong));
+  Tensor inf = at::empty_like(nan), zero = at::empty_like(nan);
+  for (size_t t = 0; t < nt; ++t) {
+    norm[t] = std::sqrt(s[t].sumsq);
+    mx[t] = s[t].maxabs;
+    nan.data_ptr<int64_t>()[t] = s[t].nan;
+    inf.data_ptr<int64_t>()[t] = s[t].inf;
+    zero.data_ptr<int64_t>()[t] = s[t].zero;
+  }
+  return {make_1d(norm, acc64), make_1d(mx, acc64), nan, inf, zero};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastgrad, CPU, m) {
+  m.impl("norm", &norm_cpu);
+  m.impl("amp_norm", &amp_norm_cpu);
+  m.impl("scale_", &scale_cpu);
+  m.impl("clip_value_", &clip_value_cpu);
+  m.impl("agc_", &agc_cpu);
+  m.impl("centralize_", &centralize_cpu);
+  m.impl("grad_stats", &grad_stats_cpu);
+}
+
+}  // namespace cpu
+}  // namespace fastgrad

@@ -1,0 +1,254 @@
+// Read-only range kernels: norms, the AMP read pass and gradient statistics.
+//
+// Accuracy: a long sequential fp32 sum loses digits, so each run is reduced in blocks of 256 elements
+// spread over 16 lanes (the compiler turns the lane loops into SIMD), the lanes are folded pairwise and
+// each block total is added in double. Results are identical on every x86/ARM CPU because the lane
+// count is fixed here, not taken from the vector width.
+#include "kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace fastgrad {
+namespace cpu {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlock = 256;
+
+template <typename T>
+using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename A, typename T>
+inline A to_acc(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return static_cast<A>(x);
+  } else {
+    return static_cast<A>(static_cast<float>(x));
+  }
+}
+
+template <typename A>
+inline double fold(A* acc) {
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return static_cast<double>(acc[0]);
+}
+
+template <Mode M, typename A>
+inline A term(A v, A p) {
+  if constexpr (M == Mode::Sum) {
+    return v;
+  } else if constexpr (M == Mode::L1) {
+    return std::abs(v);
+  } else if constexpr (M == Mode::L2) {
+    return v * v;
+  } else {
+    return std::pow(std::abs(v), p);
+  }
+}
+
+// Max |v| over lanes with NaN propagation kept in a separate flag so the max loop stays branch-free.
+template <typename A>
+struct MaxLanes {
+  A mx[kLanes] = {};
+  int nan[kLanes] = {};
+  inline void add(int l, A v) {
+    A a = std::abs(v);
+    mx[l] = a > mx[l] ? a : mx[l];
+    nan[l] |= (a != a);
+  }
+  inline double result() const {
+    A m = 0;
+    int any_nan = 0;
+    for (int l = 0; l < kLanes; ++l) {
+      m = mx[l] > m ? mx[l] : m;
+      any_nan |= nan[l];
+    }
+    return any_nan ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(m);
+  }
+};
+
+// Generic read pass: `load(i)` gives element i as A. Sum-like modes use blocks; Inf uses MaxLanes.
+template <Mode M, typename A, typename Load>
+inline double reduce_loop(int64_t n, A p, const Load& load) {
+  if constexpr (M == Mode::Inf) {
+    MaxLanes<A> ml;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) ml.add(l, load(i + l));
+    for (int l = 0; i < n; ++i, ++l) ml.add(l, load(i));
+    return ml.result();
+  } else {
+    double total = 0.0;
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+      A acc[kLanes] = {};
+      for (int j = 0; j < kBlock; j += kLanes)
+        for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(load(i + j + l), p);
+      total += fold(acc);
+    }
+    if (i < n) {
+      A acc[kLanes] = {};
+      for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, A>(load(i + k), p);
+      total += fold(acc);
+    }
+    return total;
+  }
+}
+
+template <Mode M, typename T, typename A>
+double reduce_impl(const void* ptr, int64_t n, double p) {
+  const T* x = static_cast<const T*>(ptr);
+  return reduce_loop<M, A>(n, static_cast<A>(p), [x](int64_t i) { return to_acc<A>(x[i]); });
+}
+
+template <Mode M, typename T, typename A>
+double amp_impl(const void* ptr, int64_t n, double p, double inv_d, bool* nonfinite) {
+  using O = opmath_t<T>;
+  const T* x = static_cast<const T*>(ptr);
+  const O inv = static_cast<O>(static_cast<float>(inv_d));  // inv_scale is a float32 tensor
+  // x - x is 0 for finite x and NaN for NaN/inf; summing it detects both without branches.
+  O fin[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      O v = to_acc<O>(x[i + l]);
+      fin[l] += v - v;
+    }
+  for (int l = 0; i < n; ++i, ++l) {
+    O v = to_acc<O>(x[i]);
+    fin[l] += v - v;
+  }
+  O f = 0;
+  for (int l = 0; l < kLanes; ++l) f += fin[l];
+  if (f != 0 || f != f) *nonfinite = true;
+  // The norm of the values unscale_ would have stored (rounded to T), as unscale_ + clip would see them.
+  return reduce_loop<M, A>(n, static_cast<A>(p), [x, inv](int64_t k) {
+    O u = to_acc<O>(x[k]) * inv;
+    if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
+      u = static_cast<float>(static_cast<T>(u));
+    }
+    return static_cast<A>(u);
+  });
+}
+
+template <typename T, typename A>
+Stats stats_impl(const void* ptr, int64_t n) {
+  const T* x = static_cast<const T*>(ptr);
+  Stats s;
+  MaxLanes<A> ml;
+  const A kInf = std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  while (i < n) {
+    const int64_t m = std::min<int64_t>(kBlock, n - i);
+    A acc[kLanes] = {};
+    int cnan[kLanes] = {}, cinf[kLanes] = {}, czero[kLanes] = {};
+    if (m == kBlock) {
+      for (int j = 0; j < kBlock; j += kLanes)
+        for (int l = 0; l < kLanes; ++l) {
+          A v = to_acc<A>(x[i + j + l]);
+          A a = std::abs(v);
+          acc[l] += v * v;
+          ml.mx[l] = a > ml.mx[l] ? a : ml.mx[l];
+          cnan[l] += (a != a);
+          cinf[l] += (a == kInf);
+          czero[l] += (v == 0);
+        }
+    } else {
+      for (int64_t k = 0; k < m; ++k) {
+        const int l = static_cast<int>(k % kLanes);
+        A v = to_acc<A>(x[i + k]);
+        A a = std::abs(v);
+        acc[l] += v * v;
+        ml.mx[l] = a > ml.mx[l] ? a : ml.mx[l];
+        cnan[l] += (a != a);
+        cinf[l] += (a == kInf);
+        czero[l] += (v == 0);
+      }
+    }
+    s.sumsq += fold(acc);
+    for (int l = 0; l < kLanes; ++l) {
+      s.nan += cnan[l];
+      s.inf += cinf[l];
+      s.zero += czero[l];
+    }
+    i += m;
+  }
+  s.maxabs = s.nan ? std::numeric_limits<double>::quiet_NaN() : ml.result();
+  return s;
+}
+
+// Calls f(T{}, A{}) for the element type of st and the accumulation type.
+template <typename F>
+auto dispatch(c10::ScalarType st, bool acc64, const F& f) {
+  switch (st) {
+    case c10::ScalarType::Double:
+      return f(double{}, double{});
+    case c10::ScalarType::Float:
+      return acc64 ? f(float{}, double{}) : f(float{}, float{});
+    case c10::ScalarType::Half:
+      return acc64 ? f(c10::Half{}, double{}) : f(c10::Half{}, float{});
+    case c10::ScalarType::BFloat16:
+      return acc64 ? f(c10::BFloat16{}, double{}) : f(c10::BFloat16{}, float{});
+    default:
+      TORCH_CHECK(false, "fastgrad: unsupported dtype ", st);
+  }
+}
+
+template <typename F>
+auto dispatch_mode(Mode m, const F& f) {
+  switch (m) {
+    case Mode::Sum:
+      return f(std::integral_constant<Mode, Mode::Sum>{});
+    case Mode::L1:
+      return f(std::integral_constant<Mode, Mode::L1>{});
+    case Mode::L2:
+      return f(std::integral_constant<Mode, Mode::L2>{});
+    case Mode::Inf:
+      return f(std::integral_constant<Mode, Mode::Inf>{});
+    default:
+      return f(std::integral_constant<Mode, Mode::P>{});
+  }
+}
+
+}  // namespace
+
+Mode mode_for(double p) {
+  if (std::isinf(p)) return Mode::Inf;
+  if (p == 2.0) return Mode::L2;
+  if (p == 1.0) return Mode::L1;
+  return Mode::P;
+}
+
+double reduce_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p) {
+  if (n == 0) return 0.0;
+  return dispatch_mode(mode, [&](auto mc) {
+    return dispatch(st, acc64, [&](auto t, auto a) {
+      return reduce_impl<decltype(mc)::value, decltype(t), decltype(a)>(ptr, n, p);
+    });
+  });
+}
+
+double amp_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p,
+                 double inv, bool* nonfinite) {
+  if (n == 0) return 0.0;
+  return dispatch_mode(mode, [&](auto mc) {
+    return dispatch(st, acc64, [&](auto t, auto a) {
+      return amp_impl<decltype(mc)::value, decltype(t), decltype(a)>(ptr, n, p, inv, nonfinite);
+    });
+  });
+}
+
+Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n) {
+  if (n == 0) return Stats{};
+  return dispatch(st, acc64, [&](auto t, auto a) { return stats_impl<decltype(t), decltype(a)>(ptr, n); });
+}
+
+}  // namespace cpu
+}  // namespace fastgrad

@@ -1,0 +1,40 @@
+// Schemas of the fastgrad ops and the Python module fastgrad._C.
+//
+// Importing fastgrad._C runs the static registrations below (and the CPU/CUDA kernels' own
+// TORCH_LIBRARY_IMPL blocks); the module itself only exposes what was compiled in. Fake (meta)
+// implementations live in fastgrad/_ext.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifndef FASTGRAD_WITH_CUDA
+#define FASTGRAD_WITH_CUDA 0
+#endif
+
+TORCH_LIBRARY(fastgrad, m) {
+  // (total, per-tensor) p-norms in the accumulation dtype (float64 if any input is float64, else float32).
+  m.def("norm(Tensor[] tensors, float norm_type) -> (Tensor, Tensor)");
+  // (norm of T(x * inv_scale), found_inf as 0-dim float32 1.0/0.0 over the stored values).
+  m.def("amp_norm(Tensor[] tensors, Tensor inv_scale, float norm_type) -> (Tensor, Tensor)");
+  // x = T(x * factor); no memory touched when factor == 1.
+  m.def("scale_(Tensor(a!)[] tensors, Tensor factor) -> ()");
+  m.def("clip_value_(Tensor(a!)[] tensors, float clip_value) -> ()");
+  m.def("agc_(Tensor[] params, Tensor(a!)[] grads, float clip_factor, float eps, float norm_type) -> ()");
+  m.def("centralize_(Tensor(a!)[] grads) -> ()");
+  // (L2 norm, max |x|, #NaN, #Inf, #zeros) per tensor.
+  m.def("grad_stats(Tensor[] tensors) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+namespace {
+PyModuleDef fastgrad_module = {PyModuleDef_HEAD_INIT, "fastgrad._C",
+                               "Compiled kernels of fastgrad (ops under torch.ops.fastgrad).", -1, nullptr};
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&fastgrad_module);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddIntConstant(m, "has_cpu", 1) < 0 || PyModule_AddIntConstant(m, "has_cuda", FASTGRAD_WITH_CUDA) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,154 @@
+"""Loader of the optional compiled extension ``fastgrad._C`` and the fake (meta) kernels of its ops.
+
+``fastgrad._C`` registers the ops ``torch.ops.fastgrad.*`` (schemas and CPU kernels, plus CUDA kernels
+in CUDA builds) when imported. Nothing here raises when it is missing: :func:`load` returns None and
+:func:`load_error` says why. The fake implementations let the ops run under ``torch.compile`` and
+``torch.library.opcheck``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from types import ModuleType
+
+_lock = threading.Lock()
+_state: dict = {"done": False, "module": None, "error": None}
+
+INFO_FILE = "_build_info.json"
+
+
+def load() -> ModuleType | None:
+    """Import ``fastgrad._C`` once (and register the fakes); None when it is not available."""
+    if _state["done"]:
+        return _state["module"]
+    with _lock:
+        if not _state["done"]:
+            try:
+                mod = importlib.import_module("fastgrad._C")
+                _register_fakes()
+                _state["module"] = mod
+            except Exception as exc:  # noqa: BLE001 - any import/registration failure means "not usable"
+                _state["error"] = _describe(exc)
+            _state["done"] = True
+    return _state["module"]
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "fastgrad._C":
+        return ("fastgrad._C is not built (install with `pip install --no-build-isolation -e .` "
+                "in an environment with torch and a C++ compiler)")
+    return f"fastgrad._C failed to load: {exc.__class__.__name__}: {exc}"
+
+
+def load_error() -> str | None:
+    """Why ``fastgrad._C`` is not usable, or None when it loaded."""
+    load()
+    return _state["error"]
+
+
+def has_cpu_kernels() -> bool:
+    mod = load()
+    return bool(mod is not None and getattr(mod, "has_cpu", 0))
+
+
+def has_cuda_kernels() -> bool:
+    mod = load()
+    return bool(mod is not None and getattr(mod, "has_cuda", 0))
+
+
+def _info_paths() -> list[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = []
+    mod = _state["module"]
+    if mod is not None and getattr(mod, "__file__", None):
+        paths.append(os.path.join(os.path.dirname(os.path.abspath(mod.__file__)), INFO_FILE))
+    paths.append(os.path.join(here, INFO_FILE))
+    return paths
+
+
+def build_info() -> dict:
+    """What was built and how, for ``python -m fastgrad.info``.
+
+    Keys: ``built`` (fastgrad._C importable), ``cpu_kernels``, ``cuda_kernels`` (kernels present in the
+    loaded module), ``torch``/``cuda``/``archs`` (as recorded at build time, None when unknown),
+    ``torch_now`` (the running torch), ``path`` (the module file), ``load_error`` and ``build_error``.
+    """
+    import torch
+
+    mod = load()
+    recorded: dict = {}
+    for path in _info_paths():
+        try:
+            with open(path) as fh:
+                recorded = json.load(fh)
+            break
+        except (OSError, ValueError):
+            continue
+    return {
+        "built": mod is not None,
+        "cpu_kernels": has_cpu_kernels(),
+        "cuda_kernels": has_cuda_kernels(),
+        "torch": recorded.get("torch"),
+        "cuda": recorded.get("cuda"),
+        "archs": recorded.get("archs", []),
+        "cuda_skipped_because": recorded.get("cuda_skipped_because"),
+        "torch_now": torch.__version__,
+        "path": getattr(mod, "__file__", None),
+        "load_error": _state["error"],
+        "build_error": recorded.get("build_error"),
+    }
+
+
+# ------------------------------------------------------------------------------------------- fakes
+def _acc(tensors):
+    import torch
+
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _register_fakes() -> None:
+    import torch
+
+    def fake(name):
+        def deco(fn):
+            torch.library.register_fake(f"fastgrad::{name}")(fn)
+            return fn
+        return deco
+
+    @fake("norm")
+    def _norm(tensors, norm_type):
+        dt, dev = _acc(tensors), tensors[0].device
+        return tensors[0].new_empty((), dtype=dt, device=dev), tensors[0].new_empty((len(tensors),), dtype=dt, device=dev)
+
+    @fake("amp_norm")
+    def _amp_norm(tensors, inv_scale, norm_type):
+        dev = tensors[0].device
+        return (tensors[0].new_empty((), dtype=_acc(tensors), device=dev),
+                tensors[0].new_empty((), dtype=torch.float32, device=dev))
+
+    @fake("scale_")
+    def _scale(tensors, factor):
+        return None
+
+    @fake("clip_value_")
+    def _clip_value(tensors, clip_value):
+        return None
+
+    @fake("agc_")
+    def _agc(params, grads, clip_factor, eps, norm_type):
+        return None
+
+    @fake("centralize_")
+    def _centralize(grads):
+        return None
+
+    @fake("grad_stats")
+    def _grad_stats(tensors):
+        n, dt, dev = len(tensors), _acc(tensors), tensors[0].device
+        t0 = tensors[0]
+        return (t0.new_empty((n,), dtype=dt, device=dev), t0.new_empty((n,), dtype=dt, device=dev),
+                t0.new_empty((n,), dtype=torch.int64, device=dev), t0.new_empty((n,), dtype=torch.int64, device=dev),
+                t0.new_empty((n,), dtype=torch.int64, device=dev))
