@@ -14,6 +14,9 @@ from .backends import BackendError, available_backends, set_backend
 from .centralize import centralize_gradient_
 from .clip import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_, get_total_norm, multi_tensor_norm
 from .stats import GradStats, grad_stats
+from .report import GradientReport, gradient_report
+from .monitor import GradientMonitor
+from .nonfinite import find_nonfinite
 
 __all__ = [
     "clip_grad_norm_",
@@ -26,6 +29,10 @@ __all__ = [
     "centralize_gradient_",
     "grad_stats",
     "GradStats",
+    "GradientReport",
+    "gradient_report",
+    "GradientMonitor",
+    "find_nonfinite",
     "available_backends",
     "set_backend",
     "BackendError",
