@@ -1,35 +1,280 @@
 """AMP: ``scaler_unscale_and_clip`` replaces ``scaler.unscale_(optimizer)`` + ``clip_grad_norm_``: SPEC section 4.
 
-This version composes the two steps (the torch semantics every backend must reproduce); the fused
-one-read/one-write path builds on the backends' ``amp_norm`` and ``scale_`` primitives.
+torch's way moves 5N bytes for N bytes of gradients (unscale reads and writes, the norm reads, the clip reads
+and writes). Here, per device, one read pass (the backend's ``amp_norm``) yields both the finiteness of the
+scaled gradients and the norm of the unscaled ones; the clip coefficient and ``inv_scale`` are multiplied on
+the device into one factor, and one write pass (``scale_``) applies it, skipped on the device when the factor
+is 1. The scaler's per-optimizer state is left exactly as ``scaler.unscale_`` leaves it, so ``scaler.step``
+and ``scaler.update`` need no change.
+
+``zero_write=True`` removes the write pass too, for optimizers that unscale inside their own step (torch's
+``fused=True`` Adam/AdamW/SGD/Adagrad, flagged ``_step_supports_amp_scaling``): the factor goes to the
+optimizer as ``optimizer.grad_scale`` (its reciprocal; the fused kernels divide the gradients by it while
+they read them for the update and store the result back), and ``scaler.step`` hands it over with the
+``found_inf`` it already passes. See docs/amp.md for when it applies and why the results are the same.
+
+Overflow (an inf/NaN among the scaled gradients): the unscaled norm is inf or NaN, so the coefficient is 0 or
+NaN and the folded factor is too; ``g * factor`` then gives NaN exactly where torch's unscale-then-clip gives
+NaN (every element for a NaN norm; the inf/NaN elements for an inf norm, finite ones becoming +-0).
+One corner differs: a scale below 1 can make *unscaling* overflow a finite gradient (torch then has an inf
+unscaled element that found_inf does not flag); torch turns that element into NaN, the folded multiply into 0.
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from . import _inputs as I
-from .clip import clip_grad_norm_
+from .backends import acc_dtype
+from .backends.torch_backend import combine_norms
+from .clip import _check_finite, _torch_fallback_allowed, clip_grad_norm_
 
-__all__ = ["scaler_unscale_and_clip"]
+try:
+    from torch.amp.grad_scaler import GradScaler, OptState
+except ImportError:  # pragma: no cover - torch < 2.3 kept the scaler under torch.cuda.amp
+    from torch.cuda.amp.grad_scaler import GradScaler, OptState  # type: ignore[no-redef]
+
+__all__ = ["scaler_unscale_and_clip", "zero_write_applies"]
+
+_SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
 
 def optimizer_params(optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+# ---------------------------------------------------------------- what kind of scaler
+def _sharded_scaler_class():
+    # Only look the class up if the user's program imported it: a ShardedGradScaler instance implies that,
+    # and importing torch.distributed.fsdp just to answer "no" would cost every call.
+    mod = sys.modules.get(_SHARDED_MODULE)
+    return getattr(mod, "ShardedGradScaler", None) if mod is not None else None
+
+
+def _is_sharded(scaler) -> bool:
+    cls = _sharded_scaler_class()
+    return cls is not None and isinstance(scaler, cls)
+
+
+def _known_unscale(scaler) -> bool:
+    """True when ``scaler.unscale_`` is torch's own (plain or sharded), i.e. the behaviour we reproduce. A
+    subclass that overrides unscale_ or _unscale_grads_ gets its own code run instead (the composed path)."""
+    t = type(scaler)
+    impls = [GradScaler]
+    sharded = _sharded_scaler_class()
+    if sharded is not None:
+        impls.append(sharded)
+    return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
+
+
+def _check_ready(scaler, state: dict) -> None:
+    """torch's checks in unscale_, in torch's order and with its texts."""
+    scaler._check_scale_growth_tracker("unscale_")
+    if state["stage"] is OptState.UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+    if state["stage"] is OptState.STEPPED:
+        raise RuntimeError("unscale_() is being called after step().")
+
+
+def _inv_scale(scaler) -> Tensor:
+    # As unscale_: the reciprocal in fp64 then fp32 (fp32 division is imprecise under some compile options);
+    # MPS has no fp64.
+    s = scaler._scale
+    return s.reciprocal() if s.device.type == "mps" else s.double().reciprocal().float()
+
+
+def _all_reduce_found_inf(scaler, found: dict[torch.device, Tensor]) -> None:
+    """ShardedGradScaler.unscale_'s cross-rank reduction of the per-device flags (SUM over its process
+    group), including its detour through the scaler's device for flags on the CPU."""
+    import torch.distributed as dist
+
+    works, on_cpu, moved = [], [], []
+    for f in found.values():
+        if scaler._device != "cpu" and f.device.type == "cpu":
+            m = f.to(scaler._device)
+            on_cpu.append(f)
+            moved.append(m)
+            works.append(dist.all_reduce(m, async_op=True, group=scaler.process_group))
+        else:
+            works.append(dist.all_reduce(f, async_op=True, group=scaler.process_group))
+    for w in works:
+        w.wait()
+    if on_cpu:
+        torch._foreach_copy_(on_cpu, moved)
+
+
+# ---------------------------------------------------------------- zero-write mode
+_STEP_PROBES: dict = {}
+
+
+def _step_keeps_grad_scale(step_fn) -> bool:
+    """Does this ``GradScaler.step`` hand a ``grad_scale`` set on the optimizer through to a
+    ``_step_supports_amp_scaling`` optimizer after unscale_? torch >= 2.5 or so does (it multiplies scales);
+    older releases overwrite it with None, which would silently skip our factor. Asked once per step
+    function by running it on a dummy CPU optimizer."""
+    known = _STEP_PROBES.get(step_fn)
+    if known is not None:
+        return known
+    sentinel = torch.tensor(3.0)
+
+    class _Probe:
+        _step_supports_amp_scaling = True
+        param_groups: list = []
+        seen = None
+
+        def step(self):
+            self.seen = getattr(self, "grad_scale", None)
+
+    ok = False
+    try:
+        probe = _Probe()
+        s = GradScaler("cpu", init_scale=2.0)
+        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        s._per_optimizer_states[id(probe)] = {"stage": OptState.UNSCALED,
+                                             "found_inf_per_device": {torch.device("cpu"): torch.zeros(())}}
+        probe.grad_scale = sentinel
+        step_fn(s, probe)
+        ok = probe.seen is sentinel and not hasattr(probe, "grad_scale")
+    except Exception:  # any incompatibility means: do not rely on it
+        ok = False
+    _STEP_PROBES[step_fn] = ok
+    return ok
+
+
+def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None) -> bool:
+    """Whether ``scaler_unscale_and_clip(..., zero_write=True)`` can hand its factor to ``optimizer``
+    instead of writing the gradients: an enabled torch GradScaler (or ShardedGradScaler) whose ``step``
+    passes ``optimizer.grad_scale`` through, an optimizer that unscales inside its step
+    (``_step_supports_amp_scaling``, e.g. torch's ``fused=True`` Adam/AdamW/SGD) without the legacy
+    ``grad_scaler`` keyword and without a ``grad_scale`` of its own already set, and no float64 gradients
+    (the fused kernels take a float32 scale)."""
+    if not scaler.is_enabled() or not _known_unscale(scaler):
+        return False
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    try:
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    if grads is None:
+        grads = I.grads_of(optimizer_params(optimizer))
+    if any(g.dtype == torch.float64 for g in grads):
+        return False
+    return _step_keeps_grad_scale(type(scaler).step)
+
+
+# ---------------------------------------------------------------- per-device passes
+def device_amp_norms(groups: list[list[Tensor]], inv_scale: Tensor, norm_type: float, backend: str | None
+                     ) -> list[tuple[Tensor, Tensor]]:
+    """The read pass: per device group, ``(total of the unscaled values, found_inf)`` on that device.
+    Backends for this pass and for the write pass are chosen first, so a backend that cannot serve the call
+    raises before anything is read or written."""
+    amp = [I.pick("amp_norm", g, backend, norm_type=norm_type) for g in groups]
+    for g in groups:
+        I.pick("scale", g, backend)
+    return [b.amp_norm(g, inv_scale.to(g[0].device, non_blocking=True), norm_type) for b, g in zip(amp, groups)]
+
+
+def combine_device_totals(totals: list[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
+                          ) -> Tensor:
+    """Total norm over devices from the per-device totals, on ``device`` in ``dtype`` (as clip.py does)."""
+    if len(totals) == 1:
+        return totals[0].to(device, dtype)
+    return combine_norms(torch.stack([t.to(device, dtype) for t in totals]), norm_type)
+
+
+def _scale_groups(groups: list[list[Tensor]], factor: Tensor, backend: str | None) -> None:
+    for g in groups:
+        b = I.pick("scale", g, backend)
+        b.scale_(g, factor.to(g[0].device, non_blocking=True))
+
+
+# ---------------------------------------------------------------- public
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
-                            error_if_nonfinite: bool = False, backend: str | None = None) -> Tensor:
-    """``scaler.unscale_(optimizer)`` then ``clip_grad_norm_`` over the optimizer's parameters.
+                            error_if_nonfinite: bool = False, zero_write: bool = False,
+                            backend: str | None = None) -> Tensor:
+    """``scaler.unscale_(optimizer)`` then ``clip_grad_norm_`` over the optimizer's parameters, fused: one
+    read of the gradients for the overflow check and the norm, one write for unscale and clip together
+    (none when the combined factor is 1).
 
     Leaves the scaler's per-optimizer state as ``unscale_`` does, so ``scaler.step(optimizer)`` skips the
     step on overflow and ``scaler.update()`` backs the scale off. Returns the total norm of the unscaled
-    gradients (non-finite after an overflow). A disabled scaler only clips.
+    gradients (non-finite after an overflow). A disabled scaler only clips. No host sync, except the one
+    check ``error_if_nonfinite=True`` asks for (on a non-finite norm the gradients are then left unscaled
+    but unclipped, the scaler state set, and RuntimeError raised, as the two torch calls would).
+
+    ``zero_write=True``: where :func:`zero_write_applies` (torch's ``fused=True`` optimizers), nothing is
+    written; the factor is given to the optimizer, which applies it inside ``scaler.step(optimizer)`` (call
+    that next). Until then the ``.grad`` tensors still hold the scaled values, and after a skipped step they
+    keep them. Elsewhere the flag is ignored (the gradients are written as usual).
     """
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
-    if scaler.is_enabled():
+    params = optimizer_params(optimizer)
+    if not scaler.is_enabled():
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    _check_ready(scaler, state)
+    sharded = _is_sharded(scaler)
+    grads = I.grads_of(params)
+    if not sharded and any(g.dtype == torch.float16 for g in grads):
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    if I.check_tensors(grads) or not _known_unscale(scaler):
+        # Sparse/complex grads or a scaler with its own unscale_: run the real thing, then clip.
+        if I.check_tensors(grads):
+            _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
         scaler.unscale_(optimizer)
-    return clip_grad_norm_(optimizer_params(optimizer), max_norm, p, error_if_nonfinite, backend=backend)
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+
+    inv_scale = _inv_scale(scaler)
+    # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
+    flag_shape = (1,) if sharded else ()
+    if not grads:
+        found = {}
+        if sharded:  # it records a flag on the scale's device even with nothing to check
+            found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
+        state["found_inf_per_device"] = found
+        state["stage"] = OptState.UNSCALED
+        if sharded:
+            _all_reduce_found_inf(scaler, found)
+        return torch.tensor(0.0)
+
+    groups = I.split_by_device(grads)
+    parts = device_amp_norms(groups, inv_scale, p, backend)
+    first = grads[0].device
+    dtype = acc_dtype(grads)
+    total = combine_device_totals([t for t, _ in parts], p, first, dtype)
+    found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+    if sharded:
+        _all_reduce_found_inf(scaler, found)
+
+    if error_if_nonfinite:
+        try:
+            _check_finite(total, p)
+        except RuntimeError:
+            # unscale_ would already have written the unscaled values before clip_grad_norm_ raised.
+            _scale_groups(groups, inv_scale, backend)
+            raise
+
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Unscale and clip in one multiply. With the usual power-of-two scales inv_scale * coef is exact, so
+    # this equals torch's (g * inv_scale) * coef bit for bit in fp32.
+    factor = inv_scale.to(first, dtype) * coef
+    if zero_write and zero_write_applies(scaler, optimizer, grads):
+        # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
+        optimizer.grad_scale = factor.reciprocal()
+    else:
+        _scale_groups(groups, factor, backend)
+    return total.to(I.promoted_dtype(grads))

@@ -1,55 +1,161 @@
-"""scaler_unscale_and_clip (SPEC section 4): every observable as scaler.unscale_ + clip_grad_norm_."""
+"""scaler_unscale_and_clip (SPEC section 4): every observable as scaler.unscale_ + clip_grad_norm_.
+
+The reference is always torch itself: ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` (or
+fastgrad's clip, where the SPEC names it), run on an identical copy of the inputs."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch.amp.grad_scaler import OptState
 
 import fastgrad
+from fastgrad import amp as famp
 
-from .helpers import bits, clone_params, grads, make_params
+from . import oracle
+from .helpers import assert_no_worse_than, bits, clone_params, grads, make_params
+
+INF, NAN = float("inf"), float("nan")
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
-def _setup(device, seed, scale_value=1024.0, dtype=torch.float32):
-    params = make_params([(17, 5), (5,), (3, 4, 2)], dtype, device, seed=seed, scale=1024.0)
+def _scaler(device, scale_value=1024.0, **kw):
+    s = torch.amp.GradScaler(device, init_scale=scale_value, **kw)
+    s._lazy_init_scale_growth_tracker(torch.device(device))
+    return s
+
+
+def _setup(device, seed, scale_value=1024.0, dtype=torch.float32, shapes=((17, 5), (5,), (3, 4, 2))):
+    params = make_params(list(shapes), dtype, device, seed=seed, scale=scale_value)
     opt = torch.optim.SGD(params, lr=0.1)
-    scaler = torch.amp.GradScaler(device, init_scale=scale_value)
-    scaler._lazy_init_scale_growth_tracker(torch.device(device))
-    return params, opt, scaler
+    return params, opt, _scaler(device, scale_value)
 
 
-@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
+def _twin(params, device, scale_value=1024.0):
+    p2 = clone_params(params)
+    return p2, torch.optim.SGD(p2, lr=0.1), _scaler(device, scale_value)
+
+
+def _flags(scaler, opt):
+    return {k: (v.dtype, tuple(v.shape), float(v.sum()))
+            for k, v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].items()}
+
+
+def _assert_same_state(s1, o1, s2, o2):
+    st1, st2 = s1._per_optimizer_states[id(o1)], s2._per_optimizer_states[id(o2)]
+    assert st1["stage"] is st2["stage"]
+    assert _flags(s1, o1) == _flags(s2, o2)
+    for v in st1["found_inf_per_device"].values():
+        assert v.dtype == torch.float32 and float(v.sum()) in (0.0, 1.0)
+    assert not hasattr(o1, "grad_scale") and not hasattr(o1, "found_inf")
+
+
+# ---------------------------------------------------------------- one call against torch
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF], ids=["l2", "l1", "linf"])
+@pytest.mark.parametrize("overflow", [None, INF, -INF, NAN], ids=["finite", "inf", "-inf", "nan"])
 @pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clip", "noclip"])
-def test_matches_unscale_then_clip(bd, overflow, max_norm):
+def test_matches_unscale_then_clip(bd, overflow, max_norm, norm_type):
     backend, device = bd
     p1, o1, s1 = _setup(device, 51)
-    p2 = clone_params(p1)
-    o2 = torch.optim.SGD(p2, lr=0.1)
-    s2 = torch.amp.GradScaler(device, init_scale=1024.0)
-    s2._lazy_init_scale_growth_tracker(torch.device(device))
-    if overflow:
-        p1[0].grad[2, 3] = float("inf")
-        p2[0].grad[2, 3] = float("inf")
-    total = fastgrad.scaler_unscale_and_clip(s1, o1, max_norm, backend=backend)
+    p2, o2, s2 = _twin(p1, device)
+    if overflow is not None:
+        p1[0].grad[2, 3] = overflow
+        p2[0].grad[2, 3] = overflow
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, max_norm, norm_type, backend=backend)
     s2.unscale_(o2)
-    total_t = torch.nn.utils.clip_grad_norm_(p2, max_norm)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, max_norm, norm_type)
     torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0, equal_nan=True)
     for g, gt in zip(grads(p1), grads(p2)):
         torch.testing.assert_close(g, gt, rtol=2e-6, atol=0, equal_nan=True)
-    st1, st2 = s1._per_optimizer_states[id(o1)], s2._per_optimizer_states[id(o2)]
-    assert st1["stage"] is OptState.UNSCALED
-    assert {k: float(v) for k, v in st1["found_inf_per_device"].items()} == \
-        {k: float(v) for k, v in st2["found_inf_per_device"].items()}
-    for v in st1["found_inf_per_device"].values():
-        assert v.dtype == torch.float32 and v.dim() == 0 and float(v) in (0.0, 1.0)
+        if overflow is not None:
+            # NaN exactly where torch has NaN, and zeros with torch's signs elsewhere.
+            assert torch.equal(torch.isnan(g), torch.isnan(gt))
+            fin = ~torch.isnan(gt)
+            assert torch.equal(torch.signbit(g[fin]), torch.signbit(gt[fin]))
+    _assert_same_state(s1, o1, s2, o2)
+    assert s1._per_optimizer_states[id(o1)]["stage"] is OptState.UNSCALED
     s1.step(o1), s2.step(o2)
     s1.update(), s2.update()
     assert float(s1.get_scale()) == float(s2.get_scale())
     for a, b in zip(p1, p2):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtypes", [[torch.bfloat16], [torch.float32, torch.bfloat16], [torch.float64]],
+                         ids=["bf16", "fp32+bf16", "fp64"])
+@pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clip", "noclip"])
+def test_dtypes_against_oracle(bd, dtypes, max_norm):
+    """Low precision: the folded multiply rounds once where torch rounds twice, so the SPEC's accuracy rule
+    (no worse than unscale_ + clip_grad_norm_ against a float64 oracle, + 1 ulp) is the criterion."""
+    backend, device = bd
+    shapes = [(17, 5), (5,), (3, 4, 2), (300,)]
+    scale = 2.0 ** 12
+    p1 = make_params(shapes, dtypes, device, seed=61, scale=scale)
+    o1, s1 = torch.optim.SGD(p1, lr=0.1), _scaler(device, scale)
+    p2, o2, s2 = _twin(p1, device, scale)
+    unscaled = [oracle.f64(g) / scale for g in grads(p1)]
+    total_o, want = oracle.clipped(unscaled, max_norm, 2.0)
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, max_norm, backend=backend)
+    s2.unscale_(o2)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, max_norm)
+    assert total.dtype == total_t.dtype and total.device == total_t.device
+    assert_no_worse_than(total.reshape(1), total_t.reshape(1), torch.tensor([total_o]), total.dtype, "total")
+    for g, gt, w in zip(grads(p1), grads(p2), want):
+        assert_no_worse_than(g, gt, w, g.dtype, f"grad {g.dtype}")
+    _assert_same_state(s1, o1, s2, o2)
+
+
+def test_norm_zero_and_fallback_order():
+    """norm_type 0 (torch's count of nonzero tensors) goes through the torch fallback automatically."""
+    p1, o1, s1 = _setup("cpu", 54)
+    p2, o2, s2 = _twin(p1, "cpu")
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, 2.0, 0)
+    s2.unscale_(o2)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, 2.0, 0)
+    assert float(total) == float(total_t) == 3.0
+    for g, gt in zip(grads(p1), grads(p2)):
+        torch.testing.assert_close(g, gt, rtol=1e-6, atol=0)
+
+
+def test_no_write_when_factor_is_one(bd):
+    """scale 1 and no clipping: the combined factor is 1 and the gradients' bits are untouched."""
+    backend, device = bd
+    params, opt, scaler = _setup(device, 55, scale_value=1.0)
+    params[1].grad[0] = -0.0
+    before = [bits(g) for g in grads(params)]
+    fastgrad.scaler_unscale_and_clip(scaler, opt, 1e9, backend=backend)
+    assert all(torch.equal(bits(g), b) for g, b in zip(grads(params), before))
+
+
+def test_params_without_grads_and_no_grads_at_all(bd):
+    backend, device = bd
+    params = make_params([(4, 3), (3,), (6,)], torch.float32, device, seed=56, scale=512.0, none_every=2)
+    p2 = clone_params(params)
+    o1, s1 = torch.optim.SGD(params, lr=0.1), _scaler(device, 512.0)
+    o2, s2 = torch.optim.SGD(p2, lr=0.1), _scaler(device, 512.0)
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, 0.5, backend=backend)
+    s2.unscale_(o2)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, 0.5)
+    torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0)
+    _assert_same_state(s1, o1, s2, o2)
+
+    empty = [torch.nn.Parameter(torch.ones(3, device=device))]
+    o3, s3 = torch.optim.SGD(empty, lr=0.1), _scaler(device)
+    o4, s4 = torch.optim.SGD([torch.nn.Parameter(torch.ones(3, device=device))], lr=0.1), _scaler(device)
+    total = fastgrad.scaler_unscale_and_clip(s3, o3, 0.5, backend=backend)
+    s4.unscale_(o4)
+    assert total.device.type == "cpu" and float(total) == 0.0
+    assert s3._per_optimizer_states[id(o3)] == {"stage": OptState.UNSCALED, "found_inf_per_device": {}}
+    _assert_same_state(s3, o3, s4, o4)
+    # torch refuses to step without any inf check recorded; so must we, with the same error.
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        s3.step(o3)
+
+
+# ---------------------------------------------------------------- errors
 def test_errors_match_torch(bd):
     backend, device = bd
     params, opt, scaler = _setup(device, 52)
@@ -60,6 +166,67 @@ def test_errors_match_torch(bd):
     with pytest.raises(ValueError, match="max_norm"):
         fastgrad.scaler_unscale_and_clip(scaler, opt, -1.0, backend=backend)
     assert all(torch.equal(bits(g), bits(g0)) for g, g0 in zip(grads(params), grads(before)))
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step\\(\\)"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, backend=backend)
+    with pytest.raises(ValueError, match="norm_type"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, NAN, backend=backend)
+
+
+def test_fp16_grads_rejected_by_plain_scaler(bd):
+    backend, device = bd
+    params = make_params([(4, 3), (3,)], [torch.float32, torch.float16], device, seed=57, scale=64.0)
+    opt, scaler = torch.optim.SGD(params, lr=0.1), _scaler(device, 64.0)
+    before = [bits(g) for g in grads(params)]
+    with pytest.raises(ValueError, match="^Attempting to unscale FP16 gradients.$"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, backend=backend)
+    assert all(torch.equal(bits(g), b) for g, b in zip(grads(params), before))
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+    with pytest.raises(ValueError, match="^Attempting to unscale FP16 gradients.$"):
+        scaler.unscale_(opt)  # the text is torch's
+
+
+def test_scale_never_initialised_same_assertion(bd):
+    backend, device = bd
+    params = make_params([(4, 3)], torch.float32, device, seed=58)
+    opt = torch.optim.SGD(params, lr=0.1)
+    ours, theirs = torch.amp.GradScaler(device), torch.amp.GradScaler(device)
+    with pytest.raises(AssertionError) as e_t:
+        theirs.unscale_(opt)
+    with pytest.raises(AssertionError) as e_o:
+        fastgrad.scaler_unscale_and_clip(ours, opt, 1.0, backend=backend)
+    assert str(e_o.value) == str(e_t.value)
+    assert id(opt) not in ours._per_optimizer_states or \
+        ours._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+
+
+@pytest.mark.parametrize("overflow", [None, INF, NAN], ids=["finite", "inf", "nan"])
+def test_error_if_nonfinite(bd, overflow):
+    """Observable as unscale_ then clip_grad_norm_(error_if_nonfinite=True): on a non-finite norm the
+    gradients are unscaled (not clipped), the scaler state is recorded, and torch's RuntimeError raised."""
+    backend, device = bd
+    p1, o1, s1 = _setup(device, 59)
+    p2, o2, s2 = _twin(p1, device)
+    if overflow is not None:
+        p1[2].grad[1, 2, 0] = overflow
+        p2[2].grad[1, 2, 0] = overflow
+    err_t = err_o = None
+    s2.unscale_(o2)
+    try:
+        total_t = torch.nn.utils.clip_grad_norm_(p2, 0.01, error_if_nonfinite=True)
+    except RuntimeError as e:
+        err_t = str(e)
+    try:
+        total = fastgrad.scaler_unscale_and_clip(s1, o1, 0.01, error_if_nonfinite=True, backend=backend)
+    except RuntimeError as e:
+        err_o = str(e)
+    assert err_o == err_t
+    assert (err_o is None) == (overflow is None)
+    if err_o is None:
+        torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0)
+    for g, gt in zip(grads(p1), grads(p2)):
+        torch.testing.assert_close(g, gt, rtol=2e-6, atol=0, equal_nan=True)
+    _assert_same_state(s1, o1, s2, o2)
 
 
 def test_disabled_scaler_only_clips(bd):
@@ -71,3 +238,330 @@ def test_disabled_scaler_only_clips(bd):
     total = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.1, backend=backend)
     total_t = torch.nn.utils.clip_grad_norm_(theirs, 0.1)
     torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0)
+    for g, gt in zip(grads(params), grads(theirs)):
+        torch.testing.assert_close(g, gt, rtol=2e-6, atol=0)
+    assert not getattr(scaler, "_per_optimizer_states", None)
+
+
+def test_custom_unscale_is_respected():
+    """A scaler subclass with its own unscale_ gets its own code run (then fastgrad clips)."""
+    calls = []
+
+    class MyScaler(torch.amp.GradScaler):
+        def unscale_(self, optimizer):
+            calls.append(id(optimizer))
+            super().unscale_(optimizer)
+
+    p1, o1, _ = _setup("cpu", 60)
+    p2, o2, s2 = _twin(p1, "cpu")
+    s1 = MyScaler("cpu", init_scale=1024.0)
+    s1._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, 0.05)
+    s2.unscale_(o2)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, 0.05)
+    assert calls == [id(o1)]
+    torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0)
+    _assert_same_state(s1, o1, s2, o2)
+
+
+# ---------------------------------------------------------------- training loops
+_OPTS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+def _model(device, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+
+
+def _opt_state(opt) -> list[torch.Tensor]:
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k in sorted(opt.state[p]):
+                v = opt.state[p][k]
+                out.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+    return out
+
+
+def _train(device, opt_name, steps, overflow_at, *, fused_clip, backend=None, zero_write=False,
+           max_norm=0.05, accum=1, checks=None):
+    """N steps of a small model with loss scaling; ``overflow_at`` maps a step to the value written into one
+    gradient element after backward (as an fp16 overflow would). Returns per-step records."""
+    model = _model(device)
+    params = list(model.parameters())
+    opt = _OPTS[opt_name](params)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device))
+            for _ in range(steps * accum)]
+    records = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            loss = torch.nn.functional.mse_loss(model(x), y) / accum  # average over the micro-batches
+            scaler.scale(loss).backward()
+        if step in overflow_at:
+            params[0].grad[1, 2] = overflow_at[step]
+        scaled = [g.clone() for g in grads(params)]
+        if fused_clip:
+            total = fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm, backend=backend, zero_write=zero_write)
+        else:
+            scaler.unscale_(opt)
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if checks is not None:
+            checks(step, scaler, opt, params, scaled)
+        found = sum(float(v) for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+        scaler.step(opt)
+        scaler.update()
+        records.append({
+            "total": total.detach().clone(), "skipped": found > 0,
+            "grads": [g.detach().clone() for g in grads(params)], "scaled": scaled,
+            "params": [p.detach().clone() for p in params], "state": [t.clone() for t in _opt_state(opt)],
+            "scale": float(scaler.get_scale()), "growth": scaler._get_growth_tracker(),
+            "leftover": hasattr(opt, "grad_scale") or hasattr(opt, "found_inf"),
+        })
+    return records
+
+
+def _compare_runs(ours, theirs, zero_write_used):
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        where = f"step {step}"
+        assert a["skipped"] == b["skipped"], where
+        assert a["scale"] == b["scale"] and a["growth"] == b["growth"], where
+        assert not a["leftover"], where
+        torch.testing.assert_close(a["total"], b["total"], rtol=1e-6, atol=0, equal_nan=True, msg=where)
+        for x, y in zip(a["params"], b["params"]):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=where)
+        assert len(a["state"]) == len(b["state"]), where
+        for x, y in zip(a["state"], b["state"]):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=where)
+        if zero_write_used and a["skipped"]:
+            # Skipped step in zero-write mode: nothing was written, the grads still hold the scaled values.
+            assert all(torch.equal(bits(g), bits(s)) for g, s in zip(a["grads"], a["scaled"])), where
+        else:
+            for x, y in zip(a["grads"], b["grads"]):
+                torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-9, equal_nan=True, msg=where)
+
+
+OVERFLOWS = {2: INF, 4: NAN, 5: -INF}
+
+
+@pytest.mark.parametrize("opt_name,zero_write", [
+    ("sgd", False), ("adam", False), ("adam", True), ("sgd-fused", False), ("sgd-fused", True),
+    ("adam-fused", False), ("adam-fused", True), ("adamw-fused", True),
+])
+def test_training_loop_matches_torch(bd, opt_name, zero_write):
+    backend, device = bd
+    steps = 7
+    probe = _OPTS[opt_name]([torch.nn.Parameter(torch.ones(2, device=device))])
+    assert famp.zero_write_applies(_scaler(device), probe) == opt_name.endswith("fused")
+    theirs = _train(device, opt_name, steps, OVERFLOWS, fused_clip=False)
+    applies = zero_write and opt_name.endswith("fused")
+
+    def checks(step, scaler, opt, params, scaled):
+        # zero-write: nothing written before the step, and the factor waits on the optimizer; else written.
+        if applies:
+            assert isinstance(opt.grad_scale, torch.Tensor) and opt.grad_scale.dtype == torch.float32
+            assert all(torch.equal(bits(g), bits(s)) for g, s in zip(grads(params), scaled))
+        else:
+            assert not hasattr(opt, "grad_scale")
+
+    ours = _train(device, opt_name, steps, OVERFLOWS, fused_clip=True, backend=backend, zero_write=zero_write,
+                  checks=checks)
+    assert [r["skipped"] for r in theirs] == [s in OVERFLOWS for s in range(steps)]
+    assert len({r["scale"] for r in theirs}) > 2  # the scale both grew and backed off in this run
+    _compare_runs(ours, theirs, applies)
+
+
+@pytest.mark.parametrize("opt_name,zero_write", [("adam", False), ("adam-fused", True)])
+def test_training_loop_accumulation_and_no_clip(bd, opt_name, zero_write):
+    """Gradient accumulation (loss / accum, one clip of the accumulated grads per update) and a max_norm
+    large enough that no step clips: then only the unscale remains (the factor is inv_scale)."""
+    backend, device = bd
+    for max_norm in (1e6, 0.05):
+        theirs = _train(device, opt_name, 5, {3: INF}, fused_clip=False, max_norm=max_norm, accum=2)
+        ours = _train(device, opt_name, 5, {3: INF}, fused_clip=True, backend=backend, zero_write=zero_write,
+                      max_norm=max_norm, accum=2)
+        _compare_runs(ours, theirs, zero_write)
+
+
+# ---------------------------------------------------------------- zero-write specifics
+def test_zero_write_falls_back_where_it_cannot_apply(bd):
+    backend, device = bd
+    # fp64 grads: the fused kernels take a float32 grad_scale, so the factor is written instead.
+    params = make_params([(4, 3), (3,)], torch.float64, device, seed=62, scale=256.0)
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    scaler = _scaler(device, 256.0)
+    p2, o2, s2 = _twin(params, device, 256.0)
+    assert not famp.zero_write_applies(scaler, opt)
+    fastgrad.scaler_unscale_and_clip(scaler, opt, 0.01, zero_write=True, backend=backend)
+    s2.unscale_(o2)
+    torch.nn.utils.clip_grad_norm_(p2, 0.01)
+    assert not hasattr(opt, "grad_scale")
+    for g, gt in zip(grads(params), grads(p2)):
+        torch.testing.assert_close(g, gt, rtol=1e-12, atol=0)
+    # A user-set grad_scale is the user's: not overwritten, zero-write declines.
+    params = make_params([(4, 3)], torch.float32, device, seed=63, scale=256.0)
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    opt.grad_scale = torch.tensor(1.0, device=device)
+    assert not famp.zero_write_applies(_scaler(device), opt)
+    # Disabled scaler: nothing to unscale, zero-write does not apply.
+    assert not famp.zero_write_applies(torch.amp.GradScaler(device, enabled=False),
+                                       torch.optim.Adam(params, lr=0.1, fused=True))
+
+
+def test_zero_write_requires_a_step_that_passes_grad_scale(monkeypatch):
+    """Older torch (before grad_scale was passed through after unscale_) overwrote optimizer.grad_scale
+    with None in step(); the probe must see that and zero-write must then write the gradients."""
+    def old_step(self, optimizer, *args, **kwargs):
+        optimizer.grad_scale = None  # what those releases did in the UNSCALED stage
+        optimizer.found_inf = torch.zeros(())
+        optimizer.step()
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+    assert famp._step_keeps_grad_scale(torch.amp.GradScaler.step) is True
+    assert famp._step_keeps_grad_scale(old_step) is False
+
+    class OldScaler(torch.amp.GradScaler):
+        step = old_step
+
+    params = make_params([(4, 3)], torch.float32, "cpu", seed=64, scale=256.0)
+    before = [g.clone() for g in grads(params)]
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    s = OldScaler("cpu", init_scale=256.0)
+    s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert not famp.zero_write_applies(s, opt)
+    fastgrad.scaler_unscale_and_clip(s, opt, 1e6, zero_write=True)
+    assert not hasattr(opt, "grad_scale")
+    torch.testing.assert_close(grads(params)[0], before[0] / 256.0, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- ShardedGradScaler (FSDP)
+@pytest.fixture
+def process_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float16], [torch.float32, torch.bfloat16]], ids=["fp16", "fp32+bf16"])
+@pytest.mark.parametrize("overflow", [None, INF], ids=["finite", "inf"])
+def test_sharded_scaler(bd, process_group, dtypes, overflow):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    backend, device = bd
+    scale = 2.0 ** 8
+
+    def make(params):
+        s = ShardedGradScaler(device=device, init_scale=scale)
+        s._lazy_init_scale_growth_tracker(torch.device(device))
+        return torch.optim.SGD(params, lr=0.1), s
+
+    p1 = make_params([(17, 5), (5,), (40,)], dtypes, device, seed=65, scale=scale)
+    if overflow is not None:
+        p1[0].grad[3, 1] = overflow
+    p2 = clone_params(p1)
+    (o1, s1), (o2, s2) = make(p1), make(p2)
+    unscaled = [oracle.f64(g) / scale for g in grads(p1)]
+    total_o, want = oracle.clipped(unscaled, 0.05, 2.0)
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, 0.05, backend=backend)
+    s2.unscale_(o2)  # fp16 is allowed here (FSDP's mixed precision)
+    total_t = fastgrad.clip_grad_norm_(p2, 0.05, backend=backend)
+    _assert_same_state(s1, o1, s2, o2)
+    for v in s1._per_optimizer_states[id(o1)]["found_inf_per_device"].values():
+        assert v.shape == (1,)  # ShardedGradScaler's flag shape
+    if overflow is None:
+        assert_no_worse_than(total.reshape(1), total_t.reshape(1), torch.tensor([total_o]), total.dtype)
+        for g, gt, w in zip(grads(p1), grads(p2), want):
+            assert_no_worse_than(g, gt, w, g.dtype, f"grad {g.dtype}")
+    else:
+        assert math.isinf(float(total)) and math.isinf(float(total_t))
+        for g, gt in zip(grads(p1), grads(p2)):
+            assert torch.equal(torch.isnan(g), torch.isnan(gt)) and not (g[~torch.isnan(g)] != 0).any()
+    s1.step(o1), s2.step(o2)
+    s1.update(), s2.update()
+    assert float(s1.get_scale()) == float(s2.get_scale())
+
+
+def test_sharded_scaler_without_grads(process_group, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    reduced = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):  # the flags must be all-reduced across ranks as torch does
+        reduced.append((tuple(tensor.shape), kwargs.get("group")))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+
+    def make():
+        s = ShardedGradScaler(device="cpu", init_scale=8.0)
+        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        return torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), s
+
+    (o1, s1), (o2, s2) = make(), make()
+    fastgrad.scaler_unscale_and_clip(s1, o1, 1.0)
+    ours = list(reduced)
+    s2.unscale_(o2)
+    assert ours and ours == reduced[len(ours):]
+    _assert_same_state(s1, o1, s2, o2)
+    assert list(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == [torch.device("cpu")]
+
+
+# ---------------------------------------------------------------- GPU only
+@needs_cuda
+def test_no_host_sync_on_cuda():
+    params = make_params([(256, 33), (33,), (4, 4, 4)], [torch.float32, torch.bfloat16], "cuda", seed=66,
+                         scale=1024.0)
+    params[0].grad[0, 0] = INF
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    scaler = _scaler("cuda")
+    fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0)  # warm-up: lazy imports, kernel compilation
+    scaler.update()
+    for zero_write in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, zero_write=zero_write)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        scaler.update()
+        if hasattr(opt, "grad_scale"):
+            del opt.grad_scale
+
+
+@needs_cuda
+def test_grads_on_cpu_and_cuda():
+    params = make_params([(17, 5), (5,)], torch.float32, "cuda", seed=67, scale=1024.0) + \
+        make_params([(3, 4, 2), (9,)], torch.float32, "cpu", seed=68, scale=1024.0)
+    p2 = clone_params(params)
+    o1, s1 = torch.optim.SGD(params, lr=0.1), _scaler("cuda")
+    o2, s2 = torch.optim.SGD(p2, lr=0.1), _scaler("cuda")
+    params[3].grad[2] = INF
+    p2[3].grad[2] = INF
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, 0.05)
+    s2.unscale_(o2)
+    total_t = torch.nn.utils.clip_grad_norm_(p2, 0.05)
+    assert total.device.type == "cuda"
+    torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0, equal_nan=True)
+    for g, gt in zip(grads(params), grads(p2)):
+        torch.testing.assert_close(g, gt, rtol=2e-6, atol=0, equal_nan=True)
+    _assert_same_state(s1, o1, s2, o2)
+    assert set(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == {torch.device("cuda", 0),
+                                                                              torch.device("cpu")}
