@@ -1,0 +1,287 @@
+"""Tests of the compiled extension fastgrad._C beyond the shared suite: op registration (opcheck, fake
+kernels, torch.compile), kernel details the public API cannot see (chunk boundaries, thread-count
+independence, no write for a factor of 1), build info, and that every CUDA source compiles with nvcc."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from fastgrad import _ext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+CHUNK = 1 << 15  # csrc/cpu/kernels.h kChunk
+
+needs_ext = pytest.mark.skipif(not _ext.has_cpu_kernels(), reason=f"fastgrad._C not usable: {_ext.load_error()}")
+ops = torch.ops.fastgrad
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _f64(t):
+    return t.detach().to("cpu", torch.float64)
+
+
+def _bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _sample(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(7, 5, generator=g).to(dtype),
+        torch.randn(3, 4, 2, generator=g).to(dtype).transpose(0, 2),  # dense, not contiguous
+        torch.randn(6, 8, generator=g).to(dtype)[:, ::2],  # not dense: copied and written back
+        torch.randn(0, 3, generator=g).to(dtype),
+        torch.randn(11, generator=g).to(dtype),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ build info
+def test_build_info_shape():
+    info = _ext.build_info()
+    for key in ("built", "cpu_kernels", "cuda_kernels", "torch", "cuda", "archs", "torch_now", "load_error"):
+        assert key in info
+    assert info["torch_now"] == torch.__version__
+    if info["built"]:
+        assert info["load_error"] is None and info["cpu_kernels"]
+        assert info["torch"] is not None, "build info file missing next to fastgrad._C"
+        if info["cuda_kernels"]:
+            assert info["cuda"] and info["archs"]
+    else:
+        assert info["load_error"]
+
+
+def test_backends_report_reasons():
+    from fastgrad.backends import get
+
+    cpu, cuda = get("cpu"), get("cuda")
+    assert (cpu.unavailable_reason() is None) == _ext.has_cpu_kernels()
+    reason = cuda.unavailable_reason()
+    if not (_ext.has_cuda_kernels() and torch.cuda.is_available()):
+        assert isinstance(reason, str) and reason
+
+
+@needs_ext
+def test_cpu_backend_rejects_slow_norm_types():
+    from fastgrad.backends import get
+
+    ts = [torch.ones(3)]
+    cpu = get("cpu")
+    assert cpu.supports("norm", ts, norm_type=2.0) is None
+    assert cpu.supports("norm", ts, norm_type=0.0) is not None
+    assert cpu.supports("norm", ts, norm_type=-float("inf")) is not None
+    assert cpu.supports("norm", [torch.ones(3, dtype=torch.int32)], norm_type=2.0) is not None
+
+
+# -------------------------------------------------------------------------------------------- opcheck
+def _opcheck_cases():
+    f32 = _sample()
+    mixed = [t.to(d) for t, d in zip(_sample(seed=1), [torch.float32, torch.bfloat16, torch.float16,
+                                                        torch.float64, torch.float32])]
+    params = [torch.randn(t.shape, dtype=t.dtype) for t in f32]
+    return [
+        ("norm", (f32, 2.0)),
+        ("norm", (mixed, 3.0)),
+        ("norm", (f32, float("inf"))),
+        ("amp_norm", (f32, torch.tensor(0.5), 2.0)),
+        ("amp_norm", (mixed, torch.tensor(0.25), 1.0)),
+        ("scale_", (f32, torch.tensor(0.3))),
+        ("scale_", (mixed, torch.tensor(1.0))),
+        ("clip_value_", (mixed, 0.5)),
+        ("agc_", (params, f32, 0.01, 1e-3, 2.0)),
+        ("centralize_", ([t for t in f32 if t.dim() > 1], )),
+        ("grad_stats", (mixed,)),
+    ]
+
+
+@needs_ext
+@pytest.mark.parametrize("case", range(len(_opcheck_cases())))
+def test_opcheck(case):
+    name, args = _opcheck_cases()[case]
+    torch.library.opcheck(getattr(ops, name).default, args)
+
+
+@needs_ext
+def test_torch_compile_fullgraph():
+    def clip(ts, max_norm):
+        total, _ = ops.norm(ts, 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        ops.scale_(ts, coef)
+        return total
+
+    ts = [t.contiguous() for t in _sample()]
+    ref = [t.clone() for t in ts]
+    compiled = torch.compile(clip, fullgraph=True, backend="aot_eager")
+    total = compiled(ts, 0.1)
+    total_ref = clip(ref, 0.1)
+    assert torch.equal(total, total_ref)
+    for a, b in zip(ts, ref):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------- kernel details
+def _oracle_norm(t, p):
+    x = _f64(t).abs().flatten()
+    if x.numel() == 0:
+        return 0.0
+    if p == float("inf"):
+        return float(x.max())
+    return float(x.pow(p).sum().pow(1 / p))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", [2.0, 1.0, float("inf"), 0.7])
+def test_norm_chunk_boundaries(dtype, p):
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 15, 16, 17, 255, 256, 257, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 17]
+    ts = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    total, per = ops.norm(ts, p)
+    exp = torch.tensor([_oracle_norm(t, p) for t in ts], dtype=torch.float64)
+    rtol = 1e-13 if dtype == torch.float64 else 2e-7
+    torch.testing.assert_close(_f64(per), exp, rtol=rtol, atol=0)
+    exp_total = exp.max() if p == float("inf") else exp.pow(p).sum().pow(1 / p)
+    torch.testing.assert_close(_f64(total), exp_total, rtol=rtol, atol=0)
+
+
+@needs_ext
+def test_nonfinite_propagation():
+    a = torch.randn(CHUNK + 5)
+    b = torch.randn(40)
+    a[CHUNK + 2] = float("nan")
+    b[3] = float("inf")
+    total, per = ops.norm([a, b], 2.0)
+    assert torch.isnan(per[0]) and torch.isinf(per[1]) and torch.isnan(total)
+    total, per = ops.norm([a, b], float("inf"))
+    assert torch.isnan(per[0]) and torch.isinf(per[1]) and torch.isnan(total)
+    norm, mx, nan, inf, zero = ops.grad_stats([a, b, torch.zeros(5)])
+    assert nan.tolist() == [1, 0, 0] and inf.tolist() == [0, 1, 0] and zero.tolist() == [0, 0, 5]
+    assert torch.isnan(mx[0]) and torch.isinf(mx[1]) and mx[2] == 0
+    _, found = ops.amp_norm([b], torch.tensor(0.5), 2.0)
+    assert found.dtype == torch.float32 and float(found) == 1.0
+    _, found = ops.amp_norm([torch.randn(CHUNK * 3)], torch.tensor(0.5), 2.0)
+    assert float(found) == 0.0
+
+
+@needs_ext
+def test_scale_by_one_touches_nothing():
+    # A signalling NaN comes out of any multiply quiet (different bits), so identical bits prove that
+    # the factor-1 path did not write.
+    x = torch.randn(3 * CHUNK + 1)
+    x.view(torch.int32)[5] = 0x7F800001
+    before = _bits(x).clone()
+    ops.scale_([x], torch.tensor(1.0))
+    assert torch.equal(_bits(x), before)
+    ops.scale_([x], torch.tensor(1.0, dtype=torch.float64))
+    assert torch.equal(_bits(x), before)
+    ops.scale_([x], torch.tensor(float("nan")))
+    assert torch.isnan(x).all()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_elementwise_ops_match_torch(dtype):
+    ts = _sample(dtype, seed=4)
+    ref = [t.clone() for t in ts]
+    f = torch.tensor(0.37)
+    ops.scale_(ts, f)
+    for t, r in zip(ts, ref):
+        r.mul_(f)
+        assert torch.equal(_bits(t), _bits(r))
+    ops.clip_value_(ts, 0.1)
+    for t, r in zip(ts, ref):
+        r.clamp_(-0.1, 0.1)
+        assert torch.equal(_bits(t), _bits(r))
+
+
+def _run_all(ts, params):
+    ts = [t.clone() for t in ts]
+    out = [ops.norm(ts, 2.0), ops.norm(ts, 1.0), ops.norm(ts, 3.0), ops.grad_stats(ts),
+           ops.amp_norm(ts, torch.tensor(0.125), 2.0)]
+    ops.agc_(params, ts, 0.01, 1e-3, 2.0)
+    ops.centralize_([t for t in ts if t.dim() > 1])
+    return [_bits(x) for o in out for x in o] + [_bits(t) for t in ts]
+
+
+@needs_ext
+def test_deterministic_across_thread_counts():
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(n, generator=g) for n in (5 * CHUNK + 3, 1000, CHUNK)]
+    ts += [torch.randn(300, 2 * CHUNK + 9, generator=g) * 1e-3, torch.randn(4096, 64, generator=g).bfloat16()]
+    params = [torch.randn(t.shape, generator=g).to(t.dtype) for t in ts]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run_all(ts, params)
+        torch.set_num_threads(2)
+        two = _run_all(ts, params)
+    finally:
+        torch.set_num_threads(old)
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_ext
+def test_long_rows_agc_and_centralize():
+    # Rows longer than one work item are reduced from several pieces.
+    g = torch.Generator().manual_seed(6)
+    grad = torch.randn(3, 2 * CHUNK + 100, generator=g)
+    grad[1] *= 1e-4
+    param = torch.randn(grad.shape, generator=g)
+    ours = grad.clone()
+    ops.agc_([param], [ours], 0.01, 1e-3, 2.0)
+    wn = _f64(param).norm(dim=1, keepdim=True)
+    gn = _f64(grad).norm(dim=1, keepdim=True)
+    mx = wn.clamp(min=1e-3) * 0.01
+    exp = torch.where(gn < mx, _f64(grad), _f64(grad) * mx / gn.clamp(min=1e-6))
+    torch.testing.assert_close(_f64(ours), exp, rtol=1e-7, atol=0)
+    assert torch.equal(ours[1], grad[1])  # small row kept bit for bit
+    ops.centralize_([ours])
+    torch.testing.assert_close(_f64(ours).mean(dim=1), torch.zeros(3, dtype=torch.float64), rtol=0, atol=1e-9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()), reason="needs a CUDA GPU and CUDA kernels")
+def test_cuda_over_2_31_elements():
+    n = (1 << 31) + 1000
+    try:
+        x = torch.full((n,), 0.5, dtype=torch.bfloat16, device="cuda")
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    x[-1] = 3.0
+    total, per = ops.norm([x], 2.0)
+    exp = ((n - 1) * 0.25 + 9.0) ** 0.5
+    assert abs(float(total) - exp) / exp < 1e-5
+    total, _ = ops.norm([x], float("inf"))
+    assert float(total) == 3.0
+    ops.scale_([x], torch.tensor(2.0, device="cuda"))
+    assert float(x[-1]) == 6.0 and float(x[(1 << 31) + 5]) == 1.0
+    del x
+    torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------- nvcc
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("path", CU_FILES, ids=[os.path.relpath(p, ROOT) for p in CU_FILES])
+def test_cuda_source_compiles(path, tmp_path):
+    cmd = [NVCC, "-c", "-std=c++17", "-O3",
+           "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+           "-Xcompiler", "-Wall,-Wextra,-Werror", "--Werror", "all-warnings",
+           path, "-o", str(tmp_path / "out.o")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
+
+
+def test_there_are_cuda_sources():
+    assert CU_FILES, "csrc/cuda/*.cu missing"
