@@ -1,0 +1,72 @@
+// Launcher API of fastgrad's CUDA kernels. Plain C++: no torch and no CUDA headers, so the torch binding
+// (bindings.cpp) and the kernels (kernels.cu) only meet through these raw pointers.
+//
+// Work description. Every tensor is one Seg, processed as a flat run of `rows * len` elements: a whole
+// tensor is one row; per-row ops (AGC, gradient centralisation) use dim-0 slices as rows. Each row is cut
+// into `cpr` chunks of at most kChunk elements; one CUDA block handles one chunk, and finds its Seg by a
+// binary search over `first_chunk`. The Seg table lives in device memory, so one launch per pass covers
+// any number of tensors. Reductions write one partial per chunk and combine them in a fixed order (no
+// floating-point atomics): results are bitwise reproducible.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace fgcuda {
+
+using Stream = CUstream_st*;
+
+enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
+enum Mode : int32_t { kSum = 0, kL1 = 1, kL2 = 2, kInf = 3, kP = 4 };
+
+constexpr int64_t kChunk = int64_t(1) << 15;
+
+struct Seg {
+  void* ptr;          // data (dense run of rows * len elements)
+  const void* ptr2;   // second tensor of the same shape (AGC: the parameter), else null
+  int64_t rows;       // number of rows (1 for whole-tensor ops)
+  int64_t len;        // elements per row
+  int64_t cpr;        // chunks per row, filled by plan()
+  int64_t first_chunk;  // filled by plan()
+  int64_t first_row;    // filled by plan()
+  int32_t dtype;
+  int32_t dtype2;
+};
+
+// Host side: fills cpr/first_chunk/first_row; returns the number of chunks, *total_rows the rows.
+int64_t plan(Seg* segs, int64_t nseg, int64_t* total_rows);
+
+// Bytes of device workspace the launchers below need.
+size_t workspace_bytes(int64_t nchunks, int64_t nrows);
+
+// All launchers return a cudaError_t value (0 on success), enqueue on `stream` and never synchronise.
+// `acc64`: accumulate in double (some tensor is float64) instead of float.
+
+// (total, per-row) p-norms. total/per are of the accumulation dtype (float or double). When d_inv is
+// not null this is the AMP pass: values are T(x * *d_inv) and *d_found (float) becomes 1.0 if any
+// stored element is NaN/inf, else 0.0.
+int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+         const float* d_inv, void* d_total, void* d_per, float* d_found, void* d_ws, Stream stream);
+
+// grad_stats: per-row L2 norm and max |x| (accumulation dtype), NaN/inf/zero counts (int64).
+int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm,
+          void* d_max, int64_t* d_nan, int64_t* d_inf, int64_t* d_zero, void* d_ws, Stream stream);
+
+// x = T(x * f), f read on the device (float32 or float64 per factor_dtype); nothing is written when
+// f == 1. The product is in float (double for float64 tensors).
+int scale(const Seg* d_segs, int64_t nseg, int64_t nchunks, const void* d_factor, int factor_dtype,
+          Stream stream);
+
+// x = min(max(x, -c), c), NaN kept.
+int clamp(const Seg* d_segs, int64_t nseg, int64_t nchunks, double c, Stream stream);
+
+// AGC over rows (segs[i].ptr the gradient, segs[i].ptr2 the parameter).
+int agc(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+        double clip_factor, double eps, void* d_ws, Stream stream);
+
+// Gradient centralisation over rows: x = T(x - mean(row)), mean accumulated in double.
+int centralize(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, void* d_ws, Stream stream);
+
+}  // namespace fgcuda
