@@ -73,7 +73,7 @@ class TritonBackend(Backend):
     def norm(self, tensors, norm_type, *, per_tensor=False, foreach=None):
         k = _load()
         if _compiling():
-            total, per = k.norm(list(tensors), float(norm_type))
+            total, per = k.norm_op(list(tensors), float(norm_type))
         else:
             total, per, _ = k.launch_norm(tensors, float(norm_type))
         return total, (per if per_tensor else None)
@@ -81,41 +81,41 @@ class TritonBackend(Backend):
     def amp_norm(self, tensors, inv_scale, norm_type):
         k = _load()
         if _compiling():
-            return k.amp_norm(list(tensors), inv_scale, float(norm_type))
+            return k.amp_norm_op(list(tensors), inv_scale, float(norm_type))
         return k.launch_amp_norm(tensors, inv_scale, float(norm_type))
 
     def scale_(self, tensors, factor, *, foreach=None):
         k = _load()
         if _compiling():
-            k.scale_(list(tensors), factor)
+            k.scale_op(list(tensors), factor)
         else:
             k.launch_scale_(tensors, factor)
 
     def clip_value_(self, tensors, clip_value, *, foreach=None):
         k = _load()
         if _compiling():
-            k.clip_value_(list(tensors), float(clip_value))
+            k.clip_value_op(list(tensors), float(clip_value))
         else:
             k.launch_clip_value_(tensors, float(clip_value))
 
     def agc_(self, params, grads, clip_factor, eps, norm_type):
         k = _load()
         if _compiling():
-            k.agc_(list(params), list(grads), float(clip_factor), float(eps), float(norm_type))
+            k.agc_op(list(params), list(grads), float(clip_factor), float(eps), float(norm_type))
         else:
             k.launch_agc_(params, grads, float(clip_factor), float(eps), float(norm_type))
 
     def centralize_(self, grads):
         k = _load()
         if _compiling():
-            k.centralize_(list(grads))
+            k.centralize_op(list(grads))
         else:
             k.launch_centralize_(grads)
 
     def grad_stats(self, tensors):
         k = _load()
         if _compiling():
-            out = k.grad_stats(list(tensors))
+            out = k.grad_stats_op(list(tensors))
         else:
             out = k.launch_grad_stats(tensors)
         return dict(zip(("norm", "max_abs", "nan", "inf", "zero"), out))

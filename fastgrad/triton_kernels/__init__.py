@@ -4,7 +4,8 @@ Importing this package imports Triton; ``fastgrad.backends.triton_backend`` does
 family lives in its own module (kernel, then launcher): ``multi_tensor`` (pointer/block tables and their
 cache), ``norm``, ``amp``, ``clip``, ``agc``, ``centralize``, ``stats``. The launchers are registered as
 custom ops under the ``fastgrad_triton`` namespace with fake implementations so that they trace under
-``torch.compile``; eager calls go straight to the launchers to keep per-call overhead low.
+``torch.compile``; eager calls go straight to the launchers to keep per-call overhead low. (The op objects are named
+``*_op`` so they do not shadow the submodules.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .stats import launch_grad_stats
 __all__ = [
     "Config", "cache_stats", "clear_cache", "launch_norm", "launch_amp_norm", "launch_scale_",
     "launch_clip_value_", "launch_agc_", "launch_centralize_", "launch_grad_stats",
-    "norm", "amp_norm", "scale_", "clip_value_", "agc_", "centralize_", "grad_stats",
+    "norm_op", "amp_norm_op", "scale_op", "clip_value_op", "agc_op", "centralize_op", "grad_stats_op",
 ]
 
 _NS = "fastgrad_triton"
@@ -33,74 +34,74 @@ _NS = "fastgrad_triton"
 
 # ---------------------------------------------------------------------------------------------- ops
 @torch.library.custom_op(f"{_NS}::norm", mutates_args=())
-def norm(tensors: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
+def norm_op(tensors: List[Tensor], norm_type: float) -> Tuple[Tensor, Tensor]:
     total, per, _ = launch_norm(tensors, norm_type)
     return total, per
 
 
-@norm.register_fake
+@norm_op.register_fake
 def _(tensors, norm_type):
     acc = acc_of(tensors)
     return tensors[0].new_empty((), dtype=acc), tensors[0].new_empty((len(tensors),), dtype=acc)
 
 
 @torch.library.custom_op(f"{_NS}::amp_norm", mutates_args=())
-def amp_norm(tensors: List[Tensor], inv_scale: Tensor, norm_type: float) -> Tuple[Tensor, Tensor]:
+def amp_norm_op(tensors: List[Tensor], inv_scale: Tensor, norm_type: float) -> Tuple[Tensor, Tensor]:
     return launch_amp_norm(tensors, inv_scale, norm_type)
 
 
-@amp_norm.register_fake
+@amp_norm_op.register_fake
 def _(tensors, inv_scale, norm_type):
     return (tensors[0].new_empty((), dtype=acc_of(tensors)),
             tensors[0].new_empty((), dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{_NS}::scale_", mutates_args=("tensors",))
-def scale_(tensors: List[Tensor], factor: Tensor) -> None:
+def scale_op(tensors: List[Tensor], factor: Tensor) -> None:
     launch_scale_(tensors, factor)
 
 
-@scale_.register_fake
+@scale_op.register_fake
 def _(tensors, factor):
     return None
 
 
 @torch.library.custom_op(f"{_NS}::clip_value_", mutates_args=("tensors",))
-def clip_value_(tensors: List[Tensor], clip_value: float) -> None:
+def clip_value_op(tensors: List[Tensor], clip_value: float) -> None:
     launch_clip_value_(tensors, clip_value)
 
 
-@clip_value_.register_fake
+@clip_value_op.register_fake
 def _(tensors, clip_value):
     return None
 
 
 @torch.library.custom_op(f"{_NS}::agc_", mutates_args=("grads",))
-def agc_(params: List[Tensor], grads: List[Tensor], clip_factor: float, eps: float, norm_type: float) -> None:
+def agc_op(params: List[Tensor], grads: List[Tensor], clip_factor: float, eps: float, norm_type: float) -> None:
     launch_agc_(params, grads, clip_factor, eps, norm_type)
 
 
-@agc_.register_fake
+@agc_op.register_fake
 def _(params, grads, clip_factor, eps, norm_type):
     return None
 
 
 @torch.library.custom_op(f"{_NS}::centralize_", mutates_args=("grads",))
-def centralize_(grads: List[Tensor]) -> None:
+def centralize_op(grads: List[Tensor]) -> None:
     launch_centralize_(grads)
 
 
-@centralize_.register_fake
+@centralize_op.register_fake
 def _(grads):
     return None
 
 
 @torch.library.custom_op(f"{_NS}::grad_stats", mutates_args=())
-def grad_stats(tensors: List[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def grad_stats_op(tensors: List[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return launch_grad_stats(tensors)
 
 
-@grad_stats.register_fake
+@grad_stats_op.register_fake
 def _(tensors):
     n = len(tensors)
     acc = acc_of(tensors)

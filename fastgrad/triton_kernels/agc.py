@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (to_dt, Config, acc_of, block_info, block_ptr, copy_back, device_guard, div_rn,
+from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, device_guard, div_rn,
                            flat_inputs, get_plan, rows_of, segment_reduce, tl_dtype)
 from .norm import MODE_INF, MODE_P, _norm_step, _root, mode_of
 
@@ -50,8 +50,16 @@ def _agc_partial_kernel(wptr_tab, gptr_tab, blk_tab, part, p: tl.float64, b0, nb
     p = tl.full([], p, tl.float64)
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    wp = block_ptr(wptr_tab, t, start, DTW, ALIGNED)
-    gp = block_ptr(gptr_tab, t, start, DTG, ALIGNED)
+    wp = tensor_base(wptr_tab, t, DTW)
+    if ALIGNED:
+        wp = tl.multiple_of(wp, 16)
+        start = tl.multiple_of(start, 128 // DTW.primitive_bitwidth)
+    wp += start
+    gp = tensor_base(gptr_tab, t, DTG)
+    if ALIGNED:
+        gp = tl.multiple_of(gp, 16)
+        start = tl.multiple_of(start, 128 // DTG.primitive_bitwidth)
+    gp += start
     CW: tl.constexpr = tl.float64 if DTW == tl.float64 else tl.float32
     CG: tl.constexpr = tl.float64 if DTG == tl.float64 else tl.float32
     tl.store(part + bid, _unit_partial(wp, n, p, DTW, CW, ACC, MODE, BLOCK))
@@ -60,19 +68,21 @@ def _agc_partial_kernel(wptr_tab, gptr_tab, blk_tab, part, p: tl.float64, b0, nb
 
 @triton.jit(do_not_specialize=["nsegs", "nb"])
 def _agc_coef_kernel(part, seg_tab, coef, clip_factor: tl.float64, eps: tl.float64, tiny: tl.float64,
-                     pinv: tl.float64, nsegs, nb, ACC: tl.constexpr, MODE: tl.constexpr,
+                     pinv: tl.float64, nsegs, nb, ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr,
                      SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
     pinv = tl.full([], pinv, tl.float64)
     segs = tl.program_id(0) * SEG_BLOCK + tl.arange(0, SEG_BLOCK)
     smask = segs < nsegs
-    w = _root(segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK), pinv, MODE)
-    g = _root(segment_reduce(part + nb, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK), pinv, MODE)
-    cf = tl.full([], clip_factor, ACC)
-    e = tl.full([], eps, ACC)
+    # Norms, coefficient and the product are all fp64, so each clipped element is rounded once: never
+    # less accurate than the reference, which rounds norms, ratio and product separately in fp32.
+    w = _root(segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
+    g = _root(segment_reduce(part + nb, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
+    cf = tl.full([], clip_factor, OUT)
+    e = tl.full([], eps, OUT)
     # clamp(min=...) keeps NaN, so select with '<' (false for NaN) rather than maximum()
     max_norm = tl.where(w < e, e, w) * cf
     # the 1e-6 floor arrives as an fp64 argument: an fp32 literal would be inexact for fp64 grads
-    t = tl.full([], tiny, ACC)
+    t = tl.full([], tiny, OUT)
     denom = tl.where(g < t, t, g)
     ratio = div_rn(max_norm, denom)
     tl.store(coef + segs, tl.where(g < max_norm, 1.0, ratio), mask=smask)
@@ -85,7 +95,11 @@ def _agc_scale_kernel(gptr_tab, blk_tab, coef, b0, DT: tl.constexpr, C: tl.const
     t, start, n, seg = block_info(blk_tab, bid)
     f = tl.load(coef + seg).to(C)
     if f != 1.0:
-        ptr = block_ptr(gptr_tab, t, start, DT, ALIGNED)
+        ptr = tensor_base(gptr_tab, t, DT)
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+            start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+        ptr += start
         ar = tl.arange(0, BLOCK)
         nfull = n - n % BLOCK
         for i in range(0, nfull, BLOCK):
@@ -104,31 +118,29 @@ def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: 
     gflat, copies = flat_inputs(grads, rowwise=True)
     plan = get_plan((wflat, gflat), rows_of(gflat))
     dev = gflat[0].device
-    acc = acc_of(list(wflat) + list(gflat))
     mode = mode_of(norm_type)
     p = float(norm_type) if mode == MODE_P else 1.0
     nb = max(plan.nblocks, 1)
-    part = torch.empty(2 * nb, dtype=acc, device=dev)
-    coef = torch.empty(max(plan.nsegs, 1), dtype=acc, device=dev)
-    tl_acc = tl_dtype(acc)
+    part = torch.empty(2 * nb, dtype=torch.float64, device=dev)  # fp64 partials, as in norm.py
+    coef = torch.empty(max(plan.nsegs, 1), dtype=torch.float64, device=dev)
     with device_guard(dev):
         for g in plan.groups:
             if g.count == 0:
                 continue
             _agc_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.ptr_tabs[1], plan.blk, part, p, g.b0, nb,
-                DTW=tl_dtype(g.dtypes[0]), DTG=tl_dtype(g.dtypes[1]), ACC=tl_acc, MODE=mode,
+                DTW=tl_dtype(g.dtypes[0]), DTG=tl_dtype(g.dtypes[1]), ACC=tl.float64, MODE=mode,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
         if plan.nsegs:
             _agc_coef_kernel[(triton.cdiv(plan.nsegs, Config.SEG_BLOCK),)](
                 part, plan.seg, coef, float(clip_factor), float(eps), 1e-6, 1.0 / p, plan.nsegs, nb,
-                ACC=tl_acc, MODE=mode, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+                ACC=tl.float64, OUT=tl.float64, MODE=mode, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
         for g in plan.groups:
             if g.count == 0:
                 continue
             dt = g.dtypes[1]
             _agc_scale_kernel[(g.count,)](
                 plan.ptr_tabs[1], plan.blk, coef, g.b0, DT=tl_dtype(dt),
-                C=tl.float64 if (dt == torch.float64 or acc == torch.float64) else tl.float32,
+                C=tl.float64,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
     copy_back(copies)

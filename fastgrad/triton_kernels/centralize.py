@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (to_dt, Config, acc_of, block_info, block_ptr, copy_back, device_guard, div_rn,
+from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, device_guard, div_rn,
                            flat_inputs, get_plan, rows_of, segment_reduce, tl_dtype)
 
 
@@ -22,7 +22,11 @@ def _gc_partial_kernel(ptr_tab, blk_tab, part, b0, DT: tl.constexpr, ACC: tl.con
                        ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    ptr = tensor_base(ptr_tab, t, DT)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+    ptr += start
     acc = tl.zeros([BLOCK], ACC)
     ar = tl.arange(0, BLOCK)
     nfull = n - n % BLOCK
@@ -48,7 +52,11 @@ def _gc_apply_kernel(ptr_tab, blk_tab, mean, b0, DT: tl.constexpr, C: tl.constex
                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    ptr = tensor_base(ptr_tab, t, DT)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+    ptr += start
     mu = tl.load(mean + seg).to(C)
     ar = tl.arange(0, BLOCK)
     nfull = n - n % BLOCK
@@ -68,23 +76,23 @@ def launch_centralize_(grads: Sequence[Tensor]) -> None:
     if plan.nblocks == 0:
         return
     dev = flat[0].device
-    acc = acc_of(flat)
-    part = torch.empty(plan.nblocks, dtype=acc, device=dev)
-    mean = torch.empty(plan.nsegs, dtype=acc, device=dev)
+    # fp64 sums, means and subtraction: each element is rounded once, as in norm.py
+    part = torch.empty(plan.nblocks, dtype=torch.float64, device=dev)
+    mean = torch.empty(plan.nsegs, dtype=torch.float64, device=dev)
     with device_guard(dev):
         for g in plan.groups:
             if g.count:
                 _gc_partial_kernel[(g.count,)](
-                    plan.ptr_tabs[0], plan.blk, part, g.b0, DT=tl_dtype(g.dtypes[0]), ACC=tl_dtype(acc),
+                    plan.ptr_tabs[0], plan.blk, part, g.b0, DT=tl_dtype(g.dtypes[0]), ACC=tl.float64,
                     ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
         _gc_mean_kernel[(triton.cdiv(plan.nsegs, Config.SEG_BLOCK),)](
-            part, plan.seg, mean, plan.nsegs, ACC=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK,
+            part, plan.seg, mean, plan.nsegs, ACC=tl.float64, SEG_BLOCK=Config.SEG_BLOCK,
             PART_BLOCK=Config.PART_BLOCK, num_warps=4)
         for g in plan.groups:
             if g.count:
                 dt = g.dtypes[0]
                 _gc_apply_kernel[(g.count,)](
                     plan.ptr_tabs[0], plan.blk, mean, g.b0, DT=tl_dtype(dt),
-                    C=tl.float64 if dt == torch.float64 else tl.float32,
+                    C=tl.float64,  # x - mean in fp64, rounded once
                     ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
     copy_back(copies)

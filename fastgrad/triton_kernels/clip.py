@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import to_dt, Config, block_info, block_ptr, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
+from .multi_tensor import to_dt, Config, block_info, tensor_base, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -25,7 +25,11 @@ def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0,
     if f != 1.0:
         bid = b0 + tl.program_id(0)
         t, start, n, seg = block_info(blk_tab, bid)
-        ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+        ptr = tensor_base(ptr_tab, t, DT)
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+            start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+        ptr += start
         ar = tl.arange(0, BLOCK)
         nfull = n - n % BLOCK
         for i in range(0, nfull, BLOCK):
@@ -48,7 +52,11 @@ def _clip_value_kernel(ptr_tab, blk_tab, clip_value: tl.float64, b0,
                        DT: tl.constexpr, C: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    ptr = tensor_base(ptr_tab, t, DT)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+    ptr += start
     # (tl.full, not tl.cast: the interpreter would round a Python float through fp32)
     # torch clamps in the op-math type with the bound rounded to it, then rounds to the tensor's dtype
     hi = tl.full([], clip_value, C)

@@ -73,13 +73,11 @@ def block_info(blk_tab, bid):
 
 
 @triton.jit
-def block_ptr(ptr_tab, t, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """Typed pointer to element ``start`` of tensor ``t``. ALIGNED is only set after the host checked that
-    every block start of the launch is 16-byte aligned, so the hint lets full tiles use vector loads."""
-    p = tl.load(ptr_tab + t).to(tl.pointer_type(DT)) + start
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
+def tensor_base(ptr_tab, t, DT: tl.constexpr):
+    """Typed base pointer of tensor ``t``. Kernels add the block start themselves: alignment hints
+    (``tl.multiple_of``, set only after the host checked that every block start of the launch is 16-byte
+    aligned) must be applied in the kernel body; Triton drops them across a helper's return."""
+    return tl.load(ptr_tab + t).to(tl.pointer_type(DT))
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (to_dt, INF, Config, acc_of, block_info, block_ptr, device_guard, get_plan,
+from .multi_tensor import (to_dt, INF, Config, acc_of, block_info, tensor_base, device_guard, get_plan,
                            nan_sticky, pow_fp64, segment_reduce, sqrt_rn, tl_dtype, flat_inputs)
 
 MODE_L2, MODE_L1, MODE_INF, MODE_P = 0, 1, 2, 3
@@ -63,7 +63,11 @@ def _norm_partial_kernel(ptr_tab, blk_tab, part, flags, scale_ptr, p: tl.float64
     p = tl.full([], p, tl.float64)  # exact fp64 in the interpreter too
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    ptr = tensor_base(ptr_tab, t, DT)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+    ptr += start
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(C)
@@ -101,7 +105,7 @@ def _root(s, pinv, MODE: tl.constexpr):
 @triton.jit(do_not_specialize=["nsegs", "nblocks"])
 def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, pinv: tl.float64, nsegs,
                           nblocks,
-                          ACC: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
+                          ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
                           SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
     pinv = tl.full([], pinv, tl.float64)
     tot = tl.zeros([SEG_BLOCK], ACC)
@@ -110,7 +114,7 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         segs = s0 + tl.arange(0, SEG_BLOCK)
         smask = segs < nsegs
         v = segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK)
-        tl.store(per_out + segs, _root(v, pinv, MODE), mask=smask)
+        tl.store(per_out + segs, _root(v, pinv, MODE).to(OUT), mask=smask)
         # the total is reduced from the per-tensor sums (not roots): same value, one rounding fewer
         if MODE == 2:
             tot = tl.maximum(tot, tl.where(v == v, v, 0.0))
@@ -121,7 +125,7 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         total = tl.max(tot, 0) + tl.sum(totnan, 0)
     else:
         total = tl.sum(tot, 0)
-    tl.store(total_out, _root(total, pinv, MODE))
+    tl.store(total_out, _root(total, pinv, MODE).to(OUT))
     if FLAG:
         anybad = tl.zeros([SEG_BLOCK], tl.int32)
         for b in range(0, nblocks, SEG_BLOCK):
@@ -142,13 +146,14 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
     mode = mode_of(norm_type)
     amp = inv_scale is not None
     nb = max(plan.nblocks, 1)
-    part = torch.empty(nb, dtype=acc, device=dev)
+    # partials and finalize work in fp64 whatever the data: the extra precision is free in a
+    # memory-bound pass and keeps us at least as accurate as torch's CPU reductions (double accumulators)
+    part = torch.empty(nb, dtype=torch.float64, device=dev)
     flags = torch.empty(nb, dtype=torch.int32, device=dev) if amp else part
     total = torch.empty((), dtype=acc, device=dev)
     per = torch.empty(plan.ntensors, dtype=acc, device=dev)
     found = torch.empty((), dtype=torch.float32, device=dev) if amp else total
     p = float(norm_type) if mode == MODE_P else 1.0
-    tl_acc = tl_dtype(acc)
     with device_guard(dev):
         for g in plan.groups:
             if g.count == 0:
@@ -156,11 +161,11 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
             dt = g.dtypes[0]
             _norm_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, part, flags, inv_scale if amp else part, p, g.b0,
-                DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32, ACC=tl_acc,
+                DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32, ACC=tl.float64,
                 MODE=mode, HAS_SCALE=amp, FLAG=amp, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
                 num_warps=Config.NUM_WARPS)
         _norm_finalize_kernel[(1,)](
             part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
-            ACC=tl_acc, MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
+            ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
             num_warps=4)
     return total, per, (found if amp else None)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (INF, Config, acc_of, block_info, block_ptr, device_guard, flat_inputs, get_plan,
+from .multi_tensor import (INF, Config, acc_of, block_info, tensor_base, device_guard, flat_inputs, get_plan,
                            nan_sticky, segment_reduce, sqrt_rn, tl_dtype)
 
 
@@ -34,7 +34,11 @@ def _stats_partial_kernel(ptr_tab, blk_tab, fpart, ipart, b0, nb,
                           DT: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid)
-    ptr = block_ptr(ptr_tab, t, start, DT, ALIGNED)
+    ptr = tensor_base(ptr_tab, t, DT)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
+    ptr += start
     sq = tl.zeros([BLOCK], ACC)
     mx = tl.zeros([BLOCK], ACC)
     nanacc = tl.zeros([BLOCK], ACC)
@@ -62,7 +66,7 @@ def _stats_partial_kernel(ptr_tab, blk_tab, fpart, ipart, b0, nb,
 
 @triton.jit(do_not_specialize=["nsegs", "nb"])
 def _stats_finalize_kernel(fpart, ipart, seg_tab, norm_out, max_out, nan_out, inf_out, zero_out, nsegs, nb,
-                           ACC: tl.constexpr, SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+                           ACC: tl.constexpr, OUT: tl.constexpr, SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
     segs = tl.program_id(0) * SEG_BLOCK + tl.arange(0, SEG_BLOCK)
     smask = segs < nsegs
     sq = segment_reduce(fpart, seg_tab, segs, smask, ACC, False, PART_BLOCK)
@@ -70,8 +74,8 @@ def _stats_finalize_kernel(fpart, ipart, seg_tab, norm_out, max_out, nan_out, in
     cnan = segment_reduce(ipart, seg_tab, segs, smask, tl.int64, False, PART_BLOCK)
     cinf = segment_reduce(ipart + nb, seg_tab, segs, smask, tl.int64, False, PART_BLOCK)
     czero = segment_reduce(ipart + 2 * nb, seg_tab, segs, smask, tl.int64, False, PART_BLOCK)
-    tl.store(norm_out + segs, sqrt_rn(sq), mask=smask)
-    tl.store(max_out + segs, mx, mask=smask)
+    tl.store(norm_out + segs, sqrt_rn(sq).to(OUT), mask=smask)
+    tl.store(max_out + segs, mx.to(OUT), mask=smask)
     tl.store(nan_out + segs, cnan, mask=smask)
     tl.store(inf_out + segs, cinf, mask=smask)
     tl.store(zero_out + segs, czero, mask=smask)
@@ -85,22 +89,21 @@ def launch_grad_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor
     dev = flat[0].device
     acc = acc_of(flat)
     nb = max(plan.nblocks, 1)
-    fpart = torch.empty(2 * nb, dtype=acc, device=dev)
+    fpart = torch.empty(2 * nb, dtype=torch.float64, device=dev)  # fp64 partials, as in norm.py
     ipart = torch.empty(3 * nb, dtype=torch.int32, device=dev)
     n = plan.ntensors
     # separate buffers: custom ops may not return outputs that alias each other
     norm, max_abs = (torch.empty(n, dtype=acc, device=dev) for _ in range(2))
     nan, inf, zero = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
-    tl_acc = tl_dtype(acc)
     with device_guard(dev):
         for g in plan.groups:
             if g.count == 0:
                 continue
             _stats_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, fpart, ipart, g.b0, nb,
-                DT=tl_dtype(g.dtypes[0]), ACC=tl_acc, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
+                DT=tl_dtype(g.dtypes[0]), ACC=tl.float64, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
                 num_warps=Config.NUM_WARPS)
         _stats_finalize_kernel[(triton.cdiv(n, Config.SEG_BLOCK),)](
             fpart, ipart, plan.seg, norm, max_abs, nan, inf, zero, plan.nsegs, nb,
-            ACC=tl_acc, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+            ACC=tl.float64, OUT=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
     return norm, max_abs, nan, inf, zero
