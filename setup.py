@@ -96,7 +96,7 @@ def _plan():
         "python": sys.version.split()[0],
     }
     if with_cuda:
-        nvcc_flags = ["-O3", "--fmad=false", "-DFASTGRAD_WITH_CUDA=1"]
+        nvcc_flags = ["-O3", "-DFASTGRAD_WITH_CUDA=1"]
         for a in archs:
             nvcc_flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         ext = cpp_extension.CUDAExtension(EXT_NAME, cpu_sources + cuda_sources,

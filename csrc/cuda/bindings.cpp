@@ -1,0 +1,247 @@
+// torch side of the CUDA kernels: turns tensor lists into the Seg table of fastgrad_cuda.h, uploads it,
+// allocates outputs and workspace through torch's caching allocator, and launches on the current
+// stream. Compiled only in CUDA builds.
+#include "fastgrad_cuda.h"
+#include "../cpu/kernels.h"  // Flat views (device-agnostic)
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace fastgrad {
+namespace cuda_bind {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+using cpu::Flat;
+
+int32_t dtype_code(c10::ScalarType st) {
+  switch (st) {
+    case at::kFloat: return fgcuda::kF32;
+    case at::kHalf: return fgcuda::kF16;
+    case at::kBFloat16: return fgcuda::kBF16;
+    case at::kDouble: return fgcuda::kF64;
+    default: TORCH_CHECK(false, "fastgrad (CUDA): unsupported dtype ", st);
+  }
+}
+
+int mode_code(double p) {
+  switch (cpu::mode_for(p)) {
+    case cpu::Mode::L1: return fgcuda::kL1;
+    case cpu::Mode::L2: return fgcuda::kL2;
+    case cpu::Mode::Inf: return fgcuda::kInf;
+    default: return fgcuda::kP;
+  }
+}
+
+void check(int err, const char* op) {
+  TORCH_CHECK(err == 0, "fastgrad::", op, " CUDA launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+void check_device(TensorList ts, const char* op) {
+  const auto dev = ts[0].device();
+  for (const auto& t : ts)
+    TORCH_CHECK(t.device() == dev, "fastgrad::", op, ": all tensors must be on ", dev, ", got ", t.device());
+}
+
+// The Seg table, planned on the host and copied to the device behind the kernels on the stream.
+struct Table {
+  Tensor dev;
+  int64_t nseg = 0, nchunks = 0, nrows = 0;
+  const fgcuda::Seg* ptr() const { return reinterpret_cast<const fgcuda::Seg*>(dev.data_ptr()); }
+};
+
+Table upload(std::vector<fgcuda::Seg>& segs, const at::Device& device) {
+  Table t;
+  t.nseg = static_cast<int64_t>(segs.size());
+  t.nchunks = fgcuda::plan(segs.data(), t.nseg, &t.nrows);
+  const int64_t bytes = t.nseg * static_cast<int64_t>(sizeof(fgcuda::Seg));
+  // Pinned staging + async copy: no host sync; the caching host allocator keeps the buffer until the
+  // copy has run.
+  Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), segs.data(), static_cast<size_t>(bytes));
+  t.dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  t.dev.copy_(host, /*non_blocking=*/true);
+  return t;
+}
+
+Tensor workspace(const Table& t, const at::Device& device) {
+  return at::empty({static_cast<int64_t>(fgcuda::workspace_bytes(t.nchunks, t.nrows))},
+                   at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+fgcuda::Seg whole(const Flat& f) {
+  return {f.ptr, nullptr, 1, f.n, 0, 0, 0, dtype_code(f.st), 0};
+}
+
+bool any_double(TensorList ts) {
+  for (const auto& t : ts)
+    if (t.scalar_type() == at::kDouble) return true;
+  return false;
+}
+
+fgcuda::Stream stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// --------------------------------------------------------------------------------------------- ops
+std::tuple<Tensor, Tensor> norm_impl(TensorList tensors, const Tensor* inv, double p, Tensor* found) {
+  const at::Device dev = tensors[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : tensors) {
+    fl.push_back(cpu::flat(t, false));
+    segs.push_back(whole(fl.back()));
+  }
+  const bool acc64 = any_double(tensors);
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  const auto opts = at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat).device(dev);
+  Tensor total = at::empty({}, opts), per = at::empty({tab.nrows}, opts);
+  Tensor inv_f;
+  if (inv != nullptr) {
+    inv_f = inv->to(dev, at::kFloat).contiguous();
+    *found = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(dev));
+  }
+  check(fgcuda::norm(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, mode_code(p), p, acc64,
+                     inv ? inv_f.data_ptr<float>() : nullptr, total.data_ptr(), per.data_ptr(),
+                     inv ? found->data_ptr<float>() : nullptr, ws.data_ptr(), stream()),
+        inv ? "amp_norm" : "norm");
+  return {total, per};
+}
+
+std::tuple<Tensor, Tensor> norm_cuda(TensorList tensors, double p) {
+  check_device(tensors, "norm");
+  return norm_impl(tensors, nullptr, p, nullptr);
+}
+
+std::tuple<Tensor, Tensor> amp_norm_cuda(TensorList tensors, const Tensor& inv_scale, double p) {
+  check_device(tensors, "amp_norm");
+  Tensor found;
+  Tensor total = std::get<0>(norm_impl(tensors, &inv_scale, p, &found));
+  return {total, found};
+}
+
+void scale_cuda(TensorList tensors, const Tensor& factor) {
+  check_device(tensors, "scale_");
+  const at::Device dev = tensors[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  Tensor f = factor.to(dev, factor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : tensors) {
+    fl.push_back(cpu::flat(t, true));
+    segs.push_back(whole(fl.back()));
+  }
+  Table tab = upload(segs, dev);
+  check(fgcuda::scale(tab.ptr(), tab.nseg, tab.nchunks, f.data_ptr(),
+                      f.scalar_type() == at::kDouble ? fgcuda::kF64 : fgcuda::kF32, stream()),
+        "scale_");
+  for (auto& x : fl) cpu::finish(x);
+}
+
+void clip_value_cuda(TensorList tensors, double c) {
+  check_device(tensors, "clip_value_");
+  const at::Device dev = tensors[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : tensors) {
+    fl.push_back(cpu::flat(t, true));
+    segs.push_back(whole(fl.back()));
+  }
+  Table tab = upload(segs, dev);
+  check(fgcuda::clamp(tab.ptr(), tab.nseg, tab.nchunks, c, stream()), "clip_value_");
+  for (auto& x : fl) cpu::finish(x);
+}
+
+void agc_cuda(TensorList params, TensorList grads, double clip_factor, double eps, double p) {
+  check_device(grads, "agc_");
+  check_device(params, "agc_");
+  TORCH_CHECK(params.size() == grads.size(), "fastgrad::agc_: params and grads differ in length");
+  const at::Device dev = grads[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fw, fg;
+  std::vector<fgcuda::Seg> segs;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    TORCH_CHECK(params[i].sizes() == grads[i].sizes(), "fastgrad::agc_: param and grad shapes differ");
+    fw.push_back(cpu::flat_rows(params[i], false));
+    fg.push_back(cpu::flat_rows(grads[i], true));
+    const int64_t rows = grads[i].dim() <= 1 ? 1 : grads[i].size(0);
+    const int64_t len = rows > 0 ? grads[i].numel() / rows : 0;
+    segs.push_back({fg.back().ptr, fw.back().ptr, rows, len, 0, 0, 0, dtype_code(fg.back().st), dtype_code(fw.back().st)});
+  }
+  const bool acc64 = any_double(grads) || any_double(params);
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  check(fgcuda::agc(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, mode_code(p), p, acc64, clip_factor, eps,
+                    ws.data_ptr(), stream()),
+        "agc_");
+  for (auto& x : fg) cpu::finish(x);
+}
+
+void centralize_cuda(TensorList grads) {
+  check_device(grads, "centralize_");
+  const at::Device dev = grads[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fg;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& g : grads) {
+    if (g.dim() <= 1) continue;  // 1-D gradients are not centralised
+    fg.push_back(cpu::flat_rows(g, true));
+    const int64_t rows = g.size(0);
+    const int64_t len = rows > 0 ? g.numel() / rows : 0;
+    segs.push_back({fg.back().ptr, nullptr, rows, len, 0, 0, 0, dtype_code(fg.back().st), 0});
+  }
+  if (segs.empty()) return;
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  check(fgcuda::centralize(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, ws.data_ptr(), stream()), "centralize_");
+  for (auto& x : fg) cpu::finish(x);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cuda(TensorList tensors) {
+  check_device(tensors, "grad_stats");
+  const at::Device dev = tensors[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : tensors) {
+    fl.push_back(cpu::flat(t, false));
+    segs.push_back(whole(fl.back()));
+  }
+  const bool acc64 = any_double(tensors);
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  const auto fopts = at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat).device(dev);
+  const auto lopts = at::TensorOptions().dtype(at::kLong).device(dev);
+  Tensor norm = at::empty({tab.nrows}, fopts), mx = at::empty({tab.nrows}, fopts);
+  Tensor nan = at::empty({tab.nrows}, lopts), inf = at::empty({tab.nrows}, lopts), zero = at::empty({tab.nrows}, lopts);
+  check(fgcuda::stats(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, acc64, norm.data_ptr(), mx.data_ptr(),
+                      nan.data_ptr<int64_t>(), inf.data_ptr<int64_t>(), zero.data_ptr<int64_t>(), ws.data_ptr(),
+                      stream()),
+        "grad_stats");
+  return {norm, mx, nan, inf, zero};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastgrad, CUDA, m) {
+  m.impl("norm", &norm_cuda);
+  m.impl("amp_norm", &amp_norm_cuda);
+  m.impl("scale_", &scale_cuda);
+  m.impl("clip_value_", &clip_value_cuda);
+  m.impl("agc_", &agc_cuda);
+  m.impl("centralize_", &centralize_cuda);
+  m.impl("grad_stats", &grad_stats_cuda);
+}
+
+}  // namespace cuda_bind
+}  // namespace fastgrad
