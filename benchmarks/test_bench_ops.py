@@ -1,0 +1,96 @@
+"""pytest-benchmark cases for the main ops, so regressions show in its comparison tool:
+
+    python -m pytest benchmarks --benchmark-only --benchmark-autosave      # then later
+    python -m pytest benchmarks --benchmark-only --benchmark-compare
+
+Not part of the ``tests/`` run (pyproject's testpaths). Each case benchmarks fastgrad on every backend usable
+on the device and the torch baseline, on a real model's shapes (scaled to ``FASTGRAD_BENCH_MAX_MB`` MiB of
+gradients, default 16 on the CPU and unscaled on CUDA) and on the 4000-small-tensor workload. Gradients are
+restored before every round (untimed), so ops that write them always see the same data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from . import ops as O
+from . import workloads as W
+from .runner import usable_backends
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+MAX_MB = float(os.environ.get("FASTGRAD_BENCH_MAX_MB", "16" if DEVICE.type == "cpu" else "0"))
+BACKENDS, _ = usable_backends(DEVICE)
+WORKLOADS = ("resnet50", "gpt2-124m", "small-4000")
+OPS = ("norm", "clip", "clip_trig", "clip_value", "amp_clip", "agc", "gc", "grad_stats")
+
+_states: dict[str, O.OpState] = {}
+
+
+def _state(workload: str) -> O.OpState:
+    if workload not in _states:
+        _states.clear()  # one materialized workload at a time
+        w = W.prepare(workload, int(MAX_MB * 2**20) if MAX_MB > 0 else None)
+        st = O.OpState(W.materialize(w, DEVICE))
+        st.save()
+        _states[workload] = st
+    return _states[workload]
+
+
+def _synced(fn):
+    if DEVICE.type != "cuda":
+        return fn
+
+    def call():
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return call
+
+
+def _run(benchmark, st: O.OpState, op: str, fn) -> None:
+    spec = O.OPS[op]
+    benchmark.extra_info.update(op=op, device=str(DEVICE), grad_mb=sum(g.numel() * g.element_size()
+                                                                         for g in st.grads) / 2**20)
+
+    def setup():
+        st.restore()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+
+    rounds = 5 if DEVICE.type == "cpu" else 20
+    benchmark.pedantic(_synced(fn), setup=setup if spec.mutates else None, rounds=rounds, iterations=1,
+                       warmup_rounds=1)
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("impl", ["torch-eager"] + [f"fastgrad-{b}" for b in BACKENDS])
+def test_bench(benchmark, workload, op, impl):
+    st = _state(workload)
+    benchmark.group = f"{workload}:{op}"
+    if impl == "torch-eager":
+        fn = O.torch_fn(op, st)
+    else:
+        fn = O.fastgrad_fn(op, st, impl.removeprefix("fastgrad-"))
+    _run(benchmark, st, op, fn)
+    # The benchmarked call must also be the right call. SPEC section 3's accuracy rule: against a float64
+    # oracle, fastgrad's clipped gradients are no further off than torch's own (plus 1 ulp).
+    if op == "clip_trig" and impl != "torch-eager":
+        st.restore()
+        fn()
+        mine = [g.clone() for g in st.grads]
+        st.restore()
+        O.torch_fn(op, st)()
+        theirs = [g.clone() for g in st.grads]
+        st.restore()
+        orig = [g.double() for g in st.grads]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in orig]))
+        coef = torch.clamp(st.max_norm_trig / (norm + 1e-6), max=1.0)
+        for a, b, g in zip(mine, theirs, orig):
+            ref = g * coef
+            ulp = torch.finfo(a.dtype).eps * ref.abs().max()
+            assert (a.double() - ref).abs().max() <= (b.double() - ref).abs().max() + ulp

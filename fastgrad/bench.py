@@ -1,0 +1,167 @@
+"""``python -m fastgrad.bench``: benchmark fastgrad against torch on this machine's device.
+
+Prints a table and writes ``results.csv``, ``results.md``, ``meta.json`` and ``speedup.png`` under
+``--out`` (default ``bench_results/``). The workloads and the runner live in the repository's
+``benchmarks/`` package (next to this package in a source checkout or an editable install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _import_benchmarks():
+    try:
+        import benchmarks.runner  # noqa: F401
+    except ImportError:
+        # Source checkout / editable install: benchmarks/ sits next to the fastgrad package.
+        root = Path(__file__).resolve().parent.parent
+        if (root / "benchmarks" / "runner.py").exists():
+            sys.path.insert(0, str(root))
+        else:
+            raise SystemExit("fastgrad.bench needs the repository's benchmarks/ folder (run it from a source "
+                             "checkout or an editable install)") from None
+    import benchmarks
+
+    return benchmarks
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastgrad.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--quick", action="store_true",
+                   help="small workloads and short timing (about a minute on a 2-core CPU)")
+    p.add_argument("--workloads", default="all", help="comma list or 'all' (see --list)")
+    p.add_argument("--ops", default="all", help="comma list or 'all' (see --list)")
+    p.add_argument("--backends", default="all", help="fastgrad backends, comma list or 'all' usable on the device")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="also time torch.compile of each torch baseline (auto: on CUDA only)")
+    p.add_argument("--compile-workloads", default="all",
+                   help="workloads for the torch.compile baseline (compiling takes seconds to minutes each)")
+    p.add_argument("--max-mb", type=float, default=None,
+                   help="cap on gradient MiB per workload; larger ones are scaled down (default: from memory, "
+                        "and 128 MiB on the CPU, 24 with --quick)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="target seconds of timing per case (default 1.0; 0.15 with --quick)")
+    p.add_argument("--min-reps", type=int, default=None)
+    p.add_argument("--max-reps", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice). On a busy shared machine 1 avoids OpenMP "
+                        "oversubscription, which makes multi-threaded timings erratic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results", help="results folder (created)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list workloads and ops, then exit")
+    return p
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar when tqdm is installed, else a plain line per case on stderr."""
+    if not enabled:
+        return None, lambda: None
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+        def step(desc: str) -> None:
+            bar.set_description_str(desc[:48])
+            bar.update(1)
+
+        return step, bar.close
+    except ImportError:
+        count = [0]
+
+        def step(desc: str) -> None:
+            count[0] += 1
+            print(f"[{count[0]}/{total}] {desc}", file=sys.stderr, flush=True)
+
+        return step, lambda: None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    bm = _import_benchmarks()
+    from benchmarks import ops as O
+    from benchmarks import report, runner
+    from benchmarks import workloads as W
+
+    if args.list:
+        print("workloads:")
+        for name, spec in W.WORKLOADS.items():
+            print(f"  {name:<11} {spec.title}  ({W.nbytes(spec.build()) / 2**20:.0f} MiB of grads)")
+        print("ops:")
+        for name, spec in O.OPS.items():
+            print(f"  {name:<11} {spec.title}  (baseline: {spec.baseline})")
+        return 0
+
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    workloads = list(W.DEFAULT_WORKLOADS) if args.workloads == "all" else _csv(args.workloads)
+    ops = list(O.OPS) if args.ops == "all" else _csv(args.ops)
+    for name in workloads:
+        if name not in W.WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(W.WORKLOADS)}")
+    for name in ops:
+        if name not in O.OPS:
+            raise SystemExit(f"unknown op {name!r}; known: {', '.join(O.OPS)}")
+    use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    quick = args.quick
+    cfg = runner.Config(
+        device=device, workloads=workloads, ops=ops,
+        backends=None if args.backends == "all" else _csv(args.backends),
+        quick=quick,
+        max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
+        compile=use_compile,
+        compile_workloads=None if args.compile_workloads == "all" else _csv(args.compile_workloads),
+        budget_s=args.budget if args.budget is not None else (0.15 if quick else 1.0),
+        min_reps=args.min_reps if args.min_reps is not None else (3 if quick else 5),
+        max_reps=args.max_reps if args.max_reps is not None else (10 if quick else 50),
+        warmup=1 if quick else 2,
+        seed=args.seed,
+        command="python -m fastgrad.bench" + "".join(" " + shlex.quote(a) for a in
+                                                     (sys.argv[1:] if argv is None else argv)),
+    )
+    usable, _ = runner.usable_backends(device)
+    chosen = usable if cfg.backends is None else [b for b in usable if b in cfg.backends]
+    per_case = 1 + len(chosen)
+    total = 0
+    for w in workloads:
+        c = per_case + (1 if use_compile and (cfg.compile_workloads is None or w in cfg.compile_workloads) else 0)
+        total += c * len(ops)
+    step, close = _progress(total, not args.no_progress)
+    try:
+        res = runner.run(cfg, step)
+    finally:
+        close()
+    out = Path(args.out)
+    paths = report.write_all(res, out, png=not args.no_plot)
+    print("\n".join(report.meta_lines(res)))
+    print()
+    print(report.console_table(res))
+    print()
+    print("wrote: " + ", ".join(str(p) for p in paths.values()))
+    del bm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

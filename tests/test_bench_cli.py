@@ -1,0 +1,82 @@
+"""Smoke test of ``python -m fastgrad.bench`` on a tiny workload, and the workload definitions themselves."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from fastgrad import bench
+
+bench._import_benchmarks()
+from benchmarks import ops as O  # noqa: E402
+from benchmarks import workloads as W  # noqa: E402
+from benchmarks.runner import usable_backends  # noqa: E402
+
+
+@pytest.mark.parametrize("name,params", [
+    # Published parameter counts of the architectures the shape lists are derived from.
+    ("gpt2-124m", 124_439_808),
+    ("resnet50", 25_557_032),
+    ("vit-b16", 86_567_656),
+    ("llama-1b", 1_235_814_400),
+    ("llama-7b", 6_738_415_616),
+    ("mixed", 124_439_808),
+])
+def test_workload_parameter_counts(name, params):
+    assert sum(W.numel(s) for _, s, _ in W.WORKLOADS[name].build()) == params
+
+
+def test_small_tensor_workload():
+    entries = W.small_tensors()
+    assert len(entries) == 4000
+    assert all(1024 <= W.numel(s) <= 16384 for _, s, _ in entries)
+
+
+def test_scaling_keeps_tensor_count_and_inner_dims():
+    w = W.prepare("gpt2-124m", 8 * 2**20)
+    full = W.gpt2_small()
+    assert w.n_tensors == len(full) and w.note
+    assert w.grad_bytes <= 8 * 2**20
+    for (_, s, _), (_, f, _) in zip(w.entries, full):
+        assert len(s) == len(f) and tuple(s[1:]) == tuple(f[1:])
+    # small-4000 is defined by its sizes: never shrunk, only annotated
+    s = W.prepare("small-4000", 2**20)
+    assert s.entries == W.small_tensors() and s.note
+
+
+def test_cli_tiny(tmp_path, capsys):
+    out = tmp_path / "res"
+    rc = bench.main(["--quick", "--workloads", "tiny", "--out", str(out), "--no-progress", "--device", "cpu",
+                     "--budget", "0", "--min-reps", "1", "--max-reps", "1"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tiny" in printed and "torch eager" in printed
+    lines = (out / "results.csv").read_text().splitlines()
+    meta_lines = [line for line in lines if line.startswith("#")]
+    assert any(line.startswith("# command: python -m fastgrad.bench --quick --workloads tiny") for line in meta_lines)
+    for key in ("device", "date", "torch", "triton", "cuda"):
+        assert any(line.startswith(f"# {key}: ") for line in meta_lines), key
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    backends, _ = usable_backends(__import__("torch").device("cpu"))
+    impls = {"torch eager"} | {f"fastgrad:{b}" for b in backends}
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in O.OPS for i in impls}
+    for r in rows:
+        assert r["note"] == "", r
+        assert float(r["median_ms"]) > 0 and math.isfinite(float(r["gbps"]))
+        if r["impl"] != "torch eager":
+            assert float(r["x_eager"]) > 0
+    md = (out / "results.md").read_text()
+    assert "## All results" in md and "python -m fastgrad.bench" in md
+    assert json.loads((out / "meta.json").read_text())["device_type"] == "cpu"
+    pytest.importorskip("matplotlib")
+    assert (out / "speedup.png").stat().st_size > 1000
+
+
+def test_cli_rejects_unknown_names(tmp_path):
+    with pytest.raises(SystemExit, match="unknown workload"):
+        bench.main(["--workloads", "nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown op"):
+        bench.main(["--ops", "nope", "--out", str(tmp_path)])
