@@ -34,7 +34,8 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
 
     - ``spike``: a step after ``new_after`` whose norm exceeds mean + k_sigma * std of the (up to ``window``)
       finite norms before it; needs ``min_history`` of them. The std is floored at 5% of the mean so that a
-      nearly constant history does not turn small wobbles into spikes.
+      nearly constant history does not turn small wobbles into spikes. A warning if some spike is also over
+      twice the mean, else a notice.
     - ``increasing``: over the last ``window`` finite norms split in four quarters, each quarter's median is
       above the previous one and the last is at least twice the first (medians ignore single spikes).
     - ``decaying``: each quarter's median below the previous one and the last one under the vanishing
@@ -42,7 +43,7 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
     """
     th = thresholds or Thresholds()
     found: list[Finding] = []
-    spikes = []
+    spikes, big = [], False
     for i, (s, v) in enumerate(zip(steps, norms)):
         if s <= new_after or not math.isfinite(v):
             continue
@@ -54,8 +55,11 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
         std = max(std, 0.05 * abs(mean))
         if v > mean + k_sigma * std:
             spikes.append(s)
+            big = big or v > 2 * mean
     if spikes:
-        found.append(Finding("spike", "warning", f"gradient norm spikes (> {k_sigma:g} sigma)",
+        # Over a long noisy history some k-sigma excursions are chance: only a spike that also doubles the
+        # mean norm is a warning.
+        found.append(Finding("spike", "warning" if big else "notice", f"gradient norm spikes (> {k_sigma:g} sigma)",
                              f"{len(spikes)} step(s) above mean + {k_sigma:g} std of the preceding history.",
                              steps=spikes))
     recent = [v for v in norms[-window:] if math.isfinite(v)]

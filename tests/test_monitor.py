@@ -163,6 +163,8 @@ def test_decay_to_zero_and_the_learning_caveat():
 def test_detect_trends_needs_history():
     assert detect_trends(list(range(1, 6)), [1, 1, 1, 1, 100]) == []  # 4 points: too few for a baseline
     assert detect_trends(list(range(1, 13)), [1.0] * 11 + [1.1]) == []  # std floor: a 10% wobble is no spike
+    (small,) = detect_trends(list(range(1, 13)), [1.0] * 11 + [1.5])  # over 3 sigma, under 2x the mean
+    assert small.code == "spike" and small.severity == "notice" and small.steps == [12]
 
 
 def test_huge_lr_training_is_flagged_by_the_monitor():
