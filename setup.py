@@ -129,9 +129,14 @@ def _plan():
         def _write_info(self, error):
             data = dict(info, built=error is None, build_error=error)
             path = self._info_path()
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as fh:
-                json.dump(data, fh, indent=1, sort_keys=True)
+            targets = [path]
+            if self.inplace or getattr(self, "editable_mode", False):
+                # In-place/editable builds import the module from the source tree: record it there too.
+                targets.append(os.path.join(HERE, "fastgrad", INFO_NAME))
+            for target in dict.fromkeys(os.path.abspath(t) for t in targets):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "w") as fh:
+                    json.dump(data, fh, indent=1, sort_keys=True)
 
         def get_outputs(self):
             return super().get_outputs() + [self._info_path()]
