@@ -1,0 +1,247 @@
+"""Kernel-level tests of the Triton backend beyond the shared suite: block/chunk boundaries, table caching,
+determinism, long and mixed lists, non-contiguous inputs, the custom ops. On CPU they run under the
+Triton interpreter (conftest sets TRITON_INTERPRET=1 when there is no GPU) with tiny tiles, so small
+tensors cross BLOCK and CHUNK boundaries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastgrad import backends
+
+from . import oracle
+
+triton_backend = backends.get("triton")
+if triton_backend.unavailable_reason() is not None:
+    pytest.skip(f"triton backend unavailable: {triton_backend.unavailable_reason()}", allow_module_level=True)
+
+from fastgrad import triton_kernels as tk  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TORCH = backends.get("torch")
+INF = float("inf")
+# odd sizes around BLOCK=32 / CHUNK=96 (set below), a multi-chunk one, zero-size and >1-D shapes
+SIZES = [(1,), (31,), (32,), (33,), (95,), (96,), (97,), (1000,), (0,), (7, 33), (2, 0, 3), (5, 1, 61)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(tk.Config, "BLOCK", 32)
+    monkeypatch.setattr(tk.Config, "CHUNK", 96)
+    monkeypatch.setattr(tk.Config, "SEG_BLOCK", 16)
+    monkeypatch.setattr(tk.Config, "PART_BLOCK", 4)
+    tk.clear_cache()
+    yield
+    tk.clear_cache()
+
+
+def make(sizes, dtypes, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(sizes):
+        dt = dtypes[i % len(dtypes)]
+        out.append((torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dt).to(DEVICE))
+    return out
+
+
+def rtol_for(acc):
+    return 1e-12 if acc == torch.float64 else 1e-6
+
+
+def bits(t):
+    t = t.detach().cpu()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16)
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int64) if t.dtype.is_floating_point else t
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF, 3.0, 0.5])
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], [torch.float16, torch.bfloat16],
+                                    DTYPES], ids=["fp32", "fp64", "half", "mixed"])
+def test_norm_against_fp64_oracle(norm_type, dtypes):
+    ts = make(SIZES, dtypes, seed=1)
+    total, per = triton_backend.norm(ts, norm_type, per_tensor=True)
+    acc = backends.acc_dtype(ts)
+    assert total.dtype == acc and per.dtype == acc and per.shape == (len(ts),) and total.dim() == 0
+    exp = torch.tensor([oracle.tensor_norm(t, norm_type) for t in ts], dtype=torch.float64)
+    # fp64 partials: per-tensor norms are within a few ulps of the exact value
+    torch.testing.assert_close(per.cpu().double(), exp, rtol=rtol_for(acc) / 4, atol=0)
+    torch.testing.assert_close(total.cpu().double(), torch.tensor(oracle.total_norm(ts, norm_type), dtype=torch.float64),
+                               rtol=rtol_for(acc) / 4, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 300])
+def test_list_lengths_and_single_launch_tables(n):
+    sizes = [((i * 37) % 150,) for i in range(n)]
+    ts = make(sizes, DTYPES, seed=2)
+    total, per = triton_backend.norm(ts, 2.0, per_tensor=True)
+    exp = torch.tensor([oracle.tensor_norm(t, 2.0) for t in ts], dtype=torch.float64)
+    torch.testing.assert_close(per.cpu().double(), exp, rtol=1e-12, atol=0)
+    plan = tk.multi_tensor.get_plan((ts,))
+    assert len(plan.groups) == min(n, 4)  # one launch per dtype present, whatever n
+    assert plan.nblocks == sum(math.ceil(s[0] / tk.Config.CHUNK) for s in sizes)
+
+
+def test_plan_cache_hits_and_keys():
+    ts = make(SIZES, [torch.float32], seed=3)
+    triton_backend.norm(ts, 2.0)
+    before = tk.cache_stats()
+    triton_backend.norm(list(ts), 2.0)
+    triton_backend.scale_(ts, torch.tensor(0.5, device=DEVICE))  # same list: same tables
+    after = tk.cache_stats()
+    assert after["builds"] == before["builds"] and after["hits"] >= before["hits"] + 2
+    triton_backend.norm(ts[:-1], 2.0)  # a different list builds new tables
+    assert tk.cache_stats()["builds"] == after["builds"] + 1
+
+
+@pytest.mark.parametrize("op", ["norm", "amp_norm", "stats", "agc", "gc"])
+def test_bitwise_determinism_20_runs(op):
+    ts = make(SIZES + [(300,), (4, 250)], DTYPES, seed=4)
+    params = make(SIZES + [(300,), (4, 250)], DTYPES, seed=5)
+    results = []
+    for _ in range(20):
+        if op == "norm":
+            r = list(triton_backend.norm(ts, 2.0, per_tensor=True))
+        elif op == "amp_norm":
+            r = list(triton_backend.amp_norm(ts, torch.tensor(0.25, device=DEVICE), 3.0))
+        elif op == "stats":
+            r = list(triton_backend.grad_stats(ts).values())
+        elif op == "agc":
+            gs = [t.clone() for t in ts]
+            triton_backend.agc_(params, gs, 0.01, 1e-3, 2.0)
+            r = gs
+        else:
+            gs = [t.clone() for t in ts if t.dim() > 1]
+            triton_backend.centralize_(gs)
+            r = gs
+        results.append([bits(x) for x in r])
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, results[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_and_clip_value_match_torch_bitwise(dtype):
+    ts = make(SIZES, [dtype], seed=6)
+    for factor in (torch.tensor(0.3, device=DEVICE), torch.tensor(1.0, device=DEVICE),
+                   torch.tensor(0.3, device=DEVICE, dtype=torch.float64)):
+        a = [t.clone() for t in ts]
+        triton_backend.scale_(a, factor)
+        exp = [(t.to(torch.float64 if (dtype == torch.float64 or factor.dtype == torch.float64)
+                     else torch.float32) * factor).to(dtype) for t in ts]
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, exp))
+    a = [t.clone() for t in ts]
+    b = [t.clone() for t in ts]
+    triton_backend.clip_value_(a, 0.1)
+    for t in b:  # clamp in the op-math type, rounded once
+        c = t.double() if dtype == torch.float64 else t.float()
+        t.copy_(c.clamp(-0.1 if dtype == torch.float64 else float(torch.tensor(-0.1)),
+                        0.1 if dtype == torch.float64 else float(torch.tensor(0.1))))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+def test_scale_nan_factor_and_nan_values():
+    ts = make([(50,), (7, 9)], [torch.float32, torch.bfloat16], seed=7)
+    ts[0][3] = float("nan")
+    triton_backend.scale_(ts, torch.tensor(float("nan"), device=DEVICE))
+    assert all(torch.isnan(t).all() for t in ts)
+    ts = make([(50,)], [torch.float32], seed=7)
+    ts[0][3] = float("nan")
+    ts[0][4] = float("inf")
+    triton_backend.clip_value_(ts, 1.0)
+    assert torch.isnan(ts[0][3]) and ts[0][4] == 1.0
+
+
+def test_amp_norm_found_inf_and_unscaled_norm():
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=8, scale=1024.0)
+    inv = torch.tensor(1 / 1024.0, device=DEVICE)
+    total, found = triton_backend.amp_norm(ts, inv, 2.0)
+    assert found.dtype == torch.float32 and float(found) == 0.0
+    rt, _ = TORCH.amp_norm(ts, inv, 2.0)
+    torch.testing.assert_close(total, rt, rtol=1e-6, atol=0)
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        t2 = [t.clone() for t in ts]
+        t2[6][95] = bad  # last element of a chunk
+        _, found = triton_backend.amp_norm(t2, inv, 2.0)
+        assert float(found) == 1.0
+
+
+def test_grad_stats_counts():
+    ts = make([(100,), (3, 70), (0,), (1,)], [torch.float32, torch.float16], seed=9)
+    ts[0][[0, 50, 99]] = 0.0
+    ts[0][10] = float("nan")
+    ts[1][2, 69] = -float("inf")
+    ts[1][0, 0] = 0.0
+    s = triton_backend.grad_stats(ts)
+    r = TORCH.grad_stats(ts)
+    for k in ("nan", "inf", "zero"):
+        assert s[k].dtype == torch.int64 and torch.equal(s[k].cpu(), r[k].cpu()), k
+    torch.testing.assert_close(s["norm"], r["norm"], rtol=1e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(s["max_abs"], r["max_abs"], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF])
+def test_agc_and_gc_match_torch_backend(norm_type):
+    shapes = [(7, 33), (4, 3, 5, 5), (200,), (3, 100), (1,), (2, 0, 3), (0, 4)]
+    gs = make(shapes, [torch.float32], seed=10)
+    ps = make(shapes, [torch.float32], seed=11, scale=0.05)
+    a = [g.clone() for g in gs]
+    b = [g.clone() for g in gs]
+    triton_backend.agc_(ps, a, 0.01, 1e-3, norm_type)
+    TORCH.agc_(ps, b, 0.01, 1e-3, norm_type)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    a = [g.clone() for g in gs if g.dim() > 1]
+    b = [g.clone() for g in gs if g.dim() > 1]
+    triton_backend.centralize_(a)
+    TORCH.centralize_(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_noncontiguous_inputs():
+    base = make([(40, 70), (30, 20), (9, 10, 11)], [torch.float32], seed=12)
+    views = [base[0].t(), base[1][:, ::2], base[2].permute(2, 0, 1)]  # dense, strided, dense
+    total, per = triton_backend.norm(views, 2.0, per_tensor=True)
+    exp = torch.tensor([oracle.tensor_norm(v, 2.0) for v in views], dtype=torch.float64)
+    torch.testing.assert_close(per.cpu().double(), exp, rtol=1e-6, atol=0)
+    ref = [v.clone() for v in views]
+    triton_backend.scale_(views, torch.tensor(0.5, device=DEVICE))
+    assert all(torch.equal(v, r * 0.5) for v, r in zip(views, ref))
+    ref = [v.clone() for v in views]
+    triton_backend.centralize_(views)
+    TORCH.centralize_(ref)
+    for v, r in zip(views, ref):
+        torch.testing.assert_close(v, r, rtol=1e-6, atol=1e-6)
+    assert base[1][:, 1::2].abs().sum() > 0  # untouched columns of the strided view stay
+
+
+def test_custom_ops_registered_and_fake():
+    ts = make([(10,), (3, 4)], [torch.float32], seed=13)
+    total, per = torch.ops.fastgrad_triton.norm(ts, 2.0)
+    torch.testing.assert_close(total, triton_backend.norm(ts, 2.0)[0])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fts = [mode.from_tensor(t) for t in ts]
+        t2, p2 = torch.ops.fastgrad_triton.norm(fts, 2.0)
+        assert t2.shape == () and p2.shape == (2,) and t2.dtype == torch.float32
+        out = torch.ops.fastgrad_triton.grad_stats(fts)
+        assert [o.dtype for o in out] == [torch.float32] * 2 + [torch.int64] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with > 10 GB free")
+def test_over_2_pow_31_elements():
+    n = 2**31 + 1000
+    x = torch.zeros(n, dtype=torch.float16, device="cuda")
+    x[-3:] = 2.0
+    x[5] = 1.0
+    total, _ = triton_backend.norm([x], 2.0)
+    assert float(total) == math.sqrt(13.0)
+    triton_backend.scale_([x], torch.tensor(0.5, device="cuda"))
+    assert float(x[-1]) == 1.0 and float(x[5]) == 0.5
+    s = triton_backend.grad_stats([x])
+    assert int(s["zero"][0]) == n - 4
