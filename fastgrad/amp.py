@@ -223,16 +223,21 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     if not scaler.is_enabled():
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
 
+    if not _known_unscale(scaler):
+        # A scaler with its own unscale_ (and its own rules): run it, then clip.
+        scaler.unscale_(optimizer)
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+
     state = scaler._per_optimizer_states[id(optimizer)]
     _check_ready(scaler, state)
     sharded = _is_sharded(scaler)
     grads = I.grads_of(params)
     if not sharded and any(g.dtype == torch.float16 for g in grads):
         raise ValueError("Attempting to unscale FP16 gradients.")
-    if I.check_tensors(grads) or not _known_unscale(scaler):
-        # Sparse/complex grads or a scaler with its own unscale_: run the real thing, then clip.
-        if I.check_tensors(grads):
-            _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
+    if I.check_tensors(grads):
+        # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
+        # was asked for by name).
+        _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
 

@@ -565,3 +565,36 @@ def test_grads_on_cpu_and_cuda():
     _assert_same_state(s1, o1, s2, o2)
     assert set(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == {torch.device("cuda", 0),
                                                                               torch.device("cpu")}
+
+
+def test_sparse_grads_go_through_torch():
+    """Sparse gradients: torch's own unscale_ (which coalesces them) then torch's clip, so the outcome is
+    torch's, whatever it is (this torch cannot take the norm of a sparse CPU grad: both raise alike)."""
+    emb1 = torch.nn.Embedding(10, 3, sparse=True)
+    emb2 = torch.nn.Embedding(10, 3, sparse=True)
+    emb2.load_state_dict(emb1.state_dict())
+    outs = []
+    for emb in (emb1, emb2):
+        opt, s = torch.optim.SGD(emb.parameters(), lr=0.1), _scaler("cpu", 64.0)
+        s.scale(emb(torch.tensor([1, 2, 2, 7])).sum()).backward()
+        outs.append((emb, opt, s))
+    (e1, o1, s1), (e2, o2, s2) = outs
+    # A fused backend asked for by name refuses before anything happens.
+    with pytest.raises(fastgrad.BackendError):
+        fastgrad.scaler_unscale_and_clip(s1, o1, 0.5, backend="triton")
+    assert s1._per_optimizer_states[id(o1)]["stage"] is OptState.READY
+    try:
+        ours = fastgrad.scaler_unscale_and_clip(s1, o1, 0.5)
+    except Exception as e:  # noqa: BLE001 - compared with torch's outcome below
+        ours = type(e)
+    s2.unscale_(o2)
+    try:
+        theirs = torch.nn.utils.clip_grad_norm_(e2.parameters(), 0.5)
+    except Exception as e:  # noqa: BLE001
+        theirs = type(e)
+    if isinstance(theirs, type):
+        assert ours is theirs
+    else:
+        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(e1.weight.grad.to_dense(), e2.weight.grad.to_dense())
+    _assert_same_state(s1, o1, s2, o2)
