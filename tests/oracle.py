@@ -1,74 +1,93 @@
-"""Float64 oracles written from the SPEC formulas, independent of every backend (and of torch.nn.utils)."""
+"""Oracles written from the SPEC formulas, independent of every backend (and of torch.nn.utils).
+
+They compute in numpy's long double (80-bit extended precision on x86-64: 64-bit significand), so that
+even for float64 inputs the oracle is much more precise than what it checks. Element-wise results are
+long double numpy arrays; scalar norms are Python floats."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 INF = float("inf")
+LD = np.longdouble
 
 
-def f64(t: Tensor) -> Tensor:
-    return t.detach().to("cpu", torch.float64)
+def ld(x) -> np.ndarray:
+    """Values of a tensor/array/number as a long double numpy array (exact for every fastgrad dtype)."""
+    if isinstance(x, Tensor):
+        return x.detach().to("cpu", torch.float64).numpy().astype(LD)
+    return np.asarray(x, dtype=LD)
 
 
-def tensor_norm(t: Tensor, p: float) -> float:
-    x = f64(t).abs().flatten()
-    if x.numel() == 0:
-        return 0.0
+# Old name kept: "the inputs, exactly, in a precision above float64".
+f64 = ld
+
+
+def _norm(x: np.ndarray, p: float) -> LD:
+    a = np.abs(x.reshape(-1))
+    if a.size == 0:
+        return LD(0)
+    if np.isnan(a).any() and p != 0:
+        return LD(math.nan)
     if p == INF:
-        return float(x.max()) if not torch.isnan(x).any() else math.nan
+        return a.max()
     if p == -INF:
-        return float(x.min())
+        return a.min()
     if p == 0:
-        return float((x != 0).sum())
-    return float(x.pow(p).sum().pow(1.0 / p))
+        return LD((a != 0).sum())
+    return np.power(np.power(a, LD(p)).sum(), LD(1) / LD(p))
 
 
-def total_norm(tensors: list[Tensor], p: float) -> float:
+def tensor_norm(t, p: float) -> float:
+    return float(_norm(ld(t), p))
+
+
+def _total(tensors, p: float) -> LD:
+    norms = np.array([_norm(ld(t), p) for t in tensors], dtype=LD)
+    if p == 0:
+        return LD((norms != 0).sum())
+    return _norm(norms, p)
+
+
+def total_norm(tensors, p: float) -> float:
     """Norm of the per-tensor norms (SPEC section 3)."""
-    norms = torch.tensor([tensor_norm(t, p) for t in tensors], dtype=torch.float64)
-    if p == 0:
-        return float((norms != 0).sum())
-    if p == INF:
-        return float(norms.max()) if not torch.isnan(norms).any() else math.nan
-    if p == -INF:
-        return float(norms.min())
-    return float(norms.pow(p).sum().pow(1.0 / p))
+    return float(_total(tensors, p))
 
 
-def clipped(grads: list[Tensor], max_norm: float, p: float) -> tuple[float, list[Tensor]]:
-    total = total_norm(grads, p)
-    coef = min(max_norm / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
-    return total, [f64(g) * coef for g in grads]
+def clipped(grads, max_norm: float, p: float) -> tuple[float, list[np.ndarray]]:
+    total = _total(grads, p)
+    coef = min(LD(max_norm) / (total + LD(1e-6)), LD(1)) if not np.isnan(total) else LD(math.nan)
+    return float(total), [ld(g) * coef for g in grads]
 
 
-def unit_norm(x: Tensor, p: float) -> Tensor:
-    x = f64(x)
+def unit_norm(x, p: float) -> np.ndarray:
+    x = ld(x)
     if x.ndim <= 1:
-        return torch.tensor(tensor_norm(x, p), dtype=torch.float64).reshape((1,) * x.ndim)
-    flat = x.reshape(x.shape[0], -1).abs()
-    if flat.shape[1] == 0:
-        n = torch.zeros(x.shape[0], dtype=torch.float64)
-    elif p == INF:
-        n = flat.amax(dim=1)
-    else:
-        n = flat.pow(p).sum(dim=1).pow(1.0 / p)
+        return np.array(_norm(x, p), dtype=LD).reshape((1,) * x.ndim)
+    rows = x.reshape(x.shape[0], -1)
+    n = np.array([_norm(r, p) for r in rows], dtype=LD)
     return n.reshape((x.shape[0],) + (1,) * (x.ndim - 1))
 
 
-def agc(param: Tensor, grad: Tensor, clip_factor: float, eps: float, p: float) -> Tensor:
+def agc(param, grad, clip_factor: float, eps: float, p: float) -> np.ndarray:
     """timm / NFNets: clip where not (||G|| < clip_factor * max(||W||, eps))."""
     w_norm = unit_norm(param, p)
     g_norm = unit_norm(grad, p)
-    max_norm = w_norm.clamp(min=eps) * clip_factor
-    ratio = max_norm / g_norm.clamp(min=1e-6)
-    g = f64(grad)
-    return torch.where(g_norm < max_norm, g, g * ratio)
+    max_norm = np.maximum(w_norm, LD(eps)) * LD(clip_factor)
+    max_norm = np.where(np.isnan(w_norm), LD(math.nan), max_norm)  # np.maximum would keep NaN anyway
+    ratio = max_norm / np.maximum(g_norm, LD(1e-6))
+    g = ld(grad)
+    with np.errstate(invalid="ignore"):
+        keep = g_norm < max_norm
+    return np.where(keep, g, g * ratio)
 
 
-def centralize(grad: Tensor) -> Tensor:
-    g = f64(grad)
-    return g - g.mean(dim=tuple(range(1, g.ndim)), keepdim=True)
+def centralize(grad) -> np.ndarray:
+    g = ld(grad)
+    if g.size == 0:
+        return g
+    return g - g.mean(axis=tuple(range(1, g.ndim)), keepdims=True)
