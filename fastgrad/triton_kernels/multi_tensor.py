@@ -258,6 +258,7 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
 
 
 _CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
+_DTYPE_GET = Tensor.dtype.__get__
 _stats = {"hits": 0, "builds": 0}
 
 
@@ -265,10 +266,11 @@ def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = Non
     """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors)."""
     chunk = Config.CHUNK
     device = lists[0][0].device
+    # map() over unbound methods: the cheapest per-tensor reads (this key is the per-call host cost)
     key = (device, chunk, None if rows is None else tuple(rows),
-           tuple(t.numel() for t in lists[0]),
-           *(tuple(t.data_ptr() for t in lst) for lst in lists),
-           *(tuple(t.dtype for t in lst) for lst in lists))
+           tuple(map(Tensor.numel, lists[0])),
+           *(tuple(map(Tensor.data_ptr, lst)) for lst in lists),
+           *(tuple(map(_DTYPE_GET, lst)) for lst in lists))
     plan = _CACHE.get(key)
     if plan is not None:
         _CACHE.move_to_end(key)
@@ -305,6 +307,8 @@ def _dense(t: Tensor) -> bool:
 def flat_inputs(tensors: Sequence[Tensor], rowwise: bool = False) -> tuple[list[Tensor], list]:
     """Tensors the kernels can address as one flat buffer (``rowwise``: row-major with dim-0 rows), and
     the (original, contiguous copy) pairs an in-place op must copy back."""
+    if all(map(Tensor.is_contiguous, tensors)):  # the common case, without a Python loop
+        return tensors, []
     out = list(tensors)
     copies = []
     for i, t in enumerate(out):
