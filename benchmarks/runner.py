@@ -153,8 +153,10 @@ def _compiled(fn: Callable[[], object]) -> Callable[[], object]:
     return torch.compile(fn)
 
 
-def run(cfg: Config, progress: Callable[[str], None] | None = None) -> Result:
-    """Benchmark every requested (workload, op, implementation); ``progress`` is called once per case."""
+def run(cfg: Config, progress: Callable[[str], None] | None = None,
+        on_workload: Callable[[Result], None] | None = None) -> Result:
+    """Benchmark every requested (workload, op, implementation); ``progress`` is called once per case and
+    ``on_workload`` with the results so far after each workload (to save partial results)."""
     device = cfg.device
     usable, why_not = usable_backends(device)
     if cfg.backends is not None:
@@ -180,7 +182,9 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None) -> Result:
             torch._dynamo.config.accumulated_cache_size_limit = 4096
     rows: list[dict] = []
     notes: list[str] = []
-    workload_meta = {}
+    workload_meta: dict[str, dict] = {}
+    meta["workloads"] = workload_meta
+    res = Result(rows, meta, notes)
     for wname in cfg.workloads:
         w = W.prepare(wname, max_bytes)
         if w.note:
@@ -236,5 +240,6 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None) -> Result:
             if cfg.compile:
                 torch._dynamo.reset()
             torch.cuda.empty_cache()
-    meta["workloads"] = workload_meta
-    return Result(rows, meta, notes)
+        if on_workload is not None:
+            on_workload(res)
+    return res

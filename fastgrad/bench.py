@@ -147,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         c = per_case + (1 if use_compile and (cfg.compile_workloads is None or w in cfg.compile_workloads) else 0)
         total += c * len(ops)
+    out = Path(args.out)
     step, close = _progress(total, not args.no_progress)
     try:
-        res = runner.run(cfg, step)
+        # Tables after every workload, so a run cut short (timeout, out of memory) still leaves results.
+        res = runner.run(cfg, step, on_workload=lambda r: report.write_all(r, out, png=False))
     finally:
         close()
-    out = Path(args.out)
     paths = report.write_all(res, out, png=not args.no_plot)
     print("\n".join(report.meta_lines(res)))
     print()

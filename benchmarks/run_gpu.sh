@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One call on a fresh GPU machine (no network): build + install fastgrad, print its backend report, run the
+# whole test suite on CUDA, then the benchmark CLI. Everything lands under OUTDIR:
+#
+#   bash benchmarks/run_gpu.sh "$OUT"            # from the repository root
+#
+#   OUTDIR/install.log  info.txt  tests.log  bench.log  bench/{results.csv,results.md,meta.json,speedup.png}
+#   OUTDIR/summary.txt  (each stage's exit status and seconds)
+#
+# Stages run in order and a failing stage does not stop the later ones (a failed build still leaves the
+# torch and Triton backends to test and benchmark). Knobs (environment):
+#   STAGES             stages to run (default "install info tests bench bench-compile"; add
+#                      "pytest-bench" for the pytest-benchmark cases in benchmarks/)
+#   TOTAL_BUDGET       seconds the whole script may take (default 570, for a 10-minute call): the stages
+#                      after install share what is left, and the benchmark writes its files after every
+#                      workload, so a stage cut short still leaves results
+#   BENCH_ARGS         extra CLI arguments for the main run (default "--budget 0.25": ~0.25 s of timing
+#                      per case keeps the whole matrix within a few minutes on an H100/H200)
+#   COMPILE_WORKLOADS  workloads of the bench-compile stage, which adds the torch.compile baseline
+#                      (default "gpt2-124m,resnet50"; compiling costs seconds to a minute per case)
+#   TESTS_TIMEOUT, BENCH_TIMEOUT   upper limits for those stages in seconds (default 200 and 240)
+# If the build is slow, run it in two calls: STAGES="install info tests" then STAGES="bench bench-compile".
+set -u
+OUTDIR="${1:?usage: benchmarks/run_gpu.sh OUTDIR}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+cd "$(dirname "$0")/.."
+STAGES="${STAGES:-install info tests bench bench-compile}"
+DEADLINE=$((SECONDS + ${TOTAL_BUDGET:-570}))
+BENCH_ARGS="${BENCH_ARGS:---budget 0.25}"
+COMPILE_WORKLOADS="${COMPILE_WORKLOADS:-gpt2-124m,resnet50}"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-200}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
+PY="${PYTHON:-python}"
+: > "$OUTDIR/summary.txt"
+
+stage() {  # stage NAME LOGFILE CMD...: run, log, record status and duration
+    local name="$1" log="$2"; shift 2
+    case " $STAGES " in *" $name "*) ;; *) echo "$name: skipped" >> "$OUTDIR/summary.txt"; return 0;; esac
+    local t0=$SECONDS
+    echo "== $name: $*" | tee -a "$OUTDIR/summary.txt"
+    "$@" > "$log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - t0)) s (log: $log)" | tee -a "$OUTDIR/summary.txt"
+    tail -n 5 "$log"
+    return 0
+}
+
+limit() {  # limit MAX RESERVE: seconds for the next stage, at most MAX, leaving RESERVE for later stages
+    local left=$((DEADLINE - SECONDS - $2))
+    [ "$left" -gt "$1" ] && left=$1
+    [ "$left" -lt 20 ] && left=20
+    echo "$left"
+}
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
+} >> "$OUTDIR/summary.txt"
+
+# Build against the torch already installed (no isolated env, nothing downloaded).
+stage install "$OUTDIR/install.log" "$PY" -m pip install --no-build-isolation --no-deps -v -e .
+stage info "$OUTDIR/info.txt" "$PY" -m fastgrad.info
+# The whole suite; CUDA tests run because a GPU is visible.
+stage tests "$OUTDIR/tests.log" timeout "$(limit "$TESTS_TIMEOUT" 240)" "$PY" -m pytest -q -p no:cacheprovider tests
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
+stage bench "$OUTDIR/bench.log" timeout "$(limit "$BENCH_TIMEOUT" 90)" "$PY" -m fastgrad.bench \
+    --out "$OUTDIR/bench" --no-progress --compile off $BENCH_ARGS
+# torch.compile baseline on a few workloads (every implementation is re-timed there, so the speedups
+# over torch.compile in that table come from one run).
+stage bench-compile "$OUTDIR/bench-compile.log" timeout "$(limit 600 10)" "$PY" -m fastgrad.bench \
+    --out "$OUTDIR/bench-compile" --no-progress --compile on --workloads "$COMPILE_WORKLOADS" --budget 0.25
+stage pytest-bench "$OUTDIR/pytest-bench.log" timeout "$(limit 600 5)" "$PY" -m pytest benchmarks \
+    --benchmark-only -q -p no:cacheprovider --benchmark-json "$OUTDIR/pytest-bench.json"
+cat "$OUTDIR/summary.txt"
