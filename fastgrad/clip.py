@@ -10,6 +10,10 @@ Public entry points only; the kernels are the backends' ``norm``, ``scale_`` and
 * a NaN or negative ``max_norm``/``clip_value`` or a NaN ``norm_type`` raises ValueError (torch silently
   turns the gradients into NaN or flips their sign);
 * the infinity norm of a zero-size gradient is 0 (torch raises).
+
+Sharded gradients (``fastgrad.distributed``): DTensor grads (FSDP2, tensor parallel) are reduced from their
+local shards with one all-reduce and clipped in place, returning a ``Replicate()`` DTensor; plain tensors
+that are disjoint shards across ranks take ``process_group=``. Plain single-process calls pay one type check.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import distributed as D
 from .backends import BackendError, acc_dtype
 from .backends.torch_backend import combine_norms
 
@@ -64,6 +69,21 @@ def _norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach:
     return total, per
 
 
+def _sharded_norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach: bool | None,
+                  per_tensor: bool, process_group) -> tuple[Tensor, Tensor | None, D.Sharded]:
+    """Global norm of DTensor or hand-sharded ``tensors``: local norms through the backends, one
+    all-reduce (fastgrad.distributed)."""
+    sh = D.prepare(tensors, process_group)
+    total, per = D.reduced_norm(sh, norm_type, per_tensor,
+                                lambda ts, per_t: _norm(ts, norm_type, backend, foreach, per_t))
+    return total, per, sh
+
+
+def _no_sharded_fallback(process_group) -> None:
+    if process_group is not None:
+        raise TypeError("process_group= supports dense real floating tensors only (no sparse or complex)")
+
+
 def _check_finite(total: Tensor, norm_type: float) -> None:
     # The one host sync the SPEC allows, and only when the caller asked for it.
     if torch.logical_or(total.isnan(), total.isinf()):
@@ -78,19 +98,27 @@ def _scale(grads: list[Tensor], coef: Tensor, backend: str | None, foreach: bool
 
 @torch.no_grad()
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                   foreach: bool | None = None, *, backend: str | None = None) -> Tensor:
+                   foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
     """Norm of the per-tensor norms of ``tensors``, like ``torch.nn.utils.get_total_norm``.
 
     Returns a 0-dim tensor on the first tensor's device in the promoted dtype of the tensors
-    (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched).
+    (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched). DTensor input gives a
+    ``Replicate()`` DTensor; ``process_group=``: ``tensors`` are this rank's disjoint shards and the result
+    is the norm over every rank's shards (a collective: every rank of the group must call).
     """
     tensors = I.as_list(tensors)
     p = I.check_norm_type(norm_type)
-    if not tensors:
+    if not tensors and process_group is None:
         return torch.tensor(0.0)
     if I.check_tensors(tensors, "tensors"):
+        _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "get_total_norm")
         return torch.nn.utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
+    if process_group is not None or D.has_dtensor(tensors):
+        total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group)
+        if error_if_nonfinite:
+            _check_finite(total, p)
+        return D.wrap_like(total.to(I.promoted_dtype(tensors)) if tensors else total, sh)
     total, _ = _norm(tensors, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)
@@ -111,6 +139,10 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
     if I.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grads_with_norm_")
         return torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    if type(total_norm) is not Tensor:
+        total_norm = D.to_local_norm(total_norm)  # a DTensor norm becomes its replicated value
+    if D.has_dtensor(grads):
+        grads = D.prepare(grads, for_norm=False).writes  # scaling the local shards is the whole job
     if not isinstance(total_norm, Tensor):
         total_norm = torch.tensor(float(total_norm), device=grads[0].device)
     dtype = torch.float64 if total_norm.dtype == torch.float64 else acc_dtype(grads)
@@ -121,22 +153,32 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, *, backend: str | None = None) -> Tensor:
+                    foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
     """Clip the gradients' total norm in place, like ``torch.nn.utils.clip_grad_norm_``; returns the total
     norm before clipping (0-dim, first grad's device, promoted grad dtype).
 
     One read pass for the norm, then a scale pass that fused backends skip on the device when no clipping
     is needed. No host sync unless ``error_if_nonfinite=True`` (which checks before anything is written).
+    DTensor grads (FSDP2, TP): one all-reduce, local shards clipped, a ``Replicate()`` DTensor returned.
+    ``process_group=``: the grads are this rank's disjoint shards; every rank of the group must call.
     """
     params = I.as_list(parameters, warn_empty_generator=True)
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
     grads = I.grads_of(params)
-    if not grads:
+    if not grads and process_group is None:
         return torch.tensor(0.0)
     if I.check_tensors(grads):
+        _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "clip_grad_norm_")
         return torch.nn.utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
+    if process_group is not None or D.has_dtensor(grads):
+        total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group)
+        if error_if_nonfinite:
+            _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
+        if sh.writes:
+            _scale(sh.writes, torch.clamp(max_norm / (total + 1e-6), max=1.0), backend, foreach)
+        return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
     total, _ = _norm(grads, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)
@@ -158,6 +200,12 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
     if I.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grad_value_")
         return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
+    if D.has_dtensor(grads):
+        if any(pl.is_partial() for g in grads for pl in g.placements):
+            # clamping is not linear: a Partial term cannot be clamped locally; torch redistributes
+            _torch_fallback_allowed(backend, "clip_grad_value_ on Partial DTensor gradients")
+            return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
+        grads = D.prepare(grads, for_norm=False).writes
     for group in I.split_by_device(grads):
         b = I.pick("clip_value", group, backend)
         b.clip_value_(group, clip_value, foreach=foreach)
@@ -166,16 +214,24 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
 
 @torch.no_grad()
 def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = False,
-                      backend: str | None = None):
+                      backend: str | None = None, process_group=None):
     """Total p-norm of a list of tensors in float32 (float64 if any tensor is float64), on the first
     tensor's device; with ``per_tensor=True`` returns ``(total, per_tensor_norms)``, the latter a 1-D tensor
     in input order. Unlike get_total_norm the result keeps the accumulation dtype. Dense real floating
-    tensors only."""
+    tensors only.
+
+    DTensor input: both results are ``Replicate()`` DTensors (norms of the whole tensors). With
+    ``process_group=`` the tensors are this rank's disjoint shards; for ``per_tensor=True`` (and
+    ``norm_type=0``) tensor i on every rank must be a shard of the same tensor."""
     tensors = I.as_list(tensors)
     p = I.check_norm_type(norm_type)
-    if not tensors:
+    if not tensors and process_group is None:
         total = torch.tensor(0.0)
         return (total, torch.zeros(0)) if per_tensor else total
     I.check_tensors(tensors, "tensors", allow_fallback=False)
+    if process_group is not None or D.has_dtensor(tensors):
+        total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group)
+        total = D.wrap_like(total, sh)
+        return (total, D.wrap_like(per, sh)) if per_tensor else total
     total, per = _norm(tensors, p, backend, None, per_tensor)
     return (total, per) if per_tensor else total

@@ -1,0 +1,541 @@
+"""Sharded gradients (issue 8): DTensor grads (FSDP2, tensor parallel) and hand-sharded grads with
+``process_group=``, on 2 and 4 gloo ranks spawned on the CPU.
+
+Every scenario builds the same full tensors on every rank (one seed), shards them, runs fastgrad on the
+shards and compares with (a) torch.nn.utils on the very same DTensors, (b) a single-process torch run on the
+whole tensors, and (c) the float64 oracle (SPEC section 3 accuracy rule). Processes use a FileStore (no
+port), a collective timeout and a wall-clock limit, and always destroy their process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+import fastgrad
+from fastgrad import distributed as D
+
+from . import oracle
+from .conftest import BACKEND_DEVICES
+from .helpers import assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch
+
+dist = torch.distributed
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+INF = float("inf")
+# Norm orders with fused kernels plus 0 (torch's fallback semantics: tensors with a nonzero).
+NORMS = [2.0, 1.0, INF, 3.0, 0.0]
+# The Triton interpreter is far too slow for several processes; the C++ cpu kernels are covered.
+CPU_BACKENDS = [b for b, d in BACKEND_DEVICES if d == "cpu" and b != "triton"]
+WALL_LIMIT_S = 180
+
+
+# ------------------------------------------------------------------------------------------ harness
+# Starting a rank costs seconds (importing torch and DTensor), so each world size is spawned ONCE and its
+# ranks run every scenario in turn; each scenario's outcome is written to a file and reported by its own
+# test. A failure aborts the remaining scenarios of that world (its peers may be waiting in a collective).
+def _plan(world: int) -> list[tuple[str, str]]:
+    plan = [("dtensor_1d", b) for b in CPU_BACKENDS] + [("process_group", b) for b in CPU_BACKENDS]
+    if world == 4:
+        plan += [("dtensor_2d", b) for b in CPU_BACKENDS]
+    if _fully_shard() is not None:
+        plan += [("fsdp2", b) for b in CPU_BACKENDS]
+    return plan
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    import traceback
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)  # several ranks share few cores
+        for scenario, backend in _plan(world):
+            try:
+                SCENARIOS[scenario](rank, world, backend)
+                dist.barrier()
+            except BaseException:
+                with open(os.path.join(out_dir, f"{scenario}-{backend}.fail.{rank}"), "w") as f:
+                    f.write(traceback.format_exc())
+                raise
+            if rank == 0:
+                open(os.path.join(out_dir, f"{scenario}-{backend}.ok"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world: int, out_dir) -> str:
+    """Run every scenario on ``world`` ranks; returns the launcher's error text ('' when all passed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker, args=(world, str(out_dir)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + WALL_LIMIT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"{world} ranks did not finish in {WALL_LIMIT_S} s"
+        return ""
+    except Exception as exc:  # a rank failed: its traceback is in the .fail files too
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_RUNS: dict[int, tuple[str, str]] = {}
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    # A private directory, not pytest's tmp_path: concurrent pytest sessions prune each other's basetemp.
+    root = tempfile.mkdtemp(prefix="fastgrad-dist-")
+
+    def run(world: int) -> tuple[str, str]:
+        if world not in _RUNS:
+            out = os.path.join(root, f"world{world}")
+            os.makedirs(out)
+            _RUNS[world] = (out, _launch(world, out))
+        return _RUNS[world]
+
+    yield run
+    _RUNS.clear()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _outcome(spawned, world: int, scenario: str, backend: str) -> None:
+    out_dir, launch_error = spawned(world)
+    name = f"{scenario}-{backend}"
+    if os.path.exists(os.path.join(out_dir, name + ".ok")):
+        return
+    fails = sorted(f for f in os.listdir(out_dir) if f.startswith(name + ".fail."))
+    if fails:
+        with open(os.path.join(out_dir, fails[0])) as f:
+            pytest.fail(f"{name} on {world} ranks, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
+    pytest.fail(f"{name} on {world} ranks did not run: {launch_error or 'an earlier scenario failed'}")
+
+
+class Holder:
+    """A stand-in parameter: clip functions read only ``.grad``."""
+
+    def __init__(self, grad):
+        self.grad = grad
+
+
+def _full_tensors(shapes, dtypes, seed=0, zero_index=None):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, shape in enumerate(shapes):
+        t = randn(shape, dtypes[i % len(dtypes)], "cpu", gen, scale=0.5 + i)
+        if i == zero_index:
+            t.zero_()
+        out.append(t)
+    return out
+
+
+def _norms(backend):
+    """p = 0 has no fused kernel: only the torch backend serves it when asked for by name."""
+    return NORMS if backend == "torch" else [p for p in NORMS if p != 0]
+
+
+def _close(ours, ref, what):
+    """Two runs of the same maths whose inputs differ only by reduction rounding (FSDP2's gradient
+    averaging, a whole-tensor partition): SPEC's fp32 rtol."""
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _vs_torch(ours, theirs, want, dtype, what, p=2.0, same=True, single=None):
+    """SPEC section 3 for sharded inputs. ``theirs``: torch on the same sharded inputs (its DTensor
+    implementation, or the hand-written all-reduce ZeRO codes use): ours is no worse against the oracle
+    (+1 ulp). ``single`` (default ``theirs``): torch on the whole tensors in one process: equal within the
+    SPEC rtol for all-fp32 / all-fp64 lists (mixed lists: fastgrad accumulates everything in fp64, torch
+    only the fp64 tensors, so the oracle rule alone applies). A sharded sum is rounded in pieces, so only
+    the sharded reference bounds the error ulp by ulp."""
+    assert_no_worse_than(ours, theirs, want, dtype, what, ulps=norm_ulps(p))
+    rtol = rtol_vs_torch(dtype)
+    if same and rtol is not None:
+        assert_close_to_torch(ours, theirs if single is None else single, want, rtol, what + " (rtol)")
+
+
+def _torch_per_tensor(ts, p, acc):
+    """torch's per-tensor norms (0 for a zero-size tensor, where torch raises for inf), as one plain
+    tensor: torch._foreach_norm (what torch.nn.utils uses) for plain tensors, vector_norm for DTensors."""
+    if not any(D.is_dtensor(t) for t in ts):
+        idx = [i for i, t in enumerate(ts) if t.numel()]
+        out = torch.zeros(len(ts), dtype=acc)
+        if idx:
+            out[idx] = torch.stack(torch._foreach_norm([ts[i] for i in idx], p, dtype=acc))
+        return out
+    out = []
+    for t in ts:
+        n = torch.linalg.vector_norm(t, p, dtype=acc) if t.numel() else torch.zeros((), dtype=acc)
+        out.append(n.full_tensor() if D.is_dtensor(n) else n)
+    return torch.stack(out)
+
+
+def _check_norms_and_clip(rank, backend, fulls, dts, tag):
+    """All checks on one list of DTensors ``dts`` whose full values are ``fulls``."""
+    DTensor = D._dtensor_cls()
+    acc = torch.float64 if any(f.dtype == torch.float64 for f in fulls) else torch.float32
+    # torch raises for the inf norm of a zero-size tensor (fastgrad: 0, SPEC section 3), so torch's
+    # references leave those out; they add nothing to any norm of order >= 0. It also raises for the inf
+    # norm of a DTensor with an empty local shard (3 rows on 4 ranks), so for inf its reference is the
+    # single-process run (a max is exact whatever the order, so that is the same value).
+    nonempty = [i for i, f in enumerate(fulls) if f.numel()]
+    same = len({f.dtype for f in fulls}) == 1
+    for p in _norms(backend):
+        ours = fastgrad.get_total_norm(dts, p, backend=backend)
+        assert isinstance(ours, DTensor) and all(pl.is_replicate() for pl in ours.placements), ours
+        if p == INF:
+            theirs = torch.nn.utils.get_total_norm([fulls[i] for i in nonempty], p)
+        else:
+            theirs = torch.nn.utils.get_total_norm([dts[i] for i in nonempty], p).full_tensor()
+        ours = ours.full_tensor()
+        assert ours.dtype == theirs.dtype
+        want = oracle.total_norm(fulls, p)
+        single = torch.nn.utils.get_total_norm([fulls[i] for i in nonempty], p)
+        _vs_torch(ours, theirs, want, ours.dtype, f"{tag} get_total_norm p={p} rank {rank}", p, same, single)
+
+        total, per = fastgrad.multi_tensor_norm(dts, p, per_tensor=True, backend=backend)
+        assert isinstance(total, DTensor) and isinstance(per, DTensor) and per.dtype == acc
+        per_want = [oracle.tensor_norm(f, p) for f in fulls]
+        per_single = _torch_per_tensor(fulls, p, acc)
+        per_theirs = per_single if p == INF else _torch_per_tensor(dts, p, acc)
+        _vs_torch(per.full_tensor(), per_theirs, per_want, acc, f"{tag} multi_tensor_norm per-tensor p={p}", p,
+                  single=per_single)
+        _vs_torch(total.full_tensor(), theirs.to(acc), want, acc, f"{tag} multi_tensor_norm total p={p}", p, same)
+
+    for p in (2.0, INF):
+        for max_norm in (0.25, 1e6):  # clipping, and not
+            ours_h = [Holder(d.clone()) for d in dts]
+            ptrs = [h.grad._local_tensor.data_ptr() for h in ours_h]
+            ref_h = [Holder(d.clone()) for d in dts]
+            single = [Holder(f.clone()) for f in fulls]
+            t_ours = fastgrad.clip_grad_norm_(ours_h, max_norm, p, backend=backend)
+            t_single = torch.nn.utils.clip_grad_norm_([single[i] for i in nonempty], max_norm, p)
+            if p == INF:
+                t_ref, ref_h = t_single, single
+            else:
+                t_ref = torch.nn.utils.clip_grad_norm_([ref_h[i] for i in nonempty], max_norm, p).full_tensor()
+            assert isinstance(t_ours, DTensor)
+            t_ours = t_ours.full_tensor()
+            want_total, want_grads = oracle.clipped(fulls, max_norm, p)
+            what = f"{tag} clip p={p} max_norm={max_norm}"
+            _vs_torch(t_ours, t_ref, want_total, t_ours.dtype, f"{what} total", p, same, t_single)
+            for i, (o, r, s, w) in enumerate(zip(ours_h, ref_h, single, want_grads)):
+                assert type(o.grad) is DTensor and o.grad.placements == dts[i].placements
+                assert o.grad._local_tensor.data_ptr() == ptrs[i], "clipped in place"
+                of = o.grad.full_tensor()
+                rg = r.grad if p == INF else r.grad.full_tensor()
+                _vs_torch(of, rg, w, of.dtype, f"{what} grad {i}", p, same, s.grad)
+
+    # clip_grads_with_norm_ takes torch's own (Partial(max) for inf) DTensor norm; clip_grad_value_.
+    ours_h = [Holder(d.clone()) for d in dts]
+    ref_h = [Holder(d.clone()) for d in dts]
+    n = torch.nn.utils.get_total_norm([dts[0], dts[-1]], INF)  # Partial(max); no empty local shard
+    coef = min(0.3 / (oracle.LD(float(n.full_tensor())) + oracle.LD(1e-6)), 1)
+    fastgrad.clip_grads_with_norm_(ours_h, 0.3, n, backend=backend)
+    torch.nn.utils.clip_grads_with_norm_(ref_h, 0.3, n)
+    for i, (o, r, f) in enumerate(zip(ours_h, ref_h, fulls)):
+        _vs_torch(o.grad.full_tensor(), r.grad.full_tensor(), oracle.ld(f) * coef, f.dtype,
+                  f"{tag} clip_grads_with_norm_ grad {i}", 2.0, same)
+    ours_h = [Holder(d.clone()) for d in dts]
+    ref_h = [Holder(d.clone()) for d in dts]
+    fastgrad.clip_grad_value_(ours_h, 0.4, backend=backend)
+    torch.nn.utils.clip_grad_value_(ref_h, 0.4)
+    for o, r in zip(ours_h, ref_h):
+        assert torch.equal(o.grad.full_tensor(), r.grad.full_tensor()), f"{tag} clip_grad_value_"
+
+
+# ---------------------------------------------------------------------------------------- scenarios
+def _scenario_dtensor_1d(rank, world, backend):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    # Sizes with uneven and empty shards (3 rows on 4 ranks, 1 row, 0 rows), an all-zero tensor (p=0 counts
+    # it out) and replicated tensors that must be counted once.
+    shapes = [(13, 7), (5,), (3, 2), (64, 9), (1, 4), (0, 3), (6, 5), (11,)]
+    placements = [Shard(0), Replicate(), Shard(0), Shard(1), Replicate(), Shard(0), Shard(0), Shard(0)]
+    for dtypes in ([torch.float32], [torch.float64, torch.float32]):
+        fulls = _full_tensors(shapes, dtypes, seed=1, zero_index=6)
+        dts = [distribute_tensor(f, mesh, [pl]) for f, pl in zip(fulls, placements)]
+        _check_norms_and_clip(rank, backend, fulls, dts, f"1d mesh {dtypes}")
+
+    # Partial: each rank holds a term; the tensor is their sum (needs care: norm of a sum).
+    gen = torch.Generator().manual_seed(7)
+    terms = [torch.randn(9, 4, generator=gen) for _ in range(world)]
+    full_partial = torch.stack(terms).sum(0)
+    fulls = _full_tensors([(10, 3), (7,)], [torch.float32], seed=3) + [full_partial]
+    from torch.distributed.tensor import DTensor
+
+    dts = [distribute_tensor(fulls[0], mesh, [Shard(0)]), distribute_tensor(fulls[1], mesh, [Replicate()]),
+           DTensor.from_local(terms[rank].clone(), mesh, [Partial()], run_check=False)]
+    for p in (2.0, INF, 1.0):
+        ours = fastgrad.get_total_norm(dts, p, backend=backend).full_tensor()
+        theirs = torch.nn.utils.get_total_norm(dts, p).full_tensor()
+        _vs_torch(ours, theirs, oracle.total_norm(fulls, p), torch.float32, f"partial p={p}", p)
+
+    def holders():  # clone() of a Partial DTensor reduces it, so the Partial one is built afresh
+        return [Holder(d.clone()) for d in dts[:2]] + [
+            Holder(DTensor.from_local(terms[rank].clone(), mesh, [Partial()], run_check=False))]
+
+    h, ref_h = holders(), holders()
+    t = fastgrad.clip_grad_norm_(h, 0.5, backend=backend).full_tensor()
+    t_ref = torch.nn.utils.clip_grad_norm_(ref_h, 0.5).full_tensor()
+    want_total, want_grads = oracle.clipped(fulls, 0.5, 2.0)
+    _vs_torch(t, t_ref, want_total, torch.float32, "partial clip total")
+    assert h[2].grad.placements[0].is_partial()  # the local term was scaled in place, not reduced
+    for i, (o, r, w) in enumerate(zip(h, ref_h, want_grads)):
+        _vs_torch(o.grad.full_tensor(), r.grad.full_tensor(), w, torch.float32, f"partial clip grad {i}")
+
+    # A mixed list is an error, as in torch; process_group= with DTensors too.
+    with pytest.raises(TypeError, match="mix of DTensor"):
+        fastgrad.get_total_norm([dts[0], fulls[1]], backend=backend)
+    with pytest.raises(ValueError, match="process_group"):
+        fastgrad.clip_grad_norm_([Holder(dts[0].clone())], 1.0, process_group=dist.group.WORLD)
+
+    # A NaN on one rank's shard: every rank sees the non-finite norm, raises, and writes nothing.
+    fulls = _full_tensors([(8, 3), (5,)], [torch.float32], seed=4)
+    dts = [distribute_tensor(f, mesh, [Shard(0)]) for f in fulls]
+    if rank == world - 1:
+        dts[0]._local_tensor[0, 0] = float("nan")
+    before = [d._local_tensor.clone() for d in dts]
+    for p in (2.0, INF):
+        assert math.isnan(fastgrad.get_total_norm(dts, p, backend=backend).full_tensor())
+        with pytest.raises(RuntimeError, match="non-finite"):
+            fastgrad.clip_grad_norm_([Holder(d) for d in dts], 1.0, p, error_if_nonfinite=True, backend=backend)
+        for d, b in zip(dts, before):
+            assert torch.equal(d._local_tensor.nan_to_num(), b.nan_to_num())
+
+
+def _scenario_dtensor_2d(rank, world, backend):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    shapes = [(12, 6), (9, 5), (4, 7), (10,), (3, 3), (6, 8)]
+    placements = [
+        [Replicate(), Shard(0)],  # HSDP: replicated across dp, sharded within
+        [Shard(0), Shard(1)],
+        [Shard(1), Replicate()],
+        [Replicate(), Replicate()],
+        [Shard(0), Replicate()],
+        [Replicate(), Shard(1)],
+    ]
+    fulls = _full_tensors(shapes, [torch.float32], seed=5, zero_index=4)
+    dts = [distribute_tensor(f, mesh, pl) for f, pl in zip(fulls, placements)]
+    _check_norms_and_clip(rank, backend, fulls, dts, "2d mesh")
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard  # torch 2.4, 2.5
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def _scenario_fsdp2(rank, world, backend):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard = _fully_shard()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.LayerNorm(33),
+                                torch.nn.Linear(33, 3))
+    ref = copy.deepcopy(model)  # the single-process twin, same initial weights
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # same batch everywhere
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+
+    DTensor = D._dtensor_cls()
+    params = list(model.parameters())
+    assert all(isinstance(p.grad, DTensor) and p.grad.placements[0].is_shard() for p in params)
+    twins = [Holder(p.grad.clone()) for p in params]  # torch's clip on the same DTensors
+    fulls = [p.grad.full_tensor() for p in params]  # the oracle's inputs
+    for max_norm in (0.5, 1e6):
+        total = fastgrad.clip_grad_norm_(model.parameters(), max_norm, backend=backend)
+        t_twin = torch.nn.utils.clip_grad_norm_(twins, max_norm).full_tensor()
+        t_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        assert isinstance(total, DTensor)
+        total = total.full_tensor()
+        want_total, want_grads = oracle.clipped(fulls, max_norm, 2.0)
+        _vs_torch(total, t_twin, want_total, torch.float32, f"fsdp2 total vs torch on the DTensors {max_norm}")
+        _close(total, t_ref, f"fsdp2 total vs single process max_norm={max_norm}")
+        for (name, p), q, tw, w in zip(model.named_parameters(), ref.parameters(), twins, want_grads):
+            g = p.grad.full_tensor()
+            _vs_torch(g, tw.grad.full_tensor(), w, torch.float32, f"fsdp2 {name} vs torch on the DTensors")
+            _close(g, q.grad, f"fsdp2 {name} vs single process")
+        fulls = [p.grad.full_tensor() for p in params]  # the next round starts from the clipped grads
+
+
+def _shard_of(t, rank, world):
+    """This rank's piece of ``t`` flattened (a tensor or an oracle array): every rank gets one, possibly
+    empty, the first ``numel % world`` one element longer (tensor_split and array_split agree)."""
+    if isinstance(t, np.ndarray):
+        return np.array_split(t.reshape(-1), world)[rank]
+    return t.reshape(-1).tensor_split(world)[rank].clone()
+
+
+def _by_hand(shards, p, group, acc, per_tensor=False):
+    """torch's answer for hand-sharded gradients, written as ZeRO-style codes do: torch's local norm
+    (torch.nn.utils.get_total_norm, or per-tensor norms), an all-reduce of its p-th power (MAX for inf),
+    the root. The combine is done in float64 as fastgrad does it, so the accuracy rule compares what the
+    backends compute (the local norms) with torch's; rounding the combine in fp32 instead makes the
+    reference better or worse by luck, an ulp either way. The rtol check against the single-process run
+    bounds the combine itself."""
+    if per_tensor:
+        vals = _torch_per_tensor(shards, p, acc).double()
+    else:
+        local = [s for s in shards if s.numel()]
+        vals = (torch.nn.utils.get_total_norm(local, p) if local else torch.zeros(())).double().reshape(1)
+    if p == INF:
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    else:
+        vals = vals.pow(p)
+        dist.all_reduce(vals, group=group)
+        vals = vals.pow(1.0 / p)
+    return (vals if per_tensor else vals[0]).to(acc)
+
+
+def _scenario_process_group(rank, world, backend):
+    shapes = [(13, 7), (5,), (3,), (64, 9), (1,), (0,), (6, 5)]
+    world_group = dist.group.WORLD
+    for dtypes in ([torch.float32], [torch.float32, torch.bfloat16, torch.float64]):
+        fulls = _full_tensors(shapes, dtypes, seed=2, zero_index=6)
+        acc = torch.float64 if torch.float64 in dtypes else torch.float32
+        nonempty = [f for f in fulls if f.numel()]  # torch raises for the inf norm of a zero-size tensor
+        same = len(dtypes) == 1
+        for p in _norms(backend):
+            shards = [_shard_of(f, rank, world) for f in fulls]
+            ours = fastgrad.get_total_norm(shards, p, backend=backend, process_group=world_group)
+            assert type(ours) is torch.Tensor
+            total, per = fastgrad.multi_tensor_norm(shards, p, per_tensor=True, backend=backend,
+                                                    process_group=world_group)
+            assert per.dtype == total.dtype == acc
+            want = oracle.total_norm(fulls, p)
+            per_want = [oracle.tensor_norm(f, p) for f in fulls]
+            if p == 0:  # counts of tensors (per tensor: of elements) with a nonzero: exact
+                assert float(ours) == want and float(total) == want
+                assert per.tolist() == per_want
+                continue
+            single = torch.nn.utils.get_total_norm(nonempty, p)
+            hand = _by_hand(shards, p, world_group, acc)
+            _vs_torch(ours, hand.to(ours.dtype), want, ours.dtype, f"pg get_total_norm p={p} {dtypes}", p, same,
+                      single)
+            _vs_torch(per, _by_hand(shards, p, world_group, acc, True), per_want, acc, f"pg per-tensor p={p}", p,
+                      single=_torch_per_tensor(fulls, p, acc))
+            _vs_torch(total, hand, want, acc, f"pg multi_tensor_norm p={p}", p, same, single.to(acc))
+
+            for max_norm in (0.25, 1e6):
+                params = [Holder(s.clone()) for s in shards]
+                by_hand = [Holder(s.clone()) for s in shards]
+                single = [Holder(f.clone()) for f in fulls]
+                t = fastgrad.clip_grad_norm_(params, max_norm, p, backend=backend, process_group=world_group)
+                t_hand = _by_hand(shards, p, world_group, acc).to(t.dtype)
+                torch.nn.utils.clip_grads_with_norm_(by_hand, max_norm, t_hand)
+                t_single = torch.nn.utils.clip_grad_norm_([h for h in single if h.grad.numel()], max_norm, p)
+                want_total, want_grads = oracle.clipped(fulls, max_norm, p)
+                what = f"pg clip p={p} max_norm={max_norm} {dtypes}"
+                _vs_torch(t, t_hand, want_total, t.dtype, what + " total", p, same, t_single)
+                for i, (h, r, s, w) in enumerate(zip(params, by_hand, single, want_grads)):
+                    _vs_torch(h.grad, r.grad, _shard_of(w, rank, world), h.grad.dtype, f"{what} grad {i}", p, same,
+                              _shard_of(s.grad, rank, world))
+
+    # Two independent groups at once (world 4): ranks {0,1} and {2,3} shard different tensors.
+    if world >= 4:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = rank // 2
+        fulls = _full_tensors([(9, 4), (7,)], [torch.float32], seed=10 + mine)
+        shards = [_shard_of(f, rank % 2, 2) for f in fulls]
+        ours = fastgrad.get_total_norm(shards, backend=backend, process_group=groups[mine])
+        _vs_torch(ours, torch.nn.utils.get_total_norm(fulls), oracle.total_norm(fulls, 2.0), torch.float32,
+                  "pg subgroup")
+
+    # ZeRO-1 style: whole tensors dealt round-robin; with 3 tensors on 4 ranks one rank owns none and still
+    # takes part in the collective.
+    fulls = _full_tensors([(10, 3), (4,), (6, 6)], [torch.float32], seed=11)
+    mine = [i for i in range(len(fulls)) if i % world == rank]
+    owned = [Holder(fulls[i].clone()) for i in mine]
+    single = [Holder(f.clone()) for f in fulls]
+    t = fastgrad.clip_grad_norm_(owned, 0.5, backend=backend, process_group=world_group)
+    t_single = torch.nn.utils.clip_grad_norm_(single, 0.5)
+    want_total, want_grads = oracle.clipped(fulls, 0.5, 2.0)
+    _vs_torch(t, t_single, want_total, torch.float32, "pg whole-tensor partition total")
+    for h, i in zip(owned, mine):
+        _vs_torch(h.grad, single[i].grad, want_grads[i], torch.float32, f"pg whole-tensor partition grad {i}")
+
+    # NaN in one rank's shard: NaN everywhere; error_if_nonfinite raises on every rank before any write.
+    fulls = _full_tensors([(8, 3), (5,)], [torch.float32], seed=12)
+    shards = [_shard_of(f, rank, world) for f in fulls]
+    if rank == 1:
+        shards[0][0] = float("nan")
+    for p in (2.0, INF, 1.0):
+        assert math.isnan(fastgrad.get_total_norm(shards, p, backend=backend, process_group=world_group))
+        params = [Holder(s.clone()) for s in shards]
+        with pytest.raises(RuntimeError, match="non-finite"):
+            fastgrad.clip_grad_norm_(params, 1.0, p, error_if_nonfinite=True, backend=backend,
+                                     process_group=world_group)
+        for h, s in zip(params, shards):
+            assert torch.equal(h.grad.nan_to_num(), s.nan_to_num())
+
+
+SCENARIOS = {
+    "dtensor_1d": _scenario_dtensor_1d,
+    "dtensor_2d": _scenario_dtensor_2d,
+    "fsdp2": _scenario_fsdp2,
+    "process_group": _scenario_process_group,
+}
+
+
+# -------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_1d_mesh(spawned, world, backend):
+    _outcome(spawned, world, "dtensor_1d", backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_dtensor_2d_mesh(spawned, backend):
+    _outcome(spawned, 4, "dtensor_2d", backend)
+
+
+@pytest.mark.skipif(_fully_shard() is None, reason="FSDP2 fully_shard is not in this torch")
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_fully_shard_matches_single_process(spawned, world, backend):
+    _outcome(spawned, world, "fsdp2", backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_process_group_hand_sharded(spawned, world, backend):
+    _outcome(spawned, world, "process_group", backend)
+
+
+def test_plain_calls_do_not_touch_distributed():
+    """The common call pays one type check and never imports torch.distributed.tensor for it."""
+    g = [torch.randn(4)]
+    assert not D.has_dtensor(g)
+    assert not D.is_dtensor(torch.tensor(1.0))
+    assert fastgrad.clip_grad_norm_([Holder(g[0])], 1.0, backend="torch").dim() == 0
