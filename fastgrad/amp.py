@@ -30,9 +30,10 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import distributed as D
 from .backends import acc_dtype
 from .backends.torch_backend import combine_norms
-from .clip import _check_finite, _torch_fallback_allowed, clip_grad_norm_
+from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
 try:
     from torch.amp.grad_scaler import GradScaler, OptState
@@ -201,7 +202,7 @@ def _scale_groups(groups: list[list[Tensor]], factor: Tensor, backend: str | Non
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
                             error_if_nonfinite: bool = False, zero_write: bool = False,
-                            backend: str | None = None) -> Tensor:
+                            backend: str | None = None, process_group=None) -> Tensor:
     """``scaler.unscale_(optimizer)`` then ``clip_grad_norm_`` over the optimizer's parameters, fused: one
     read of the gradients for the overflow check and the norm, one write for unscale and clip together
     (none when the combined factor is 1).
@@ -216,17 +217,25 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     written; the factor is given to the optimizer, which applies it inside ``scaler.step(optimizer)`` (call
     that next). Until then the ``.grad`` tensors still hold the scaled values, and after a skipped step they
     keep them. Elsewhere the flag is ignored (the gradients are written as usual).
+
+    Sharded gradients (DTensor from FSDP2/TP, or this rank's disjoint shards with ``process_group=``): the
+    norm and the overflow flag come from the local shards with ONE all-reduce, so every rank sees the same
+    norm and the same found_inf (a ShardedGradScaler keeps its own SUM reduction of local flags); the
+    local shards are written; the norm is a Replicate() DTensor for DTensor grads. ``zero_write`` does not
+    apply there; norm_type 0 is not supported there.
     """
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
     params = optimizer_params(optimizer)
     if not scaler.is_enabled():
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
+                               process_group=process_group)
 
     if not _known_unscale(scaler):
         # A scaler with its own unscale_ (and its own rules): run it, then clip.
         scaler.unscale_(optimizer)
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
+                               process_group=process_group)
 
     state = scaler._per_optimizer_states[id(optimizer)]
     _check_ready(scaler, state)
@@ -237,6 +246,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     if I.check_tensors(grads):
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
         # was asked for by name).
+        _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
@@ -244,6 +254,9 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     inv_scale = _inv_scale(scaler)
     # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
     flag_shape = (1,) if sharded else ()
+    if process_group is not None or D.has_dtensor(grads):
+        return _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p,
+                                         error_if_nonfinite, backend, process_group, flag_shape)
     if not grads:
         found = {}
         if sharded:  # it records a flag on the scale's device even with nothing to check
@@ -283,3 +296,39 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     else:
         _scale_groups(groups, factor, backend)
     return total.to(I.promoted_dtype(grads))
+
+
+def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite,
+                              backend, process_group, flag_shape):
+    """scaler_unscale_and_clip over local shards (fastgrad.distributed): the same read pass per rank, one
+    all-reduce for the norm and the overflow flag, then the same folded write of the local shards."""
+    sh = D.prepare(grads, process_group)
+
+    def local_amp(ts):
+        groups = I.split_by_device(ts)
+        parts = device_amp_norms(groups, inv_scale, p, backend)
+        total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
+        flag = torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
+        return total, flag
+
+    total, local_flag, global_flag = D.reduced_amp_norm(sh, p, local_amp)
+    flag = local_flag if sharded else global_flag  # ShardedGradScaler sums the local flags itself
+    groups = I.split_by_device(sh.writes)
+    found = {g[0].device: flag.to(g[0].device).reshape(flag_shape) for g in groups}
+    if sharded and not found:
+        found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+    if sharded:
+        _all_reduce_found_inf(scaler, found)
+    if error_if_nonfinite:
+        try:
+            _check_finite(total, p)  # the same value on every rank: all raise alike
+        except RuntimeError:
+            _scale_groups(groups, inv_scale, backend)
+            raise
+    if groups:
+        dev = groups[0][0].device
+        coef = torch.clamp(max_norm / (total.to(dev) + 1e-6), max=1.0)
+        _scale_groups(groups, inv_scale.to(dev, total.dtype) * coef, backend)
+    return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)

@@ -224,10 +224,18 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         else:
             per = torch.full((n,), identity, dtype=wide, device=dev)
         vals = per
-    else:
+    elif p == _INF or p == -_INF:  # a max/min is exact: the local total will do
         if local:
             total, _ = local_norm(local, False)
             vals = total.to(wide).reshape(1)
+        else:
+            vals = torch.full((1,), identity, dtype=wide, device=dev)
+    else:
+        # The p-th-power sum is taken from the per-tensor norms in float64, not from a local total rounded
+        # to fp32: then the only fp32 roundings are the per-tensor ones torch's DTensor path has too.
+        if local:
+            _, per = local_norm(local, True)
+            vals = per[: len(sel)].to(wide).pow(p).sum().pow(1.0 / p).reshape(1)
         else:
             vals = torch.full((1,), identity, dtype=wide, device=dev)
 
@@ -274,3 +282,51 @@ def to_local_norm(total_norm):
     if is_dtensor(total_norm):
         return total_norm.full_tensor()
     return total_norm
+
+
+def reduced_amp_norm(sh: Sharded, norm_type: float,
+                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]]
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
+    values, found_inf 0/1); ONE all-reduce carries the p-th power (or max) and the overflow flag together.
+    Returns ``(global total, local found_inf, global found_inf)``, the flags 0-dim float32 exactly 0 or 1.
+    norm_type 0 has no sharded AMP form (the read pass yields totals, not per-tensor counts)."""
+    import torch.distributed as dist
+
+    p = norm_type
+    if p == 0:
+        raise ValueError("scaler_unscale_and_clip with norm_type=0 is not supported for sharded gradients")
+    reads = sh.reads
+    if reads:
+        dev, dtype = reads[0].device, acc_dtype(reads)
+    else:
+        dev, dtype = _group_device(sh.group), torch.float32
+    wide = _wide(dtype, dev)
+    local = [reads[i] for i, c in enumerate(sh.counts) if c]
+    if local and dtype == torch.float64 and acc_dtype(local) != dtype:
+        local = local + [torch.empty(0, dtype=torch.float64, device=dev)]  # as in reduced_norm
+    if local:
+        total, flag = local_amp(local)
+        total, flag = total.to(dev, wide).reshape(1), flag.to(dev, torch.float32).reshape(())
+    else:
+        total = torch.full((1,), _INF if p == -_INF else 0.0, dtype=wide, device=dev)
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+    f = flag.to(wide).reshape(1)
+    if p == _INF or p == -_INF:
+        nan = torch.isnan(total).to(wide)
+        if p == _INF:
+            buf = torch.cat([torch.where(nan > 0, 0.0, total), nan, f])
+            _all_reduce(buf, dist.ReduceOp.MAX, sh)
+        else:  # MIN for the value; flags ride negated
+            buf = torch.cat([torch.where(nan > 0, _INF, total), -nan, -f])
+            _all_reduce(buf, dist.ReduceOp.MIN, sh)
+            buf = torch.cat([buf[:1], -buf[1:]])
+        g_total = torch.where(buf[1] > 0, float("nan"), buf[0])
+        g_flag = buf[2]
+    else:
+        buf = torch.cat([total.pow(p), f])
+        _all_reduce(buf, dist.ReduceOp.SUM, sh)
+        g_total = buf[0].pow(1.0 / p)
+        g_flag = buf[1]
+    g_flag = (g_flag > 0).to(torch.float32)
+    return g_total.to(dtype), flag, g_flag

@@ -45,7 +45,8 @@ WALL_LIMIT_S = 180
 # ranks run every scenario in turn; each scenario's outcome is written to a file and reported by its own
 # test. A failure aborts the remaining scenarios of that world (its peers may be waiting in a collective).
 def _plan(world: int) -> list[tuple[str, str]]:
-    plan = [("dtensor_1d", b) for b in CPU_BACKENDS] + [("process_group", b) for b in CPU_BACKENDS]
+    plan = [("amp", b) for b in CPU_BACKENDS]
+    plan += [("dtensor_1d", b) for b in CPU_BACKENDS] + [("process_group", b) for b in CPU_BACKENDS]
     if world == 4:
         plan += [("dtensor_2d", b) for b in CPU_BACKENDS]
     if _fully_shard() is not None:
@@ -157,14 +158,14 @@ def _close(ours, ref, what):
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def _vs_torch(ours, theirs, want, dtype, what, p=2.0, same=True, single=None):
+def _vs_torch(ours, theirs, want, dtype, what, p=2.0, same=True, single=None, ulps=None):
     """SPEC section 3 for sharded inputs. ``theirs``: torch on the same sharded inputs (its DTensor
     implementation, or the hand-written all-reduce ZeRO codes use): ours is no worse against the oracle
     (+1 ulp). ``single`` (default ``theirs``): torch on the whole tensors in one process: equal within the
     SPEC rtol for all-fp32 / all-fp64 lists (mixed lists: fastgrad accumulates everything in fp64, torch
     only the fp64 tensors, so the oracle rule alone applies). A sharded sum is rounded in pieces, so only
     the sharded reference bounds the error ulp by ulp."""
-    assert_no_worse_than(ours, theirs, want, dtype, what, ulps=norm_ulps(p))
+    assert_no_worse_than(ours, theirs, want, dtype, what, ulps=norm_ulps(p) if ulps is None else ulps)
     rtol = rtol_vs_torch(dtype)
     if same and rtol is not None:
         assert_close_to_torch(ours, theirs if single is None else single, want, rtol, what + " (rtol)")
@@ -500,11 +501,99 @@ def _scenario_process_group(rank, world, backend):
             assert torch.equal(h.grad.nan_to_num(), s.nan_to_num())
 
 
+def _scaled_setup(fulls, makers, scale):
+    """Parameters (``makers[i](full)`` builds a DTensor or a shard) with gradients ``full * scale``, an SGD
+    optimizer and a CPU GradScaler whose scale is initialised to ``scale``."""
+    params = []
+    for f, make in zip(fulls, makers):
+        prm = torch.nn.Parameter(make(torch.ones_like(f)))
+        prm.grad = make(f * scale)
+        params.append(prm)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))  # creates the scale tensor
+    return params, opt, scaler
+
+
+def _local(t):
+    return t._local_tensor if D.is_dtensor(t) else t
+
+
+def _scenario_amp(rank, world, backend):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(13, 7), (5,), (64, 9), (3,)]
+    fulls = _full_tensors(shapes, [torch.float32], seed=21)
+    placements = [Shard(0), Replicate(), Shard(1), Shard(0)]
+    scale = 1024.0
+    for overflow in (False, True):
+        if overflow:  # an inf in the last rank's piece of the first tensor only
+            rows = fulls[0].shape[0]
+            first_row_of_last = rows - rows // world if rows % world == 0 else (world - 1) * -(-rows // world)
+            fulls = [f.clone() for f in fulls]
+            fulls[0][min(first_row_of_last, rows - 1), 0] = float("inf")
+        for kind in ("dtensor", "process_group"):
+            if kind == "dtensor":
+                makers = [lambda f, pl=pl: distribute_tensor(f, mesh, [pl]) for pl in placements]
+                pg = None
+            else:
+                makers = [lambda f: _shard_of(f, rank, world).reshape(-1)] * len(fulls)
+                pg = dist.group.WORLD
+
+            def build():
+                return _scaled_setup(fulls, makers, scale)
+
+            params, opt, scaler = build()
+            total = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, backend=backend, process_group=pg)
+            if kind == "dtensor":
+                r_params, r_opt, r_scaler = build()
+                r_scaler.unscale_(r_opt)  # torch's own, on the same DTensors
+                r_total = torch.nn.utils.clip_grad_norm_(r_params, 0.5).full_tensor()
+                total = total.full_tensor()
+            else:  # the single-process run on whole tensors
+                r_params, r_opt, r_scaler = _scaled_setup(fulls, [torch.clone] * len(fulls), scale)
+                r_scaler.unscale_(r_opt)
+                r_total = torch.nn.utils.clip_grad_norm_(r_params, 0.5)
+            what = f"amp {kind} overflow={overflow}"
+            found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            r_found = r_scaler._per_optimizer_states[id(r_opt)]["found_inf_per_device"]
+            assert list(found) == [torch.device("cpu")], found
+            assert float(found[torch.device("cpu")]) == float(overflow) == float(r_found[torch.device("cpu")]), \
+                (what, found, r_found)
+            if overflow:
+                assert not math.isfinite(float(total)) and not math.isfinite(float(r_total)), what
+            else:
+                unscaled = [f.double() for f in fulls]
+                want_total, want_grads = oracle.clipped(unscaled, 0.5, 2.0)
+                _vs_torch(total, r_total, want_total, torch.float32, what + " total")
+                for i, (q, r, w) in enumerate(zip(params, r_params, want_grads)):
+                    g = q.grad.full_tensor() if kind == "dtensor" else q.grad
+                    rg = r.grad.full_tensor() if kind == "dtensor" else _shard_of(r.grad, rank, world)
+                    ww = w if kind == "dtensor" else _shard_of(w, rank, world)
+                    # The fused read pass (the backends' amp_norm) yields one fp32 total per rank, not
+                    # per-tensor norms, so the norm may sit 1 ulp from torch's and the coefficient with
+                    # it: a clipped element can then be 2 ulps off where torch is exact.
+                    _vs_torch(g, rg, ww, torch.float32, f"{what} grad {i}", ulps=2.0)
+            # The step is skipped on overflow on every rank, and the scale backs off, as torch's.
+            before = [_local(q).clone() for q in params]
+            scaler.step(opt)
+            scaler.update()
+            r_scaler.step(r_opt)
+            r_scaler.update()
+            assert float(scaler.get_scale()) == float(r_scaler.get_scale()), what
+            for q, b in zip(params, before):
+                if b.numel():  # (an empty local shard is unchanged either way)
+                    assert torch.equal(_local(q), b) == overflow, what + " step skipped iff overflow"
+
+
 SCENARIOS = {
     "dtensor_1d": _scenario_dtensor_1d,
     "dtensor_2d": _scenario_dtensor_2d,
     "fsdp2": _scenario_fsdp2,
     "process_group": _scenario_process_group,
+    "amp": _scenario_amp,
 }
 
 
@@ -531,6 +620,12 @@ def test_fsdp2_fully_shard_matches_single_process(spawned, world, backend):
 @pytest.mark.parametrize("world", [2, 4])
 def test_process_group_hand_sharded(spawned, world, backend):
     _outcome(spawned, world, "process_group", backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_scaler_unscale_and_clip_sharded(spawned, world, backend):
+    _outcome(spawned, world, "amp", backend)
 
 
 def test_plain_calls_do_not_touch_distributed():
