@@ -38,7 +38,8 @@ inline double finalize(Mode m, double s, double p) {
     case Mode::L2:
       return std::sqrt(s);
     case Mode::P:
-      return std::pow(s, 1.0 / p);
+      // 1/p is rounded; in long double that rounding stops mattering for double results.
+      return static_cast<double>(std::pow(static_cast<long double>(s), 1.0L / static_cast<long double>(p)));
     default:
       return s;  // L1, Inf, Sum
   }
@@ -89,14 +90,29 @@ std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::ve
                                       const std::vector<double>& part, Mode mode, double p, bool acc64) {
   const size_t nt = fl.size();
   std::vector<double> sums(nt, 0.0);
-  for (size_t i = 0; i < items.size(); ++i) sums[items[i].t] = combine(mode, sums[items[i].t], part[i]);
   std::vector<double> per(nt);
-  double tot = 0.0;
-  for (size_t t = 0; t < nt; ++t) {
-    per[t] = finalize(mode, sums[t], p);
-    tot = combine(mode, tot, sums[t]);
+  double total;
+  if (mode == Mode::Inf) {
+    for (size_t i = 0; i < items.size(); ++i) sums[items[i].t] = combine(mode, sums[items[i].t], part[i]);
+    double tot = 0.0;
+    for (size_t t = 0; t < nt; ++t) {
+      per[t] = sums[t];
+      tot = combine(mode, tot, sums[t]);
+    }
+    total = tot;
+  } else {
+    // Items of one tensor are consecutive: sum them, then the tensors, both compensated.
+    CompensatedSum tot;
+    for (size_t i = 0; i < items.size();) {
+      CompensatedSum s;
+      const size_t t = items[i].t;
+      for (; i < items.size() && items[i].t == t; ++i) s.add(part[i]);
+      sums[t] = s.value();
+      tot.add(sums[t]);
+    }
+    for (size_t t = 0; t < nt; ++t) per[t] = finalize(mode, sums[t], p);
+    total = finalize(mode, tot.value(), p);
   }
-  const double total = finalize(mode, tot, p);
   return {make_0d(total, acc64 ? at::kDouble : at::kFloat), make_1d(per, acc64)};
 }
 

@@ -85,20 +85,20 @@ inline double reduce_loop(int64_t n, A p, const Load& load) {
     for (int l = 0; i < n; ++i, ++l) ml.add(l, load(i));
     return ml.result();
   } else {
-    double total = 0.0;
+    CompensatedSum total;
     int64_t i = 0;
     for (; i + kBlock <= n; i += kBlock) {
       A acc[kLanes] = {};
       for (int j = 0; j < kBlock; j += kLanes)
         for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(load(i + j + l), p);
-      total += fold(acc);
+      total.add(fold(acc));
     }
     if (i < n) {
       A acc[kLanes] = {};
       for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, A>(load(i + k), p);
-      total += fold(acc);
+      total.add(fold(acc));
     }
-    return total;
+    return total.value();
   }
 }
 
