@@ -106,9 +106,11 @@ def _root(s, pinv, MODE: tl.constexpr):
 def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, pinv: tl.float64, nsegs,
                           nblocks,
                           ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
-                          SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr):
+                          SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr, EXACT: tl.constexpr):
     pinv = tl.full([], pinv, tl.float64)
     tot = tl.zeros([SEG_BLOCK], ACC)
+    totc = tl.zeros([SEG_BLOCK], ACC)
+    totp = tl.zeros([SEG_BLOCK], ACC)  # plain sum: the answer when anything is inf/NaN
     totnan = tl.zeros([SEG_BLOCK], ACC)
     for s0 in range(0, nsegs, SEG_BLOCK):
         segs = s0 + tl.arange(0, SEG_BLOCK)
@@ -120,11 +122,33 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
             tot = tl.maximum(tot, tl.where(v == v, v, 0.0))
             totnan += nan_sticky(v)
         else:
-            tot += v
+            totp += v
+            if EXACT:
+                y = v - totc
+                t = tot + y
+                totc = (t - tot) - y
+                tot = t
     if MODE == 2:
         total = tl.max(tot, 0) + tl.sum(totnan, 0)
+    elif EXACT:
+        # fp64 results have no wider accumulator: a tree sum of the lanes costs up to ~2 ulp of the sum
+        # (1 ulp of the root), so the lanes are added in sequence with Kahan compensation. 128 steps in
+        # one program, and only for lists holding fp64 tensors.
+        lanes = tl.arange(0, SEG_BLOCK)
+        rest = tot - totc
+        total = tl.sum(tl.where(lanes == 0, rest, 0.0), 0)
+        c = total * 0.0
+        for j in range(1, SEG_BLOCK):
+            x = tl.sum(tl.where(lanes == j, rest, 0.0), 0)  # exact: one value plus zeros
+            y = x - c
+            t = total + y
+            c = (t - total) - y
+            total = t
+        plain = tl.sum(totp, 0)
+        # compensation turns inf into NaN (inf - inf); a non-finite sum is exact as it is
+        total = tl.where((plain == plain) & (tl.abs(plain) < INF), total, plain)
     else:
-        total = tl.sum(tot, 0)
+        total = tl.sum(totp, 0)
     tl.store(total_out, _root(total, pinv, MODE).to(OUT))
     if FLAG:
         anybad = tl.zeros([SEG_BLOCK], tl.int32)
@@ -166,6 +190,6 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
                 num_warps=Config.NUM_WARPS)
         _norm_finalize_kernel[(1,)](
             part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
-            ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
-            num_warps=4)
+            ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK,
+            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, num_warps=4)
     return total, per, (found if amp else None)
