@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import torch
 from torch import Tensor
 
 from .base import OPS, Backend, BackendError, acc_dtype, is_fast_norm_type
@@ -80,12 +81,26 @@ def get_default_backend() -> str | None:
     return env or None
 
 
+def _unavailable(name: str) -> str | None:
+    """A backend's availability: fixed for the process, so under torch.compile it is evaluated once while
+    tracing and kept as a constant (the first check may import an extension under a lock, which dynamo
+    cannot trace)."""
+    return _REGISTRY[name].unavailable_reason()
+
+
+_assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+if _assume_constant is None:  # pragma: no cover - older torch spelling
+    _assume_constant = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+if _assume_constant is not None:
+    _unavailable = _assume_constant(_unavailable)
+
+
 def select(op: str, tensors: Sequence[Tensor], backend: str | None = None, **params) -> Backend:
     """The backend that runs primitive ``op`` on ``tensors`` (one device's group)."""
     name = backend if backend is not None else get_default_backend()
     if name is not None:
         b = get(name)
-        why = b.unavailable_reason() or b.supports(op, tensors, **params)
+        why = _unavailable(name) or b.supports(op, tensors, **params)
         if why is not None:
             raise BackendError(
                 f"fastgrad backend {name!r} cannot run {op}: {why}. "
@@ -95,7 +110,7 @@ def select(op: str, tensors: Sequence[Tensor], backend: str | None = None, **par
     dev = tensors[0].device.type if tensors else "cpu"
     for candidate in AUTO_ORDER.get(dev, _FALLBACK_ORDER):
         b = _REGISTRY.get(candidate)
-        if b is None or b.unavailable_reason() is not None:
+        if b is None or _unavailable(candidate) is not None:
             continue
         if b.supports(op, tensors, **params) is None:
             return b
