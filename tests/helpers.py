@@ -114,10 +114,24 @@ def assert_no_worse_than(ours, ref, oracle_values, dtype: torch.dtype, what: str
     )
 
 
-def norm_ulps(norm_type: float) -> float:
-    """Slack for a p-norm: the final root multiplies the power sum's relative error by 1/p, so for p < 1 even
-    a correctly rounded power sum is up to 0.5/p + 0.5 ulp off; 1 ulp suffices for p >= 1."""
-    return max(1.0, 1.0 / norm_type) if 0 < norm_type < float("inf") else 1.0
+def norm_ulps(norm_type: float, values=None) -> float:
+    """Slack (in ulps) for p-norms, from the maths rather than from what a kernel gives:
+
+    * the final root multiplies the power sum's relative error by 1/p, so for p < 1 even a correctly
+      rounded power sum is up to 0.5/p + 0.5 ulp off (1 ulp suffices for p >= 1);
+    * when 1/p is not a power of two it is itself rounded, and ``S ** (1/p)`` then carries a relative error
+      of |ln S| x that rounding (at most a quarter ulp per unit of |ln S| for 1/p < 1), which torch's and
+      fastgrad's different summation orders expose differently. ``values`` are the norms being checked.
+    """
+    if not 0 < norm_type < float("inf"):
+        return 1.0
+    slack = max(1.0, 1.0 / norm_type)
+    if values is not None and not math.log2(norm_type).is_integer():
+        v = np.abs(oracle.ld(values)).astype(np.float64).reshape(-1)
+        v = v[(v > 0) & np.isfinite(v)]
+        if v.size:
+            slack += float(np.abs(np.log(v)).max()) * norm_type / 4
+    return slack
 
 
 def assert_max_error_within(ours, ref, oracle_values, dtype: torch.dtype, what: str = "",

@@ -30,7 +30,7 @@ def _check_clip_result(ours_params, torch_params, orig, total, total_torch, max_
     og = grads(orig)
     o_total, o_grads = oracle.clipped(og, max_norm, p)
     assert total.dtype == total_torch.dtype and total.device == total_torch.device and total.dim() == 0
-    assert_no_worse_than(total, total_torch, o_total, total.dtype, "total norm", norm_ulps(p))
+    assert_no_worse_than(total, total_torch, o_total, total.dtype, "total norm", norm_ulps(p, o_total))
     for g, gt, go in zip(grads(ours_params), grads(torch_params), o_grads):
         assert g.dtype == gt.dtype and g.shape == gt.shape and g.stride() == gt.stride()
         assert_no_worse_than(g, gt, go, g.dtype, "clipped gradient")
@@ -47,7 +47,8 @@ def _check_clip_result(ours_params, torch_params, orig, total, total_torch, max_
 def test_clip_grad_norm_matches_torch_and_oracle(bd, dtype, norm_type, clipping):
     backend, device = bd
     shapes = SHAPES if norm_type != INF else [s for s in SHAPES if math.prod(s)]
-    params = make_params(shapes, dtype, device, seed=hash((str(dtype), norm_type)) % 1000, none_every=4)
+    seed = 10 * DTYPES.index(dtype) + FAST_NORMS.index(norm_type)
+    params = make_params(shapes, dtype, device, seed=seed, none_every=4)
     orig = clone_params(params)
     total_orig = oracle.total_norm(grads(orig), norm_type)
     max_norm = total_orig / 3 if clipping else total_orig * 3
@@ -238,10 +239,9 @@ def test_multi_tensor_norm_per_tensor(bd, dtype, norm_type):
     assert total.device.type == device and per.device.type == device
     ref_total, ref_per = fastgrad.multi_tensor_norm(ts, norm_type, per_tensor=True, backend="torch")
     exp_per = torch.tensor([oracle.tensor_norm(t, norm_type) for t in ts], dtype=torch.float64)
-    slack = norm_ulps(norm_type)
-    assert_no_worse_than(per, ref_per, exp_per, acc, "per-tensor norms", slack)
+    assert_no_worse_than(per, ref_per, exp_per, acc, "per-tensor norms", norm_ulps(norm_type, exp_per))
     exp_total = oracle.total_norm(ts, norm_type)
-    assert_no_worse_than(total, ref_total, exp_total, acc, "total", slack)
+    assert_no_worse_than(total, ref_total, exp_total, acc, "total", norm_ulps(norm_type, exp_total))
     rtol = 1e-12 if dtype == torch.float64 else 1e-6  # fp32 accumulation: same rule as fp32 inputs
     assert_close_to_torch(per, ref_per, exp_per, rtol, "per-tensor norms vs torch backend")
     assert_close_to_torch(total, ref_total, exp_total, rtol, "total vs torch backend")
