@@ -1,0 +1,139 @@
+"""CUDA graphs (issue 8): the clip and the fused AMP path can be captured once and replayed with new gradient
+values, on every backend usable for CUDA tensors. Capture fails if a call syncs the host or reads device
+data on the host, so a successful capture is itself the "no host sync" check; the replays must then give
+exactly what eager calls of the same backend give on the same values, and keep deciding on the device
+whether to clip (the coefficient is not baked in at capture time).
+
+Skipped without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastgrad
+
+from . import oracle
+from .conftest import BACKEND_DEVICES
+from .helpers import assert_no_worse_than, bits, clone_params, grads, make_params, norm_ulps
+
+CUDA_BACKENDS = [b for b, d in BACKEND_DEVICES if d == "cuda"]
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not CUDA_BACKENDS, reason="no fastgrad backend serves CUDA tensors"),
+]
+backend_param = pytest.mark.parametrize("backend", CUDA_BACKENDS or ["none"])
+
+SHAPES = [(1025,), (64, 33), (7,), (0,), (4, 3, 3, 3), (65537,)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _params(seed, dtypes=(torch.float32,), scale=1.0):
+    return make_params(SHAPES, list(dtypes), "cuda", seed=seed, scale=scale)
+
+
+def _capture(fn):
+    """Warm up on a side stream (first calls may compile or cache tables), then capture one call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _load(static, source):
+    for p, q in zip(static, source):
+        if p.grad is not None:
+            p.grad.copy_(q.grad)
+
+
+@backend_param
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+def test_clip_grad_norm_capture_and_replay(backend, norm_type):
+    static = _params(0, DTYPES)
+    graph, total = _capture(lambda: fastgrad.clip_grad_norm_(static, 1.0, norm_type, backend=backend))
+    # Gradient sets that clip (scale 5) and that do not (scale 1e-4): the choice is made on the device.
+    for seed, scale in [(1, 5.0), (2, 1e-4), (3, 5.0), (4, 1e-4)]:
+        fresh = _params(seed, DTYPES, scale)
+        eager = clone_params(fresh)
+        inputs = [g.clone() for g in grads(fresh)]
+        _load(static, fresh)
+        graph.replay()
+        want_total = fastgrad.clip_grad_norm_(eager, 1.0, norm_type, backend=backend)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(total), bits(want_total)), (seed, total, want_total)
+        o_total, o_grads = oracle.clipped(inputs, 1.0, norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(clone_params(fresh), 1.0, norm_type)
+        assert_no_worse_than(total, ref_total, o_total, total.dtype, "replayed total", norm_ulps(norm_type))
+        for a, b in zip(grads(static), grads(eager)):
+            assert torch.equal(bits(a), bits(b)), f"replayed clip differs from eager (seed {seed})"
+        if scale < 1:  # no clipping: gradients exactly as loaded
+            for a, g in zip(grads(static), inputs):
+                assert torch.equal(bits(a), bits(g))
+
+
+@backend_param
+def test_clip_grad_value_and_norm_pieces_capture(backend):
+    static = _params(0)
+
+    def step():
+        total = fastgrad.get_total_norm(grads(static), backend=backend)
+        fastgrad.clip_grads_with_norm_(static, 2.0, total, backend=backend)
+        fastgrad.clip_grad_value_(static, 0.05, backend=backend)
+        return total
+
+    graph, total = _capture(step)
+    for seed in (1, 2):
+        fresh = _params(seed, scale=3.0)
+        eager = clone_params(fresh)
+        _load(static, fresh)
+        graph.replay()
+        t = fastgrad.get_total_norm(grads(eager), backend=backend)
+        fastgrad.clip_grads_with_norm_(eager, 2.0, t, backend=backend)
+        fastgrad.clip_grad_value_(eager, 0.05, backend=backend)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(total), bits(t))
+        for a, b in zip(grads(static), grads(eager)):
+            assert torch.equal(bits(a), bits(b))
+
+
+@backend_param
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaler_unscale_and_clip_capture_and_replay(backend, dtype):
+    """The fused AMP path under capture: the scale is read from the scaler's tensor at replay time, the
+    overflow flag and the norm are written into the captured outputs; replays match eager calls."""
+    scale = 2.0 ** 12
+    static = _params(0, (dtype,))
+    opt = torch.optim.SGD(static, lr=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=scale)
+    scaler.scale(torch.ones((), device="cuda"))
+
+    def call():
+        # A replay stands for one step: the per-optimizer state is fresh each time, as after update().
+        scaler._per_optimizer_states.clear()
+        return fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, backend=backend)
+
+    graph, total = _capture(call)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cuda", 0)]
+    for seed, overflow in [(1, False), (2, True), (3, False)]:
+        fresh = _params(seed, (dtype,), scale=scale * 0.5)
+        if overflow:
+            fresh[0].grad[3] = float("inf")
+        _load(static, fresh)
+        graph.replay()
+        e_opt = torch.optim.SGD(eager := clone_params(fresh), lr=0.1)
+        e_scaler = torch.amp.GradScaler("cuda", init_scale=scale)
+        e_scaler.scale(torch.ones((), device="cuda"))
+        e_total = fastgrad.scaler_unscale_and_clip(e_scaler, e_opt, 1.0, backend=backend)
+        e_found = e_scaler._per_optimizer_states[id(e_opt)]["found_inf_per_device"][torch.device("cuda", 0)]
+        torch.cuda.synchronize()
+        assert float(found) == float(e_found) == float(overflow)
+        assert torch.equal(bits(total), bits(e_total))
+        for a, b in zip(grads(static), grads(eager)):
+            assert torch.equal(bits(a), bits(b)), f"replayed AMP path differs from eager (seed {seed})"
