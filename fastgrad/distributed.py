@@ -208,34 +208,34 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         # This rank holds no piece of the float64 tensors, but every rank must accumulate as the whole
         # list dictates: an empty float64 tensor makes the backend accumulate in float64 (entry dropped).
         local = local + [torch.empty(0, dtype=torch.float64, device=dev)]
-    identity = _INF if p == -_INF else 0.0  # what a rank with nothing to add contributes
+    # Finite p != 0 travels as p-th powers (their sum is what adds up across ranks); 0 counts, inf/-inf
+    # as norms (max/min). `identity` is what a rank with nothing to add contributes.
+    powers = p != 0 and p not in (_INF, -_INF)
+    identity = _INF if p == -_INF else 0.0
 
-    if vector:
-        n = len(reads)
+    if vector or powers:
+        n = len(reads) if vector else 1
         if local:
             _, per = local_norm(local, True)
             per = per[: len(sel)].to(wide)
-            if len(sel) != n:  # put the counted ones in place; the rest contribute the identity
+            if powers:
+                per = per.pow(p)  # in float64: exact for p = 2 from an fp32 norm
+            if not vector:
+                vals = per.sum().reshape(1)
+            elif len(sel) != n:  # put the counted ones in place; the rest contribute the identity
                 ident = torch.full((), identity, dtype=wide, device=dev)
                 slots = [ident] * n
                 for k, v in zip(sel, per.unbind(0)):
                     slots[k] = v
-                per = torch.stack(slots)
+                vals = torch.stack(slots)
+            else:
+                vals = per
         else:
-            per = torch.full((n,), identity, dtype=wide, device=dev)
-        vals = per
-    elif p == _INF or p == -_INF:  # a max/min is exact: the local total will do
+            vals = torch.full((n,), identity, dtype=wide, device=dev)
+    else:  # inf / -inf total: a max/min is exact, the local total will do
         if local:
             total, _ = local_norm(local, False)
             vals = total.to(wide).reshape(1)
-        else:
-            vals = torch.full((1,), identity, dtype=wide, device=dev)
-    else:
-        # The p-th-power sum is taken from the per-tensor norms in float64, not from a local total rounded
-        # to fp32: then the only fp32 roundings are the per-tensor ones torch's DTensor path has too.
-        if local:
-            _, per = local_norm(local, True)
-            vals = per[: len(sel)].to(wide).pow(p).sum().pow(1.0 / p).reshape(1)
         else:
             vals = torch.full((1,), identity, dtype=wide, device=dev)
 
@@ -257,11 +257,12 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         per_out = vals
         total = (vals != 0).sum().to(wide)
     else:
-        powered = vals.pow(p)
-        _all_reduce(powered, dist.ReduceOp.SUM, sh)
+        # The per-tensor norms enter in float64 (not a local total rounded to fp32), so the only fp32
+        # roundings are the per-tensor ones torch's DTensor path has too.
+        _all_reduce(vals, dist.ReduceOp.SUM, sh)
         inv = 1.0 / p
-        per_out = powered.pow(inv) if vector else None
-        total = (powered.sum() if vector else powered[0]).pow(inv)
+        per_out = vals.pow(inv) if vector else None
+        total = vals.sum().pow(inv)
     total = total.to(dtype)
     per = per_out.to(dtype) if per_tensor else None
     return total, per
@@ -324,7 +325,8 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
         g_total = torch.where(buf[1] > 0, float("nan"), buf[0])
         g_flag = buf[2]
     else:
-        buf = torch.cat([total.pow(p), f])
+        pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
+        buf = torch.cat([pw, f])
         _all_reduce(buf, dist.ReduceOp.SUM, sh)
         g_total = buf[0].pow(1.0 / p)
         g_flag = buf[1]

@@ -463,6 +463,15 @@ def _scenario_process_group(rank, world, backend):
                     _vs_torch(h.grad, r.grad, _shard_of(w, rank, world), h.grad.dtype, f"{what} grad {i}", p, same,
                               _shard_of(s.grad, rank, world))
 
+    # Negative orders (torch backend only: no fused kernel): a rank with an empty shard adds nothing.
+    if backend == "torch":
+        fulls = _full_tensors([(13, 7), (3,), (5,)], [torch.float32], seed=13)
+        shards = [_shard_of(f, rank, world) for f in fulls]
+        for p in (-1.0, -INF):
+            ours = fastgrad.get_total_norm(shards, p, backend=backend, process_group=world_group)
+            single = torch.nn.utils.get_total_norm(fulls, p)
+            _vs_torch(ours, single, oracle.total_norm(fulls, p), torch.float32, f"pg p={p}", 1.0)
+
     # Two independent groups at once (world 4): ranks {0,1} and {2,3} shard different tensors.
     if world >= 4:
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
