@@ -7,6 +7,8 @@ TORCH_PIN ?= torch==2.13.0
 
 setup:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_PIN)
+	# a no-isolation build uses the env's own build tools (Python >= 3.12 venvs ship no setuptools)
+	$(PYTHON) -m pip install "setuptools>=64" wheel ninja
 	# --no-build-isolation: the optional C++ extension builds against the torch installed above.
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton]"
 
