@@ -10,7 +10,7 @@ setup:
 	# a no-isolation build uses the env's own build tools (Python >= 3.12 venvs ship no setuptools)
 	$(PYTHON) -m pip install "setuptools>=64" wheel ninja
 	# --no-build-isolation: the optional C++ extension builds against the torch installed above.
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton,diagnostics]"
 
 test: setup
 	$(PYTHON) -m fastgrad.info
