@@ -5,77 +5,105 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <type_traits>
 
 namespace fastgrad {
 namespace cpu {
 namespace {
 
-// Calls f(T{}) for the element type of st.
+// Float/double runs: one plain loop, which the compiler vectorises.
+template <typename O, typename T, typename F>
+inline void apply(T* x, int64_t n, const F& f) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(f(static_cast<O>(x[i])));
+}
+
+// bf16/fp16 runs: tiles of kTile elements are widened to float, transformed, and rounded back, three
+// simple loops the compiler vectorises. f maps float to float, so the result is T(f(float(x))), the
+// value c10's element-wise conversions give.
+constexpr int64_t kTile = 256;
+
 template <typename F>
-void dispatch_t(c10::ScalarType st, const F& f) {
+void apply16(bool bf16, uint16_t* x, int64_t n, const F& f) {
+  float buf[kTile];
+  for (int64_t i = 0; i < n; i += kTile) {
+    const int64_t m = std::min(kTile, n - i);
+    uint16_t* p = x + i;
+    if (bf16) {
+      for (int64_t j = 0; j < m; ++j) buf[j] = bf16_to_f32(p[j]);
+    } else {
+      for (int64_t j = 0; j < m; ++j) buf[j] = fp16_to_f32(p[j]);
+    }
+    for (int64_t j = 0; j < m; ++j) buf[j] = f(buf[j]);
+    if (bf16) {
+      for (int64_t j = 0; j < m; ++j) p[j] = f32_to_bf16(buf[j]);
+    } else {
+      for (int64_t j = 0; j < m; ++j) p[j] = f32_to_fp16(buf[j]);
+    }
+  }
+}
+
+// Dispatch on dtype: 16-bit runs go through apply16 with the float map f16; float and double runs are
+// handed to fwide(T*) as typed pointers.
+template <typename F16, typename FW>
+void run(c10::ScalarType st, void* ptr, int64_t n, const F16& f16, const FW& fwide) {
   switch (st) {
     case c10::ScalarType::Double:
-      return f(double{});
+      return fwide(static_cast<double*>(ptr));
     case c10::ScalarType::Float:
-      return f(float{});
+      return fwide(static_cast<float*>(ptr));
     case c10::ScalarType::Half:
-      return f(c10::Half{});
+      return apply16(false, static_cast<uint16_t*>(ptr), n, f16);
     case c10::ScalarType::BFloat16:
-      return f(c10::BFloat16{});
+      return apply16(true, static_cast<uint16_t*>(ptr), n, f16);
     default:
       TORCH_CHECK(false, "fastgrad: unsupported dtype ", st);
   }
 }
 
-template <typename O, typename T>
-inline O ld(T x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return static_cast<O>(x);
-  } else {
-    return static_cast<O>(static_cast<float>(x));
-  }
-}
-
-template <typename O, typename T, typename F>
-inline void apply(T* x, int64_t n, const F& f) {
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(f(ld<O>(x[i])));
-}
-
 }  // namespace
 
-void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl) {
-  dispatch_t(st, [&](auto t) {
-    using T = decltype(t);
-    T* x = static_cast<T*>(ptr);
-    if (dbl || std::is_same_v<T, double>) {
+FASTGRAD_SIMD_CLONES void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl) {
+  const float ff = static_cast<float>(f);
+  // 16-bit with dbl: the double product is rounded to float, then to T (c10 has no double -> T).
+  const auto f16_dbl = [f](float v) { return static_cast<float>(static_cast<double>(v) * f); };
+  const auto f16 = [ff](float v) { return v * ff; };
+  const auto wide = [&](auto* x) {
+    using T = std::remove_pointer_t<decltype(x)>;
+    if (dbl || std::is_same_v<T, double>)
       apply<double>(x, n, [f](double v) { return v * f; });
-    } else {
-      const float ff = static_cast<float>(f);
+    else
       apply<float>(x, n, [ff](float v) { return v * ff; });
+  };
+  if (dbl)
+    run(st, ptr, n, f16_dbl, wide);
+  else
+    run(st, ptr, n, f16, wide);
+}
+
+FASTGRAD_SIMD_CLONES void clamp_range(c10::ScalarType st, void* ptr, int64_t n, double c) {
+  // Comparisons are false for NaN, so NaN passes through both.
+  const auto clampf = [hi = static_cast<float>(c)](float v) {
+    v = v < -hi ? -hi : v;
+    return v > hi ? hi : v;
+  };
+  run(st, ptr, n, clampf, [&](auto* x) {
+    using T = std::remove_pointer_t<decltype(x)>;
+    if constexpr (std::is_same_v<T, double>) {
+      apply<double>(x, n, [c](double v) {
+        v = v < -c ? -c : v;
+        return v > c ? c : v;
+      });
+    } else {
+      apply<float>(x, n, clampf);
     }
   });
 }
 
-void clamp_range(c10::ScalarType st, void* ptr, int64_t n, double c) {
-  dispatch_t(st, [&](auto t) {
-    using T = decltype(t);
-    using O = std::conditional_t<std::is_same_v<T, double>, double, float>;
-    const O hi = static_cast<O>(c), lo = -hi;
-    // Comparisons are false for NaN, so NaN passes through both.
-    apply<O>(static_cast<T*>(ptr), n, [lo, hi](O v) {
-      v = v < lo ? lo : v;
-      return v > hi ? hi : v;
-    });
-  });
-}
-
-void sub_range(c10::ScalarType st, void* ptr, int64_t n, double m) {
-  // In double whatever T: the result is rounded once to T.
-  dispatch_t(st, [&](auto t) {
-    using T = decltype(t);
-    apply<double>(static_cast<T*>(ptr), n, [m](double v) { return v - m; });
-  });
+FASTGRAD_SIMD_CLONES void sub_range(c10::ScalarType st, void* ptr, int64_t n, double m) {
+  // In double whatever T; for 16-bit T the difference is rounded to float, then to T.
+  const auto subd = [m](float v) { return static_cast<float>(static_cast<double>(v) - m); };
+  run(st, ptr, n, subd, [&](auto* x) { apply<double>(x, n, [m](double v) { return v - m; }); });
 }
 
 // ----------------------------------------------------------------------------------------------------

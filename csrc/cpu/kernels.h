@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace fastgrad {
@@ -35,6 +36,83 @@ struct CompensatedSum {
   // Once the sum is inf/NaN the compensation is meaningless (inf - inf): the plain sum is the answer.
   inline double value() const { return std::isfinite(sum) ? sum + comp : sum; }
 };
+
+// ---------------------------------------------------------------------------------------------------
+// bf16/fp16 <-> float on raw bits. c10::BFloat16/Half convert one element at a time (bf16 rounding
+// branches on NaN), which keeps loops over them scalar; these are branch-free, so loops over them
+// vectorise. They equal c10's CPU conversions bit for bit for every input, NaNs included (checked
+// exhaustively over all 2^32 floats and 2^16 halves): round to nearest even, bf16 NaN -> 0x7FC0,
+// fp16 NaN -> sign | 0x7E00.
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float f32_from(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_to_f32(uint16_t h) { return f32_from(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  // Adding 0x7FFF plus the lowest kept bit rounds the dropped 16 bits to nearest, ties to even.
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = 0u - uint32_t((u & 0x7FFFFFFFu) > 0x7F800000u);  // mask, not ?: (see below)
+  return static_cast<uint16_t>((0x7FC0u & nan) | (r & ~nan));
+}
+
+// bf16_to_f32(f32_to_bf16(f)) without narrowing to 16 bits (which SSE2/AVX2 do with slow shuffles).
+inline float f32_round_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t nan = 0u - uint32_t((u & 0x7FFFFFFFu) > 0x7F800000u);
+  return f32_from((0x7FC00000u & nan) | (r & ~nan));
+}
+
+inline float fp16_to_f32(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t em = w + w;  // exponent and mantissa at the top, sign shifted out
+  // Normal, inf and NaN: place the fields in a float whose exponent is 112 too large, then scale.
+  const float normal = f32_from((em >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  // Subnormal: the mantissa as the low bits of a float in [0.5, 1), minus 0.5, is exact.
+  const float subnormal = f32_from((em >> 17) | (126u << 23)) - 0.5f;
+  // Selects are masks, not ?:, so the compiler never branches around float ops and loops vectorise.
+  const uint32_t is_sub = 0u - uint32_t(em < (1u << 27));
+  return f32_from(sign | (f32_bits(subnormal) & is_sub) | (f32_bits(normal) & ~is_sub));
+}
+
+inline uint16_t f32_to_fp16(float f) {
+  // The FP16 library's method (as c10's software path): scale |f| so that values beyond the fp16 range
+  // overflow to inf, then one float add against a power of two places the rounding point at fp16's
+  // last mantissa bit (or the subnormal grid), so the hardware does the round to nearest even.
+  const uint32_t w = f32_bits(f);
+  const uint32_t w2 = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t e = w2 & 0xFF000000u;
+  const uint32_t small = 0u - uint32_t(e < 0x71000000u);  // masks instead of ?: (see fp16_to_f32)
+  const uint32_t bias = (0x71000000u & small) | (e & ~small);
+  base = f32_from((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = f32_bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+  const uint32_t nan = 0u - uint32_t(w2 > 0xFF000000u);
+  return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
+}
+
+// The range kernels below are each compiled twice, for AVX2 and for the baseline x86-64 ISA, and the
+// dynamic loader binds the one the CPU supports (GCC function multiversioning, needs ifunc: Linux). The
+// baseline is SSE2 only, half the width torch's own kernels use. flatten inlines the per-dtype
+// templates into each clone so they vectorise with its registers. Same source, no FMA (avx2 does not
+// enable it, and -ffp-contract=off), fixed lane counts: both clones give identical bits.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define FASTGRAD_SIMD_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define FASTGRAD_SIMD_CLONES
+#endif
 
 // Reduction kinds of reduce_range.
 enum class Mode : int { Sum = 0, L1 = 1, L2 = 2, Inf = 3, P = 4 };
@@ -64,7 +142,7 @@ Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n);
 void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl);
 // In place x = min(max(x, -c), c) computed in float (double for float64), NaN kept.
 void clamp_range(c10::ScalarType st, void* ptr, int64_t n, double c);
-// In place x = T(x - m), computed in double.
+// In place x = T(x - m), computed in double (rounded to float first for 16-bit T, as c10 converts).
 void sub_range(c10::ScalarType st, void* ptr, int64_t n, double m);
 
 // ---------------------------------------------------------------------------------------------------

@@ -333,27 +333,53 @@ void centralize_cpu(TensorList grads) {
   const size_t nt = grads.size();
   std::vector<Flat> fg;
   std::vector<int64_t> numel(nt), rows(nt);
-  std::vector<char> acc64(nt);
   for (size_t t = 0; t < nt; ++t) {
     fg.push_back(flat_rows(grads[t], true));
     numel[t] = grads[t].numel();
     // 1-D (and 0-D) gradients are not centralised: no rows.
     rows[t] = grads[t].dim() <= 1 ? 0 : grads[t].size(0);
     if (rows[t] == 0) numel[t] = 0;
-    // The row sum cancels (a mean is small next to the elements), so it is accumulated in double.
-    acc64[t] = 1;
   }
   const RowPlan pl = plan_rows(numel, rows);
-  const auto sums = row_reduce(pl, fg, Mode::Sum, 1.0, acc64);
-  std::vector<double> mean(sums.size());
-  std::vector<char> want(sums.size(), 1);
-  for (size_t t = 0; t < nt; ++t)
-    for (int64_t r = 0; r < pl.rows[t]; ++r) {
-      const int64_t g = pl.base[t] + r;
-      const double m = sums[g] / static_cast<double>(pl.L[t]);
-      mean[g] = m;  // kept in double: x - mean is rounded once (more accurate than torch's fp32 mean)
+  // Rows that fit in one work item are summed and centralised in the same item, while they are still in
+  // cache (two passes over the whole list would read every gradient from memory twice). The mean is
+  // kept in double: x - mean is rounded once (more accurate than torch's fp32 mean). Row sums are
+  // accumulated in double (acc64): they cancel, a mean being small next to the elements.
+  std::vector<double> part(pl.items.size(), 0.0);
+  bool any_piece = false;
+  for (const auto& it : pl.items) any_piece = any_piece || it.piece;
+  for_items(static_cast<int64_t>(pl.items.size()), pl.total_elems, [&](int64_t i) {
+    const RowItem& it = pl.items[i];
+    const Flat& f = fg[it.t];
+    const int64_t L = pl.L[it.t];
+    if (it.piece) {
+      part[i] = reduce_range(Mode::Sum, f.st, true, at_elem(f, it.row0 * L + it.off), it.len, 1.0);
+      return;
     }
-  row_apply(pl, fg, want, [&](const Flat& f, int64_t g, char* ptr, int64_t n) { sub_range(f.st, ptr, n, mean[g]); });
+    for (int64_t r = it.row0; r < it.row0 + it.nrows; ++r) {
+      char* ptr = at_elem_mut(f, r * L);
+      const double m = reduce_range(Mode::Sum, f.st, true, ptr, L, 1.0) / static_cast<double>(L);
+      sub_range(f.st, ptr, L, m);
+    }
+  });
+  if (any_piece) {
+    // Rows longer than kChunk: their piece sums are added in order, then the pieces are centralised.
+    std::vector<double> mean(static_cast<size_t>(pl.total_rows), 0.0);
+    for (size_t i = 0; i < pl.items.size(); ++i) {
+      const RowItem& it = pl.items[i];
+      if (!it.piece) continue;
+      double& o = mean[pl.base[it.t] + it.row0];
+      o = it.off == 0 ? part[i] : o + part[i];
+    }
+    for (size_t t = 0; t < nt; ++t)
+      for (int64_t r = 0; r < pl.rows[t]; ++r) mean[pl.base[t] + r] /= static_cast<double>(pl.L[t]);
+    for_items(static_cast<int64_t>(pl.items.size()), pl.total_elems, [&](int64_t i) {
+      const RowItem& it = pl.items[i];
+      if (!it.piece) return;
+      const Flat& f = fg[it.t];
+      sub_range(f.st, at_elem_mut(f, it.row0 * pl.L[it.t] + it.off), it.len, mean[pl.base[it.t] + it.row0]);
+    });
+  }
   for (auto& x : fg) finish(x);
 }
 

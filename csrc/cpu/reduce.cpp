@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -24,12 +25,27 @@ constexpr int kBlock = 256;
 template <typename T>
 using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// Element as A. 16-bit values are widened on their bits (kernels.h) so the lane loops vectorise.
 template <typename A, typename T>
 inline A to_acc(T x) {
-  if constexpr (std::is_same_v<T, double>) {
-    return static_cast<A>(x);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return static_cast<A>(bf16_to_f32(x.x));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return static_cast<A>(fp16_to_f32(x.x));
   } else {
-    return static_cast<A>(static_cast<float>(x));
+    return static_cast<A>(x);
+  }
+}
+
+// float -> T -> float: the value a 16-bit store of v reads back as; identity for float/double.
+template <typename T, typename O>
+inline O round_trip(O v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return f32_round_bf16(v);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return fp16_to_f32(f32_to_fp16(v));
+  } else {
+    return v;
   }
 }
 
@@ -74,30 +90,38 @@ struct MaxLanes {
   }
 };
 
-// Generic read pass: `load(i)` gives element i as A. Sum-like modes use blocks; Inf uses MaxLanes.
-template <Mode M, typename A, typename Load>
-inline double reduce_loop(int64_t n, A p, const Load& load) {
+// Generic read pass in blocks of kBlock: `fill(i, m, buf)` writes elements [i, i + m) as A into buf
+// (a simple loop that vectorises however involved the conversion), then the block is reduced over
+// fixed lanes. Sum-like modes add each block total in double; Inf uses MaxLanes.
+template <Mode M, typename A, typename Fill>
+inline double reduce_loop(int64_t n, A p, const Fill& fill) {
+  A buf[kBlock];
+  CompensatedSum total;
+  MaxLanes<A> ml;
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t m = std::min<int64_t>(kBlock, n - i);
+    fill(i, m, buf);
+    if constexpr (M == Mode::Inf) {
+      if (m == kBlock) {
+        for (int j = 0; j < kBlock; j += kLanes)
+          for (int l = 0; l < kLanes; ++l) ml.add(l, buf[j + l]);
+      } else {
+        for (int64_t k = 0; k < m; ++k) ml.add(static_cast<int>(k % kLanes), buf[k]);
+      }
+    } else {
+      A acc[kLanes] = {};
+      if (m == kBlock) {
+        for (int j = 0; j < kBlock; j += kLanes)
+          for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(buf[j + l], p);
+      } else {
+        for (int64_t k = 0; k < m; ++k) acc[k % kLanes] += term<M, A>(buf[k], p);
+      }
+      total.add(fold(acc));
+    }
+  }
   if constexpr (M == Mode::Inf) {
-    MaxLanes<A> ml;
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) ml.add(l, load(i + l));
-    for (int l = 0; i < n; ++i, ++l) ml.add(l, load(i));
     return ml.result();
   } else {
-    CompensatedSum total;
-    int64_t i = 0;
-    for (; i + kBlock <= n; i += kBlock) {
-      A acc[kLanes] = {};
-      for (int j = 0; j < kBlock; j += kLanes)
-        for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(load(i + j + l), p);
-      total.add(fold(acc));
-    }
-    if (i < n) {
-      A acc[kLanes] = {};
-      for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, A>(load(i + k), p);
-      total.add(fold(acc));
-    }
     return total.value();
   }
 }
@@ -105,7 +129,9 @@ inline double reduce_loop(int64_t n, A p, const Load& load) {
 template <Mode M, typename T, typename A>
 double reduce_impl(const void* ptr, int64_t n, double p) {
   const T* x = static_cast<const T*>(ptr);
-  return reduce_loop<M, A>(n, static_cast<A>(p), [x](int64_t i) { return to_acc<A>(x[i]); });
+  return reduce_loop<M, A>(n, static_cast<A>(p), [x](int64_t i, int64_t m, A* buf) {
+    for (int64_t k = 0; k < m; ++k) buf[k] = to_acc<A>(x[i + k]);
+  });
 }
 
 template <Mode M, typename T, typename A>
@@ -129,12 +155,8 @@ double amp_impl(const void* ptr, int64_t n, double p, double inv_d, bool* nonfin
   for (int l = 0; l < kLanes; ++l) f += fin[l];
   if (f != 0 || f != f) *nonfinite = true;
   // The norm of the values unscale_ would have stored (rounded to T), as unscale_ + clip would see them.
-  return reduce_loop<M, A>(n, static_cast<A>(p), [x, inv](int64_t k) {
-    O u = to_acc<O>(x[k]) * inv;
-    if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double>) {
-      u = static_cast<float>(static_cast<T>(u));
-    }
-    return static_cast<A>(u);
+  return reduce_loop<M, A>(n, static_cast<A>(p), [x, inv](int64_t i0, int64_t m, A* buf) {
+    for (int64_t k = 0; k < m; ++k) buf[k] = static_cast<A>(round_trip<T>(to_acc<O>(x[i0 + k]) * inv));
   });
 }
 
@@ -226,7 +248,7 @@ Mode mode_for(double p) {
   return Mode::P;
 }
 
-double reduce_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p) {
+FASTGRAD_SIMD_CLONES double reduce_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p) {
   if (n == 0) return 0.0;
   return dispatch_mode(mode, [&](auto mc) {
     return dispatch(st, acc64, [&](auto t, auto a) {
@@ -235,7 +257,7 @@ double reduce_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, 
   });
 }
 
-double amp_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p,
+FASTGRAD_SIMD_CLONES double amp_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int64_t n, double p,
                  double inv, bool* nonfinite) {
   if (n == 0) return 0.0;
   return dispatch_mode(mode, [&](auto mc) {
@@ -245,7 +267,7 @@ double amp_range(Mode mode, c10::ScalarType st, bool acc64, const void* ptr, int
   });
 }
 
-Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n) {
+FASTGRAD_SIMD_CLONES Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n) {
   if (n == 0) return Stats{};
   return dispatch(st, acc64, [&](auto t, auto a) { return stats_impl<decltype(t), decltype(a)>(ptr, n); });
 }
