@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, device_guard, div_rn,
-                           flat_inputs, get_plan, rows_of, segment_reduce, tl_dtype)
-from .norm import MODE_INF, MODE_P, _norm_step, _root, mode_of
+from .clip import _scale_kernel
+from .multi_tensor import (Config, block_info, tensor_base, copy_back, device_guard, div_rn, flat_inputs,
+                           get_plan, rows_of, segment_reduce, tl_dtype)
+from .norm import MODE_P, _norm_step, _root, mode_of
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -88,29 +89,6 @@ def _agc_coef_kernel(part, seg_tab, coef, clip_factor: tl.float64, eps: tl.float
     tl.store(coef + segs, tl.where(g < max_norm, 1.0, ratio), mask=smask)
 
 
-@triton.jit(do_not_specialize=["b0"])
-def _agc_scale_kernel(gptr_tab, blk_tab, coef, b0, DT: tl.constexpr, C: tl.constexpr,
-                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    f = tl.load(coef + seg).to(C)
-    if f != 1.0:
-        ptr = tensor_base(gptr_tab, t, DT)
-        if ALIGNED:
-            ptr = tl.multiple_of(ptr, 16)
-            start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-        ptr += start
-        ar = tl.arange(0, BLOCK)
-        nfull = n - n % BLOCK
-        for i in range(0, nfull, BLOCK):
-            x = tl.load(ptr + i + ar)
-            tl.store(ptr + i + ar, to_dt(x.to(C) * f, DT))
-        offs = nfull + ar
-        m = offs < n
-        x = tl.load(ptr + offs, mask=m, other=0.0)
-        tl.store(ptr + offs, to_dt(x.to(C) * f, DT), mask=m)
-
-
 # ---------------------------------------------------------------------------------------------- launcher
 def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: float, eps: float,
                 norm_type: float) -> None:
@@ -139,8 +117,7 @@ def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: 
             if g.count == 0:
                 continue
             dt = g.dtypes[1]
-            _agc_scale_kernel[(g.count,)](
-                plan.ptr_tabs[1], plan.blk, coef, g.b0, DT=tl_dtype(dt),
-                C=tl.float64,
+            _scale_kernel[(g.count,)](
+                plan.ptr_tabs[1], plan.blk, coef, g.b0, DT=tl_dtype(dt), C=tl.float64, PER_SEG=True,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
     copy_back(copies)

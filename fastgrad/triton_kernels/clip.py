@@ -19,12 +19,17 @@ from .multi_tensor import to_dt, Config, block_info, tensor_base, copy_back, dev
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["b0"])
-def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0,
-                  DT: tl.constexpr, C: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    f = tl.load(factor_ptr).to(C)
+def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.constexpr,
+                  PER_SEG: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """x = T(x * f) with f one factor for the list (clip) or one per segment (AGC's per-row ratios);
+    a block whose factor is exactly 1 returns without touching memory."""
+    bid = b0 + tl.program_id(0)
+    t, start, n, seg = block_info(blk_tab, bid)
+    if PER_SEG:
+        f = tl.load(factor_ptr + seg).to(C)
+    else:
+        f = tl.load(factor_ptr).to(C)
     if f != 1.0:
-        bid = b0 + tl.program_id(0)
-        t, start, n, seg = block_info(blk_tab, bid)
         ptr = tensor_base(ptr_tab, t, DT)
         if ALIGNED:
             ptr = tl.multiple_of(ptr, 16)
@@ -84,7 +89,7 @@ def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
             dt = g.dtypes[0]
             _scale_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, factor, g.b0,
-                DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32,
+                DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32, PER_SEG=False,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
     copy_back(copies)
 
