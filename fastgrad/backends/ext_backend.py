@@ -98,3 +98,12 @@ class CudaBackend(_ExtBackend):
         if not torch.cuda.is_available():
             return "no CUDA GPU is available"
         return None
+
+    def supports(self, op: str, tensors: Sequence[Tensor], **params) -> str | None:
+        why = super().supports(op, tensors, **params)
+        if why is None and torch.cuda.is_current_stream_capturing():
+            # Each call stages its tensor table in pinned host memory that is recycled after the copy; a
+            # captured copy would re-read that memory at replay. The Triton backend keeps its tables
+            # cached on the device, so automatic choice moves to it during capture.
+            return "CUDA graph capture (the cuda backend uploads its tensor table on every call)"
+        return why
