@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 namespace fastgrad {
@@ -43,6 +44,35 @@ void apply16(bool bf16, uint16_t* x, int64_t n, const F& f) {
   }
 }
 
+#if defined(__GNUC__)
+typedef float v8f __attribute__((vector_size(32)));
+// fp32 x *= f, four 8-wide vectors per iteration: the plain loop did one per iteration (torch's kernel
+// does two) and ran 5-10% behind torch with the data in cache. Same product per element.
+inline void scale_f32(float* x, int64_t n, float f) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    v8f a, b, c, d;
+    std::memcpy(&a, x + i, 32);
+    std::memcpy(&b, x + i + 8, 32);
+    std::memcpy(&c, x + i + 16, 32);
+    std::memcpy(&d, x + i + 24, 32);
+    a *= f;
+    b *= f;
+    c *= f;
+    d *= f;
+    std::memcpy(x + i, &a, 32);
+    std::memcpy(x + i + 8, &b, 32);
+    std::memcpy(x + i + 16, &c, 32);
+    std::memcpy(x + i + 24, &d, 32);
+  }
+  for (; i < n; ++i) x[i] *= f;
+}
+#else
+inline void scale_f32(float* x, int64_t n, float f) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= f;
+}
+#endif
+
 // Dispatch on dtype: 16-bit runs go through apply16 with the float map f16; float and double runs are
 // handed to fwide(T*) as typed pointers.
 template <typename F16, typename FW>
@@ -70,10 +100,12 @@ FASTGRAD_SIMD_CLONES void scale_range(c10::ScalarType st, void* ptr, int64_t n, 
   const auto f16 = [ff](float v) { return v * ff; };
   const auto wide = [&](auto* x) {
     using T = std::remove_pointer_t<decltype(x)>;
-    if (dbl || std::is_same_v<T, double>)
+    if (dbl || std::is_same_v<T, double>) {
       apply<double>(x, n, [f](double v) { return v * f; });
-    else
+    } else {
+      if constexpr (std::is_same_v<T, float>) return scale_f32(x, n, ff);
       apply<float>(x, n, [ff](float v) { return v * ff; });
+    }
   };
   if (dbl)
     run(st, ptr, n, f16_dbl, wide);

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -126,9 +127,115 @@ inline double reduce_loop(int64_t n, A p, const Fill& fill) {
   }
 }
 
+// fp32 fast path for Sum/L1/L2 with float lanes (the common gradient case). The generic loop stages
+// each block in a buffer and was compute-bound at ~16 GB/s even in cache; here the 16 lanes live in
+// two 8-wide vector registers and are fed straight from memory. Same lanes, same order of adds, same
+// fold and block totals as reduce_loop: bitwise-identical results. GCC/Clang vector extensions lower to
+// one AVX op per statement in the avx2 clone and two SSE ops in the baseline one.
+#if defined(__GNUC__)
+#define FASTGRAD_VEC8 1
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+template <Mode M>
+constexpr bool kFast32 = M == Mode::Sum || M == Mode::L1 || M == Mode::L2;
+
+// fold() of the lanes a (0-7) and b (8-15), in fold()'s order.
+#define FASTGRAD_FOLD8(a, b, out)                    \
+  do {                                               \
+    const v8f s_ = (a) + (b);                        \
+    const float s0_ = s_[0] + s_[4], s1_ = s_[1] + s_[5]; \
+    const float s2_ = s_[2] + s_[6], s3_ = s_[3] + s_[7]; \
+    out = static_cast<double>((s0_ + s2_) + (s1_ + s3_)); \
+  } while (0)
+
+// term<M> on 8 lanes (a macro, not a function: no 32-byte vector crosses a call in the SSE2 clone).
+#define FASTGRAD_TERM8(M, v) \
+  ((M) == Mode::L2 ? (v) * (v) : (M) == Mode::L1 ? (v8f)((v8i)(v) & 0x7FFFFFFF) : (v))
+
+// Partial block tail (m < kBlock elements), as reduce_loop does it.
+template <Mode M>
+inline void tail32(const float* x, int64_t m, float scale, bool scaled, CompensatedSum& total) {
+  float acc[kLanes] = {};
+  for (int64_t k = 0; k < m; ++k) {
+    const float v = scaled ? x[k] * scale : x[k];
+    acc[k % kLanes] += term<M, float>(v, 0.0f);
+  }
+  total.add(fold(acc));
+}
+
+template <Mode M>
+double reduce_f32(const float* x, int64_t n) {
+  CompensatedSum total;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    v8f a = {}, b = {};
+    for (int j = 0; j < kBlock; j += kLanes) {
+      v8f u, w;
+      std::memcpy(&u, x + i + j, sizeof(u));
+      std::memcpy(&w, x + i + j + 8, sizeof(w));
+      a += FASTGRAD_TERM8(M, u);
+      b += FASTGRAD_TERM8(M, w);
+    }
+    double blk;
+    FASTGRAD_FOLD8(a, b, blk);
+    total.add(blk);
+  }
+  if (i < n) tail32<M>(x + i, n - i, 1.0f, false, total);
+  return total.value();
+}
+
+// Finiteness of the stored values x[0, m): x - x is 0 for finite x and NaN for NaN/inf.
+inline bool any_nonfinite(const float* x, int64_t m) {
+  float f = 0;
+  for (int64_t k = 0; k < m; ++k) f += x[k] - x[k];
+  return f != f;
+}
+
+// AMP read pass on fp32 in one sweep: the norm of x * inv (what unscale_ would store) and finiteness of
+// the stored x. A NaN/inf x makes its lane's x * inv term NaN/inf whatever inv is (inf * 0 = NaN), and
+// a float lane sum never returns to finite, so a finite block total proves its block finite; only a
+// non-finite total (rare: a bad element, or x * inv overflowing) costs a second, exact look at the
+// block, which is still in L1.
+template <Mode M>
+double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
+  CompensatedSum total;
+  bool bad = false;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    v8f a = {}, b = {};
+    for (int j = 0; j < kBlock; j += kLanes) {
+      v8f u, w;
+      std::memcpy(&u, x + i + j, sizeof(u));
+      std::memcpy(&w, x + i + j + 8, sizeof(w));
+      u *= inv;
+      w *= inv;
+      a += FASTGRAD_TERM8(M, u);
+      b += FASTGRAD_TERM8(M, w);
+    }
+    double blk;
+    FASTGRAD_FOLD8(a, b, blk);
+    if (!std::isfinite(blk) && !bad) bad = any_nonfinite(x + i, kBlock);
+    total.add(blk);
+  }
+  if (i < n) {
+    bad = bad || any_nonfinite(x + i, n - i);
+    tail32<M>(x + i, n - i, inv, true, total);
+  }
+  if (bad) *nonfinite = true;
+  return total.value();
+}
+#else
+template <Mode M>
+constexpr bool kFast32 = false;
+#endif
+
 template <Mode M, typename T, typename A>
 double reduce_impl(const void* ptr, int64_t n, double p) {
   const T* x = static_cast<const T*>(ptr);
+#ifdef FASTGRAD_VEC8
+  if constexpr (kFast32<M> && std::is_same_v<T, float> && std::is_same_v<A, float>) return reduce_f32<M>(x, n);
+#endif
   return reduce_loop<M, A>(n, static_cast<A>(p), [x](int64_t i, int64_t m, A* buf) {
     for (int64_t k = 0; k < m; ++k) buf[k] = to_acc<A>(x[i + k]);
   });
@@ -139,25 +246,25 @@ double amp_impl(const void* ptr, int64_t n, double p, double inv_d, bool* nonfin
   using O = opmath_t<T>;
   const T* x = static_cast<const T*>(ptr);
   const O inv = static_cast<O>(static_cast<float>(inv_d));  // inv_scale is a float32 tensor
-  // x - x is 0 for finite x and NaN for NaN/inf; summing it detects both without branches.
-  O fin[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      O v = to_acc<O>(x[i + l]);
-      fin[l] += v - v;
-    }
-  for (int l = 0; i < n; ++i, ++l) {
-    O v = to_acc<O>(x[i]);
-    fin[l] += v - v;
-  }
-  O f = 0;
-  for (int l = 0; l < kLanes; ++l) f += fin[l];
-  if (f != 0 || f != f) *nonfinite = true;
+#ifdef FASTGRAD_VEC8
+  if constexpr (kFast32<M> && std::is_same_v<T, float> && std::is_same_v<A, float>)
+    return amp_f32<M>(x, n, inv, nonfinite);
+#endif
+  // Finiteness is checked in the same sweep as the norm: x - x is 0 for finite x and NaN for NaN/inf,
+  // summed per buffer slot (no branches, vectorises).
+  O fin[kBlock] = {};
   // The norm of the values unscale_ would have stored (rounded to T), as unscale_ + clip would see them.
-  return reduce_loop<M, A>(n, static_cast<A>(p), [x, inv](int64_t i0, int64_t m, A* buf) {
-    for (int64_t k = 0; k < m; ++k) buf[k] = static_cast<A>(round_trip<T>(to_acc<O>(x[i0 + k]) * inv));
+  const double r = reduce_loop<M, A>(n, static_cast<A>(p), [x, inv, &fin](int64_t i0, int64_t m, A* buf) {
+    for (int64_t k = 0; k < m; ++k) {
+      const O v = to_acc<O>(x[i0 + k]);
+      fin[k] += v - v;
+      buf[k] = static_cast<A>(round_trip<T>(v * inv));
+    }
   });
+  O f = 0;
+  for (int k = 0; k < kBlock; ++k) f += fin[k];
+  if (f != 0 || f != f) *nonfinite = true;
+  return r;
 }
 
 template <typename T, typename A>
