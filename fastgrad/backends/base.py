@@ -114,7 +114,9 @@ class Backend:
 
     def scale_(self, tensors: Sequence[Tensor], factor: Tensor, *, foreach: bool | None = None) -> None:
         """In place: every element becomes ``T(x * factor)``, the product taken in float32 (float64 for
-        float64 tensors or a float64 factor). ``factor`` is a 0-dim tensor on the tensors' device.
+        float64 tensors; a float64 factor may be used in float64 too, as the Triton backend does, or rounded
+        to float32 first, as torch's ``mul_`` does for float32 tensors). ``factor`` is a 0-dim tensor on the
+        tensors' device.
 
         Fused backends must not touch gradient memory when ``factor == 1`` (a device-side decision:
         the clip coefficient is clamped to 1, so "not clipping" costs one read of ``factor`` per block);
@@ -135,7 +137,8 @@ class Backend:
         ``ndim <= 1``, else each slice along dim 0. For each unit:
         ``max_norm = clip_factor * max(||W||, eps)``, ``g_norm = ||G||``; when ``not (g_norm < max_norm)``
         (so NaN clips, as in timm) ``G *= max_norm / max(g_norm, 1e-6)``, ratio computed first, in the
-        accumulation dtype; otherwise G is untouched.
+        accumulation dtype or wider (the fused backends use float64 and round the product once); otherwise G
+        is untouched.
         """
         raise NotImplementedError
 
