@@ -62,6 +62,30 @@ def _is_sharded(scaler) -> bool:
     return cls is not None and isinstance(scaler, cls)
 
 
+def _traced_plain(scaler) -> bool:
+    """True while dynamo traces a call on a plain ``GradScaler`` (exactly that class): dynamo will not trace
+    into torch/amp's methods, so that path reads the scaler's fields instead (what those methods read).
+    Eager calls, subclasses and ShardedGradScaler keep calling the methods (those graph-break if compiled)."""
+    return torch.compiler.is_compiling() and type(scaler) is GradScaler
+
+
+def _enabled(scaler, traced: bool) -> bool:
+    return scaler._enabled if traced else scaler.is_enabled()
+
+
+def _optimizer_state(scaler, optimizer, traced: bool) -> dict:
+    states = scaler._per_optimizer_states
+    if not traced:
+        return states[id(optimizer)]
+    # The defaultdict's factory lives in torch/amp (not traceable): build the same fresh state here.
+    key = id(optimizer)
+    state = states.get(key)
+    if state is None:
+        state = {"stage": OptState.READY, "found_inf_per_device": {}}
+        states[key] = state
+    return state
+
+
 def _known_unscale(scaler) -> bool:
     """True when ``scaler.unscale_`` is torch's own (plain or sharded), i.e. the behaviour we reproduce. A
     subclass that overrides unscale_ or _unscale_grads_ gets its own code run instead (the composed path)."""
@@ -73,9 +97,16 @@ def _known_unscale(scaler) -> bool:
     return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
 
 
-def _check_ready(scaler, state: dict) -> None:
+def _check_ready(scaler, state: dict, traced: bool = False) -> None:
     """torch's checks in unscale_, in torch's order and with its texts."""
-    scaler._check_scale_growth_tracker("unscale_")
+    if traced:  # _check_scale_growth_tracker's checks, inlined (its method cannot be traced)
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if scaler._scale is None:
+            raise AssertionError("Attempted unscale_ but _scale is None.  " + fix)
+        if scaler._growth_tracker is None:
+            raise AssertionError("Attempted unscale_ but _growth_tracker is None.  " + fix)
+    else:
+        scaler._check_scale_growth_tracker("unscale_")
     if state["stage"] is OptState.UNSCALED:
         raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
     if state["stage"] is OptState.STEPPED:
@@ -227,19 +258,20 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
     params = optimizer_params(optimizer)
-    if not scaler.is_enabled():
+    traced = _traced_plain(scaler)
+    if not _enabled(scaler, traced):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
                                process_group=process_group)
 
-    if not _known_unscale(scaler):
+    if not traced and not _known_unscale(scaler):
         # A scaler with its own unscale_ (and its own rules): run it, then clip.
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
                                process_group=process_group)
 
-    state = scaler._per_optimizer_states[id(optimizer)]
-    _check_ready(scaler, state)
-    sharded = _is_sharded(scaler)
+    state = _optimizer_state(scaler, optimizer, traced)
+    _check_ready(scaler, state, traced)
+    sharded = not traced and _is_sharded(scaler)
     grads = I.grads_of(params)
     if not sharded and any(g.dtype == torch.float16 for g in grads):
         raise ValueError("Attempting to unscale FP16 gradients.")

@@ -213,3 +213,67 @@ def test_compiled_clip_is_not_recompiled_per_call(bd):
                 p.grad.copy_(q.grad)
         fn()
     assert counts["n"] == 1
+
+
+def test_scaler_unscale_and_clip_compiles_fullgraph_with_plain_cpu_scaler(bd):
+    """A plain torch.amp.GradScaler("cpu"): the compiled call reads the scaler's fields (dynamo does not trace
+    GradScaler's methods) and leaves grads, norm and per-optimizer state as eager does, so the eager
+    scaler.step/update that follow skip the overflowed step and back the scale off alike."""
+    backend, device = bd
+    if device != "cpu":
+        pytest.skip("the CPU GradScaler is the one covered here")
+    from torch.amp.grad_scaler import OptState
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # growth_interval=2 so the growth tracker and a growth both show up within the steps
+        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+
+    eager, comp = make(), make()
+    torch.manual_seed(1)
+    x = torch.randn(16, 12)
+
+    def unscale_and_clip(scaler, opt):
+        return fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, backend=backend)
+
+    compiled = _compiled(unscale_and_clip)
+    fused = backend != "torch"
+    overflow_at = 1
+    for it in range(4):
+        norms = []
+        for (model, opt, scaler), fn in ((eager, unscale_and_clip), (comp, compiled)):
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if it == overflow_at:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            norms.append(fn(scaler, opt))
+        (em, eo, es), (cm, co, cs) = eager, comp
+        t_eager, t_comp = norms
+        assert t_comp.dtype == t_eager.dtype and t_comp.shape == t_eager.shape
+        assert bool(t_comp.isfinite()) == (it != overflow_at)
+        if fused:
+            assert torch.equal(bits(t_comp), bits(t_eager)), f"step {it} norm"
+        else:
+            torch.testing.assert_close(t_comp, t_eager, rtol=1e-6, atol=0, equal_nan=True)
+        for a, b in zip(cm.parameters(), em.parameters()):
+            if fused:
+                assert torch.equal(bits(a.grad), bits(b.grad)), f"step {it} grad"
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, equal_nan=True)
+        se, sc = es._per_optimizer_states[id(eo)], cs._per_optimizer_states[id(co)]
+        assert se["stage"] is OptState.UNSCALED and sc["stage"] is OptState.UNSCALED
+        fe, fc = se["found_inf_per_device"], sc["found_inf_per_device"]
+        assert list(fc) == list(fe) == [torch.device("cpu")]
+        for d in fe:
+            assert fc[d].dtype == torch.float32 and fc[d].shape == ()
+            assert torch.equal(fc[d], fe[d]) and float(fc[d]) == float(it == overflow_at)
+        for model, opt, scaler in (eager, comp):
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        assert torch.equal(cs._scale, es._scale) and torch.equal(cs._growth_tracker, es._growth_tracker)
+        for a, b in zip(cm.parameters(), em.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {it} weights: {m}")
+    # The overflow backed the scale off (2**9); the two clean steps after it grew it back (2**10, tracker reset).
+    assert float(es._scale) == 2.0 ** 10 and int(es._growth_tracker) == 0
