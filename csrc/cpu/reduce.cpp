@@ -164,23 +164,32 @@ inline void tail32(const float* x, int64_t m, float scale, bool scaled, Compensa
   total.add(fold(acc));
 }
 
+// One full block's folded total, lanes in two 8-wide registers; SCALED multiplies by inv first (AMP).
+// Only a double leaves the function, so no vector crosses a call even if it is not inlined.
+template <Mode M, bool SCALED>
+inline double block32(const float* x, float inv) {
+  v8f a = {}, b = {};
+  for (int j = 0; j < kBlock; j += kLanes) {
+    v8f u, w;
+    std::memcpy(&u, x + j, sizeof(u));
+    std::memcpy(&w, x + j + 8, sizeof(w));
+    if constexpr (SCALED) {
+      u *= inv;
+      w *= inv;
+    }
+    a += FASTGRAD_TERM8(M, u);
+    b += FASTGRAD_TERM8(M, w);
+  }
+  double blk;
+  FASTGRAD_FOLD8(a, b, blk);
+  return blk;
+}
+
 template <Mode M>
 double reduce_f32(const float* x, int64_t n) {
   CompensatedSum total;
   int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    v8f a = {}, b = {};
-    for (int j = 0; j < kBlock; j += kLanes) {
-      v8f u, w;
-      std::memcpy(&u, x + i + j, sizeof(u));
-      std::memcpy(&w, x + i + j + 8, sizeof(w));
-      a += FASTGRAD_TERM8(M, u);
-      b += FASTGRAD_TERM8(M, w);
-    }
-    double blk;
-    FASTGRAD_FOLD8(a, b, blk);
-    total.add(blk);
-  }
+  for (; i + kBlock <= n; i += kBlock) total.add(block32<M, false>(x + i, 1.0f));
   if (i < n) tail32<M>(x + i, n - i, 1.0f, false, total);
   return total.value();
 }
@@ -203,18 +212,7 @@ double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
   bool bad = false;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    v8f a = {}, b = {};
-    for (int j = 0; j < kBlock; j += kLanes) {
-      v8f u, w;
-      std::memcpy(&u, x + i + j, sizeof(u));
-      std::memcpy(&w, x + i + j + 8, sizeof(w));
-      u *= inv;
-      w *= inv;
-      a += FASTGRAD_TERM8(M, u);
-      b += FASTGRAD_TERM8(M, w);
-    }
-    double blk;
-    FASTGRAD_FOLD8(a, b, blk);
+    const double blk = block32<M, true>(x + i, inv);
     if (!std::isfinite(blk) && !bad) bad = any_nonfinite(x + i, kBlock);
     total.add(blk);
   }
