@@ -66,7 +66,7 @@ def _plan():
               "extension (build it with: pip install --no-build-isolation -e .)")
         return [], {}, None
 
-    cpu_sources = _rel([os.path.join(HERE, "csrc", "ops.cpp")] + glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
+    cpu_sources = _rel([os.path.join(HERE, "csrc", "ops.cpp"), os.path.join(HERE, "csrc", "host.cpp")] + glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
     cuda_sources = _rel(glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cpp")))
 
     want_cuda = _switch("FASTGRAD_BUILD_CUDA")

@@ -24,9 +24,14 @@ TORCH_LIBRARY(fastgrad, m) {
   m.def("grad_stats(Tensor[] tensors) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
+namespace fastgrad {
+PyMethodDef* host_methods();  // csrc/host.cpp: one-pass list scans for the Python layer
+}  // namespace fastgrad
+
 namespace {
 PyModuleDef fastgrad_module = {PyModuleDef_HEAD_INIT, "fastgrad._C",
-                               "Compiled kernels of fastgrad (ops under torch.ops.fastgrad).", -1, nullptr};
+                               "Compiled kernels of fastgrad (ops under torch.ops.fastgrad) and host helpers.", -1,
+                               fastgrad::host_methods()};
 }  // namespace
 
 PyMODINIT_FUNC PyInit__C(void) {

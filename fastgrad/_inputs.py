@@ -12,7 +12,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from . import backends
+from . import _scan, backends
+from ._scan import Checked, checked  # noqa: F401  (re-exported for the public modules)
 from .backends import Backend
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -32,7 +33,17 @@ def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
 
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    """The gradients of ``params`` that exist: a :class:`Checked` list from one C++ pass when the
+    compiled helpers can answer (fastgrad/_scan.py), else Python's loop."""
+    grads = _scan.grads_of(params)
+    if grads is not None:
+        return grads
+    return [p.grad for p in params if p.grad is not None]  # (no walrus: dynamo cannot trace it)
+
+
+def pairs_of(params: list) -> tuple[list[Tensor], list[Tensor]] | None:
+    """``(params with a grad, their grads)`` from one C++ pass, or None: see fastgrad/_scan.py."""
+    return _scan.pairs_of(params)
 
 
 # ---------------------------------------------------------------- validating
@@ -83,6 +94,8 @@ def _as_float(name: str, value) -> float:
 def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallback: bool = True) -> bool:
     """Reject integer/bool tensors with TypeError. Returns True when some tensor needs torch's own
     implementation (sparse or complex), which the clipping functions delegate to."""
+    if type(tensors) is Checked:  # plain dense real floating tensors, checked in one pass already
+        return False
     needs_torch = False
     for t in tensors:
         if not isinstance(t, Tensor):
@@ -119,6 +132,8 @@ def group_by_device(tensors: list[Tensor]) -> dict[torch.device, list[int]]:
 def split_by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
     if not tensors:
         return []
+    if type(tensors) is Checked:  # one device by construction
+        return [tensors]
     first = tensors[0].device
     # Fast path: one device (almost every call); comparing devices is cheaper than hashing them.
     if all(t.device == first for t in tensors):
@@ -129,9 +144,9 @@ def split_by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
 def restore_order(values: Tensor, groups: dict[torch.device, list[int]]) -> Tensor:
     """``values`` holds per-tensor results concatenated group by group (the order of ``groups``); return
     them in the original input order. Single-group input is returned as is."""
-    order = [i for idx in groups.values() for i in idx]
     if len(groups) <= 1:
         return values
+    order = [i for idx in groups.values() for i in idx]
     inverse = torch.empty(len(order), dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     # non_blocking: a blocking host-to-device copy counts as a sync under set_sync_debug_mode("error")
@@ -146,7 +161,19 @@ def pick(op: str, tensors: list[Tensor], backend: str | None, **params) -> Backe
     return backends.select(op, tensors, backend, **params)
 
 
+_BIT_OF = {torch.float16: _scan.F16, torch.bfloat16: _scan.BF16, torch.float32: _scan.F32, torch.float64: _scan.F64}
+
+
+def has_dtype(tensors: list[Tensor], dtype: torch.dtype) -> bool:
+    """Whether some tensor of ``tensors`` has ``dtype``."""
+    if type(tensors) is Checked:
+        return bool(tensors.dtype_mask & _BIT_OF.get(dtype, 0))
+    return any(t.dtype == dtype for t in tensors)
+
+
 def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
+    if type(tensors) is Checked:
+        return _scan.promoted_dtype_of(tensors)
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         if t.dtype != dtype:

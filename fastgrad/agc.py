@@ -30,19 +30,26 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
     clip_factor = I.check_non_negative("clip_factor", clip_factor)
     eps = I.check_non_negative("eps", eps)
     p = I.check_norm_type(norm_type)
-    pairs = [(w, w.grad) for w in params if w.grad is not None]
-    if not pairs:
+    fast = I.pairs_of(params)
+    if fast is not None:
+        ws, gs = fast  # shapes and devices matched in one C++ pass; read-only use of ws under no_grad
+    else:
+        pairs = [(w, w.grad) for w in params if w.grad is not None]
+        ws = [w.detach() for w, _ in pairs]
+        gs = [g for _, g in pairs]
+        for w, g in pairs:
+            if w.shape != g.shape or w.device != g.device:
+                raise ValueError(
+                    f"a gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter of "
+                    f"shape {tuple(w.shape)} on {w.device}"
+                )
+    if not gs:
         return None
-    ws = [w.detach() for w, _ in pairs]
-    gs = [g for _, g in pairs]
     I.check_tensors(gs, allow_fallback=False)
     I.check_tensors(ws, "parameters", allow_fallback=False)
-    for w, g in pairs:
-        if w.shape != g.shape or w.device != g.device:
-            raise ValueError(
-                f"a gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter of shape "
-                f"{tuple(w.shape)} on {w.device}"
-            )
+    if type(gs) is I.Checked and type(ws) is I.Checked:  # one device, every tensor checked
+        I.pick("agc", I.checked(ws + gs), backend, norm_type=p).agc_(ws, gs, clip_factor, eps, p)
+        return None
     groups = I.group_by_device(gs)
     for idx in groups.values():
         gw, gg = [ws[i] for i in idx], [gs[i] for i in idx]

@@ -46,7 +46,10 @@ _SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
 
 def optimizer_params(optimizer) -> list[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    groups = optimizer.param_groups
+    if len(groups) == 1:  # the common case: the group's own list, no per-parameter Python step
+        return groups[0]["params"]
+    return [p for group in groups for p in group["params"]]
 
 
 # ---------------------------------------------------------------- what kind of scaler
@@ -198,7 +201,7 @@ def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None)
         return False
     if grads is None:
         grads = I.grads_of(optimizer_params(optimizer))
-    if any(g.dtype == torch.float64 for g in grads):
+    if I.has_dtype(grads, torch.float64):
         return False
     return _step_keeps_grad_scale(type(scaler).step)
 
@@ -273,7 +276,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     _check_ready(scaler, state, traced)
     sharded = not traced and _is_sharded(scaler)
     grads = I.grads_of(params)
-    if not sharded and any(g.dtype == torch.float16 for g in grads):
+    if not sharded and I.has_dtype(grads, torch.float16):
         raise ValueError("Attempting to unscale FP16 gradients.")
     if I.check_tensors(grads):
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend

@@ -25,7 +25,7 @@ def centralize_gradient_(parameters, *, gc_conv_only: bool = False, backend: str
     min_ndim = 3 if gc_conv_only else 1
     all_grads = I.grads_of(params)
     I.check_tensors(all_grads, allow_fallback=False)
-    grads = [g for g in all_grads if g.ndim > min_ndim]
+    grads = I.checked([g for g in all_grads if g.ndim > min_ndim])
     if not grads:
         return None
     for group in I.split_by_device(grads):

@@ -106,7 +106,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     ``Replicate()`` DTensor; ``process_group=``: ``tensors`` are this rank's disjoint shards and the result
     is the norm over every rank's shards (a collective: every rank of the group must call).
     """
-    tensors = I.as_list(tensors)
+    tensors = I.checked(I.as_list(tensors))
     p = I.check_norm_type(norm_type)
     if not tensors and process_group is None:
         return torch.tensor(0.0)
@@ -223,7 +223,7 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
     DTensor input: both results are ``Replicate()`` DTensors (norms of the whole tensors). With
     ``process_group=`` the tensors are this rank's disjoint shards; for ``per_tensor=True`` (and
     ``norm_type=0``) tensor i on every rank must be a shard of the same tensor."""
-    tensors = I.as_list(tensors)
+    tensors = I.checked(I.as_list(tensors))
     p = I.check_norm_type(norm_type)
     if not tensors and process_group is None:
         total = torch.tensor(0.0)

@@ -38,6 +38,12 @@ def collect() -> dict:
         info["extension"] = _ext.build_info()
     except Exception as exc:  # noqa: BLE001
         info["extension"] = {"built": False, "error": f"{type(exc).__name__}: {exc}"}
+    try:
+        from fastgrad import _scan
+
+        info["host_scan"] = _scan.describe()
+    except Exception as exc:  # noqa: BLE001
+        info["host_scan"] = f"unavailable ({type(exc).__name__}: {exc})"
     info["backends"] = {
         name: {"usable": b.unavailable_reason() is None, "reason": b.unavailable_reason()}
         for name, b in backends.registered().items()
@@ -55,6 +61,7 @@ def render(info: dict) -> str:
     lines.append(f"triton: {info['triton']}")
     ext = info["extension"]
     lines.append("extension fastgrad._C: " + ", ".join(f"{k}={v}" for k, v in ext.items()))
+    lines.append(f"host-side list scan: {info['host_scan']}")
     lines.append("backends:")
     for name, b in info["backends"].items():
         state = "usable" if b["usable"] else f"not usable: {b['reason']}"

@@ -99,18 +99,19 @@ def tensor_stats(tensors: list[Tensor], *, backend: str | None = None) -> dict[s
     parameters themselves, for ``find_nonfinite``): a dict of 1-D tensors ``norm``, ``max_abs``, ``nan``,
     ``inf``, ``zero``, ``numel`` in input order and the 0-dim ``total_norm``, on the first tensor's device,
     with no host sync."""
+    tensors = I.checked(tensors)
     I.check_tensors(tensors, allow_fallback=False)
     first = tensors[0].device
     dtype = acc_dtype(tensors)
     parts: dict[str, list[Tensor]] = {}
-    groups = I.group_by_device(tensors)
+    groups = {first: range(len(tensors))} if type(tensors) is I.Checked else I.group_by_device(tensors)
     for idx in groups.values():
-        group = [tensors[i] for i in idx]
+        group = tensors if len(groups) == 1 else [tensors[i] for i in idx]
         out = I.pick("grad_stats", group, backend).grad_stats(group)
         for k, v in out.items():
             parts.setdefault(k, []).append(v.to(first, dtype if v.is_floating_point() else torch.int64))
     cols = {k: I.restore_order(torch.cat(v), groups) for k, v in parts.items()}
     # numel is known on the host; the copy is asynchronous, so it costs no sync.
-    cols["numel"] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64).to(first, non_blocking=True)
+    cols["numel"] = torch.tensor(list(map(Tensor.numel, tensors)), dtype=torch.int64).to(first, non_blocking=True)
     cols["total_norm"] = torch.linalg.vector_norm(cols["norm"])
     return cols

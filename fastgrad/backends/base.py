@@ -29,6 +29,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .._scan import Checked, acc_dtype_of
+
 #: Names of the primitives, as passed to :meth:`Backend.supports`.
 OPS = ("norm", "amp_norm", "scale", "clip_value", "agc", "centralize", "grad_stats")
 
@@ -42,6 +44,8 @@ class BackendError(RuntimeError):
 
 def acc_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
     """float64 when any tensor is float64, else float32: the dtype norms are accumulated and returned in."""
+    if type(tensors) is Checked:
+        return acc_dtype_of(tensors)
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -78,6 +82,8 @@ class Backend:
         dev = tensors[0].device.type if tensors else "cpu"
         if self.devices and dev not in self.devices:
             return f"{dev} tensors are not supported (supports: {', '.join(self.devices)})"
+        if type(tensors) is Checked:  # strided, floating, one device: checked in one pass already
+            return None
         for t in tensors:
             if t.layout != torch.strided:
                 return f"{t.layout} tensors are not supported"

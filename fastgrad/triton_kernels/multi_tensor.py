@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import _scan
+
 INF = tl.constexpr(float("inf"))
 # The interpreter rounds fp32 -> bf16 by truncation; hardware rounds to nearest even. Under the
 # interpreter the kernels round by hand so CPU runs give the bits a GPU gives.
@@ -266,11 +268,17 @@ def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = Non
     """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors)."""
     chunk = Config.CHUNK
     device = lists[0][0].device
-    # map() over unbound methods: the cheapest per-tensor reads (this key is the per-call host cost)
-    key = (device, chunk, None if rows is None else tuple(rows),
-           tuple(map(Tensor.numel, lists[0])),
-           *(tuple(map(Tensor.data_ptr, lst)) for lst in lists),
-           *(tuple(map(_DTYPE_GET, lst)) for lst in lists))
+    # The key is the per-call host cost: (data_ptr, numel, dtype) of every tensor, from one C++ loop per
+    # list when the compiled helpers are there (fastgrad/_scan.py), else map() over unbound methods, the
+    # cheapest per-tensor reads in Python. The two spellings never collide (bytes vs tuples).
+    keys = [_scan.plan_key(lst) for lst in lists]
+    if all(k is not None for k in keys):
+        key = (device, chunk, None if rows is None else tuple(rows), *keys)
+    else:
+        key = (device, chunk, None if rows is None else tuple(rows),
+               tuple(map(Tensor.numel, lists[0])),
+               *(tuple(map(Tensor.data_ptr, lst)) for lst in lists),
+               *(tuple(map(_DTYPE_GET, lst)) for lst in lists))
     plan = _CACHE.get(key)
     if plan is not None:
         _CACHE.move_to_end(key)
@@ -307,6 +315,8 @@ def _dense(t: Tensor) -> bool:
 def flat_inputs(tensors: Sequence[Tensor], rowwise: bool = False) -> tuple[list[Tensor], list]:
     """Tensors the kernels can address as one flat buffer (``rowwise``: row-major with dim-0 rows), and
     the (original, contiguous copy) pairs an in-place op must copy back."""
+    if type(tensors) is _scan.Checked and tensors.contiguous:  # checked in one pass already
+        return tensors, []
     if all(map(Tensor.is_contiguous, tensors)):  # the common case, without a Python loop
         return tensors, []
     out = list(tensors)
@@ -331,6 +341,8 @@ def rows_of(tensors: Sequence[Tensor]) -> list[int]:
 
 
 def acc_of(tensors: Sequence[Tensor]) -> torch.dtype:
+    if type(tensors) is _scan.Checked:
+        return _scan.acc_dtype_of(tensors)
     for t in tensors:
         if t.dtype == torch.float64:
             return torch.float64

@@ -1,0 +1,193 @@
+// Host-side helpers of fastgrad._C for the Python layer (fastgrad/_scan.py).
+//
+// Every public call looks at each tensor of its list several times (collect .grad, check dtype and
+// layout, group by device, build a kernel table key). In CPython each of those reads costs ~0.1 us per
+// tensor per pass, which on a 4,000-tensor model is milliseconds: more than the kernels take. These
+// functions do the same reads in one C++ loop. They only answer the common case (plain dense real
+// floating tensors on one device); anything else returns None and the Python code, which owns the
+// exact semantics and error messages, takes over.
+#include <Python.h>
+
+#include <torch/csrc/Device.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Bit of each dtype in a dtype mask (fastgrad/_scan.py mirrors these).
+int dtype_bit(c10::ScalarType st) {
+  switch (st) {
+    case c10::ScalarType::Half:
+      return 1;
+    case c10::ScalarType::BFloat16:
+      return 2;
+    case c10::ScalarType::Float:
+      return 4;
+    case c10::ScalarType::Double:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+// A plain tensor (torch.Tensor or nn.Parameter, not a subclass with its own semantics) the kernels can
+// address as memory: strided, real floating, no lazy negation/conjugation bit, not nested.
+const at::Tensor* plain(PyObject* o, int* bit) {
+  if (!THPVariable_CheckExact(o)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || t.is_neg() || t.is_conj()) return nullptr;
+  *bit = dtype_bit(t.scalar_type());
+  return *bit ? &t : nullptr;
+}
+
+// grads_of(params) -> [p.grad for p in params if p.grad is not None], or None when some element is not
+// a plain tensor (then Python's getattr path runs, with its warnings and subclass hooks).
+PyObject* grads_of(PyObject*, PyObject* seq) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.grads_of: expected a list or tuple");
+  if (fast == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(items[i])) {
+      Py_DECREF(fast);
+      Py_RETURN_NONE;
+    }
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) {
+    Py_DECREF(fast);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
+    if (!g.defined()) continue;
+    PyObject* w = THPVariable_Wrap(g);  // the grad's existing Python object, new reference
+    if (w == nullptr || PyList_Append(out, w) < 0) {
+      Py_XDECREF(w);
+      Py_DECREF(out);
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    Py_DECREF(w);
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+// pairs_of(params) -> ([p for p with a grad], [p.grad ...]) when every p is a plain tensor whose grad (if
+// any) is a plain tensor of its shape on its device, else None (Python then names the mismatch).
+PyObject* pairs_of(PyObject*, PyObject* seq) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.pairs_of: expected a list or tuple");
+  if (fast == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  std::vector<PyObject*> ws;
+  ws.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(items[i])) {
+      Py_DECREF(fast);
+      Py_RETURN_NONE;
+    }
+    const at::Tensor& w = THPVariable_Unpack(items[i]);
+    const at::Tensor& g = w.grad();
+    if (!g.defined()) continue;
+    if (g.sizes() != w.sizes() || g.device() != w.device()) {
+      Py_DECREF(fast);
+      Py_RETURN_NONE;
+    }
+    ws.push_back(items[i]);
+  }
+  PyObject* wl = PyList_New(static_cast<Py_ssize_t>(ws.size()));
+  PyObject* gl = PyList_New(static_cast<Py_ssize_t>(ws.size()));
+  if (wl == nullptr || gl == nullptr) {
+    Py_XDECREF(wl);
+    Py_XDECREF(gl);
+    Py_DECREF(fast);
+    return nullptr;
+  }
+  for (size_t i = 0; i < ws.size(); ++i) {
+    Py_INCREF(ws[i]);
+    PyList_SET_ITEM(wl, static_cast<Py_ssize_t>(i), ws[i]);
+    PyObject* g = THPVariable_Wrap(THPVariable_Unpack(ws[i]).grad());
+    if (g == nullptr) {
+      Py_DECREF(wl);  // the unset slots of gl are NULL, which list dealloc skips
+      Py_DECREF(gl);
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    PyList_SET_ITEM(gl, static_cast<Py_ssize_t>(i), g);
+  }
+  Py_DECREF(fast);
+  return Py_BuildValue("(NN)", wl, gl);
+}
+
+// scan(tensors) -> (device, dtype_mask, all_contiguous) for a non-empty list or tuple of plain tensors on
+// one device, else None.
+PyObject* scan(PyObject*, PyObject* seq) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.scan: expected a list or tuple");
+  if (fast == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  int mask = 0;
+  bool contiguous = true;
+  c10::Device device(c10::kCPU);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int bit = 0;
+    const at::Tensor* t = plain(items[i], &bit);
+    if (t == nullptr || (i > 0 && t->device() != device)) {
+      Py_DECREF(fast);
+      Py_RETURN_NONE;
+    }
+    if (i == 0) device = t->device();
+    mask |= bit;
+    contiguous = contiguous && t->is_contiguous();
+  }
+  Py_DECREF(fast);
+  if (n == 0) Py_RETURN_NONE;
+  PyObject* dev = THPDevice_New(device);
+  if (dev == nullptr) return nullptr;
+  return Py_BuildValue("(NiO)", dev, mask, contiguous ? Py_True : Py_False);
+}
+
+// plan_key(tensors) -> bytes of (data_ptr, numel, dtype) per tensor: the identity of a kernel table
+// (fastgrad/triton_kernels/multi_tensor.py). None unless every element is a plain tensor.
+PyObject* plan_key(PyObject*, PyObject* seq) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
+  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.plan_key: expected a list or tuple");
+  if (fast == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  std::vector<int64_t> key(static_cast<size_t>(n) * 3);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int bit = 0;
+    const at::Tensor* t = plain(items[i], &bit);
+    if (t == nullptr) {
+      Py_DECREF(fast);
+      Py_RETURN_NONE;
+    }
+    key[3 * i] = reinterpret_cast<int64_t>(t->data_ptr());
+    key[3 * i + 1] = t->numel();
+    key[3 * i + 2] = bit;
+  }
+  Py_DECREF(fast);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(key.data()),
+                                   static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
+}
+
+PyMethodDef methods[] = {
+    {"grads_of", grads_of, METH_O, "[p.grad for p in params if p.grad is not None], or None (not plain tensors)."},
+    {"pairs_of", pairs_of, METH_O, "(params with a grad, their grads) when shapes and devices match, or None."},
+    {"scan", scan, METH_O, "(device, dtype_mask, all_contiguous) of a list of plain tensors on one device, or None."},
+    {"plan_key", plan_key, METH_O, "bytes of (data_ptr, numel, dtype) per tensor, or None."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+namespace fastgrad {
+PyMethodDef* host_methods() { return methods; }
+}  // namespace fastgrad
