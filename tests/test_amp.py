@@ -84,6 +84,43 @@ def test_matches_unscale_then_clip(bd, overflow, max_norm, norm_type):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
+@pytest.mark.parametrize("limit", [7, 64, 1 << 18])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, INF], ids=["l2", "l1", "l3", "linf"])
+@pytest.mark.parametrize("bad,where", [(None, None), (INF, 0), (NAN, 0), (INF, 4), (NAN, 4)],
+                         ids=["finite", "inf-first", "nan-first", "inf-inner", "nan-inner"])
+def test_torch_backend_batched_read_pass(monkeypatch, limit, norm_type, bad, where):
+    """The torch backend's amp_norm reduces bounded batches of pieces (tensors cut at ``limit`` elements):
+    the total must match the whole-tensor formulation it replaced and the float64 oracle of the values
+    unscale_ stores, whatever the cut; the flag must see a bad element in any piece."""
+    from fastgrad.backends import torch_backend as tb
+
+    monkeypatch.setattr(tb, "_AMP_BATCH_CPU", limit)
+    gen = torch.Generator().manual_seed(7)
+    ts = [torch.randn(33, 9, generator=gen), torch.randn(0), torch.randn(5, generator=gen).to(torch.bfloat16),
+          torch.randn(3, generator=gen), torch.randn(3, generator=gen), torch.randn(3, generator=gen),
+          torch.randn(40, 6, generator=gen).t(), torch.randn(129, generator=gen).to(torch.float16),
+          torch.randn(70, generator=gen).double()]
+    ts = [t * 4096.0 for t in ts]
+    if where == 0:
+        ts[0][30, 8] = bad  # the last piece of the first tensor, whatever the limit
+    elif where == 4:
+        ts[4][1] = bad  # inside a batch of several small tensors, not its first member
+    inv = torch.tensor(1.0 / 3000.0)  # not a power of two: the rounding of T(x * inv) matters
+    b = tb.TorchBackend()
+    total, found = b.amp_norm(ts, inv, norm_type)
+    ref_total, ref_found = b._amp_norm_per_tensor(ts, inv, norm_type, torch.float64)
+    assert total.dtype == torch.float64 and found.dtype == torch.float32 and found.shape == ()
+    assert float(found) == float(ref_found) == (0.0 if bad is None else 1.0)
+    if bad is None:
+        unscaled = [oracle.f64((t.float() * inv).to(t.dtype) if t.dtype != torch.float64 else t * inv.double())
+                    for t in ts]
+        exact = oracle.total_norm(unscaled, norm_type)
+        torch.testing.assert_close(total, ref_total, rtol=1e-13, atol=0)
+        assert abs(float(total) - exact) <= 1e-13 * exact
+    else:
+        assert not math.isfinite(float(total)) and not math.isfinite(float(ref_total))
+
+
 @pytest.mark.parametrize("dtypes", [[torch.bfloat16], [torch.float32, torch.bfloat16], [torch.float64]],
                          ids=["bf16", "fp32+bf16", "fp64"])
 @pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clip", "noclip"])

@@ -68,6 +68,41 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float, dtype: torch.d
     return out  # type: ignore[return-value]
 
 
+# Elements per batch of the AMP read pass (TorchBackend.amp_norm): 2 MiB of fp32 on the CPU, so a batch is
+# unscaled and reduced while it is in cache; on GPUs few large batches (each costs a few launches).
+_AMP_BATCH_CPU = 1 << 19
+_AMP_BATCH = 1 << 26
+
+
+def _by_dtype_indexed(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def _batches(tensors: Sequence[Tensor], limit: int):
+    """Flat pieces of the non-empty ``tensors`` (one dtype) in lists of at most ``limit`` elements, with the
+    index in ``tensors`` each piece comes from; tensors longer than ``limit`` are cut into pieces."""
+    batch: list[Tensor] = []
+    owners: list[int] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n == 0:
+            continue
+        flat = t.reshape(-1)  # a view when t is contiguous; a (read-only) copy otherwise
+        for piece in (flat.split(limit) if n > limit else (flat,)):
+            if batch and size + piece.numel() > limit:
+                yield batch, owners
+                batch, owners, size = [], [], 0
+            batch.append(piece)
+            owners.append(i)
+            size += piece.numel()
+    if batch:
+        yield batch, owners
+
+
 def combine_norms(norms: Tensor, norm_type: float) -> Tensor:
     """Total norm from a 1-D tensor of per-part norms.
 
@@ -93,18 +128,60 @@ class TorchBackend(Backend):
 
     def amp_norm(self, tensors, inv_scale, norm_type):
         dtype = acc_dtype(tensors)
+        if norm_type <= 0:
+            return self._amp_norm_per_tensor(tensors, inv_scale, norm_type, dtype)
+        # Bounded batches (pieces of at most `limit` elements; small tensors concatenated into a buffer):
+        # each batch is read from gradient memory once, by torch.aminmax, whose min and max propagate NaN
+        # and so find NaN and +-inf among the stored values exactly as unscale_'s check does. The values
+        # unscale_ would store, T(x * inv_scale), are then written into one small buffer and reduced while
+        # they are in cache, per tensor as self.norm reduces them. (An unscaled copy of every gradient
+        # cost ~5x torch's unscale_ + clip on a CPU, and torch's CPU inf-norm, the obvious flag, runs ~10x
+        # slower than aminmax.)
+        dev = tensors[0].device
+        limit = _AMP_BATCH_CPU if dev.type == "cpu" else _AMP_BATCH
+        pieces: list[list[Tensor]] = [[] for _ in tensors]  # per tensor: norms of its pieces
+        bad: list[Tensor] = []
+        for group in _by_dtype_indexed(tensors).values():
+            ts = [tensors[i] for i in group]
+            inv = inv_scale.to(dev, torch.float64 if ts[0].dtype == torch.float64 else torch.float32)
+            buf = None
+            lows, highs = [], []
+            for batch, owners in _batches(ts, limit):
+                sizes = [t.numel() for t in batch]
+                n = sum(sizes)
+                if buf is None:
+                    buf = torch.empty(min(limit, sum(t.numel() for t in ts)), dtype=ts[0].dtype, device=dev)
+                view = buf[:n]
+                src = batch[0] if len(batch) == 1 else torch.cat(batch, out=view)
+                lo, hi = torch.aminmax(src)
+                lows.append(lo)
+                highs.append(hi)
+                torch.mul(src, inv, out=view)  # rounded to the grad dtype, as unscale_ stores it
+                views = list(view.split(sizes)) if len(batch) > 1 else [view]
+                for j, nrm in zip(owners, per_tensor_norms(views, norm_type, dtype)):
+                    pieces[group[j]].append(nrm)
+            if lows:  # judged in the group's own dtype (a huge float64 is finite, not inf)
+                bad.append(~(torch.isfinite(torch.stack(lows).min()) & torch.isfinite(torch.stack(highs).max())))
+        if not bad:  # every tensor is empty
+            return torch.zeros((), dtype=dtype, device=dev), torch.zeros((), dtype=torch.float32, device=dev)
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        norms = [zero if not ps else ps[0] if len(ps) == 1 else torch.linalg.vector_norm(torch.stack(ps), norm_type)
+                 for ps in pieces]
+        found_inf = (torch.stack(bad).any() if len(bad) > 1 else bad[0]).to(torch.float32)
+        # as self.norm: the norm of the per-tensor norms, in input order
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type), found_inf
+
+    def _amp_norm_per_tensor(self, tensors, inv_scale, norm_type, dtype):
+        """The plain formulation (unscaled copies of every tensor, then self.norm), kept for p <= 0 whose
+        totals do not combine from pieces the way torch combines whole tensors."""
         nonempty = [t for t in tensors if t.numel()]
         if nonempty:
-            # max |x| propagates NaN, so one reduction finds NaN and +-inf alike.
             amax = torch.stack(torch._foreach_norm(nonempty, _INF, dtype=dtype)).max()
             found_inf = (~torch.isfinite(amax)).to(torch.float32)
         else:
             found_inf = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-        # The values unscale_ would produce (rounded to the grad dtype), then their norm: exactly what
-        # scaler.unscale_ followed by clip_grad_norm_ computes.
-        unscaled = [t * inv_scale.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+        unscaled = [(t * inv_scale.to(torch.float64 if t.dtype == torch.float64 else torch.float32)).to(t.dtype)
                     for t in tensors]
-        unscaled = [u.to(t.dtype) for u, t in zip(unscaled, tensors)]
         total, _ = self.norm(unscaled, norm_type)
         return total, found_inf
 
