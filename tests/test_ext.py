@@ -285,3 +285,42 @@ def test_cuda_source_compiles(path, tmp_path):
 
 def test_there_are_cuda_sources():
     assert CU_FILES, "csrc/cuda/*.cu missing"
+
+
+# The torch half of the CUDA build (csrc/cuda/*.cpp) includes c10/cuda headers. A CPU-only torch ships those
+# headers but not the one CMake generates for them, so without a CUDA torch the bindings would never be
+# compiled before a GPU build. This syntax check supplies that one generated header (two lines) and
+# compiles the bindings against the installed torch's headers and the CUDA runtime headers, so a binding
+# that does not compile is caught on any machine with nvcc.
+def _cuda_include() -> str | None:
+    from torch.utils import cpp_extension
+
+    homes = [getattr(cpp_extension, "CUDA_HOME", None), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    if NVCC is not None:
+        homes.append(os.path.dirname(os.path.dirname(os.path.realpath(NVCC))))
+    for home in homes:
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return os.path.join(home, "include")
+    return None
+
+
+CUDA_CPP = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+
+
+@pytest.mark.skipif(_cuda_include() is None or shutil.which("g++") is None,
+                    reason="needs nvcc's CUDA headers and g++")
+@pytest.mark.parametrize("path", CUDA_CPP, ids=[os.path.relpath(p, ROOT) for p in CUDA_CPP])
+def test_cuda_bindings_syntax(path, tmp_path):
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10) else "-std=c++17"
+    cmd = ["g++", std, "-fsyntax-only", "-Wall", "-Werror", "-DFASTGRAD_WITH_CUDA=1", f"-I{tmp_path}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [f"-I{_cuda_include()}", f"-I{sysconfig.get_paths()['include']}", path]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr[-4000:]}"
