@@ -250,6 +250,26 @@ def test_long_rows_agc_and_centralize():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()), reason="needs a CUDA GPU and CUDA kernels")
+def test_cuda_op_input_checks():
+    # Ops whose scalar argument is a CUDA tensor reach the CUDA kernel even with an empty or CPU list.
+    f = torch.tensor(2.0, device="cuda")
+    ops.scale_([], f)  # nothing to do, and no read of a missing first tensor
+    total, found = ops.amp_norm([], f, 2.0)
+    assert float(total) == 0.0 and float(found) == 0.0 and found.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="exactly one element"):
+        ops.scale_([torch.ones(3, device="cuda")], torch.ones(2, device="cuda"))
+    with pytest.raises(RuntimeError, match="exactly one element"):
+        ops.amp_norm([torch.ones(3, device="cuda")], torch.ones(0, device="cuda"), 2.0)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        ops.scale_([torch.ones(3)], f)
+    g = torch.ones(4, 3, device="cuda")
+    with pytest.raises(RuntimeError, match="parameter 0 is on cpu"):
+        ops.agc_([torch.ones(4, 3)], [g], 0.01, 1e-3, 2.0)
+    assert torch.equal(g, torch.ones(4, 3, device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()), reason="needs a CUDA GPU and CUDA kernels")
 def test_cuda_over_2_31_elements():
     n = (1 << 31) + 1000
     try:

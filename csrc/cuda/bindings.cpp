@@ -5,6 +5,7 @@
 #include "../cpu/kernels.h"  // Flat views (device-agnostic)
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -46,10 +47,19 @@ void check(int err, const char* op) {
   TORCH_CHECK(err == 0, "fastgrad::", op, " CUDA launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// Every tensor on one CUDA device. (An op whose only CUDA argument is a scalar tensor, e.g. scale_ with a
+// CUDA factor, can be dispatched here with CPU or no tensors in its list; those are refused or handled
+// by the callers before anything reads tensors[0].)
 void check_device(TensorList ts, const char* op) {
+  TORCH_CHECK(!ts.empty(), "fastgrad::", op, " (CUDA kernel): empty tensor list");
   const auto dev = ts[0].device();
+  TORCH_CHECK(dev.is_cuda(), "fastgrad::", op, " (CUDA kernel): tensors must be CUDA tensors, got ", dev);
   for (const auto& t : ts)
     TORCH_CHECK(t.device() == dev, "fastgrad::", op, ": all tensors must be on ", dev, ", got ", t.device());
+}
+
+void check_scalar(const Tensor& s, const char* op, const char* name) {
+  TORCH_CHECK(s.numel() == 1, "fastgrad::", op, ": ", name, " must have exactly one element, got ", s.numel());
 }
 
 // The Seg table, planned on the host and copied to the device behind the kernels on the stream.
@@ -123,6 +133,11 @@ std::tuple<Tensor, Tensor> norm_cuda(TensorList tensors, double p) {
 }
 
 std::tuple<Tensor, Tensor> amp_norm_cuda(TensorList tensors, const Tensor& inv_scale, double p) {
+  check_scalar(inv_scale, "amp_norm", "inv_scale");
+  if (tensors.empty()) {  // nothing to read: norm 0, no overflow (on the scale's device)
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(inv_scale.device());
+    return {at::zeros({}, opts), at::zeros({}, opts)};
+  }
   check_device(tensors, "amp_norm");
   Tensor found;
   Tensor total = std::get<0>(norm_impl(tensors, &inv_scale, p, &found));
@@ -130,6 +145,8 @@ std::tuple<Tensor, Tensor> amp_norm_cuda(TensorList tensors, const Tensor& inv_s
 }
 
 void scale_cuda(TensorList tensors, const Tensor& factor) {
+  check_scalar(factor, "scale_", "factor");
+  if (tensors.empty()) return;
   check_device(tensors, "scale_");
   const at::Device dev = tensors[0].device();
   c10::cuda::CUDAGuard guard(dev);
@@ -172,6 +189,10 @@ void agc_cuda(TensorList params, TensorList grads, double clip_factor, double ep
   std::vector<fgcuda::Seg> segs;
   for (size_t i = 0; i < grads.size(); ++i) {
     TORCH_CHECK(params[i].sizes() == grads[i].sizes(), "fastgrad::agc_: param and grad shapes differ");
+    // The kernel dereferences both pointers: a parameter on the CPU or on another GPU would be an illegal
+    // address (or a silent host read where unified memory allows it).
+    TORCH_CHECK(params[i].device() == dev, "fastgrad::agc_: parameter ", i, " is on ", params[i].device(),
+                ", its gradient on ", dev);
     fw.push_back(cpu::flat_rows(params[i], false));
     fg.push_back(cpu::flat_rows(grads[i], true));
     const int64_t rows = grads[i].dim() <= 1 ? 1 : grads[i].size(0);
