@@ -142,7 +142,7 @@ Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n);
 void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl);
 // In place x = min(max(x, -c), c) computed in float (double for float64), NaN kept.
 void clamp_range(c10::ScalarType st, void* ptr, int64_t n, double c);
-// In place x = T(x - m), computed in double (rounded to float first for 16-bit T, as c10 converts).
+// In place x = T(x - m): in float with m rounded to float (double for float64 runs).
 void sub_range(c10::ScalarType st, void* ptr, int64_t n, double m);
 
 // ---------------------------------------------------------------------------------------------------

@@ -345,9 +345,10 @@ void centralize_cpu(TensorList grads) {
   }
   const RowPlan pl = plan_rows(numel, rows);
   // Rows that fit in one work item are summed and centralised in the same item, while they are still in
-  // cache (two passes over the whole list would read every gradient from memory twice). The mean is
-  // kept in double: x - mean is rounded once (more accurate than torch's fp32 mean). Row sums are
-  // accumulated in double (acc64): they cancel, a mean being small next to the elements.
+  // cache (two passes over the whole list would read every gradient from memory twice). Row sums use the
+  // norm kernels' summation (float lanes over 256-element blocks, blocks added in compensated double;
+  // all double for float64), so the mean is more accurate than torch's fp32 mean; it is then rounded to
+  // float and subtracted in float, as torch's g.sub_(mean) does (double here made GC compute-bound).
   std::vector<double> part(pl.items.size(), 0.0);
   bool any_piece = false;
   for (const auto& it : pl.items) any_piece = any_piece || it.piece;
@@ -356,12 +357,12 @@ void centralize_cpu(TensorList grads) {
     const Flat& f = fg[it.t];
     const int64_t L = pl.L[it.t];
     if (it.piece) {
-      part[i] = reduce_range(Mode::Sum, f.st, true, at_elem(f, it.row0 * L + it.off), it.len, 1.0);
+      part[i] = reduce_range(Mode::Sum, f.st, f.st == at::kDouble, at_elem(f, it.row0 * L + it.off), it.len, 1.0);
       return;
     }
     for (int64_t r = it.row0; r < it.row0 + it.nrows; ++r) {
       char* ptr = at_elem_mut(f, r * L);
-      const double m = reduce_range(Mode::Sum, f.st, true, ptr, L, 1.0) / static_cast<double>(L);
+      const double m = reduce_range(Mode::Sum, f.st, f.st == at::kDouble, ptr, L, 1.0) / static_cast<double>(L);
       sub_range(f.st, ptr, L, m);
     }
   });
