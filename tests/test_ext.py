@@ -270,6 +270,23 @@ def test_cuda_op_input_checks():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()), reason="needs a CUDA GPU and CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cuda_misaligned_views(dtype):
+    # Views into one flat buffer at every element offset (as DDP/FSDP bucket views are): the kernels peel the
+    # elements before the first 16-byte boundary and vectorise the rest; every element must be seen once.
+    flat = torch.randn(4096 + 64, device="cuda").to(dtype)
+    views = [flat[off:off + 1000 + 37 * off] for off in range(9)]
+    total, per = ops.norm(views, 2.0)
+    want = torch.stack([_f64(v).norm() for v in views])
+    torch.testing.assert_close(per.double().cpu(), want, rtol=1e-5, atol=0)
+    before = flat.clone()
+    ops.scale_([flat[3:1003]], torch.tensor(0.5, device="cuda"))
+    assert torch.equal(flat[:3], before[:3]) and torch.equal(flat[1003:], before[1003:])
+    torch.testing.assert_close(_f64(flat[3:1003]), _f64(before[3:1003]) * 0.5, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()), reason="needs a CUDA GPU and CUDA kernels")
 def test_cuda_over_2_31_elements():
     n = (1 << 31) + 1000
     try:

@@ -51,48 +51,55 @@ struct OpMath<double> {
   using type = double;
 };
 
+// Elements before the first 16-byte boundary at p (p is always sizeof(T)-aligned), at most n. Runs that
+// start mid-vector (views into flat gradient buckets, odd row lengths) peel these few and keep the 16-byte
+// path for the rest instead of falling back to scalar accesses for the whole run.
+template <typename T>
+__device__ __forceinline__ int64_t head_of(const T* p, int64_t n) {
+  const int64_t h = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / static_cast<int64_t>(sizeof(T));
+  return h < n ? h : n;
+}
+
 // Visits the n elements at p (read-only): fn(x) per element, each thread a strided subset.
 template <typename T, typename F>
 __device__ __forceinline__ void visit(const T* p, int64_t n, F& fn) {
   constexpr int E = 16 / sizeof(T);
-  int64_t start = 0;
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    const int64_t nv = n / E;
-    const uint4* pv = reinterpret_cast<const uint4*>(p);
+  const int64_t head = head_of(p, n);
+  for (int64_t i = threadIdx.x; i < head; i += kThreads) fn(p[i]);
+  const T* q = p + head;
+  const int64_t nv = (n - head) / E;
+  const uint4* qv = reinterpret_cast<const uint4*>(q);
 #pragma unroll 4
-    for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
-      uint4 raw = pv[v];
-      T e[E];
-      memcpy(e, &raw, 16);
+  for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
+    uint4 raw = qv[v];
+    T e[E];
+    memcpy(e, &raw, 16);
 #pragma unroll
-      for (int k = 0; k < E; ++k) fn(e[k]);
-    }
-    start = nv * E;
+    for (int k = 0; k < E; ++k) fn(e[k]);
   }
-  for (int64_t i = start + threadIdx.x; i < n; i += kThreads) fn(p[i]);
+  for (int64_t i = head + nv * E + threadIdx.x; i < n; i += kThreads) fn(p[i]);
 }
 
 // In place x = fn(x) over the n elements at p.
 template <typename T, typename F>
 __device__ __forceinline__ void transform(T* p, int64_t n, const F& fn) {
   constexpr int E = 16 / sizeof(T);
-  int64_t start = 0;
-  if ((reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    const int64_t nv = n / E;
-    uint4* pv = reinterpret_cast<uint4*>(p);
+  const int64_t head = head_of(p, n);
+  for (int64_t i = threadIdx.x; i < head; i += kThreads) p[i] = fn(p[i]);
+  T* q = p + head;
+  const int64_t nv = (n - head) / E;
+  uint4* qv = reinterpret_cast<uint4*>(q);
 #pragma unroll 4
-    for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
-      uint4 raw = pv[v];
-      T e[E];
-      memcpy(e, &raw, 16);
+  for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
+    uint4 raw = qv[v];
+    T e[E];
+    memcpy(e, &raw, 16);
 #pragma unroll
-      for (int k = 0; k < E; ++k) e[k] = fn(e[k]);
-      memcpy(&raw, e, 16);
-      pv[v] = raw;
-    }
-    start = nv * E;
+    for (int k = 0; k < E; ++k) e[k] = fn(e[k]);
+    memcpy(&raw, e, 16);
+    qv[v] = raw;
   }
-  for (int64_t i = start + threadIdx.x; i < n; i += kThreads) p[i] = fn(p[i]);
+  for (int64_t i = head + nv * E + threadIdx.x; i < n; i += kThreads) p[i] = fn(p[i]);
 }
 
 __device__ __forceinline__ double nan_max(double a, double b) { return (b > a || b != b) ? b : a; }
