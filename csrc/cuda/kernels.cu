@@ -223,19 +223,29 @@ __global__ void __launch_bounds__(kThreads) k_reduce(const Seg* segs, int64_t ns
   }
 }
 
-// One thread per row: combine the row's chunk partials in order.
+// One warp per row: lane l combines the row's chunk partials l, l + 32, ... in order, then a fixed shuffle
+// tree combines the lanes. Deterministic, and a long row (65,536 partials for a 2^31-element tensor) is not
+// left to one thread's serial loop. r is uniform across a warp, so whole warps return together and the
+// full-mask shuffles are legal.
+constexpr int kRowLanes = 32;
+
 __global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, const double* part, int stride,
                        int k, double* out) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
   if (r >= nrows) return;
   const Seg* s = &segs[find_row_seg(segs, nseg, r)];
   const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
   double v = 0.0;
-  for (int64_t c = 0; c < s->cpr; ++c) {
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
     const double q = part[(c0 + c) * stride + k];
     v = mode == kInf ? nan_max(v, q) : v + q;
   }
-  out[r] = v;
+  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
+    const double u = __shfl_down_sync(0xffffffffu, v, o);
+    v = mode == kInf ? nan_max(v, u) : v + u;
+  }
+  if (lane == 0) out[r] = v;
 }
 
 __device__ __forceinline__ double root(int mode, double s, double p) {
@@ -299,15 +309,17 @@ __global__ void __launch_bounds__(kThreads) k_stats(const Seg* segs, int64_t nse
     for (int k = 0; k < 5; ++k) part[static_cast<int64_t>(blockIdx.x) * 5 + k] = r[k];
 }
 
+// One warp per row, as k_rows.
 template <typename A>
 __global__ void k_stats_finish(const Seg* segs, int64_t nseg, int64_t nrows, const double* part, A* norm, A* mx,
                                int64_t* nan, int64_t* inf, int64_t* zero) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
   if (r >= nrows) return;
   const Seg* s = &segs[find_row_seg(segs, nseg, r)];
   const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
   double q[5] = {0, 0, 0, 0, 0};
-  for (int64_t c = 0; c < s->cpr; ++c) {
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
     const double* pc = part + (c0 + c) * 5;
     q[0] += pc[0];
     q[1] = nan_max(q[1], pc[1]);
@@ -315,6 +327,14 @@ __global__ void k_stats_finish(const Seg* segs, int64_t nseg, int64_t nrows, con
     q[3] += pc[3];
     q[4] += pc[4];
   }
+  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+      const double u = __shfl_down_sync(0xffffffffu, q[j], o);
+      q[j] = j == 1 ? nan_max(q[j], u) : q[j] + u;
+    }
+  }
+  if (lane != 0) return;
   norm[r] = static_cast<A>(sqrt(q[0]));
   mx[r] = static_cast<A>(q[1]);
   nan[r] = static_cast<int64_t>(q[2]);
@@ -436,7 +456,7 @@ void row_reduce(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, i
       else launch_reduce<float, false>(mode, grid, st, segs, nseg, p, inv, use2, w.part, w.flags);
     }
   }
-  if (nrows > 0) k_rows<<<grid_for(nrows, 256), 256, 0, st>>>(segs, nseg, nrows, mode, w.part, 1, 0, out);
+  if (nrows > 0) k_rows<<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(segs, nseg, nrows, mode, w.part, 1, 0, out);
 }
 
 }  // namespace
@@ -486,10 +506,10 @@ int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int a
   }
   if (nrows > 0) {
     if (acc64)
-      k_stats_finish<double><<<grid_for(nrows, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<double*>(d_norm),
+      k_stats_finish<double><<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<double*>(d_norm),
                                                                   static_cast<double*>(d_max), d_nan, d_inf, d_zero);
     else
-      k_stats_finish<float><<<grid_for(nrows, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<float*>(d_norm),
+      k_stats_finish<float><<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<float*>(d_norm),
                                                                  static_cast<float*>(d_max), d_nan, d_inf, d_zero);
   }
   return static_cast<int>(cudaGetLastError());
