@@ -50,17 +50,12 @@ def _agc_partial_kernel(wptr_tab, gptr_tab, blk_tab, part, p: tl.float64, b0, nb
                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.full([], p, tl.float64)
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    wp = tensor_base(wptr_tab, t, DTW)
-    if ALIGNED:
-        wp = tl.multiple_of(wp, 16)
-        start = tl.multiple_of(start, 128 // DTW.primitive_bitwidth)
-    wp += start
-    gp = tensor_base(gptr_tab, t, DTG)
-    if ALIGNED:
-        gp = tl.multiple_of(gp, 16)
-        start = tl.multiple_of(start, 128 // DTG.primitive_bitwidth)
-    gp += start
+    # the host checked both lists: block starts are whole 16-byte vectors of the narrower dtype too
+    NARROW: tl.constexpr = DTW.primitive_bitwidth if DTW.primitive_bitwidth < DTG.primitive_bitwidth \
+        else DTG.primitive_bitwidth
+    t, start, n, seg = block_info(blk_tab, bid, 128 // NARROW if ALIGNED else 1)
+    wp = tensor_base(wptr_tab, t, DTW, ALIGNED) + start
+    gp = tensor_base(gptr_tab, t, DTG, ALIGNED) + start
     CW: tl.constexpr = tl.float64 if DTW == tl.float64 else tl.float32
     CG: tl.constexpr = tl.float64 if DTG == tl.float64 else tl.float32
     tl.store(part + bid, _unit_partial(wp, n, p, DTW, CW, ACC, MODE, BLOCK))

@@ -21,12 +21,8 @@ from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, de
 def _gc_partial_kernel(ptr_tab, blk_tab, part, b0, DT: tl.constexpr, ACC: tl.constexpr,
                        ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    ptr = tensor_base(ptr_tab, t, DT)
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-    ptr += start
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
+    ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     acc = tl.zeros([BLOCK], ACC)
     ar = tl.arange(0, BLOCK)
     nfull = n - n % BLOCK
@@ -51,12 +47,8 @@ def _gc_mean_kernel(part, seg_tab, mean, nsegs, ACC: tl.constexpr, SEG_BLOCK: tl
 def _gc_apply_kernel(ptr_tab, blk_tab, mean, b0, DT: tl.constexpr, C: tl.constexpr,
                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    ptr = tensor_base(ptr_tab, t, DT)
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-    ptr += start
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
+    ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     mu = tl.load(mean + seg).to(C)
     ar = tl.arange(0, BLOCK)
     nfull = n - n % BLOCK

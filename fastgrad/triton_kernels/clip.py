@@ -24,17 +24,13 @@ def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.cons
     """x = T(x * f) with f one factor for the list (clip) or one per segment (AGC's per-row ratios);
     a block whose factor is exactly 1 returns without touching memory."""
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
     if PER_SEG:
         f = tl.load(factor_ptr + seg).to(C)
     else:
         f = tl.load(factor_ptr).to(C)
     if f != 1.0:
-        ptr = tensor_base(ptr_tab, t, DT)
-        if ALIGNED:
-            ptr = tl.multiple_of(ptr, 16)
-            start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-        ptr += start
+        ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
         ar = tl.arange(0, BLOCK)
         nfull = n - n % BLOCK
         for i in range(0, nfull, BLOCK):
@@ -56,12 +52,8 @@ def _clamp(x, lo, hi):
 def _clip_value_kernel(ptr_tab, blk_tab, clip_value: tl.float64, b0,
                        DT: tl.constexpr, C: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    ptr = tensor_base(ptr_tab, t, DT)
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-    ptr += start
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
+    ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     # (tl.full, not tl.cast: the interpreter would round a Python float through fp32)
     # torch clamps in the op-math type with the bound rounded to it, then rounds to the tensor's dtype
     hi = tl.full([], clip_value, C)

@@ -63,23 +63,33 @@ def tl_dtype(dtype: torch.dtype):
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+# Alignment hints. ALIGNED launches (the host checked that every tensor base of the launch is 16-byte
+# aligned and every block start a multiple of VEC = 16 bytes / itemsize) tell Triton so with tl.multiple_of
+# on the very loads below, inside the helpers. A hint applied in the kernel to a helper's *result* goes
+# wrong both ways: Triton 3.6 drops it at inlining (no 128-bit accesses at all), and Triton 3.9 copies it
+# onto every result of the call, including the block length, which makes masked tails 128-bit accesses
+# under one predicate: reads and writes past the end of a tensor (tests/test_triton_compile.py checks both).
 @triton.jit
-def block_info(blk_tab, bid):
-    """(tensor index, start, length, segment) of block ``bid``; start and length are int64."""
+def block_info(blk_tab, bid, VEC: tl.constexpr):
+    """(tensor index, start, length, segment) of block ``bid``; start and length are int64. ``VEC`` > 1:
+    the start is known to be a multiple of VEC elements (ALIGNED launches only)."""
     row = blk_tab + bid.to(tl.int64) * 4
     t = tl.load(row)
     start = tl.load(row + 1)
+    if VEC > 1:
+        start = tl.multiple_of(start, VEC)
     end = tl.load(row + 2)
     seg = tl.load(row + 3)
     return t, start, end - start, seg
 
 
 @triton.jit
-def tensor_base(ptr_tab, t, DT: tl.constexpr):
-    """Typed base pointer of tensor ``t``. Kernels add the block start themselves: alignment hints
-    (``tl.multiple_of``, set only after the host checked that every block start of the launch is 16-byte
-    aligned) must be applied in the kernel body; Triton drops them across a helper's return."""
-    return tl.load(ptr_tab + t).to(tl.pointer_type(DT))
+def tensor_base(ptr_tab, t, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Typed base pointer of tensor ``t``, known 16-byte aligned in ALIGNED launches."""
+    ptr = tl.load(ptr_tab + t).to(tl.pointer_type(DT))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit

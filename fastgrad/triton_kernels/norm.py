@@ -62,12 +62,8 @@ def _norm_partial_kernel(ptr_tab, blk_tab, part, flags, scale_ptr, p: tl.float64
                          BLOCK: tl.constexpr):
     p = tl.full([], p, tl.float64)  # exact fp64 in the interpreter too
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    ptr = tensor_base(ptr_tab, t, DT)
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-    ptr += start
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
+    ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(C)

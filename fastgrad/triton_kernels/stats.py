@@ -33,12 +33,8 @@ def _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, ACC: tl.constexpr):
 def _stats_partial_kernel(ptr_tab, blk_tab, fpart, ipart, b0, nb,
                           DT: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
-    t, start, n, seg = block_info(blk_tab, bid)
-    ptr = tensor_base(ptr_tab, t, DT)
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-        start = tl.multiple_of(start, 128 // DT.primitive_bitwidth)
-    ptr += start
+    t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
+    ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     sq = tl.zeros([BLOCK], ACC)
     mx = tl.zeros([BLOCK], ACC)
     nanacc = tl.zeros([BLOCK], ACC)
