@@ -37,6 +37,7 @@ def small_tiles(monkeypatch):
     tk.clear_cache()
     yield
     tk.clear_cache()
+    tk.release_captured()
 
 
 def make(sizes, dtypes, seed=0, scale=1.0):
@@ -84,6 +85,31 @@ def test_list_lengths_and_single_launch_tables(n):
     plan = tk.multi_tensor.get_plan((ts,))
     assert len(plan.groups) == min(n, 4)  # one launch per dtype present, whatever n
     assert plan.nblocks == sum(math.ceil(s[0] / tk.Config.CHUNK) for s in sizes)
+
+
+def test_plans_used_under_capture_are_kept_and_never_built(monkeypatch):
+    # A captured CUDA graph holds raw pointers to its plans' device tables: a plan hit during capture must
+    # never be evicted or cleared, and a miss during capture must refuse (building would capture a copy
+    # from recycled pinned memory). Simulated on CPU tensors by reporting "capturing".
+    from fastgrad.triton_kernels import multi_tensor as mt
+
+    ts = make(SIZES, [torch.float32], seed=4)
+    total, _ = triton_backend.norm(ts, 2.0)  # warm-up: builds the plan
+    monkeypatch.setattr(mt, "_capturing", lambda device: True)
+    again, _ = triton_backend.norm(ts, 2.0)  # hit during "capture"
+    assert torch.equal(total, again) and tk.cache_stats()["captured"] == 1
+    with pytest.raises(RuntimeError, match="warm-up"):
+        triton_backend.norm(ts[:-1], 2.0)  # never seen: refused
+    monkeypatch.setattr(mt, "_capturing", lambda device: False)
+    tk.clear_cache()
+    monkeypatch.setattr(tk.Config, "CACHE_SIZE", 2)
+    for k in range(1, 5):  # more lists than the LRU holds
+        triton_backend.norm(ts[:-k], 2.0)
+    builds = tk.cache_stats()["builds"]
+    triton_backend.norm(ts, 2.0)  # the captured plan is still there
+    assert tk.cache_stats()["builds"] == builds and tk.cache_stats()["captured"] == 1
+    tk.release_captured()
+    assert tk.cache_stats()["captured"] == 0
 
 
 def test_plan_cache_hits_and_keys():

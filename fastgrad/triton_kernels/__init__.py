@@ -19,12 +19,12 @@ from .agc import launch_agc_
 from .amp import launch_amp_norm
 from .centralize import launch_centralize_
 from .clip import launch_clip_value_, launch_scale_
-from .multi_tensor import Config, acc_of, cache_stats, clear_cache
+from .multi_tensor import Config, acc_of, cache_stats, clear_cache, release_captured
 from .norm import launch_norm
 from .stats import launch_grad_stats
 
 __all__ = [
-    "Config", "cache_stats", "clear_cache", "launch_norm", "launch_amp_norm", "launch_scale_",
+    "Config", "cache_stats", "clear_cache", "release_captured", "launch_norm", "launch_amp_norm", "launch_scale_",
     "launch_clip_value_", "launch_agc_", "launch_centralize_", "launch_grad_stats",
     "norm_op", "amp_norm_op", "scale_op", "clip_value_op", "agc_op", "centralize_op", "grad_stats_op",
 ]

@@ -270,8 +270,13 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
 
 
 _CACHE: "OrderedDict[tuple, Plan]" = OrderedDict()
+_CAPTURED: "dict[tuple, Plan]" = {}  # plans a CUDA graph captured: never evicted
 _DTYPE_GET = Tensor.dtype.__get__
 _stats = {"hits": 0, "builds": 0}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = None) -> Plan:
@@ -289,11 +294,24 @@ def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = Non
                tuple(map(Tensor.numel, lists[0])),
                *(tuple(map(Tensor.data_ptr, lst)) for lst in lists),
                *(tuple(map(_DTYPE_GET, lst)) for lst in lists))
-    plan = _CACHE.get(key)
+    capturing = _capturing(device)
+    plan = _CAPTURED.get(key) or _CACHE.get(key)
     if plan is not None:
-        _CACHE.move_to_end(key)
+        if capturing:
+            # A captured graph bakes in this plan's device tables: they must outlive every replay, so the
+            # plan leaves the LRU cache (which could free them) for a table nothing evicts.
+            _CAPTURED[key] = plan
+            _CACHE.pop(key, None)
+        elif key in _CACHE:
+            _CACHE.move_to_end(key)
         _stats["hits"] += 1
         return plan
+    if capturing:
+        raise RuntimeError(
+            "fastgrad (Triton backend): no cached kernel table for this tensor list during CUDA graph capture. "
+            "Call the same fastgrad function once on the same tensors before capturing (a warm-up, which "
+            "also compiles the kernels): building a table copies it from pinned host memory, which a "
+            "captured graph would re-read at every replay.")
     plan = _build(lists, rows, chunk, device)
     _stats["builds"] += 1
     _CACHE[key] = plan
@@ -303,11 +321,17 @@ def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = Non
 
 
 def clear_cache() -> None:
+    """Drop the evictable plans. Plans used by a captured CUDA graph stay (the graph holds their device
+    pointers); release_captured() drops those once no such graph will be replayed."""
     _CACHE.clear()
 
 
+def release_captured() -> None:
+    _CAPTURED.clear()
+
+
 def cache_stats() -> dict:
-    return dict(_stats, size=len(_CACHE))
+    return dict(_stats, size=len(_CACHE), captured=len(_CAPTURED))
 
 
 # ---------------------------------------------------------------------------------------------- inputs
