@@ -34,6 +34,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tk.Config, "CHUNK", 96)
     monkeypatch.setattr(tk.Config, "SEG_BLOCK", 16)
     monkeypatch.setattr(tk.Config, "PART_BLOCK", 4)
+    monkeypatch.setattr(tk.Config, "FLAG_BLOCK", 8)
     tk.clear_cache()
     yield
     tk.clear_cache()

@@ -55,6 +55,9 @@ class Config:
     #: segments per finalize tile and partials per segment per finalize iteration
     SEG_BLOCK = 128
     PART_BLOCK = 16
+    #: overflow flags per iteration of the AMP finalize: its loop is one program's serial chain of loads,
+    #: so a wide tile keeps it short (a 7B model has ~200K blocks: 52 iterations, not 1,600)
+    FLAG_BLOCK = 4096
     CACHE_SIZE = 256
 
 

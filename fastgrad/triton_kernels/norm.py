@@ -102,7 +102,8 @@ def _root(s, pinv, MODE: tl.constexpr):
 def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, pinv: tl.float64, nsegs,
                           nblocks,
                           ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
-                          SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr, EXACT: tl.constexpr):
+                          SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr, EXACT: tl.constexpr,
+                          FLAG_BLOCK: tl.constexpr):
     pinv = tl.full([], pinv, tl.float64)
     tot = tl.zeros([SEG_BLOCK], ACC)
     totc = tl.zeros([SEG_BLOCK], ACC)
@@ -147,9 +148,9 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         total = tl.sum(totp, 0)
     tl.store(total_out, _root(total, pinv, MODE).to(OUT))
     if FLAG:
-        anybad = tl.zeros([SEG_BLOCK], tl.int32)
-        for b in range(0, nblocks, SEG_BLOCK):
-            bb = b + tl.arange(0, SEG_BLOCK)
+        anybad = tl.zeros([FLAG_BLOCK], tl.int32)
+        for b in range(0, nblocks, FLAG_BLOCK):
+            bb = b + tl.arange(0, FLAG_BLOCK)
             anybad = tl.maximum(anybad, tl.load(flags + bb, mask=bb < nblocks, other=0))
         tl.store(found_out, (tl.max(anybad, 0) > 0).to(tl.float32))
 
@@ -187,5 +188,5 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
         _norm_finalize_kernel[(1,)](
             part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
             ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK,
-            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, num_warps=4)
+            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, FLAG_BLOCK=Config.FLAG_BLOCK, num_warps=4)
     return total, per, (found if amp else None)
