@@ -32,6 +32,23 @@ int dtype_bit(c10::ScalarType st) {
   }
 }
 
+// The items of a list or tuple argument, borrowed for the call (PySequence_Fast gives the object itself,
+// with a new reference this releases). ok() is false for any other argument: the caller answers None.
+class Items {
+ public:
+  explicit Items(PyObject* seq)
+      : fast_((PyList_Check(seq) || PyTuple_Check(seq)) ? PySequence_Fast(seq, "expected a list or tuple") : nullptr) {}
+  ~Items() { Py_XDECREF(fast_); }
+  Items(const Items&) = delete;
+  Items& operator=(const Items&) = delete;
+  bool ok() const { return fast_ != nullptr; }
+  Py_ssize_t size() const { return PySequence_Fast_GET_SIZE(fast_); }
+  PyObject* operator[](Py_ssize_t i) const { return PySequence_Fast_ITEMS(fast_)[i]; }
+
+ private:
+  PyObject* fast_;
+};
+
 // A plain tensor (torch.Tensor or nn.Parameter, not a subclass with its own semantics) the kernels can
 // address as memory: strided, real floating, no lazy negation/conjugation bit, not nested.
 const at::Tensor* plain(PyObject* o, int* bit) {
@@ -45,60 +62,39 @@ const at::Tensor* plain(PyObject* o, int* bit) {
 // grads_of(params) -> [p.grad for p in params if p.grad is not None], or None when some element is not
 // a plain tensor (then Python's getattr path runs, with its warnings and subclass hooks).
 PyObject* grads_of(PyObject*, PyObject* seq) {
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
-  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.grads_of: expected a list or tuple");
-  if (fast == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(items[i])) {
-      Py_DECREF(fast);
-      Py_RETURN_NONE;
-    }
-  }
+  const Items items(seq);
+  if (!items.ok()) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0; i < items.size(); ++i)
+    if (!THPVariable_CheckExact(items[i])) Py_RETURN_NONE;
   PyObject* out = PyList_New(0);
-  if (out == nullptr) {
-    Py_DECREF(fast);
-    return nullptr;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
     const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
     if (!g.defined()) continue;
     PyObject* w = THPVariable_Wrap(g);  // the grad's existing Python object, new reference
     if (w == nullptr || PyList_Append(out, w) < 0) {
       Py_XDECREF(w);
       Py_DECREF(out);
-      Py_DECREF(fast);
       return nullptr;
     }
     Py_DECREF(w);
   }
-  Py_DECREF(fast);
   return out;
 }
 
 // pairs_of(params) -> ([p for p with a grad], [p.grad ...]) when every p is a plain tensor whose grad (if
 // any) is a plain tensor of its shape on its device, else None (Python then names the mismatch).
 PyObject* pairs_of(PyObject*, PyObject* seq) {
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
-  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.pairs_of: expected a list or tuple");
-  if (fast == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
+  const Items items(seq);
+  if (!items.ok()) Py_RETURN_NONE;
   std::vector<PyObject*> ws;
-  ws.reserve(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(items[i])) {
-      Py_DECREF(fast);
-      Py_RETURN_NONE;
-    }
+  ws.reserve(static_cast<size_t>(items.size()));
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    if (!THPVariable_CheckExact(items[i])) Py_RETURN_NONE;
     const at::Tensor& w = THPVariable_Unpack(items[i]);
     const at::Tensor& g = w.grad();
     if (!g.defined()) continue;
-    if (g.sizes() != w.sizes() || g.device() != w.device()) {
-      Py_DECREF(fast);
-      Py_RETURN_NONE;
-    }
+    if (g.sizes() != w.sizes() || g.device() != w.device()) Py_RETURN_NONE;
     ws.push_back(items[i]);
   }
   PyObject* wl = PyList_New(static_cast<Py_ssize_t>(ws.size()));
@@ -106,7 +102,6 @@ PyObject* pairs_of(PyObject*, PyObject* seq) {
   if (wl == nullptr || gl == nullptr) {
     Py_XDECREF(wl);
     Py_XDECREF(gl);
-    Py_DECREF(fast);
     return nullptr;
   }
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -116,39 +111,29 @@ PyObject* pairs_of(PyObject*, PyObject* seq) {
     if (g == nullptr) {
       Py_DECREF(wl);  // the unset slots of gl are NULL, which list dealloc skips
       Py_DECREF(gl);
-      Py_DECREF(fast);
       return nullptr;
     }
     PyList_SET_ITEM(gl, static_cast<Py_ssize_t>(i), g);
   }
-  Py_DECREF(fast);
   return Py_BuildValue("(NN)", wl, gl);
 }
 
 // scan(tensors) -> (device, dtype_mask, all_contiguous) for a non-empty list or tuple of plain tensors on
 // one device, else None.
 PyObject* scan(PyObject*, PyObject* seq) {
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
-  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.scan: expected a list or tuple");
-  if (fast == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
+  const Items items(seq);
+  if (!items.ok() || items.size() == 0) Py_RETURN_NONE;
   int mask = 0;
   bool contiguous = true;
   c10::Device device(c10::kCPU);
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
     int bit = 0;
     const at::Tensor* t = plain(items[i], &bit);
-    if (t == nullptr || (i > 0 && t->device() != device)) {
-      Py_DECREF(fast);
-      Py_RETURN_NONE;
-    }
+    if (t == nullptr || (i > 0 && t->device() != device)) Py_RETURN_NONE;
     if (i == 0) device = t->device();
     mask |= bit;
     contiguous = contiguous && t->is_contiguous();
   }
-  Py_DECREF(fast);
-  if (n == 0) Py_RETURN_NONE;
   PyObject* dev = THPDevice_New(device);
   if (dev == nullptr) return nullptr;
   return Py_BuildValue("(NiO)", dev, mask, contiguous ? Py_True : Py_False);
@@ -157,24 +142,17 @@ PyObject* scan(PyObject*, PyObject* seq) {
 // plan_key(tensors) -> bytes of (data_ptr, numel, dtype) per tensor: the identity of a kernel table
 // (fastgrad/triton_kernels/multi_tensor.py). None unless every element is a plain tensor.
 PyObject* plan_key(PyObject*, PyObject* seq) {
-  if (!PyList_Check(seq) && !PyTuple_Check(seq)) Py_RETURN_NONE;
-  PyObject* fast = PySequence_Fast(seq, "fastgrad._C.plan_key: expected a list or tuple");
-  if (fast == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  std::vector<int64_t> key(static_cast<size_t>(n) * 3);
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  const Items items(seq);
+  if (!items.ok()) Py_RETURN_NONE;
+  std::vector<int64_t> key(static_cast<size_t>(items.size()) * 3);
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
     int bit = 0;
     const at::Tensor* t = plain(items[i], &bit);
-    if (t == nullptr) {
-      Py_DECREF(fast);
-      Py_RETURN_NONE;
-    }
+    if (t == nullptr) Py_RETURN_NONE;
     key[3 * i] = reinterpret_cast<int64_t>(t->data_ptr());
     key[3 * i + 1] = t->numel();
     key[3 * i + 2] = bit;
   }
-  Py_DECREF(fast);
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(key.data()),
                                    static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
 }
