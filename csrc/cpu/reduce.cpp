@@ -136,6 +136,7 @@ inline double reduce_loop(int64_t n, A p, const Fill& fill) {
 #define FASTGRAD_VEC8 1
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
 
 template <Mode M>
 constexpr bool kFast32 = M == Mode::Sum || M == Mode::L1 || M == Mode::L2;
@@ -223,6 +224,43 @@ double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
   if (bad) *nonfinite = true;
   return total.value();
 }
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define FASTGRAD_BF16_SPLIT 1
+// bf16 fast path for Sum/L1/L2. bf16 is the top half of a float, so 16 bf16 values loaded as eight 32-bit
+// words give two float vectors with one integer op each: w << 16 holds the even elements, w & 0xFFFF0000
+// the odd ones (little-endian). Widening through a buffer (the generic loop) or a vector conversion
+// (which GCC splits into 128-bit halves and shuffles) made the pass compute-bound at ~11 GB/s. Lanes here
+// are the 8 even and 8 odd positions of each 16-element step; blocks, fold and double totals as above.
+template <Mode M>
+inline double block_bf16(const uint16_t* x) {
+  v8f a = {}, b = {};
+  for (int j = 0; j < kBlock; j += kLanes) {
+    v8u w;
+    std::memcpy(&w, x + j, sizeof(w));
+    const v8f even = (v8f)(w << 16);
+    const v8f odd = (v8f)(w & 0xFFFF0000u);
+    a += FASTGRAD_TERM8(M, even);
+    b += FASTGRAD_TERM8(M, odd);
+  }
+  double blk;
+  FASTGRAD_FOLD8(a, b, blk);
+  return blk;
+}
+
+template <Mode M>
+double reduce_bf16(const uint16_t* x, int64_t n) {
+  CompensatedSum total;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) total.add(block_bf16<M>(x + i));
+  if (i < n) {
+    float acc[kLanes] = {};
+    for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, float>(bf16_to_f32(x[i + k]), 0.0f);
+    total.add(fold(acc));
+  }
+  return total.value();
+}
+#endif
 #else
 template <Mode M>
 constexpr bool kFast32 = false;
@@ -233,6 +271,10 @@ double reduce_impl(const void* ptr, int64_t n, double p) {
   const T* x = static_cast<const T*>(ptr);
 #ifdef FASTGRAD_VEC8
   if constexpr (kFast32<M> && std::is_same_v<T, float> && std::is_same_v<A, float>) return reduce_f32<M>(x, n);
+#ifdef FASTGRAD_BF16_SPLIT
+  if constexpr (kFast32<M> && std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>)
+    return reduce_bf16<M>(reinterpret_cast<const uint16_t*>(x), n);
+#endif
 #endif
   return reduce_loop<M, A>(n, static_cast<A>(p), [x](int64_t i, int64_t m, A* buf) {
     for (int64_t k = 0; k < m; ++k) buf[k] = to_acc<A>(x[i + k]);
