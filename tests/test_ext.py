@@ -5,6 +5,7 @@ independence, no write for a factor of 1), build info, and that every CUDA sourc
 from __future__ import annotations
 
 import glob
+import math
 import os
 import shutil
 import subprocess
@@ -220,6 +221,31 @@ def test_bf16_scale_matches_torch_bitwise(factor):
         nan = torch.isnan(ref)
         assert torch.equal(torch.isnan(t), nan), n
         assert torch.equal(_bits(t)[~nan], _bits(ref)[~nan]), n
+
+
+@needs_ext
+@pytest.mark.parametrize("pos", [None, 3, 300, 1030], ids=["finite", "block0", "block1", "tail"])
+@pytest.mark.parametrize("p", [2.0, 1.0])
+def test_bf16_amp_read_pass(pos, p):
+    # bf16 AMP read pass on packed words: the norm is of bf16(x * inv) (what unscale_ stores), the flag
+    # says whether a *stored* value is NaN/inf, wherever it sits (full blocks of 256 or the tail).
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(1037, generator=g) * 3000).to(torch.bfloat16)
+    inv = torch.tensor(1.0 / 3000.0)  # not a power of two: the bf16 rounding of each product matters
+    if pos is not None:
+        x[pos] = float("inf")
+    total, found = ops.amp_norm([x], inv, p)
+    assert float(found) == (0.0 if pos is None else 1.0)
+    if pos is None:
+        stored = (x.float() * inv).to(torch.bfloat16)
+        exp = _oracle_norm(stored, p)
+        torch.testing.assert_close(_f64(total), torch.tensor(exp, dtype=torch.float64), rtol=2e-7, atol=0)
+    else:
+        assert not math.isfinite(float(total))
+    # finite stored values whose unscaled products overflow bf16: no overflow flag, an inf norm
+    big = torch.full((600,), 3.0e38).to(torch.bfloat16)
+    total, found = ops.amp_norm([big], torch.tensor(4.0), p)
+    assert float(found) == 0.0 and math.isinf(float(total))
 
 
 def _run_all(ts, params):

@@ -232,14 +232,27 @@ double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
 // the odd ones (little-endian). Widening through a buffer (the generic loop) or a vector conversion
 // (which GCC splits into 128-bit halves and shuffles) made the pass compute-bound at ~11 GB/s. Lanes here
 // are the 8 even and 8 odd positions of each 16-element step; blocks, fold and double totals as above.
-template <Mode M>
-inline double block_bf16(const uint16_t* x) {
+// f32_round_bf16 (kernels.h) on 8 lanes: bf16(v) as a float (NaN -> the quiet NaN 0x7FC0).
+inline v8f round_bf16_v8(v8f v) {
+  const v8u u = (v8u)v;
+  const v8u r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const v8u nan = (v8u)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  return (v8f)((0x7FC00000u & nan) | (r & ~nan));
+}
+
+// SCALED (the AMP read pass): the term of bf16(x * inv), the value unscale_ would store.
+template <Mode M, bool SCALED>
+inline double block_bf16(const uint16_t* x, float inv) {
   v8f a = {}, b = {};
   for (int j = 0; j < kBlock; j += kLanes) {
     v8u w;
     std::memcpy(&w, x + j, sizeof(w));
-    const v8f even = (v8f)(w << 16);
-    const v8f odd = (v8f)(w & 0xFFFF0000u);
+    v8f even = (v8f)(w << 16);
+    v8f odd = (v8f)(w & 0xFFFF0000u);
+    if constexpr (SCALED) {
+      even = round_bf16_v8(even * inv);
+      odd = round_bf16_v8(odd * inv);
+    }
     a += FASTGRAD_TERM8(M, even);
     b += FASTGRAD_TERM8(M, odd);
   }
@@ -248,11 +261,39 @@ inline double block_bf16(const uint16_t* x) {
   return blk;
 }
 
+inline bool any_nonfinite_bf16(const uint16_t* x, int64_t m) {
+  bool bad = false;
+  for (int64_t k = 0; k < m; ++k) bad |= (x[k] & 0x7F80u) == 0x7F80u;  // exponent all ones: inf or NaN
+  return bad;
+}
+
+// AMP read pass on bf16, as amp_f32: a finite block total proves the block's stored values finite.
+template <Mode M>
+double amp_bf16(const uint16_t* x, int64_t n, float inv, bool* nonfinite) {
+  CompensatedSum total;
+  bool bad = false;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    const double blk = block_bf16<M, true>(x + i, inv);
+    if (!std::isfinite(blk) && !bad) bad = any_nonfinite_bf16(x + i, kBlock);
+    total.add(blk);
+  }
+  if (i < n) {
+    bad = bad || any_nonfinite_bf16(x + i, n - i);
+    float acc[kLanes] = {};
+    for (int64_t k = 0; i + k < n; ++k)
+      acc[k % kLanes] += term<M, float>(f32_round_bf16(bf16_to_f32(x[i + k]) * inv), 0.0f);
+    total.add(fold(acc));
+  }
+  if (bad) *nonfinite = true;
+  return total.value();
+}
+
 template <Mode M>
 double reduce_bf16(const uint16_t* x, int64_t n) {
   CompensatedSum total;
   int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) total.add(block_bf16<M>(x + i));
+  for (; i + kBlock <= n; i += kBlock) total.add(block_bf16<M, false>(x + i, 1.0f));
   if (i < n) {
     float acc[kLanes] = {};
     for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, float>(bf16_to_f32(x[i + k]), 0.0f);
@@ -289,6 +330,10 @@ double amp_impl(const void* ptr, int64_t n, double p, double inv_d, bool* nonfin
 #ifdef FASTGRAD_VEC8
   if constexpr (kFast32<M> && std::is_same_v<T, float> && std::is_same_v<A, float>)
     return amp_f32<M>(x, n, inv, nonfinite);
+#ifdef FASTGRAD_BF16_SPLIT
+  if constexpr (kFast32<M> && std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>)
+    return amp_bf16<M>(reinterpret_cast<const uint16_t*>(x), n, inv, nonfinite);
+#endif
 #endif
   // Finiteness is checked in the same sweep as the norm: x - x is 0 for finite x and NaN for NaN/inf,
   // summed per buffer slot (no branches, vectorises).
