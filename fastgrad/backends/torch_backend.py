@@ -36,11 +36,15 @@ def _use_foreach(tensors: Sequence[Tensor], foreach: bool | None) -> bool:
     return bool(foreach)
 
 
-def _by_dtype(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[Tensor]]:
-    groups: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
+def _by_dtype_indexed(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
     return groups
+
+
+def _by_dtype(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    return {dt: [tensors[i] for i in idx] for dt, idx in _by_dtype_indexed(tensors).items()}
 
 
 def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float, dtype: torch.dtype,
@@ -72,13 +76,6 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float, dtype: torch.d
 # unscaled and reduced while it is in cache; on GPUs few large batches (each costs a few launches).
 _AMP_BATCH_CPU = 1 << 19
 _AMP_BATCH = 1 << 26
-
-
-def _by_dtype_indexed(tensors: Sequence[Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
 
 
 def _batches(tensors: Sequence[Tensor], limit: int):
