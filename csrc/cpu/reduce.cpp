@@ -154,17 +154,6 @@ constexpr bool kFast32 = M == Mode::Sum || M == Mode::L1 || M == Mode::L2;
 #define FASTGRAD_TERM8(M, v) \
   ((M) == Mode::L2 ? (v) * (v) : (M) == Mode::L1 ? (v8f)((v8i)(v) & 0x7FFFFFFF) : (v))
 
-// Partial block tail (m < kBlock elements), as reduce_loop does it.
-template <Mode M>
-inline void tail32(const float* x, int64_t m, float scale, bool scaled, CompensatedSum& total) {
-  float acc[kLanes] = {};
-  for (int64_t k = 0; k < m; ++k) {
-    const float v = scaled ? x[k] * scale : x[k];
-    acc[k % kLanes] += term<M, float>(v, 0.0f);
-  }
-  total.add(fold(acc));
-}
-
 // One full block's folded total, lanes in two 8-wide registers; SCALED multiplies by inv first (AMP).
 // Only a double leaves the function, so no vector crosses a call even if it is not inlined.
 template <Mode M, bool SCALED>
@@ -186,52 +175,63 @@ inline double block32(const float* x, float inv) {
   return blk;
 }
 
-template <Mode M>
-double reduce_f32(const float* x, int64_t n) {
-  CompensatedSum total;
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) total.add(block32<M, false>(x + i, 1.0f));
-  if (i < n) tail32<M>(x + i, n - i, 1.0f, false, total);
-  return total.value();
-}
-
-// Finiteness of the stored values x[0, m): x - x is 0 for finite x and NaN for NaN/inf.
-inline bool any_nonfinite(const float* x, int64_t m) {
-  float f = 0;
-  for (int64_t k = 0; k < m; ++k) f += x[k] - x[k];
-  return f != f;
-}
-
-// AMP read pass on fp32 in one sweep: the norm of x * inv (what unscale_ would store) and finiteness of
-// the stored x. A NaN/inf x makes its lane's x * inv term NaN/inf whatever inv is (inf * 0 = NaN), and
-// a float lane sum never returns to finite, so a finite block total proves its block finite; only a
-// non-finite total (rare: a bad element, or x * inv overflowing) costs a second, exact look at the
-// block, which is still in L1.
-template <Mode M>
-double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
+// The block-wise read pass shared by the fp32 and bf16 fast paths: block(i) is the folded total of the
+// full block at element i, value(k) element k as the float whose term the tail adds (lanes and fold as
+// reduce_loop), and with nonfinite set, bad(i, m) says exactly whether stored elements [i, i + m) hold a
+// NaN/inf. AMP (nonfinite set): a NaN/inf element makes its lane's term NaN/inf whatever inv is
+// (inf * 0 = NaN), and a float lane sum never returns to finite, so a finite block total proves its block
+// finite; only a non-finite total (rare: a bad element, or x * inv overflowing) costs a second, exact look
+// at the block, which is still in L1.
+template <Mode M, typename Block, typename Value, typename Bad>
+inline double block_pass(int64_t n, const Block& block, const Value& value, const Bad& bad_at, bool* nonfinite) {
   CompensatedSum total;
   bool bad = false;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    const double blk = block32<M, true>(x + i, inv);
-    if (!std::isfinite(blk) && !bad) bad = any_nonfinite(x + i, kBlock);
+    const double blk = block(i);
+    if (nonfinite != nullptr && !bad && !std::isfinite(blk)) bad = bad_at(i, kBlock);
     total.add(blk);
   }
   if (i < n) {
-    bad = bad || any_nonfinite(x + i, n - i);
-    tail32<M>(x + i, n - i, inv, true, total);
+    if (nonfinite != nullptr && !bad) bad = bad_at(i, n - i);
+    float acc[kLanes] = {};
+    for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, float>(value(i + k), 0.0f);
+    total.add(fold(acc));
   }
   if (bad) *nonfinite = true;
   return total.value();
 }
 
+constexpr auto kNoCheck = [](int64_t, int64_t) { return false; };
+
+template <Mode M>
+double reduce_f32(const float* x, int64_t n) {
+  return block_pass<M>(n, [x](int64_t i) { return block32<M, false>(x + i, 1.0f); },
+                       [x](int64_t k) { return x[k]; }, kNoCheck, nullptr);
+}
+
+// AMP read pass on fp32 in one sweep: the norm of x * inv (what unscale_ would store) and finiteness of
+// the stored x (x - x is 0 for finite x and NaN for NaN/inf).
+template <Mode M>
+double amp_f32(const float* x, int64_t n, float inv, bool* nonfinite) {
+  const auto bad_at = [x](int64_t i, int64_t m) {
+    float f = 0;
+    for (int64_t k = i; k < i + m; ++k) f += x[k] - x[k];
+    return f != f;
+  };
+  return block_pass<M>(n, [x, inv](int64_t i) { return block32<M, true>(x + i, inv); },
+                       [x, inv](int64_t k) { return x[k] * inv; }, bad_at, nonfinite);
+}
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define FASTGRAD_BF16_SPLIT 1
-// bf16 fast path for Sum/L1/L2. bf16 is the top half of a float, so 16 bf16 values loaded as eight 32-bit
-// words give two float vectors with one integer op each: w << 16 holds the even elements, w & 0xFFFF0000
-// the odd ones (little-endian). Widening through a buffer (the generic loop) or a vector conversion
-// (which GCC splits into 128-bit halves and shuffles) made the pass compute-bound at ~11 GB/s. Lanes here
-// are the 8 even and 8 odd positions of each 16-element step; blocks, fold and double totals as above.
+// bf16 fast paths (Sum/L1/L2, plain and AMP). bf16 is the top half of a float, so 16 bf16 values loaded as
+// eight 32-bit words give two float vectors with one integer op each: w << 16 holds the even elements,
+// w & 0xFFFF0000 the odd ones (little-endian). Widening through a buffer (the generic loop) or a vector
+// conversion (which GCC splits into 128-bit halves and shuffles) made the pass compute-bound at ~11 GB/s.
+// Lanes are the 8 even and 8 odd positions of each 16-element step; blocks, fold and double totals as
+// above.
+
 // f32_round_bf16 (kernels.h) on 8 lanes: bf16(v) as a float (NaN -> the quiet NaN 0x7FC0).
 inline v8f round_bf16_v8(v8f v) {
   const v8u u = (v8u)v;
@@ -261,45 +261,22 @@ inline double block_bf16(const uint16_t* x, float inv) {
   return blk;
 }
 
-inline bool any_nonfinite_bf16(const uint16_t* x, int64_t m) {
-  bool bad = false;
-  for (int64_t k = 0; k < m; ++k) bad |= (x[k] & 0x7F80u) == 0x7F80u;  // exponent all ones: inf or NaN
-  return bad;
-}
-
-// AMP read pass on bf16, as amp_f32: a finite block total proves the block's stored values finite.
-template <Mode M>
-double amp_bf16(const uint16_t* x, int64_t n, float inv, bool* nonfinite) {
-  CompensatedSum total;
-  bool bad = false;
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    const double blk = block_bf16<M, true>(x + i, inv);
-    if (!std::isfinite(blk) && !bad) bad = any_nonfinite_bf16(x + i, kBlock);
-    total.add(blk);
-  }
-  if (i < n) {
-    bad = bad || any_nonfinite_bf16(x + i, n - i);
-    float acc[kLanes] = {};
-    for (int64_t k = 0; i + k < n; ++k)
-      acc[k % kLanes] += term<M, float>(f32_round_bf16(bf16_to_f32(x[i + k]) * inv), 0.0f);
-    total.add(fold(acc));
-  }
-  if (bad) *nonfinite = true;
-  return total.value();
-}
-
 template <Mode M>
 double reduce_bf16(const uint16_t* x, int64_t n) {
-  CompensatedSum total;
-  int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) total.add(block_bf16<M, false>(x + i, 1.0f));
-  if (i < n) {
-    float acc[kLanes] = {};
-    for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, float>(bf16_to_f32(x[i + k]), 0.0f);
-    total.add(fold(acc));
-  }
-  return total.value();
+  return block_pass<M>(n, [x](int64_t i) { return block_bf16<M, false>(x + i, 1.0f); },
+                       [x](int64_t k) { return bf16_to_f32(x[k]); }, kNoCheck, nullptr);
+}
+
+template <Mode M>
+double amp_bf16(const uint16_t* x, int64_t n, float inv, bool* nonfinite) {
+  const auto bad_at = [x](int64_t i, int64_t m) {
+    bool bad = false;
+    for (int64_t k = i; k < i + m; ++k) bad |= (x[k] & 0x7F80u) == 0x7F80u;  // exponent all ones: inf/NaN
+    return bad;
+  };
+  return block_pass<M>(n, [x, inv](int64_t i) { return block_bf16<M, true>(x + i, inv); },
+                       [x, inv](int64_t k) { return f32_round_bf16(bf16_to_f32(x[k]) * inv); }, bad_at,
+                       nonfinite);
 }
 #endif
 #else
