@@ -16,8 +16,9 @@ __all__ = ["centralize_gradient_"]
 def centralize_gradient_(parameters, *, gc_conv_only: bool = False, backend: str | None = None) -> None:
     """Subtract from every gradient with ``ndim > 1`` (``ndim > 3`` when ``gc_conv_only``) its mean over
     dims 1..n-1, in place: ``G -= G.mean(dim=(1, ..., n-1), keepdim=True)``. The mean is accumulated in
-    float32 (float64 for float64) and the result rounded once to the gradient's dtype. 1-D (bias, norm)
-    gradients are untouched, as in the official implementation.
+    at least float32 (float64 for float64) and subtracted in at least float32 (the Triton backend works in
+    float64 and rounds each result once; the C++ CPU kernel subtracts in float32 as torch does). 1-D (bias,
+    norm) gradients are untouched, as in the official implementation.
 
     Call it after ``backward()`` (and after unscaling under AMP) and before clipping/``optimizer.step()``.
     """
