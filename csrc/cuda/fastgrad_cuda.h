@@ -1,5 +1,5 @@
 // Launcher API of fastgrad's CUDA kernels. Plain C++: no torch and no CUDA headers, so the torch binding
-// (bindings.cpp) and the kernels (kernels.cu) only meet through these raw pointers.
+// (bindings.cpp) and the kernels (reduce.cu, amp.cu, apply.cu) only meet through these raw pointers.
 //
 // Work description. Every tensor is one Seg, processed as a flat run of `rows * len` elements: a whole
 // tensor is one row; per-row ops (AGC, gradient centralisation) use dim-0 slices as rows. Each row is cut

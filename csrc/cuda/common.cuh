@@ -1,0 +1,321 @@
+// Shared device and host helpers of the CUDA kernels (reduce.cu: norms and grad_stats; amp.cu: the AMP
+// read pass; apply.cu: scale, clamp, AGC, GC). Framework-free: raw pointers in, launcher API in
+// fastgrad_cuda.h.
+//
+// One block per chunk of at most kChunk elements, 16-byte vector loads (after peeling to the first
+// 16-byte boundary), int64 offsets. Threads accumulate in float (double for float64 lists); the block
+// reduces its threads in a fixed tree and writes one partial; later kernels combine partials in chunk
+// order. No atomics. Everything here has internal linkage and is inline or a template, so each .cu file
+// compiles only what it uses, and the three build in parallel.
+#pragma once
+#include "fastgrad_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace fgcuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// ------------------------------------------------------------------------------------------ helpers
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ double to_float(double x) { return x; }
+
+template <typename T>
+__device__ __forceinline__ T from_op(float v);
+template <>
+__device__ __forceinline__ float from_op<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_op<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Store a double result into T with one rounding for float/double; 16-bit types go through float.
+template <typename T>
+__device__ __forceinline__ T from_double(double v) {
+  return from_op<T>(static_cast<float>(v));
+}
+template <>
+__device__ __forceinline__ double from_double<double>(double v) { return v; }
+
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+// Elements before the first 16-byte boundary at p (p is always sizeof(T)-aligned), at most n. Runs that
+// start mid-vector (views into flat gradient buckets, odd row lengths) peel these few and keep the 16-byte
+// path for the rest instead of falling back to scalar accesses for the whole run.
+template <typename T>
+__device__ __forceinline__ int64_t head_of(const T* p, int64_t n) {
+  const int64_t h = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / static_cast<int64_t>(sizeof(T));
+  return h < n ? h : n;
+}
+
+// Visits the n elements at p (read-only): fn(x) per element, each thread a strided subset.
+template <typename T, typename F>
+__device__ __forceinline__ void visit(const T* p, int64_t n, F& fn) {
+  constexpr int E = 16 / sizeof(T);
+  const int64_t head = head_of(p, n);
+  const int64_t nv = (n - head) / E;
+  const uint4* qv = reinterpret_cast<const uint4*>(p + head);
+#pragma unroll 4
+  for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
+    uint4 raw = qv[v];
+    T e[E];
+    memcpy(e, &raw, 16);
+#pragma unroll
+    for (int k = 0; k < E; ++k) fn(e[k]);
+  }
+  // the head and the tail in one scalar loop (one more inlined copy of fn, not two)
+  const int64_t tail0 = head + nv * E;
+  for (int64_t i = threadIdx.x; i < head + (n - tail0); i += kThreads) fn(p[i < head ? i : tail0 + (i - head)]);
+}
+
+// In place x = fn(x) over the n elements at p.
+template <typename T, typename F>
+__device__ __forceinline__ void transform(T* p, int64_t n, const F& fn) {
+  constexpr int E = 16 / sizeof(T);
+  const int64_t head = head_of(p, n);
+  const int64_t nv = (n - head) / E;
+  uint4* qv = reinterpret_cast<uint4*>(p + head);
+#pragma unroll 4
+  for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
+    uint4 raw = qv[v];
+    T e[E];
+    memcpy(e, &raw, 16);
+#pragma unroll
+    for (int k = 0; k < E; ++k) e[k] = fn(e[k]);
+    memcpy(&raw, e, 16);
+    qv[v] = raw;
+  }
+  const int64_t tail0 = head + nv * E;
+  for (int64_t i = threadIdx.x; i < head + (n - tail0); i += kThreads) {
+    T& x = p[i < head ? i : tail0 + (i - head)];
+    x = fn(x);
+  }
+}
+
+__device__ __forceinline__ double nan_max(double a, double b) { return (b > a || b != b) ? b : a; }
+
+// Fixed-order block reductions; the result is valid in thread 0.
+__device__ double block_sum(double v, double* sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) sh[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < kWarps) ? sh[threadIdx.x] : 0.0;
+  if (w == 0)
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ double block_max(double v, double* sh) {
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) sh[w] = v;
+  __syncthreads();
+  v = (threadIdx.x < kWarps) ? sh[threadIdx.x] : 0.0;
+  if (w == 0)
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+
+struct Loc {
+  const Seg* s;
+  int64_t row;     // global row index
+  int64_t offset;  // element offset of the chunk in the segment's flat run
+  int64_t n;
+};
+
+__device__ __forceinline__ Loc locate(const Seg* segs, int64_t nseg, int64_t chunk) {
+  int64_t lo = 0, hi = nseg - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (segs[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
+  }
+  const Seg* s = &segs[lo];
+  const int64_t local = chunk - s->first_chunk;
+  const int64_t row = local / s->cpr, piece = local - row * s->cpr;
+  const int64_t begin = piece * kChunk;
+  const int64_t left = s->len - begin;
+  return {s, s->first_row + row, row * s->len + begin, left < kChunk ? left : kChunk};
+}
+
+__device__ __forceinline__ int64_t find_row_seg(const Seg* segs, int64_t nseg, int64_t row) {
+  int64_t lo = 0, hi = nseg - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (segs[mid].first_row <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Calls f(T*) with the run's pointer cast to its element type.
+template <typename F>
+__device__ __forceinline__ void with_type(int32_t dt, void* base, int64_t offset, const F& f) {
+  switch (dt) {
+    case kF16: f(static_cast<__half*>(base) + offset); break;
+    case kBF16: f(static_cast<__nv_bfloat16*>(base) + offset); break;
+    case kF64: f(static_cast<double*>(base) + offset); break;
+    default: f(static_cast<float*>(base) + offset); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------- reductions
+template <int M, typename A, bool AMP>
+struct ReduceFn {
+  A acc = 0;
+  A mx = 0;
+  A p;
+  float inv;
+  int bad = 0;
+
+  template <typename T>
+  __device__ __forceinline__ void operator()(T x) {
+    using O = typename OpMath<T>::type;
+    O v = to_float(x);
+    if (AMP) {
+      if (!isfinite(v)) bad = 1;
+      O u = v * static_cast<O>(inv);
+      v = static_cast<O>(to_float(from_double<T>(static_cast<double>(u))));  // the value unscale_ stores
+    }
+    const A a = fabs(static_cast<A>(v));
+    if (M == kInf) {
+      mx = (a > mx || a != a) ? a : mx;
+    } else if (M == kL2) {
+      acc += a * a;
+    } else if (M == kL1) {
+      acc += a;
+    } else if (M == kP) {
+      acc += pow(a, p);
+    } else {
+      acc += static_cast<A>(v);
+    }
+  }
+};
+
+template <int M, typename A, bool AMP>
+__global__ void __launch_bounds__(kThreads) k_reduce(const Seg* segs, int64_t nseg, double p, const float* inv,
+                                                    int use2, double* part, int* flags) {
+  __shared__ double sh[kWarps];
+  const Loc L = locate(segs, nseg, blockIdx.x);
+  ReduceFn<M, A, AMP> fn;
+  fn.p = static_cast<A>(p);
+  fn.inv = AMP ? *inv : 1.0f;
+  void* base = use2 ? const_cast<void*>(L.s->ptr2) : L.s->ptr;
+  const int32_t dt = use2 ? L.s->dtype2 : L.s->dtype;
+  with_type(dt, base, L.offset, [&](auto* q) { visit(q, L.n, fn); });
+  const double r = (M == kInf) ? block_max(static_cast<double>(fn.mx), sh) : block_sum(static_cast<double>(fn.acc), sh);
+  int bad = 0;
+  if (AMP) bad = __syncthreads_or(fn.bad);
+  if (threadIdx.x == 0) {
+    part[blockIdx.x] = r;
+    if (AMP) flags[blockIdx.x] = bad;
+  }
+}
+
+// One warp per row: lane l combines the row's chunk partials l, l + 32, ... in order, then a fixed shuffle
+// tree combines the lanes. Deterministic, and a long row (65,536 partials for a 2^31-element tensor) is not
+// left to one thread's serial loop. r is uniform across a warp, so whole warps return together and the
+// full-mask shuffles are legal.
+constexpr int kRowLanes = 32;
+
+__global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, const double* part, int stride,
+                       int k, double* out) {
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  if (r >= nrows) return;
+  const Seg* s = &segs[find_row_seg(segs, nseg, r)];
+  const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
+  double v = 0.0;
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
+    const double q = part[(c0 + c) * stride + k];
+    v = mode == kInf ? nan_max(v, q) : v + q;
+  }
+  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
+    const double u = __shfl_down_sync(0xffffffffu, v, o);
+    v = mode == kInf ? nan_max(v, u) : v + u;
+  }
+  if (lane == 0) out[r] = v;
+}
+
+__device__ __forceinline__ double root(int mode, double s, double p) {
+  if (mode == kL2) return sqrt(s);
+  if (mode == kP) return pow(s, 1.0 / p);
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------- host
+struct Ws {
+  double* part;  // 5 per chunk
+  int* flags;    // 1 per chunk
+  double* rows;  // 3 per row
+  int* rflag;    // 1 per row
+};
+
+inline size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+inline Ws carve(void* ws, int64_t nchunks, int64_t nrows) {
+  char* b = static_cast<char*>(ws);
+  Ws w;
+  w.part = reinterpret_cast<double*>(b);
+  b += align_up(sizeof(double) * 5 * static_cast<size_t>(nchunks));
+  w.flags = reinterpret_cast<int*>(b);
+  b += align_up(sizeof(int) * static_cast<size_t>(nchunks));
+  w.rows = reinterpret_cast<double*>(b);
+  b += align_up(sizeof(double) * 3 * static_cast<size_t>(nrows));
+  w.rflag = reinterpret_cast<int*>(b);
+  return w;
+}
+
+inline unsigned grid_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+template <typename A, bool AMP>
+void launch_reduce(int mode, unsigned grid, cudaStream_t st, const Seg* segs, int64_t nseg, double p, const float* inv,
+                   int use2, double* part, int* flags) {
+  switch (mode) {
+    case kSum: k_reduce<kSum, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+    case kL1: k_reduce<kL1, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+    case kL2: k_reduce<kL2, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+    case kInf: k_reduce<kInf, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+    default: k_reduce<kP, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+  }
+}
+
+// Row sums of |x|^p (or max) into `out` (nrows doubles). AMP (inv set): of bf16/half/float(x * inv), with
+// per-chunk overflow flags. A template, so a file that never runs the AMP pass does not compile its kernels.
+template <bool AMP>
+void row_reduce(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+                const float* inv, int use2, const Ws& w, double* out, cudaStream_t st) {
+  if (nchunks > 0) {
+    const unsigned grid = static_cast<unsigned>(nchunks);
+    if (acc64) launch_reduce<double, AMP>(mode, grid, st, segs, nseg, p, inv, use2, w.part, w.flags);
+    else launch_reduce<float, AMP>(mode, grid, st, segs, nseg, p, inv, use2, w.part, w.flags);
+  }
+  if (nrows > 0) k_rows<<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(segs, nseg, nrows, mode, w.part, 1, 0, out);
+}
+
+}  // namespace
+
+// The AMP instantiation of row_reduce, compiled in amp.cu only (the heaviest set of kernels, kept out of
+// reduce.cu so the three files build in parallel and each in under half a minute).
+void row_reduce_amp(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+                    const float* inv, double* part, int* flags, double* out, cudaStream_t st);
+
+}  // namespace fgcuda

@@ -1,0 +1,154 @@
+// CUDA kernels: norms, the AMP read pass and grad_stats (helpers in common.cuh).
+#include "common.cuh"
+
+namespace fgcuda {
+namespace {
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, int64_t nrows, int mode, double p,
+                                                         A* total, A* per, const int* flags, int64_t nchunks,
+                                                         float* found) {
+  __shared__ double sh[kWarps];
+  double acc = 0.0;
+  for (int64_t r = threadIdx.x; r < nrows; r += kThreads) {
+    const double s = rows[r];
+    per[r] = static_cast<A>(root(mode, s, p));
+    acc = mode == kInf ? nan_max(acc, s) : acc + s;
+  }
+  const double t = mode == kInf ? block_max(acc, sh) : block_sum(acc, sh);
+  int bad = 0;
+  if (found != nullptr)
+    for (int64_t c = threadIdx.x; c < nchunks; c += kThreads) bad |= flags[c];
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) {
+    *total = static_cast<A>(root(mode, t, p));
+    if (found != nullptr) *found = bad ? 1.0f : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------- grad_stats
+template <typename A>
+struct StatsFn {
+  A acc = 0, mx = 0;
+  int nan = 0, inf = 0, zero = 0;
+  template <typename T>
+  __device__ __forceinline__ void operator()(T x) {
+    const A v = static_cast<A>(to_float(x));
+    const A a = fabs(v);
+    acc += v * v;
+    mx = (a > mx || a != a) ? a : mx;
+    nan += (a != a);
+    inf += isinf(a) ? 1 : 0;
+    zero += (v == 0);
+  }
+};
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) k_stats(const Seg* segs, int64_t nseg, double* part) {
+  __shared__ double sh[kWarps];
+  const Loc L = locate(segs, nseg, blockIdx.x);
+  StatsFn<A> fn;
+  with_type(L.s->dtype, L.s->ptr, L.offset, [&](auto* q) { visit(q, L.n, fn); });
+  double r[5];
+  r[0] = block_sum(static_cast<double>(fn.acc), sh);
+  r[1] = block_max(static_cast<double>(fn.mx), sh);
+  r[2] = block_sum(static_cast<double>(fn.nan), sh);
+  r[3] = block_sum(static_cast<double>(fn.inf), sh);
+  r[4] = block_sum(static_cast<double>(fn.zero), sh);
+  if (threadIdx.x == 0)
+    for (int k = 0; k < 5; ++k) part[static_cast<int64_t>(blockIdx.x) * 5 + k] = r[k];
+}
+
+// One warp per row, as k_rows.
+template <typename A>
+__global__ void k_stats_finish(const Seg* segs, int64_t nseg, int64_t nrows, const double* part, A* norm, A* mx,
+                               int64_t* nan, int64_t* inf, int64_t* zero) {
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  if (r >= nrows) return;
+  const Seg* s = &segs[find_row_seg(segs, nseg, r)];
+  const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
+  double q[5] = {0, 0, 0, 0, 0};
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
+    const double* pc = part + (c0 + c) * 5;
+    q[0] += pc[0];
+    q[1] = nan_max(q[1], pc[1]);
+    q[2] += pc[2];
+    q[3] += pc[3];
+    q[4] += pc[4];
+  }
+  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+      const double u = __shfl_down_sync(0xffffffffu, q[j], o);
+      q[j] = j == 1 ? nan_max(q[j], u) : q[j] + u;
+    }
+  }
+  if (lane != 0) return;
+  norm[r] = static_cast<A>(sqrt(q[0]));
+  mx[r] = static_cast<A>(q[1]);
+  nan[r] = static_cast<int64_t>(q[2]);
+  inf[r] = static_cast<int64_t>(q[3]);
+  zero[r] = static_cast<int64_t>(q[4]);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------- API
+int64_t plan(Seg* segs, int64_t nseg, int64_t* total_rows) {
+  int64_t chunks = 0, rows = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    Seg& s = segs[i];
+    s.cpr = s.len > 0 ? (s.len + kChunk - 1) / kChunk : 0;
+    s.first_chunk = chunks;
+    s.first_row = rows;
+    chunks += s.rows * s.cpr;
+    rows += s.rows;
+  }
+  *total_rows = rows;
+  return chunks;
+}
+
+size_t workspace_bytes(int64_t nchunks, int64_t nrows) {
+  return align_up(sizeof(double) * 5 * static_cast<size_t>(nchunks)) + align_up(sizeof(int) * static_cast<size_t>(nchunks)) +
+         align_up(sizeof(double) * 3 * static_cast<size_t>(nrows)) + align_up(sizeof(int) * static_cast<size_t>(nrows)) + 256;
+}
+
+int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+         const float* d_inv, void* d_total, void* d_per, float* d_found, void* d_ws, Stream stream) {
+  cudaStream_t st = stream;
+  const Ws w = carve(d_ws, nchunks, nrows);
+  if (d_inv != nullptr)
+    row_reduce_amp(d_segs, nseg, nchunks, nrows, mode, p, acc64, d_inv, w.part, w.flags, w.rows, st);
+  else
+    row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 0, w, w.rows, st);
+  float* found = d_inv != nullptr ? d_found : nullptr;
+  if (acc64)
+    k_norm_finish<double><<<1, kThreads, 0, st>>>(w.rows, nrows, mode, p, static_cast<double*>(d_total),
+                                                  static_cast<double*>(d_per), w.flags, nchunks, found);
+  else
+    k_norm_finish<float><<<1, kThreads, 0, st>>>(w.rows, nrows, mode, p, static_cast<float*>(d_total),
+                                                 static_cast<float*>(d_per), w.flags, nchunks, found);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm, void* d_max,
+          int64_t* d_nan, int64_t* d_inf, int64_t* d_zero, void* d_ws, Stream stream) {
+  cudaStream_t st = stream;
+  const Ws w = carve(d_ws, nchunks, nrows);
+  if (nchunks > 0) {
+    if (acc64) k_stats<double><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, w.part);
+    else k_stats<float><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, w.part);
+  }
+  if (nrows > 0) {
+    if (acc64)
+      k_stats_finish<double><<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<double*>(d_norm),
+                                                                  static_cast<double*>(d_max), d_nan, d_inf, d_zero);
+    else
+      k_stats_finish<float><<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.part, static_cast<float*>(d_norm),
+                                                                 static_cast<float*>(d_max), d_nan, d_inf, d_zero);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace fgcuda
