@@ -232,6 +232,23 @@ def _scale_groups(groups: list[list[Tensor]], factor: Tensor, backend: str | Non
         b.scale_(g, factor.to(g[0].device, non_blocking=True))
 
 
+def _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend
+                      ) -> None:
+    """After the read pass: the scaler state unscale_ leaves (flags per device, stage UNSCALED; the flags
+    all-reduced for a ShardedGradScaler), then, if asked, the non-finite check, which raises after writing
+    the unscaled values, as unscale_ had already done when torch's clip_grad_norm_ raises."""
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+    if sharded:
+        _all_reduce_found_inf(scaler, found)
+    if error_if_nonfinite:
+        try:
+            _check_finite(total, p)
+        except RuntimeError:
+            _scale_groups(groups, inv_scale, backend)
+            raise
+
+
 # ---------------------------------------------------------------- public
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
@@ -308,18 +325,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     dtype = acc_dtype(grads)
     total = combine_device_totals([t for t, _ in parts], p, first, dtype)
     found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
-    state["found_inf_per_device"] = found
-    state["stage"] = OptState.UNSCALED
-    if sharded:
-        _all_reduce_found_inf(scaler, found)
-
-    if error_if_nonfinite:
-        try:
-            _check_finite(total, p)
-        except RuntimeError:
-            # unscale_ would already have written the unscaled values before clip_grad_norm_ raised.
-            _scale_groups(groups, inv_scale, backend)
-            raise
+    _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     # Unscale and clip in one multiply. With the usual power-of-two scales inv_scale * coef is exact, so
@@ -352,16 +358,8 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
     found = {g[0].device: flag.to(g[0].device).reshape(flag_shape) for g in groups}
     if sharded and not found:
         found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
-    state["found_inf_per_device"] = found
-    state["stage"] = OptState.UNSCALED
-    if sharded:
-        _all_reduce_found_inf(scaler, found)
-    if error_if_nonfinite:
-        try:
-            _check_finite(total, p)  # the same value on every rank: all raise alike
-        except RuntimeError:
-            _scale_groups(groups, inv_scale, backend)
-            raise
+    # the total is the same on every rank, so with error_if_nonfinite all ranks raise alike
+    _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
     if groups:
         dev = groups[0][0].device
         coef = torch.clamp(max_norm / (total.to(dev) + 1e-6), max=1.0)
