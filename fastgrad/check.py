@@ -223,7 +223,8 @@ class Checker:
             finally:
                 chk._clip_depth -= 1
             # A norm of still-scaled gradients is not the gradient norm: keep it out of the history.
-            if isinstance(out, Tensor) and out.dim() == 0 and not chk._grads_scaled:
+            # Only a clip between backward and step tells the norm the step would have used.
+            if isinstance(out, Tensor) and out.dim() == 0 and not chk._grads_scaled and chk._bw:
                 chk._clip_norm = out.detach()
             return out
         return clip
@@ -240,7 +241,7 @@ class Checker:
 
     def _on_clip(self) -> None:
         self.clip_calls += 1
-        self._clips += 1
+        self._clips += self._bw > 0
         step = self.steps_done + 1
         if self._grads_scaled:
             self.flags["clip_scaled"].append(step)
