@@ -19,6 +19,7 @@ report.md, report.json and grad_norm.png). Exit codes: see :data:`EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import runpy
@@ -29,6 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from .clip import multi_tensor_norm
 from .check_report import CheckResult, StepRecord, build_result
 from .stats import grad_stats
 from .watch import ForwardWatcher
@@ -68,7 +70,6 @@ class Checker:
         self._bad_names: list[str] = []
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0
-        self._in_step = False
         self._bw = 0              # backward calls since the last step
         self._clip_after_bw = False
         self._bw_after_clip = False
@@ -85,6 +86,7 @@ class Checker:
         self.clip_calls = 0
         self.zero_grad_calls = 0
         self.skipped = 0
+        self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -115,7 +117,7 @@ class Checker:
     def _patch(self, owner, name: str, wrapper) -> None:
         orig = getattr(owner, name)
         # Patched once per owner; a subclass attribute lookup finds the patched base method.
-        setattr(owner, name, wrapper(orig))
+        setattr(owner, name, functools.update_wrapper(wrapper(orig), orig))
         self._undo.append((owner, name, orig))
 
     def remove(self) -> None:
@@ -167,7 +169,7 @@ class Checker:
         grads = [p.grad for g in self._last_opt.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return None
-        return torch.linalg.vector_norm(torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)]))
+        return multi_tensor_norm(grads)
 
     def _wrap_zero_grad(self, orig):
         chk = self
@@ -270,6 +272,13 @@ class Checker:
                 self._names.setdefault(id(p), prefix + n)
 
     def _pre_step(self, opt, args, kwargs) -> None:
+        try:
+            self._record_stats(opt)
+        except Exception as e:  # noqa: BLE001 - the checker must never break the user's training step
+            self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
+            self.last_stats = None
+
+    def _record_stats(self, opt) -> None:
         self._last_opt = opt
         named = self._named(opt)
         stats = grad_stats(named)
@@ -279,10 +288,8 @@ class Checker:
             if self._bad_steps is None or self._bad_names != stats.names:
                 self._bad_steps, self._bad_names = torch.zeros_like(bad), list(stats.names)
             self._bad_steps += bad
-        self._in_step = True
 
     def _post_step(self, opt, args, kwargs) -> None:
-        self._in_step = False
         self._boundary(skipped=False)
         if self.max_steps is not None and self.steps_done >= self.max_steps:
             raise _StopCheck()
@@ -304,8 +311,11 @@ class Checker:
         if st is not None and len(st):
             norm, nonfin, zero = val(st.total_norm), val((st.nan + st.inf).sum()), val(st.zero.sum())
             numel = sum(map(_numel, st.shapes))
-        else:
+        elif skipped:
             norm = nonfin = zero = nan
+            numel = 0
+        else:  # a step with no gradient at all: nothing learns (not "non-finite")
+            norm = nonfin = zero = torch.zeros((), dtype=torch.float64, device=dev)
             numel = 0
         row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm)])
         rec = StepRecord(step=step, skipped=skipped, numel=numel, has_loss=loss is not None,

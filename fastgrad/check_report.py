@@ -337,6 +337,10 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     if chk.skipped:
         findings.append(Finding("amp_skipped", "notice", "steps skipped by the GradScaler",
                                 f"{chk.skipped} step(s) had Inf/NaN gradients and were skipped."))
+    if chk.errors:
+        findings.append(Finding("checker_error", "notice", "the checker could not read some steps",
+                                "; ".join(chk.errors[:3]) + (f" (+{len(chk.errors) - 3} more)"
+                                                             if len(chk.errors) > 3 else "")))
     if crashed:
         findings.append(Finding("script_crashed", "critical", "the script crashed", crash_text or ""))
 
@@ -370,7 +374,7 @@ def _summary(chk, steps, used, last, findings, trend, origin, max_norm, bad_loss
     if lastn is not None and lastn.clip_norm is not None:
         rows.append(("Norm before clipping (last step)", _fmt(lastn.clip_norm),
                      _sev(findings, "no_clipping", "clip_scaled")))
-    rows.append(("Max grad norm (run)", _fmt(max_norm), _sev(findings, "no_clipping")))
+    rows.append(("Max grad norm (run)", _fmt(max_norm), _peak_status(max_norm, last)))
     rows.append(("Norm trend", trend, "critical" if bad_grad else _sev(findings, "spike", "increasing", "decaying")))
     nparams = len(last.params) if last else 0
     nbad = len(set(_flat_layers(findings, "nonfinite", "nonfinite_history")))
@@ -396,6 +400,17 @@ def _summary(chk, steps, used, last, findings, trend, origin, max_norm, bad_loss
     rows.append(("Gradient zeroing", f"{chk.zero_grad_calls} zero_grad() call(s)",
                  _sev(findings, "no_zero_grad")))
     return rows
+
+
+def _peak_status(v: float, last: GradientReport | None) -> str:
+    """SPEC section 7 range of the run's peak norm, capped at warning: a past peak is a symptom, and what it
+    led to (NaN, a missing clip) is a finding of its own."""
+    th = last.thresholds if last is not None else Thresholds()
+    if not math.isfinite(v):
+        return "healthy"
+    if v > th.exploding:
+        return "warning"
+    return "notice" if v > th.healthy_high or v < th.healthy_low else "healthy"
 
 
 def _flat_layers(findings, *codes):

@@ -260,3 +260,24 @@ def test_no_host_sync_while_the_script_runs(monkeypatch):
     res = C.run_script(str(SCRIPTS / "nan_loss.py"), [], flush_every=1000)
     assert not res.crashed, res.crash_text
     assert res.origin.startswith("LogLoss") and "nonfinite_loss" in res.codes()
+
+
+def test_fused_amp_clip_is_clean_and_fastgrad_clip_of_scaled_grads_is_flagged(tmp_path):
+    res = C.run_script(str(SCRIPTS / "accumulation.py"), ["--clip", "fused", "--amp", "--steps", "5"])
+    assert not res.crashed and not any(res.flags.values()) and res.status == "healthy"
+    assert all(s.clip_norm is not None and 0 < s.clip_norm < 10 for s in res.steps)  # unscaled norms
+    src = (SCRIPTS / "amp_clip_before_unscale.py").read_text()
+    bad = tmp_path / "amp_fastgrad_clip.py"
+    bad.write_text("import fastgrad\n" + src.replace("torch.nn.utils.clip_grad_norm_", "fastgrad.clip_grad_norm_")
+                   .replace("range(20)", "range(4)"))
+    res = C.run_script(str(bad), [])
+    assert res.flags["clip_scaled"] == [1, 2, 3, 4] and res.exit_code == 1
+
+
+def test_periodic_flush_gives_the_same_history():
+    a = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=3)
+    b = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=1000)
+    assert [s.step for s in a.steps] == list(range(1, 11))
+    assert [(s.total_norm, s.loss, s.leftover) for s in a.steps] == [(s.total_norm, s.loss, s.leftover)
+                                                                     for s in b.steps]
+    assert a.codes() == b.codes()

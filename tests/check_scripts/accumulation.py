@@ -2,13 +2,16 @@
   --clip window       clip once per window, before the step (correct)
   --clip micro        clip after every micro-batch backward (partial gradients)
   --clip after-step   clip after optimizer.step()
+  --clip fused        fastgrad.scaler_unscale_and_clip once per window (correct)
   --amp               GradScaler("cpu") + bf16 autocast, unscale_ before the clip"""
 import argparse
 
 import torch
 
+import fastgrad
+
 p = argparse.ArgumentParser()
-p.add_argument("--clip", choices=["window", "micro", "after-step"], default="window")
+p.add_argument("--clip", choices=["window", "fused", "micro", "after-step"], default="window")
 p.add_argument("--amp", action="store_true")
 p.add_argument("--steps", type=int, default=25)
 a = p.parse_args()
@@ -30,6 +33,8 @@ for i in range(a.steps * accum):
         if a.clip == "window":
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif a.clip == "fused":
+            fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0)
         scaler.step(opt)
         scaler.update()
         if a.clip == "after-step":
