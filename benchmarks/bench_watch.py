@@ -2,10 +2,11 @@
 ``fastgrad.watch.ForwardWatcher`` (per-module hooks, and global hooks as ``python -m fastgrad.check`` uses)
 and under ``torch.autograd.detect_anomaly()``.
 
-    python benchmarks/bench_watch.py [--device cpu|cuda] [--rounds 3] [--json out.json]
+    python benchmarks/bench_watch.py [--device cpu|cuda] [--reps 30] [--threads N] [--json out.json]
 
-The configurations are measured in interleaved rounds and each keeps its best median, so a noisy neighbour
-hurts all of them alike; ratios are against "none" of the same run.
+Every repetition times each configuration once (interleaved), so a noisy neighbour hurts all of them alike;
+the table gives min and median per configuration and ratios against "none" of the same run (on a loaded
+machine the min is the better estimate of the intrinsic cost).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import argparse
 import contextlib
 import json
 import platform
+import statistics
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.timing import Timer  # noqa: E402
 from fastgrad.watch import ForwardWatcher  # noqa: E402
 
 
@@ -61,35 +64,58 @@ def configured(name, model):
 CONFIGS = ["none", "watcher", "watcher (global)", "detect_anomaly"]
 
 
+def _time(step, dev) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     dev = torch.device(ns.device)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     torch.manual_seed(0)
-    timer = Timer(dev, warmup=3, min_reps=5, max_reps=40, budget_s=0.5, flush_l2=False)
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     rows = []
     for wname, build in (("mlp 8x256, batch 64", mlp), ("transformer 2x128, 8x64 tokens", transformer)):
         model, loss_fn = build(dev)
         nmods = sum(1 for _ in model.modules())
-        best = {c: float("inf") for c in CONFIGS}
-        for _ in range(ns.rounds):
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss_fn().backward()
+
+        times = {c: [] for c in CONFIGS}
+        # Interleaved: every repetition times each configuration once, so load changes hit all alike.
+        for r in range(ns.reps + 2):
             for c in CONFIGS:
                 with configured(c, model):
-                    def step():
-                        model.zero_grad(set_to_none=True)
-                        loss_fn().backward()
-                    best[c] = min(best[c], timer.measure(step).median_ms)
+                    step()  # the first call after adding hooks is not timed
+                    t = _time(step, dev)
+                if r >= 2:  # warm-up repetitions
+                    times[c].append(t)
+        base_min, base_med = min(times["none"]), statistics.median(times["none"])
         for c in CONFIGS:
-            rows.append({"workload": wname, "modules": nmods, "config": c, "median_ms": best[c],
-                         "vs_none": best[c] / best["none"]})
-    print(f"# forward watcher cost, forward+backward, {dev} ({platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    print("| workload | modules | config | median ms | vs none |\n|---|---|---|---|---|")
+            mn, med = min(times[c]), statistics.median(times[c])
+            rows.append({"workload": wname, "modules": nmods, "config": c, "min_ms": mn, "median_ms": med,
+                         "min_vs_none": mn / base_min, "median_vs_none": med / base_med})
+    print(f"# forward watcher cost, forward+backward, {dev} ({platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {ns.reps} interleaved reps)")
+    print("| workload | modules | config | min ms | median ms | min vs none | median vs none |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['modules']} | {r['config']} | {r['median_ms']:.3f} | {r['vs_none']:.2f}x |")
+        print(f"| {r['workload']} | {r['modules']} | {r['config']} | {r['min_ms']:.3f} | {r['median_ms']:.3f} | "
+              f"{r['min_vs_none']:.2f}x | {r['median_vs_none']:.2f}x |")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"device": str(dev), "torch": torch.__version__, "rows": rows},
                                             indent=2))
