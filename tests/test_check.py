@@ -1,6 +1,6 @@
 """``python -m fastgrad.check`` on real misbehaving training scripts (tests/check_scripts), in subprocesses.
 
-All runs start together in one fixture (each subprocess spends most of its few seconds importing torch), then
+The subprocess runs start together in one fixture (each subprocess spends most of its few seconds importing torch), then
 each test asserts the statuses, the named layers/modules, the red flags and the exit code of one run."""
 
 import json
@@ -27,9 +27,6 @@ RUNS = {
     "dead": ([], "dead_relu.py", []),
     "amp_scaled_clip": ([], "amp_clip_before_unscale.py", []),
     "no_zero": ([], "no_zero_grad.py", []),
-    "accum_amp_ok": ([], "accumulation.py", ["--clip", "window", "--amp", "--steps", "15"]),
-    "accum_micro": ([], "accumulation.py", ["--clip", "micro", "--steps", "10"]),
-    "accum_after_step": (["--steps", "10"], "accumulation.py", ["--clip", "after-step"]),
     "crash": ([], "crash_after_steps.py", []),
 }
 
@@ -58,6 +55,13 @@ def runs(tmp_path_factory):
                 del procs[name]
         time.sleep(0.05)
     return out
+
+
+def _inproc(args, steps=None):
+    """The accumulation variants run in this process (same report, no torch import per run)."""
+    res = C.run_script(str(SCRIPTS / "accumulation.py"), args, steps=steps)
+    return {"rc": res.exit_code, "stdout": res.to_markdown(), "stderr": res.crash_text,
+            "json": json.loads(json.dumps(res.to_dict(), default=str))}
 
 
 def _codes(run, severity=None):
@@ -149,8 +153,8 @@ def test_never_zeroed_gradients_red_flag(runs):
     assert _row(r, "Gradient zeroing")["status"] == "critical"
 
 
-def test_amp_accumulation_done_right_is_clean(runs):
-    r = runs["accum_amp_ok"]
+def test_amp_accumulation_done_right_is_clean():
+    r = _inproc(["--clip", "window", "--amp", "--steps", "15"])
     assert r["rc"] == 0, r["stderr"]
     assert not _codes(r, "warning") and not _codes(r, "critical")
     assert not any(r["json"]["red_flags"].values())
@@ -160,8 +164,8 @@ def test_amp_accumulation_done_right_is_clean(runs):
     assert all(0 < s["loss"] < 2 for s in steps)
 
 
-def test_clip_inside_accumulation_window_red_flag(runs):
-    r = runs["accum_micro"]
+def test_clip_inside_accumulation_window_red_flag():
+    r = _inproc(["--clip", "micro", "--steps", "10"])
     assert r["rc"] == 0
     f = _finding(r, "clip_partial")
     assert f["severity"] == "warning" and f["steps"] == list(range(1, 11))
@@ -169,8 +173,8 @@ def test_clip_inside_accumulation_window_red_flag(runs):
     assert "clip_after_step" not in _codes(r)
 
 
-def test_clip_after_step_red_flag_and_steps_option(runs):
-    r = runs["accum_after_step"]
+def test_clip_after_step_red_flag_and_steps_option():
+    r = _inproc(["--clip", "after-step"], steps=10)
     assert r["rc"] == 0
     f = _finding(r, "clip_after_step")
     assert f["severity"] == "warning" and f["steps"] == list(range(1, 10))  # the 10th clip never ran (--steps)
