@@ -137,7 +137,10 @@ class Checker:
         def backward(tensor, *args, **kwargs):
             outer = not getattr(chk, "_in_bw", False)
             if outer:
-                chk._on_backward(tensor)
+                try:
+                    chk._on_backward(tensor)
+                except Exception as e:  # noqa: BLE001 - never break the user's backward
+                    chk.errors.append(f"step {chk.steps_done + 1}: backward hook: {e}")
                 chk._in_bw = True
             try:
                 return orig(tensor, *args, **kwargs)
@@ -290,7 +293,10 @@ class Checker:
             self._bad_steps += bad
 
     def _post_step(self, opt, args, kwargs) -> None:
-        self._boundary(skipped=False)
+        try:
+            self._boundary(skipped=False)
+        except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
+            self.errors.append(f"step {self.steps_done}: step hook: {e}")
         if self.max_steps is not None and self.steps_done >= self.max_steps:
             raise _StopCheck()
 

@@ -285,3 +285,16 @@ def test_periodic_flush_gives_the_same_history():
     assert [(s.total_norm, s.loss, s.leftover) for s in a.steps] == [(s.total_norm, s.loss, s.leftover)
                                                                      for s in b.steps]
     assert a.codes() == b.codes()
+
+
+def test_checker_failure_never_breaks_the_script(tmp_path, capsys):
+    # sparse gradients: grad_stats refuses them; the script must still run to its end
+    script = tmp_path / "sparse.py"
+    script.write_text("import torch\nemb = torch.nn.Embedding(10, 4, sparse=True)\n"
+                      "opt = torch.optim.SGD(emb.parameters(), lr=0.1)\nfor i in range(3):\n"
+                      "    opt.zero_grad(); emb(torch.tensor([1, 2])).sum().backward(); opt.step()\n"
+                      "print('script finished')\n")
+    res = C.run_script(str(script), [])
+    assert "script finished" in capsys.readouterr().out
+    assert not res.crashed and res.exit_code == 0 and len(res.steps) == 3
+    assert res.codes() == ["checker_error"] and "sparse" in res.findings[0].detail
