@@ -1,0 +1,429 @@
+"""``python -m fastgrad.check [--steps N] [--out DIR] SCRIPT [ARGS...]``: check an unmodified training script.
+
+The script runs as ``__main__`` in this process (its arguments in ``sys.argv``, its directory on ``sys.path``,
+the working directory left as it is) while global hooks watch it:
+
+- optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``post_hook``) run the
+  fused ``grad_stats`` pass over the optimizer's parameters before every step and keep the results on the
+  device; the host reads them every ``--flush`` steps and at the end (one sync each time);
+- ``torch.Tensor.backward``/``torch.autograd.backward`` keep the detached scalar loss (the unscaled one
+  under a GradScaler) on the device;
+- a :class:`~fastgrad.watch.ForwardWatcher` on every module remembers the first non-finite module output;
+- interceptors on ``GradScaler.scale/unscale_/step``, the clip functions of torch and fastgrad and
+  ``zero_grad`` spot the red flags of the gradient-management guide (see ``fastgrad.check_report``).
+
+Everything is removed when the script ends. Then the report is printed (and with ``--out`` written as
+report.md, report.json and grad_norm.png). Exit codes: see :data:`EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import runpy
+import sys
+import traceback
+import weakref
+
+import torch
+from torch import Tensor
+
+from .clip import multi_tensor_norm
+from .check_report import CheckResult, StepRecord, build_result
+from .stats import grad_stats
+from .watch import ForwardWatcher
+
+__all__ = ["EXIT_CODES", "Checker", "main", "run_script"]
+
+EXIT_CODES = {
+    0: "no critical finding (warnings and notices may be present)",
+    1: "a critical finding (NaN/Inf gradients or loss, norm > 1000, no learning, a critical red flag)",
+    2: "usage error (bad command line, script not found)",
+    3: "the script raised an exception or exited with a non-zero status (the report covers what ran)",
+    4: "the script finished without a single optimizer step: nothing to check",
+}
+
+
+class _StopCheck(BaseException):
+    """Raised from the optimizer post-step hook after ``--steps`` steps. A BaseException, so the script's own
+    ``except Exception`` blocks do not swallow it."""
+
+
+class Checker:
+    """The hooks and interceptors of one checked run. ``install()``/``remove()`` bracket the script."""
+
+    def __init__(self, max_steps: int | None = None, flush_every: int = 64):
+        self.max_steps = max_steps
+        self.flush_every = max(1, flush_every)
+        self.steps: list[StepRecord] = []  # host side, filled by flushes
+        self._pending: list[tuple[StepRecord, Tensor]] = []  # device rows not yet read
+        self.watcher: ForwardWatcher | None = None
+        self._undo: list = []
+        self._handles: list = []
+        self._names: dict[int, str] = {}
+        self._named_cache: dict[int, tuple[int, list]] = {}
+        self.last_stats = None
+        self.last_named: list = []
+        self._bad_steps: Tensor | None = None  # per parameter: steps with NaN/Inf gradients (device)
+        self._bad_names: list[str] = []
+        # red-flag state (host only: never depends on device values)
+        self.steps_done = 0
+        self._bw = 0              # backward calls since the last step
+        self._clip_after_bw = False
+        self._bw_after_clip = False
+        self._zeroed = False      # zero_grad seen since the last step
+        self._grads_scaled = False
+        self._scaled: tuple | None = None  # (weakref to the last scaler.scale output, the unscaled loss)
+        self._clip_depth = 0
+        self._losses: list[Tensor] = []
+        self._clip_norm: Tensor | None = None
+        self._clips = 0
+        self._leftover: Tensor | None = None
+        self._last_opt = None
+        self.flags: dict[str, list[int]] = {"clip_scaled": [], "clip_after_step": [], "clip_partial": []}
+        self.clip_calls = 0
+        self.zero_grad_calls = 0
+        self.skipped = 0
+        self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
+
+    # ---------------------------------------------------------------- install / remove
+    def install(self) -> None:
+        from torch.optim import optimizer as O
+
+        self.watcher = ForwardWatcher()  # global hooks; advanced by our step boundary
+        self._handles += [O.register_optimizer_step_pre_hook(self._pre_step),
+                          O.register_optimizer_step_post_hook(self._post_step)]
+        self._patch(torch.Tensor, "backward", self._wrap_backward)
+        self._patch(torch.autograd, "backward", self._wrap_backward)
+        self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
+        self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
+        self._patch(torch.amp.GradScaler, "scale", self._wrap_scale)
+        self._patch(torch.amp.GradScaler, "unscale_", self._wrap_unscale)
+        self._patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
+        import fastgrad
+        from fastgrad import agc as fg_agc, amp as fg_amp, clip as fg_clip
+        from torch.nn.utils import clip_grad as tc
+
+        for mod in (torch.nn.utils, tc, fastgrad, fg_clip):
+            for fn in ("clip_grad_norm_", "clip_grad_value_"):
+                self._patch(mod, fn, self._wrap_clip)
+        for mod in (fastgrad, fg_agc):
+            self._patch(mod, "adaptive_clip_grad_", self._wrap_clip)
+        for mod in (fastgrad, fg_amp):
+            self._patch(mod, "scaler_unscale_and_clip", self._wrap_fused_amp)
+
+    def _patch(self, owner, name: str, wrapper) -> None:
+        orig = getattr(owner, name)
+        # Patched once per owner; a subclass attribute lookup finds the patched base method.
+        setattr(owner, name, functools.update_wrapper(wrapper(orig), orig))
+        self._undo.append((owner, name, orig))
+
+    def remove(self) -> None:
+        for owner, name, orig in reversed(self._undo):
+            setattr(owner, name, orig)
+        self._undo.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.watcher is not None:
+            self.watcher.remove()
+
+    # ---------------------------------------------------------------- interceptors (host logic, no syncs)
+    def _wrap_backward(self, orig):
+        chk = self
+
+        def backward(tensor, *args, **kwargs):
+            outer = not getattr(chk, "_in_bw", False)
+            if outer:
+                try:
+                    chk._on_backward(tensor)
+                except Exception as e:  # noqa: BLE001 - never break the user's backward
+                    chk.errors.append(f"step {chk.steps_done + 1}: backward hook: {e}")
+                chk._in_bw = True
+            try:
+                return orig(tensor, *args, **kwargs)
+            finally:
+                if outer:
+                    chk._in_bw = False
+        return backward
+
+    def _on_backward(self, tensor) -> None:
+        if isinstance(tensor, (list, tuple)):
+            tensor = tensor[0] if len(tensor) == 1 else None
+        if self._bw == 0 and self.steps_done and not self._zeroed:
+            self._leftover = self._grad_norm_now()
+        if isinstance(tensor, Tensor):
+            if self._scaled is not None and self._scaled[0]() is tensor:
+                self._grads_scaled = True
+                tensor = self._scaled[1]
+            if tensor.numel() == 1 and tensor.is_floating_point():
+                self._losses.append(tensor.detach().reshape(()).to(torch.float64))
+        self._bw += 1
+        if self._clip_after_bw:
+            self._bw_after_clip = True
+
+    def _grad_norm_now(self) -> Tensor | None:
+        """Device norm of the gradients the last optimizer holds before a new backward: nonzero when they
+        were never zeroed. No sync."""
+        if self._last_opt is None:
+            return None
+        grads = [p.grad for g in self._last_opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        return multi_tensor_norm(grads)
+
+    def _wrap_zero_grad(self, orig):
+        chk = self
+
+        def zero_grad(self_, *args, **kwargs):
+            chk._zeroed = True
+            chk.zero_grad_calls += 1
+            return orig(self_, *args, **kwargs)
+        return zero_grad
+
+    def _wrap_scale(self, orig):
+        chk = self
+
+        def scale(scaler, outputs):
+            out = orig(scaler, outputs)
+            if scaler.is_enabled() and isinstance(out, Tensor) and isinstance(outputs, Tensor):
+                # lets backward find the unscaled loss and know that the grads it makes are scaled
+                chk._scaled = (weakref.ref(out), outputs.detach())
+            return out
+        return scale
+
+    def _wrap_unscale(self, orig):
+        chk = self
+
+        def unscale_(scaler, optimizer):
+            chk._grads_scaled = False
+            return orig(scaler, optimizer)
+        return unscale_
+
+    def _wrap_scaler_step(self, orig):
+        chk = self
+
+        def step(scaler, optimizer, *args, **kwargs):
+            before = chk.steps_done
+            out = orig(scaler, optimizer, *args, **kwargs)
+            if chk.steps_done == before:  # the scaler found Inf/NaN and skipped optimizer.step()
+                chk.skipped += 1
+                chk._last_opt = optimizer
+                chk._boundary(skipped=True)
+            return out
+        return step
+
+    def _wrap_clip(self, orig):
+        chk = self
+
+        def clip(*args, **kwargs):
+            if chk._clip_depth:
+                return orig(*args, **kwargs)
+            chk._on_clip()
+            chk._clip_depth += 1
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                chk._clip_depth -= 1
+            # A norm of still-scaled gradients is not the gradient norm: keep it out of the history.
+            # Only a clip between backward and step tells the norm the step would have used.
+            if isinstance(out, Tensor) and out.dim() == 0 and not chk._grads_scaled and chk._bw:
+                chk._clip_norm = out.detach()
+            return out
+        return clip
+
+    def _wrap_fused_amp(self, orig):
+        chk = self
+
+        def scaler_unscale_and_clip(*args, **kwargs):
+            if chk._clip_depth:
+                return orig(*args, **kwargs)
+            chk._grads_scaled = False  # it unscales before it clips
+            return chk._wrap_clip(orig)(*args, **kwargs)
+        return scaler_unscale_and_clip
+
+    def _on_clip(self) -> None:
+        self.clip_calls += 1
+        self._clips += self._bw > 0
+        step = self.steps_done + 1
+        if self._grads_scaled:
+            self.flags["clip_scaled"].append(step)
+        if self._bw == 0 and self.steps_done:
+            # after optimizer.step() and before the next backward: this clip changes nothing the optimizer uses
+            self.flags["clip_after_step"].append(self.steps_done)
+        elif self._bw:
+            self._clip_after_bw = True
+
+    # ---------------------------------------------------------------- optimizer step hooks
+    def _named(self, opt) -> list:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        cached = self._named_cache.get(id(opt))
+        if cached is None or cached[0] != len(params):
+            self._refresh_names()
+            named = [(self._names.get(id(p), f"param_groups.{gi}.{i}"), p)
+                     for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
+            self._named_cache[id(opt)] = cached = (len(params), named)
+        return cached[1]
+
+    def _refresh_names(self) -> None:
+        roots = [r() for r in self.watcher._roots] if self.watcher else []
+        for k, root in enumerate(r for r in roots if r is not None):
+            prefix = "" if not self._names else type(root).__name__ + ":"
+            for n, p in root.named_parameters():
+                self._names.setdefault(id(p), prefix + n)
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        try:
+            self._record_stats(opt)
+        except Exception as e:  # noqa: BLE001 - the checker must never break the user's training step
+            self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
+            self.last_stats = None
+
+    def _record_stats(self, opt) -> None:
+        self._last_opt = opt
+        named = self._named(opt)
+        stats = grad_stats(named)
+        self.last_stats, self.last_named = stats, named
+        if len(stats):
+            bad = ((stats.nan + stats.inf) > 0).to(torch.int64)
+            if self._bad_steps is None or self._bad_names != stats.names:
+                self._bad_steps, self._bad_names = torch.zeros_like(bad), list(stats.names)
+            self._bad_steps += bad
+
+    def _post_step(self, opt, args, kwargs) -> None:
+        try:
+            self._boundary(skipped=False)
+        except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
+            self.errors.append(f"step {self.steps_done}: step hook: {e}")
+        if self.max_steps is not None and self.steps_done >= self.max_steps:
+            raise _StopCheck()
+
+    def _boundary(self, skipped: bool) -> None:
+        """End of one training step (an optimizer step, or a step the GradScaler skipped)."""
+        self.steps_done += 1
+        step = self.steps_done
+        if self._clip_after_bw and self._bw_after_clip:
+            self.flags["clip_partial"].append(step)
+        st = self.last_stats if not skipped else None
+        dev = st.total_norm.device if st is not None and len(st) else torch.device("cpu")
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
+
+        def val(t):
+            return nan if t is None else t.detach().reshape(()).to(dev, torch.float64)
+
+        loss = torch.stack([v.to(dev) for v in self._losses]).mean() if self._losses else None
+        if st is not None and len(st):
+            norm, nonfin, zero = val(st.total_norm), val((st.nan + st.inf).sum()), val(st.zero.sum())
+            numel = sum(map(_numel, st.shapes))
+        elif skipped:
+            norm = nonfin = zero = nan
+            numel = 0
+        else:  # a step with no gradient at all: nothing learns (not "non-finite")
+            norm = nonfin = zero = torch.zeros((), dtype=torch.float64, device=dev)
+            numel = 0
+        row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm)])
+        rec = StepRecord(step=step, skipped=skipped, numel=numel, has_loss=loss is not None,
+                         clipped=self._clips > 0, zeroed=self._zeroed,
+                         leftover_checked=self._leftover is not None)
+        self._pending.append((rec, row))
+        # reset the per-step state
+        self._bw = 0
+        self._clip_after_bw = self._bw_after_clip = False
+        self._zeroed = False
+        self._grads_scaled = False
+        self._losses = []
+        self._clip_norm = self._leftover = None
+        self._clips = 0
+        if self.watcher is not None:
+            self.watcher.step()
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the pending per-step rows to the host: one sync."""
+        if not self._pending:
+            return
+        dev = self._pending[0][1].device
+        vals = torch.stack([r.to(dev) for _, r in self._pending]).tolist()
+        for (rec, _), (norm, nonfin, zero, loss, leftover, clip_norm) in zip(self._pending, vals):
+            rec.total_norm, rec.nonfinite, rec.zero = norm, nonfin, zero
+            rec.loss = loss if rec.has_loss else None
+            rec.leftover = leftover if rec.leftover_checked else None
+            rec.clip_norm = clip_norm if rec.clipped else None
+            self.steps.append(rec)
+        self._pending.clear()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64) -> CheckResult:
+    """Run ``script`` as ``__main__`` with ``args`` under a :class:`Checker` and return the result."""
+    chk = Checker(steps, flush_every)
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [script] + list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    crashed, stopped, crash_text = False, False, None
+    chk.install()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except _StopCheck:
+        stopped = True
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            crashed, crash_text = True, f"the script exited with status {e.code!r}"
+    except BaseException as e:  # noqa: BLE001 - any failure of the script is reported, not re-raised
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        crashed = True
+        crash_text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        traceback.print_exc()
+    finally:
+        chk.remove()
+        sys.argv, sys.path[:] = old_argv, old_path
+    chk.flush()
+    return build_result(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text,
+                        stopped=stopped, max_steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastgrad.check",
+        description="Run an unmodified training script and report its gradient health (SPEC section 10).",
+        epilog="exit codes: " + "; ".join(f"{k}: {v}" for k, v in EXIT_CODES.items()))
+    parser.add_argument("--steps", type=int, default=None, help="stop the script after N optimizer steps")
+    parser.add_argument("--out", default=None, help="write report.md, report.json and grad_norm.png here")
+    parser.add_argument("--flush", type=int, default=64, help="read the device statistics every K steps")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    ns = parser.parse_args(argv)
+    if ns.steps is not None and ns.steps < 1:
+        parser.error(f"--steps must be a positive number of optimizer steps, got {ns.steps}")
+    if not os.path.isfile(ns.script):
+        parser.error(f"script not found: {ns.script}")
+    result = run_script(ns.script, ns.args, steps=ns.steps, flush_every=ns.flush)
+    md = result.to_markdown()
+    sys.stdout.flush()
+    print("\n" + md, flush=True)
+    if ns.out:
+        os.makedirs(ns.out, exist_ok=True)
+        with open(os.path.join(ns.out, "report.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(ns.out, "report.json"), "w") as f:
+            json.dump(result.to_dict(), f, indent=2, default=str)
+        try:
+            result.plot(os.path.join(ns.out, "grad_norm.png"))
+        except ImportError as e:
+            print(f"(no plot: {e})", file=sys.stderr)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
