@@ -74,8 +74,45 @@ struct Comp {
     comp += fabs(sum) >= fabs(x) ? (sum - t) + x : (x - t) + sum;
     sum = t;
   }
+  // Another compensated sum: its sum added exactly, its compensation carried along.
+  __device__ __forceinline__ void add(const Comp& o) {
+    add(o.sum);
+    comp += o.comp;
+  }
   __device__ __forceinline__ double value() const { return isfinite(sum) ? sum + comp : sum; }
 };
+
+__device__ __forceinline__ Comp shfl_down(const Comp& v, int o) {
+  Comp r;
+  r.sum = __shfl_down_sync(0xffffffffu, v.sum, o);
+  r.comp = __shfl_down_sync(0xffffffffu, v.comp, o);
+  return r;
+}
+
+// Compensated fixed-order tree over a warp; the result is valid in lane 0.
+__device__ __forceinline__ Comp warp_sum(Comp v) {
+  for (int o = 16; o > 0; o >>= 1) v.add(shfl_down(v, o));
+  return v;
+}
+
+// Compensated fixed-order block reduction (sh: 2 * kWarps doubles); the result is valid in thread 0.
+__device__ double block_sum_comp(Comp v, double* sh) {
+  v = warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) {
+    sh[2 * w] = v.sum;
+    sh[2 * w + 1] = v.comp;
+  }
+  __syncthreads();
+  Comp u;
+  if (threadIdx.x < kWarps) {
+    u.sum = sh[2 * threadIdx.x];
+    u.comp = sh[2 * threadIdx.x + 1];
+  }
+  if (w == 0) u = warp_sum(u);
+  return u.value();
+}
 
 template <typename T>
 struct OpMath {
@@ -294,19 +331,17 @@ __global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, c
   if (r >= nrows) return;
   const Seg* s = &segs[find_row_seg(segs, nseg, r)];
   const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
-  double v = 0.0;
-  Comp sum;
-  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
-    const double q = part[(c0 + c) * stride + k];
-    if (mode == kInf) v = nan_max(v, q);
-    else sum.add(q);
+  if (mode == kInf) {
+    double v = 0.0;
+    for (int64_t c = lane; c < s->cpr; c += kRowLanes) v = nan_max(v, part[(c0 + c) * stride + k]);
+    for (int o = kRowLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+    if (lane == 0) out[r] = v;
+    return;
   }
-  if (mode != kInf) v = sum.value();
-  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
-    const double u = __shfl_down_sync(0xffffffffu, v, o);
-    v = mode == kInf ? nan_max(v, u) : v + u;
-  }
-  if (lane == 0) out[r] = v;
+  Comp sum;  // the CPU adds chunk partials compensated too
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) sum.add(part[(c0 + c) * stride + k]);
+  sum = warp_sum(sum);
+  if (lane == 0) out[r] = sum.value();
 }
 
 // Norm from its power sum. The CPU takes pow(s, 1/p) in long double; here 1/p = y + y_lo as a double-double

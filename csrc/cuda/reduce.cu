@@ -8,7 +8,7 @@ template <typename A>
 __global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, int64_t nrows, int mode, double p,
                                                          A* total, A* per, const int* flags, int64_t nchunks,
                                                          float* found) {
-  __shared__ double sh[kWarps];
+  __shared__ double sh[2 * kWarps];
   double mx = 0.0;
   Comp sum;  // the CPU adds tensors' power sums compensated too
   for (int64_t r = threadIdx.x; r < nrows; r += kThreads) {
@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, in
     if (mode == kInf) mx = nan_max(mx, s);
     else sum.add(s);
   }
-  const double t = mode == kInf ? block_max(mx, sh) : block_sum(sum.value(), sh);
+  const double t = mode == kInf ? block_max(mx, sh) : block_sum_comp(sum, sh);
   int bad = 0;
   if (found != nullptr)
     for (int64_t c = threadIdx.x; c < nchunks; c += kThreads) bad |= flags[c];
