@@ -9,12 +9,17 @@ Environment switches (unset or "auto": build what the toolchain allows, warn and
 
 * ``FASTGRAD_BUILD_EXT=0|1``   never build the extension / build it and fail the install if it cannot be
 * ``FASTGRAD_BUILD_CUDA=0|1``  leave out the CUDA kernels / require them (needs CUDA torch and nvcc)
-* ``FASTGRAD_CUDA_ARCHS``      compute capabilities for the CUDA kernels, default "80;90"
+* ``TORCH_CUDA_ARCH_LIST``     archs for the CUDA kernels, as torch's own extensions read it ("8.0;8.6;9.0+PTX",
+  names like "Hopper" allowed, "native" for the visible GPUs): built exactly as given
+* ``FASTGRAD_CUDA_ARCHS``      the same, for fastgrad alone; wins over TORCH_CUDA_ARCH_LIST
+  Default: SASS for sm_75 sm_80 sm_86 sm_89 sm_90 sm_100 sm_120 (those the installed nvcc can build) plus PTX
+  of the newest, so any newer GPU still runs after a one-time JIT (fastgrad/_archs.py).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import sys
@@ -40,9 +45,18 @@ def _note(msg: str) -> None:
     print(f"fastgrad setup: {msg}", file=sys.stderr)
 
 
-def _archs() -> list[str]:
-    raw = os.environ.get("FASTGRAD_CUDA_ARCHS", "80;90")
-    return [a.strip().replace(".", "") for a in raw.replace(",", ";").split(";") if a.strip()]
+def _load_archs():
+    """fastgrad/_archs.py, loaded by path: the package itself is not importable before it is installed."""
+    spec = importlib.util.spec_from_file_location("_fastgrad_archs", os.path.join(HERE, "fastgrad", "_archs.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _visible_caps():
+    import torch
+
+    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
 def _rel(paths):
@@ -83,22 +97,37 @@ def _plan():
         raise RuntimeError(f"FASTGRAD_BUILD_CUDA=1 but the CUDA kernels cannot be built: {cuda_why}")
     with_cuda = cuda_why is None and bool(cuda_sources)
 
-    # -ffp-contract=off: no FMA contraction, so results do not depend on the compiler's whim.
+    sass, ptx, arch_source = [], [], None
+    if with_cuda:
+        archs = _load_archs()
+        # Errors here (an arch this nvcc cannot build, a malformed list) fail the install with the reason,
+        # also in automatic mode: an explicit arch list that is silently ignored would crash at run time.
+        sass, ptx, arch_source = archs.select(os.environ, archs.nvcc_archs(nvcc), _visible_caps)
+        _note(f"CUDA archs ({arch_source}): {archs.describe(sass, ptx)}")
+    # -ffp-contract=off: no FMA contraction, so results do not depend on the compiler's whim. The arch
+    # lists are compiled into the module (fastgrad._C.cuda_sass / cuda_ptx) so the runtime knows what it
+    # carries even when _build_info.json is missing or stale.
     cxx = ["-O3", "-ffp-contract=off", f"-DFASTGRAD_WITH_CUDA={int(with_cuda)}"]
-    archs = _archs() if with_cuda else []
+    if with_cuda:
+        cxx += [f"-DFASTGRAD_CUDA_SASS={archs.define_value(sass)}", f"-DFASTGRAD_CUDA_PTX={archs.define_value(ptx)}"]
     info = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda if with_cuda else None,
-        "archs": [f"sm_{a}" for a in archs],
+        "archs": [f"sm_{a}" for a in sass] + [f"compute_{a}" for a in ptx],
+        "sass": [f"sm_{a}" for a in sass],
+        "ptx": [f"compute_{a}" for a in ptx],
+        "arch_source": arch_source,
         "cpu_kernels": True,
         "cuda_kernels": with_cuda,
         "cuda_skipped_because": cuda_why,
         "python": sys.version.split()[0],
     }
     if with_cuda:
-        nvcc_flags = ["-O3", "-DFASTGRAD_WITH_CUDA=1"]
-        for a in archs:
-            nvcc_flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        # --fmad=false: nvcc contracts a * b + c into one FMA by default, and which products it contracts
+        # changes with the compiler version and the arch, so norm bits would too. Without contraction every
+        # product and sum is rounded as written, the same on every GPU and as in the C++ build
+        # (-ffp-contract=off). The kernels are memory-bound: the separate multiply costs no time.
+        nvcc_flags = ["-O3", "--fmad=false", "-DFASTGRAD_WITH_CUDA=1"] + archs.gencode_flags(sass, ptx)
         ext = cpp_extension.CUDAExtension(EXT_NAME, cpu_sources + cuda_sources,
                                           extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags})
     else:

@@ -68,6 +68,15 @@ limit() {  # limit MAX RESERVE: seconds for the next stage, at most MAX, leaving
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
 } >> "$OUTDIR/summary.txt"
 
+# The GPU image's default g++ is a wrapper whose libstdc++ stream code, linked into _C.so, makes any
+# TORCH_CHECK message with a number segfault (H100 run, 2026-11-22, finding 7); the distribution's
+# /usr/bin/gcc and g++ build a working extension. Use them unless CC/CXX are set or g++ already is them.
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ] \
+        && [ "$(readlink -f "$(command -v g++ 2>/dev/null)" 2>/dev/null)" != "$(readlink -f /usr/bin/g++)" ]; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++
+fi
+echo "compilers: CC=${CC:-default} CXX=${CXX:-default}" >> "$OUTDIR/summary.txt"
+
 # Build against the torch already installed (no isolated env, nothing downloaded).
 stage install "$OUTDIR/install.log" "$PY" -m pip install --no-build-isolation --no-deps -v -e .
 stage info "$OUTDIR/info.txt" "$PY" -m fastgrad.info

@@ -9,6 +9,16 @@
 #ifndef FASTGRAD_WITH_CUDA
 #define FASTGRAD_WITH_CUDA 0
 #endif
+// Archs the CUDA kernels were built for, as one token each ("80_86_90", "none"): setup.py passes them,
+// fastgrad/_archs.py reads them back from fastgrad._C.cuda_sass / cuda_ptx.
+#ifndef FASTGRAD_CUDA_SASS
+#define FASTGRAD_CUDA_SASS none
+#endif
+#ifndef FASTGRAD_CUDA_PTX
+#define FASTGRAD_CUDA_PTX none
+#endif
+#define FASTGRAD_STR2(x) #x
+#define FASTGRAD_STR(x) FASTGRAD_STR2(x)
 
 TORCH_LIBRARY(fastgrad, m) {
   // (total, per-tensor) p-norms in the accumulation dtype (float64 if any input is float64, else float32).
@@ -37,7 +47,9 @@ PyModuleDef fastgrad_module = {PyModuleDef_HEAD_INIT, "fastgrad._C",
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&fastgrad_module);
   if (m == nullptr) return nullptr;
-  if (PyModule_AddIntConstant(m, "has_cpu", 1) < 0 || PyModule_AddIntConstant(m, "has_cuda", FASTGRAD_WITH_CUDA) < 0) {
+  if (PyModule_AddIntConstant(m, "has_cpu", 1) < 0 || PyModule_AddIntConstant(m, "has_cuda", FASTGRAD_WITH_CUDA) < 0 ||
+      PyModule_AddStringConstant(m, "cuda_sass", FASTGRAD_STR(FASTGRAD_CUDA_SASS)) < 0 ||
+      PyModule_AddStringConstant(m, "cuda_ptx", FASTGRAD_STR(FASTGRAD_CUDA_PTX)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

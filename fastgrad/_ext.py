@@ -12,12 +12,19 @@ import importlib
 import json
 import os
 import threading
+import warnings
 from types import ModuleType
 
 _lock = threading.Lock()
 _state: dict = {"done": False, "module": None, "error": None}
 
 INFO_FILE = "_build_info.json"
+
+#: Set to 1 to silence the one warning an install without the compiled extension gives at first use.
+QUIET_ENV = "FASTGRAD_NO_EXT_WARNING"
+
+BUILD_COMMAND = ("pip install --no-build-isolation -e .  (from a source checkout; without -e for a normal "
+                 "install), in an environment with torch and a C++ compiler")
 
 
 def load() -> ModuleType | None:
@@ -32,14 +39,22 @@ def load() -> ModuleType | None:
                 _state["module"] = mod
             except Exception as exc:  # noqa: BLE001 - any import/registration failure means "not usable"
                 _state["error"] = _describe(exc)
+                _warn_missing(_state["error"])
             _state["done"] = True
     return _state["module"]
 
 
+def _warn_missing(error: str) -> None:
+    """Once per process (load() runs its body once): the install works, but slower than it could."""
+    if os.environ.get(QUIET_ENV, "").strip() not in ("", "0"):
+        return
+    warnings.warn(f"{error}. fastgrad runs on its torch and Triton backends without it (slower on CPU "
+                  f"tensors; no cuda backend). Set {QUIET_ENV}=1 to silence this.", RuntimeWarning, stacklevel=3)
+
+
 def _describe(exc: Exception) -> str:
     if isinstance(exc, ModuleNotFoundError) and exc.name == "fastgrad._C":
-        return ("fastgrad._C is not built (install with `pip install --no-build-isolation -e .` "
-                "in an environment with torch and a C++ compiler)")
+        return f"fastgrad._C (the compiled kernels) is not built; build it with: {BUILD_COMMAND}"
     return f"fastgrad._C failed to load: {exc.__class__.__name__}: {exc}"
 
 
@@ -59,6 +74,33 @@ def has_cuda_kernels() -> bool:
     return bool(mod is not None and getattr(mod, "has_cuda", 0))
 
 
+def cuda_archs() -> tuple[list[str], list[str]] | None:
+    """(SASS archs, PTX archs) the loaded module's CUDA kernels carry, as nvcc numbers ("80", "90a"); None
+    when there are no CUDA kernels or the build does not say (built before the lists were recorded)."""
+    from . import _archs
+
+    mod = load()
+    if mod is None or not getattr(mod, "has_cuda", 0):
+        return None
+    if hasattr(mod, "cuda_sass"):
+        return _archs.from_define(mod.cuda_sass), _archs.from_define(mod.cuda_ptx)
+    recorded = _recorded()
+    if "sass" in recorded:
+        return ([a.removeprefix("sm_") for a in recorded["sass"]],
+                [a.removeprefix("compute_") for a in recorded.get("ptx", [])])
+    return None
+
+
+def _recorded() -> dict:
+    for path in _info_paths():
+        try:
+            with open(path) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
 def _info_paths() -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     paths = []
@@ -73,20 +115,16 @@ def build_info() -> dict:
     """What was built and how, for ``python -m fastgrad.info``.
 
     Keys: ``built`` (fastgrad._C importable), ``cpu_kernels``, ``cuda_kernels`` (kernels present in the
-    loaded module), ``torch``/``cuda``/``archs`` (as recorded at build time, None when unknown),
+    loaded module), ``torch``/``cuda``/``archs`` (as recorded at build time, None when unknown), ``sass`` and
+    ``ptx`` (the code the CUDA kernels carry), ``arch_source`` (default, TORCH_CUDA_ARCH_LIST or
+    FASTGRAD_CUDA_ARCHS),
     ``torch_now`` (the running torch), ``path`` (the module file), ``load_error`` and ``build_error``.
     """
     import torch
 
     mod = load()
-    recorded: dict = {}
-    for path in _info_paths():
-        try:
-            with open(path) as fh:
-                recorded = json.load(fh)
-            break
-        except (OSError, ValueError):
-            continue
+    recorded = _recorded()
+    carried = cuda_archs()
     return {
         "built": mod is not None,
         "cpu_kernels": has_cpu_kernels(),
@@ -94,6 +132,10 @@ def build_info() -> dict:
         "torch": recorded.get("torch"),
         "cuda": recorded.get("cuda"),
         "archs": recorded.get("archs", []),
+        # what the loaded module says it carries (compiled in), else what the build recorded
+        "sass": [f"sm_{a}" for a in carried[0]] if carried else recorded.get("sass", []),
+        "ptx": [f"compute_{a}" for a in carried[1]] if carried else recorded.get("ptx", []),
+        "arch_source": recorded.get("arch_source"),
         "cuda_skipped_because": recorded.get("cuda_skipped_because"),
         "torch_now": torch.__version__,
         "path": getattr(mod, "__file__", None),

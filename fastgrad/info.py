@@ -50,17 +50,87 @@ def collect() -> dict:
     }
     info["auto_order"] = {dev: list(order) for dev, order in backends.AUTO_ORDER.items()}
     info["default_backend"] = backends.get_default_backend() or "automatic"
+    info["verdict"] = verdict(info)
     return info
 
 
+def _cuda_device_line(index: int) -> str:
+    """What serves CUDA tensors on device ``index`` under automatic choice, and why not the faster one."""
+    from fastgrad import _archs, _ext, backends
+
+    import torch
+
+    cuda = backends.get("cuda")
+    why = cuda.unavailable_reason() or cuda.device_reason(index)
+    if why is None:
+        carried = _ext.cuda_archs()
+        if carried is None:
+            return "cuda kernels"
+        cc = tuple(torch.cuda.get_device_capability(index))
+        return f"cuda kernels ({_archs.describe(*carried)}; runs as {_archs.runs_on(cc, *carried)})"
+    triton = backends.get("triton")
+    t_why = triton.unavailable_reason()
+    if t_why is None:
+        return f"Triton kernels (not the cuda kernels: {why})"
+    return f"torch (not the cuda kernels: {why}; not Triton: {t_why})"
+
+
+def verdict(info: dict) -> list[str]:
+    """One line per device type: what automatic choice runs on its tensors, and why not the faster one."""
+    import torch
+
+    from fastgrad import backends
+
+    lines = []
+    if info["cuda_available"]:
+        n = len(info["gpus"])
+        per = [_cuda_device_line(i) for i in range(n)]
+        if len(set(per)) == 1:
+            lines.append(f"CUDA tensors: {per[0]}")
+        else:
+            lines += [f"CUDA tensors on cuda:{i}: {line}" for i, line in enumerate(per)]
+    else:
+        lines.append(f"CUDA tensors: no GPU visible (torch {torch.__version__}"
+                     f"{', CUDA ' + torch.version.cuda if torch.version.cuda else ', a CPU-only build'})")
+    cpu_why = backends.get("cpu").unavailable_reason()
+    lines.append("CPU tensors: C++ kernels" if cpu_why is None else f"CPU tensors: torch (no C++ kernels: {cpu_why})")
+    return lines
+
+
+def _fmt(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value)) if value else "-"
+    return "-" if value is None else str(value)
+
+
+_EXT_LABELS = (
+    ("built", "importable"), ("path", "module"), ("cpu_kernels", "C++ kernels"), ("cuda_kernels", "CUDA kernels"),
+    ("sass", "SASS (machine code)"), ("ptx", "PTX (JIT for newer GPUs)"), ("arch_source", "archs chosen by"),
+    ("cuda_skipped_because", "no CUDA kernels because"), ("torch", "built against torch"), ("cuda", "built with CUDA"),
+    ("torch_now", "running torch"), ("load_error", "load error"), ("build_error", "build error"),
+)
+
+
 def render(info: dict) -> str:
-    lines = [f"fastgrad {info['fastgrad']}  (python {info['python']}, {info['platform']})",
-             f"torch {info['torch']}  CUDA runtime: {info['torch_cuda']}  GPU available: {info['cuda_available']}"]
+    lines = list(info.get("verdict") or verdict(info))
+    lines += ["", f"fastgrad {info['fastgrad']}  (python {info['python']}, {info['platform']})",
+              f"torch {info['torch']}  CUDA runtime: {info['torch_cuda']}  GPU available: {info['cuda_available']}"]
     for i, name in enumerate(info["gpus"]):
         lines.append(f"  cuda:{i}: {name}")
     lines.append(f"triton: {info['triton']}")
     ext = info["extension"]
-    lines.append("extension fastgrad._C: " + ", ".join(f"{k}={v}" for k, v in ext.items()))
+    lines.append("extension fastgrad._C:")
+    shown = set()
+    for key, label in _EXT_LABELS:
+        if key in ext:
+            shown.add(key)
+            if key in ("sass", "ptx", "arch_source", "cuda_skipped_because", "load_error", "build_error") \
+                    and not ext[key]:
+                continue
+            lines.append(f"  {label + ':':26s} {_fmt(ext[key])}")
+    for key, value in ext.items():
+        if key not in shown and key != "archs":
+            lines.append(f"  {key + ':':26s} {_fmt(value)}")
     lines.append(f"host-side list scan: {info['host_scan']}")
     lines.append("backends:")
     for name, b in info["backends"].items():

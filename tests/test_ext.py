@@ -352,6 +352,130 @@ def test_cuda_over_2_31_elements():
     torch.cuda.empty_cache()
 
 
+needs_cuda_ext = pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()),
+                                    reason="needs a CUDA GPU and CUDA kernels")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_agc_16bit_results_rounded_once(dtype):
+    # AGC scales a row by a double ratio; x * ratio must be rounded once to T. With the inf-norm the norms
+    # are exact (max |x|), so the ratio here is bit-identical to the kernels' and the expected value is the
+    # correctly rounded product: numpy's double -> half, and for bf16 the round-to-odd float of the double
+    # (exact for this purpose: 24 >= 8 + 2 bits) rounded to nearest even.
+    import numpy as np
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _ext.has_cuda_kernels() else [])
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(512, 2049, generator=g).to(dtype)  # ~10^6 elements: dozens of double-rounding cases
+    w = (torch.randn(512, 2049, generator=g) * 20).to(dtype)
+    wn = _f64(w).abs().amax(dim=1).clamp_min(1e-3)
+    gn = _f64(x).abs().amax(dim=1)
+    ratio = torch.where(gn < wn * 0.01, torch.ones_like(gn), (wn * 0.01) / gn.clamp_min(1e-6))
+    exact = _f64(x) * ratio[:, None]
+    if dtype == torch.float16:
+        want = torch.from_numpy(exact.numpy().astype(np.float16))
+    else:
+        f = exact.to(torch.float32)
+        u = f.view(torch.int32)
+        fix = (f.double() != exact) & (u % 2 == 0)
+        step = torch.where(exact.abs() > f.double().abs(), 1, -1).to(torch.int32)
+        want = torch.where(fix, u + step, u).view(torch.float32).to(torch.bfloat16)
+    # the inputs do hit the cases a double -> float -> T chain gets wrong (so this test can fail)
+    assert not torch.equal(_bits(exact.to(torch.float32).to(dtype)), _bits(want))
+    for device in devices:
+        ours = x.to(device)
+        ops.agc_([w.to(device)], [ours], 0.01, 1e-3, float("inf"))
+        assert torch.equal(_bits(ours), _bits(want)), f"{device}: {(ours.cpu() != want).sum()} elements"
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_table_cache_uploads_once():
+    ts = [torch.randn(s, device="cuda") for s in [(100,), (33, 7), (70000,)]]
+    ops.norm(ts, 2.0)
+    hits, builds = ops.cuda_table_cache(0)[:2]
+    for _ in range(5):
+        ops.norm(ts, 2.0)
+    hits2, builds2, size, _ = ops.cuda_table_cache(0)
+    assert builds2 == builds and hits2 == hits + 5 and size >= 1
+    ops.norm(ts[:2], 2.0)  # a different list is a different table
+    assert ops.cuda_table_cache(0)[1] == builds + 1
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_backend_capture_and_replay_with_changing_scale():
+    import fastgrad
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in [(64, 33), (1025,), (7,)]]
+    for p in ps:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g)
+    scale = torch.tensor(1.0, device="cuda")
+    src = [p.grad.clone() for p in ps]
+
+    def step():
+        for p, s0 in zip(ps, src):
+            p.grad.copy_(s0 * scale)
+        return fastgrad.clip_grad_norm_(ps, 1.0, backend="cuda")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: tables cached
+    torch.cuda.current_stream().wait_stream(side)
+    builds = ops.cuda_table_cache(0)[1]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total = step()
+    assert ops.cuda_table_cache(0)[1] == builds, "capture built (and copied) a table"
+    assert ops.cuda_table_cache(0)[3] >= 1, "captured tables must be kept out of the LRU"
+    for sc in (0.01, 1.0, 40.0):  # below and above the clip threshold: decided on the device at replay
+        scale.fill_(sc)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        for e, s0 in zip(eager, src):
+            e.grad = s0 * sc
+        want = fastgrad.clip_grad_norm_(eager, 1.0, backend="cuda")
+        assert torch.equal(_bits(total), _bits(want))
+        assert all(torch.equal(_bits(p.grad), _bits(e.grad)) for p, e in zip(ps, eager))
+    ops.cuda_table_cache(1)  # clearing the LRU keeps captured tables: the graph still replays correctly
+    scale.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(total).item()
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_probe_and_archs_agree_on_this_gpu():
+    from fastgrad import _archs
+    from fastgrad.backends import get
+
+    cc = torch.cuda.get_device_capability(0)
+    carried = _ext.cuda_archs()
+    assert carried is not None
+    assert ops.cuda_probe(0) == ""
+    assert _archs.runs_on(cc, *carried) is not None
+    assert get("cuda").device_reason(0) is None
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_fp64_fractional_p_matches_cpu():
+    # The CUDA and CPU kernels compute the same maths (compensated sums, p = 0.5 via sqrt, root s * s).
+    g = torch.Generator().manual_seed(8)
+    ts = [torch.rand(s, generator=g, dtype=torch.float64) + 0.1 for s in [(70001,), (300, 301), (5,)]]
+    for p in (0.5, 3.0):
+        cpu_total, cpu_per = ops.norm(ts, p)
+        cu_total, cu_per = ops.norm([t.cuda() for t in ts], p)
+        exact = sum(float((t.double() ** p).sum()) for t in ts) ** (1 / p)
+        assert abs(float(cu_total) - exact) <= abs(float(cpu_total) - exact) + 4 * math.ulp(exact)
+        torch.testing.assert_close(cu_per.cpu(), cpu_per, rtol=1e-14, atol=0)
+
+
 # --------------------------------------------------------------------------------------------- nvcc
 NVCC = shutil.which("nvcc")
 
@@ -359,12 +483,20 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("path", CU_FILES, ids=[os.path.relpath(p, ROOT) for p in CU_FILES])
 def test_cuda_source_compiles(path, tmp_path):
-    cmd = [NVCC, "-c", "-std=c++17", "-O3",
+    # The flags setup.py uses (--fmad=false), SASS for two majors and PTX of the newer (the default build's
+    # shape), and the embedded PTX must be there.
+    cmd = [NVCC, "-c", "-std=c++17", "-O3", "--fmad=false",
            "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+           "-gencode", "arch=compute_90,code=compute_90",
            "-Xcompiler", "-Wall,-Wextra,-Werror", "--Werror", "all-warnings",
            path, "-o", str(tmp_path / "out.o")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
+    objdump = shutil.which("cuobjdump")
+    if objdump is not None:
+        listing = subprocess.run([objdump, "--list-elf", "--list-ptx", str(tmp_path / "out.o")],
+                                 capture_output=True, text=True).stdout
+        assert "sm_80" in listing and "sm_90" in listing and ".ptx" in listing, listing
 
 
 def test_there_are_cuda_sources():

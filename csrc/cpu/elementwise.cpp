@@ -125,8 +125,9 @@ void run(c10::ScalarType st, void* ptr, int64_t n, const F16& f16, const FW& fwi
 
 FASTGRAD_SIMD_CLONES void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl) {
   const float ff = static_cast<float>(f);
-  // 16-bit with dbl: the double product is rounded to float, then to T (c10 has no double -> T).
-  const auto f16_dbl = [f](float v) { return static_cast<float>(static_cast<double>(v) * f); };
+  // 16-bit with dbl (AGC's per-row ratio): the double product rounded once to T, through a round-to-odd
+  // float (c10 has no double -> T; the CUDA kernels use __double2half / __double2bfloat16).
+  const auto f16_dbl = [f](float v) { return f64_to_f32_odd(static_cast<double>(v) * f); };
   const auto f16 = [ff](float v) { return v * ff; };
   const auto wide = [&](auto* x) {
     using T = std::remove_pointer_t<decltype(x)>;

@@ -103,6 +103,22 @@ inline uint16_t f32_to_fp16(float f) {
   return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
 }
 
+// double -> float rounded to odd: the nearest float when d is one, else whichever float neighbour of d has
+// an odd last bit. Rounding that float to fp16 or bf16 (to nearest) then gives exactly the correctly rounded
+// 16-bit value of d, since float keeps more than 2 bits beyond either; a plain double -> float -> 16-bit
+// chain rounds twice and can land 1 ulp off (a double just past a 16-bit tie becomes the tie in float).
+// Branch-free, so it vectorises.
+inline float f64_to_f32_odd(double d) {
+  const float t = static_cast<float>(d);
+  const double e = d - static_cast<double>(t);  // NaN for inf/NaN inputs: kept as they are
+  const uint32_t u = f32_bits(t);
+  const uint32_t fix = 0u - uint32_t((e != 0) & (e == e) & ((u & 1u) == 0));
+  // One step towards d: +1 on the magnitude bits when |d| > |t| (t rounded towards zero), else -1.
+  const uint32_t up = 0u - uint32_t(std::fabs(d) > std::fabs(static_cast<double>(t)));
+  const uint32_t step = (1u & up) | (0xFFFFFFFFu & ~up);
+  return f32_from(u + (step & fix));
+}
+
 // The range kernels below are each compiled twice, for AVX2 and for the baseline x86-64 ISA, and the
 // dynamic loader binds the one the CPU supports (GCC function multiversioning, needs ifunc: Linux). The
 // baseline is SSE2 only, half the width torch's own kernels use. flatten inlines the per-dtype
@@ -138,7 +154,7 @@ struct Stats {
 // One read of a run for grad_stats.
 Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n);
 
-// In place x = T(x * f), product in float (double for float64 runs or when dbl is set).
+// In place x = T(x * f), product in float (double for float64 runs or when dbl is set; then rounded once).
 void scale_range(c10::ScalarType st, void* ptr, int64_t n, double f, bool dbl);
 // In place x = min(max(x, -c), c) computed in float (double for float64), NaN kept.
 void clamp_range(c10::ScalarType st, void* ptr, int64_t n, double c);

@@ -11,9 +11,16 @@ __global__ void __launch_bounds__(kThreads) k_scale(const Seg* segs, int64_t nse
   const Loc L = locate(segs, nseg, blockIdx.x);
   with_type(L.s->dtype, L.s->ptr, L.offset, [&](auto* q) {
     using T = typename std::remove_pointer<decltype(q)>::type;
-    using O = typename OpMath<T>::type;
-    const O ff = static_cast<O>(f);
-    transform(q, L.n, [ff](T x) { return from_double<T>(static_cast<double>(static_cast<O>(to_float(x)) * ff)); });
+    if (fdt == kF64) {
+      // A float64 factor (lists holding float64 grads): product in double, rounded once to T, as the Triton
+      // backend computes it.
+      transform(q, L.n, [f](T x) { return from_double<T>(static_cast<double>(to_float(x)) * f); });
+    } else {
+      // T(x * f) with the product in float (double for double data): torch's mul_ by a float factor.
+      using O = typename OpMath<T>::type;
+      const O ff = static_cast<O>(f);
+      transform(q, L.n, [ff](T x) { return store<T>(static_cast<O>(to_float(x)) * ff); });
+    }
   });
 }
 
@@ -27,13 +34,14 @@ __global__ void __launch_bounds__(kThreads) k_clamp(const Seg* segs, int64_t nse
       O v = to_float(x);
       v = v < lo ? lo : v;  // comparisons are false for NaN: NaN passes through
       v = v > hi ? hi : v;
-      return from_double<T>(static_cast<double>(v));
+      return store<T>(v);
     });
   });
 }
 
 // Per-row transform: kind 0 scales by val[row] (rows with skip[row] set are left alone), kind 1
-// subtracts val[row]. Computed in double, one rounding to T.
+// subtracts val[row]. Computed in double and rounded once to T (from_double), as the Triton backend's
+// fp64 AGC and GC apply kernels do.
 template <int KIND>
 __global__ void __launch_bounds__(kThreads) k_row_apply(const Seg* segs, int64_t nseg, const double* val,
                                                        const int* skip) {
@@ -90,8 +98,11 @@ int agc(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mod
   double* gs = w.rows;
   double* ws = w.rows + nrows;
   double* ratio = w.rows + 2 * nrows;
-  row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 0, w, gs, st);
-  row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 1, w, ws, st);
+  // Stop at the first failed launch, before anything writes a gradient.
+  int err = row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 0, w, gs, st);
+  if (err != 0) return err;
+  err = row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 1, w, ws, st);
+  if (err != 0) return err;
   k_agc_ratio<<<grid_for(nrows, 256), 256, 0, st>>>(nrows, gs, ws, mode, p, clip_factor, eps, ratio, w.rflag);
   if (nchunks > 0) k_row_apply<0><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, ratio, w.rflag);
   return static_cast<int>(cudaGetLastError());
@@ -101,10 +112,22 @@ int centralize(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, 
   cudaStream_t st = stream;
   const Ws w = carve(d_ws, nchunks, nrows);
   if (nrows == 0 || nchunks == 0) return static_cast<int>(cudaGetLastError());
-  row_reduce<false>(d_segs, nseg, nchunks, nrows, kSum, 1.0, 1, nullptr, 0, w, w.rows, st);
+  const int err = row_reduce<false>(d_segs, nseg, nchunks, nrows, kSum, 1.0, 1, nullptr, 0, w, w.rows, st);
+  if (err != 0) return err;  // before anything writes a gradient
   k_mean<<<grid_for(nrows, 256), 256, 0, st>>>(d_segs, nseg, nrows, w.rows);
   k_row_apply<1><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, w.rows, nullptr);
   return static_cast<int>(cudaGetLastError());
+}
+
+// Loads each file's module for the current device (no launch, nothing enqueued): 0 when this build has code
+// the device can run, else the error its first launch would raise.
+int probe() {
+  cudaFuncAttributes a;
+  int err = static_cast<int>(cudaFuncGetAttributes(&a, k_scale));
+  if (err == 0) err = probe_reduce();
+  if (err == 0) err = probe_amp();
+  if (err != 0) cudaGetLastError();  // a failed runtime call is also the thread's "last error": clear it
+  return err;
 }
 
 }  // namespace fgcuda

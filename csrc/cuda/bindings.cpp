@@ -1,6 +1,6 @@
-// torch side of the CUDA kernels: turns tensor lists into the Seg table of fastgrad_cuda.h, uploads it,
-// allocates outputs and workspace through torch's caching allocator, and launches on the current
-// stream. Compiled only in CUDA builds.
+// torch side of the CUDA kernels: turns tensor lists into the Seg table of fastgrad_cuda.h, finds (or
+// uploads once) its device copy, allocates outputs and workspace through torch's caching allocator, and
+// launches on the current stream. Compiled only in CUDA builds.
 #include "fastgrad_cuda.h"
 #include "../cpu/kernels.h"  // Flat views (device-agnostic)
 
@@ -13,7 +13,11 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <list>
+#include <mutex>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace fastgrad {
@@ -43,8 +47,15 @@ int mode_code(double p) {
   }
 }
 
+// "cudaErrorNoKernelImageForDevice: no kernel image is available ...": the name lets the Python side
+// (fastgrad/backends/ext_backend.py) tell a build without code for this GPU from other failures.
+std::string error_text(int err) {
+  const auto e = static_cast<cudaError_t>(err);
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
 void check(int err, const char* op) {
-  TORCH_CHECK(err == 0, "fastgrad::", op, " CUDA launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+  TORCH_CHECK(err == 0, "fastgrad::", op, " CUDA launch failed: ", error_text(err));
 }
 
 // Every tensor on one CUDA device. (An op whose only CUDA argument is a scalar tensor, e.g. scale_ with a
@@ -62,25 +73,153 @@ void check_scalar(const Tensor& s, const char* op, const char* name) {
   TORCH_CHECK(s.numel() == 1, "fastgrad::", op, ": ", name, " must have exactly one element, got ", s.numel());
 }
 
-// The Seg table, planned on the host and copied to the device behind the kernels on the stream.
+// The Seg table, planned on the host, in device memory.
 struct Table {
   Tensor dev;
   int64_t nseg = 0, nchunks = 0, nrows = 0;
   const fgcuda::Seg* ptr() const { return reinterpret_cast<const fgcuda::Seg*>(dev.data_ptr()); }
 };
 
+// Device tables cached by their exact contents (every Seg's pointers, rows, length and dtypes) and device.
+// A training loop hands the same gradient buffers every step (the caching allocator returns the same
+// addresses), so the table is uploaded once and each later call costs one hash of the list instead of a
+// pinned staging buffer and a host-to-device copy. It is also what makes the kernels capturable in a CUDA
+// graph: a captured call finds its table here and enqueues no copy.
+//
+// Policy (as the Triton backend's plan cache, fastgrad/triton_kernels/multi_tensor.py): an LRU of kCapacity
+// tables; a table used while the stream is being captured moves to a list nothing evicts, because the
+// graph holds its device address for every replay (release_captured() drops those); a miss during capture
+// is an error asking for one warm-up call, since building a table copies it from host memory.
+class TableCache {
+ public:
+  static constexpr size_t kCapacity = 256;
+
+  Table get(const std::vector<fgcuda::Seg>& segs, const at::Device& device, const c10::cuda::CUDAStream& cs_) {
+    const cudaStream_t stream = cs_.stream();
+    const uint64_t h = hash(segs, device.index());
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    const bool capturing = cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto range = index_.equal_range(h);
+    for (auto it = range.first; it != range.second; ++it) {
+      auto e = it->second;
+      if (e->device != device.index() || e->segs.size() != segs.size() ||
+          std::memcmp(e->segs.data(), segs.data(), segs.size() * sizeof(fgcuda::Seg)) != 0)
+        continue;
+      if (capturing && !e->captured) {
+        e->captured = true;
+        captured_.splice(captured_.begin(), lru_, e);  // splice keeps the iterator (and index_) valid
+      } else if (!e->captured) {
+        lru_.splice(lru_.begin(), lru_, e);
+      }
+      if (stream != e->stream) {
+        // Used on another stream than the one it was allocated on: tell the allocator, so that freeing it on
+        // eviction waits for this stream's use.
+        e->tab.dev.record_stream(cs_);
+      }
+      ++hits_;
+      return e->tab;
+    }
+    TORCH_CHECK(!capturing,
+                "fastgrad (cuda backend): no cached kernel table for this tensor list during CUDA graph capture. "
+                "Call the same fastgrad function once on the same tensors before capturing (a warm-up): building "
+                "a table copies it from host memory, which a captured graph would re-read at every replay. "
+                "Non-contiguous gradients are copied on every call and can never be captured: make them "
+                "contiguous.");
+    Entry e;
+    e.device = device.index();
+    e.hash = h;
+    e.segs = segs;
+    e.stream = stream;
+    e.tab = upload(segs, device);
+    ++builds_;
+    lru_.push_front(std::move(e));
+    index_.emplace(h, lru_.begin());
+    while (lru_.size() > kCapacity) drop(std::prev(lru_.end()), lru_);
+    return lru_.front().tab;
+  }
+
+  // clear(): the evictable tables; release_captured(): also those captured graphs may replay.
+  void clear(bool release_captured) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!lru_.empty()) drop(lru_.begin(), lru_);
+    if (release_captured)
+      while (!captured_.empty()) drop(captured_.begin(), captured_);
+  }
+
+  std::vector<int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {hits_, builds_, static_cast<int64_t>(lru_.size()), static_cast<int64_t>(captured_.size())};
+  }
+
+ private:
+  struct Entry {
+    int device = 0;
+    uint64_t hash = 0;
+    bool captured = false;
+    cudaStream_t stream = nullptr;
+    std::vector<fgcuda::Seg> segs;  // as the ops build them: plan() fields zero
+    Table tab;
+  };
+  using Iter = std::list<Entry>::iterator;
+
+  // Multiply-xorshift over the fields that define a table: a few ns per tensor, so thousands of tensors
+  // cost microseconds. Collisions only cost a memcmp: equality is checked on the full contents.
+  static uint64_t hash(const std::vector<fgcuda::Seg>& segs, int device) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(device) << 32) ^ segs.size();
+    auto mix = [&h](uint64_t w) {
+      h = (h ^ w) * 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 31;
+    };
+    for (const auto& s : segs) {
+      mix(reinterpret_cast<uintptr_t>(s.ptr));
+      mix(reinterpret_cast<uintptr_t>(s.ptr2));
+      mix(static_cast<uint64_t>(s.rows));
+      mix(static_cast<uint64_t>(s.len) ^ (static_cast<uint64_t>(static_cast<uint32_t>(s.dtype)) << 48) ^
+          (static_cast<uint64_t>(static_cast<uint32_t>(s.dtype2)) << 56));
+    }
+    return h;
+  }
+
+  static Table upload(const std::vector<fgcuda::Seg>& segs, const at::Device& device) {
+    std::vector<fgcuda::Seg> planned(segs);
+    Table t;
+    t.nseg = static_cast<int64_t>(planned.size());
+    t.nchunks = fgcuda::plan(planned.data(), t.nseg, &t.nrows);
+    const int64_t bytes = t.nseg * static_cast<int64_t>(sizeof(fgcuda::Seg));
+    // Pinned staging + async copy: no host sync; the caching host allocator keeps the buffer until the
+    // copy has run.
+    Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), planned.data(), static_cast<size_t>(bytes));
+    t.dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    t.dev.copy_(host, /*non_blocking=*/true);
+    return t;
+  }
+
+  void drop(Iter e, std::list<Entry>& from) {
+    auto range = index_.equal_range(e->hash);
+    for (auto it = range.first; it != range.second; ++it)
+      if (it->second == e) {
+        index_.erase(it);
+        break;
+      }
+    from.erase(e);
+  }
+
+  std::mutex mu_;
+  std::list<Entry> lru_;       // most recently used first
+  std::list<Entry> captured_;  // used during a capture: kept until release_captured
+  std::unordered_multimap<uint64_t, Iter> index_;
+  int64_t hits_ = 0, builds_ = 0;
+};
+
+TableCache& tables() {
+  static TableCache* cache = new TableCache();  // never destroyed: no CUDA frees at process exit
+  return *cache;
+}
+
 Table upload(std::vector<fgcuda::Seg>& segs, const at::Device& device) {
-  Table t;
-  t.nseg = static_cast<int64_t>(segs.size());
-  t.nchunks = fgcuda::plan(segs.data(), t.nseg, &t.nrows);
-  const int64_t bytes = t.nseg * static_cast<int64_t>(sizeof(fgcuda::Seg));
-  // Pinned staging + async copy: no host sync; the caching host allocator keeps the buffer until the
-  // copy has run.
-  Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), segs.data(), static_cast<size_t>(bytes));
-  t.dev = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  t.dev.copy_(host, /*non_blocking=*/true);
-  return t;
+  return tables().get(segs, device, c10::cuda::getCurrentCUDAStream(device.index()));
 }
 
 Tensor workspace(const Table& t, const at::Device& device) {
@@ -252,7 +391,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cuda(TensorList te
   return {norm, mx, nan, inf, zero};
 }
 
+// ------------------------------------------------------------------------------------ runtime info
+// "" when this build can run on the device, else the CUDA error its first launch would raise.
+std::string cuda_probe(int64_t device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int err = fgcuda::probe();
+  return err == 0 ? std::string() : error_text(err);
+}
+
+// action 0: stats (hits, builds, cached, captured); 1: clear the evictable tables; 2: also the captured.
+std::vector<int64_t> cuda_table_cache(int64_t action) {
+  if (action > 0) tables().clear(action > 1);
+  return tables().stats();
+}
+
 }  // namespace
+
+// Ops without tensor arguments (catch-all kernels): what the Python side asks the CUDA build directly.
+TORCH_LIBRARY_FRAGMENT(fastgrad, m) {
+  m.def("cuda_probe(int device) -> str", &cuda_probe);
+  m.def("cuda_table_cache(int action) -> int[]", &cuda_table_cache);
+}
 
 TORCH_LIBRARY_IMPL(fastgrad, CUDA, m) {
   m.impl("norm", &norm_cuda);

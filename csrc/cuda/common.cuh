@@ -39,13 +39,80 @@ __device__ __forceinline__ __half from_op<__half>(float v) { return __float2half
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Store a double result into T with one rounding for float/double; 16-bit types go through float.
+// Store a double result into T with exactly one rounding (to nearest even). Going through float first
+// would round twice: a double just above a 16-bit tie rounds to the tie in float and then to even, 1 ulp
+// off the correctly rounded value (the H100 run saw 83 in 2^20 fp16 AGC results differ from Triton's).
+// __double2half is one cvt.rn.f16.f64; __double2bfloat16 is cvt.rn.bf16.f64 on sm_90+ and a round-to-odd
+// float step before that, both rounded once.
 template <typename T>
-__device__ __forceinline__ T from_double(double v) {
-  return from_op<T>(static_cast<float>(v));
-}
+__device__ __forceinline__ T from_double(double v);
+template <>
+__device__ __forceinline__ float from_double<float>(double v) { return static_cast<float>(v); }
+template <>
+__device__ __forceinline__ __half from_double<__half>(double v) { return __double2half(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
 template <>
 __device__ __forceinline__ double from_double<double>(double v) { return v; }
+
+// Store an op-math value (float for 16-bit and float data, double for double data or a double formula) into
+// T, rounded once either way.
+template <typename T>
+__device__ __forceinline__ T store(float v) { return from_op<T>(v); }
+template <typename T>
+__device__ __forceinline__ T store(double v) { return from_double<T>(v); }
+
+// Neumaier-compensated double sum, the device twin of csrc/cpu/kernels.h CompensatedSum: the CPU kernels
+// add every partial (block totals, chunks, tensors) this way, and plain double adds over a 128-element
+// thread run and thousands of partials cost the fp64 p-norms several ulps (amplified 1/p times by the
+// root: the H100 run's fp64 p = 0.5 total was less accurate than the CPU's). Needs --fmad=false, which
+// setup.py passes: a contracted (sum - t) + x would lose the error term.
+struct Comp {
+  double sum = 0.0, comp = 0.0;
+  __device__ __forceinline__ void add(double x) {
+    const double t = sum + x;
+    comp += fabs(sum) >= fabs(x) ? (sum - t) + x : (x - t) + sum;
+    sum = t;
+  }
+  // Another compensated sum: its sum added exactly, its compensation carried along.
+  __device__ __forceinline__ void add(const Comp& o) {
+    add(o.sum);
+    comp += o.comp;
+  }
+  __device__ __forceinline__ double value() const { return isfinite(sum) ? sum + comp : sum; }
+};
+
+__device__ __forceinline__ Comp shfl_down(const Comp& v, int o) {
+  Comp r;
+  r.sum = __shfl_down_sync(0xffffffffu, v.sum, o);
+  r.comp = __shfl_down_sync(0xffffffffu, v.comp, o);
+  return r;
+}
+
+// Compensated fixed-order tree over a warp; the result is valid in lane 0.
+__device__ __forceinline__ Comp warp_sum(Comp v) {
+  for (int o = 16; o > 0; o >>= 1) v.add(shfl_down(v, o));
+  return v;
+}
+
+// Compensated fixed-order block reduction (sh: 2 * kWarps doubles); the result is valid in thread 0.
+__device__ double block_sum_comp(Comp v, double* sh) {
+  v = warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) {
+    sh[2 * w] = v.sum;
+    sh[2 * w + 1] = v.comp;
+  }
+  __syncthreads();
+  Comp u;
+  if (threadIdx.x < kWarps) {
+    u.sum = sh[2 * threadIdx.x];
+    u.comp = sh[2 * threadIdx.x + 1];
+  }
+  if (w == 0) u = warp_sum(u);
+  return u.value();
+}
 
 template <typename T>
 struct OpMath {
@@ -178,9 +245,30 @@ __device__ __forceinline__ void with_type(int32_t dt, void* base, int64_t offset
 }
 
 // ---------------------------------------------------------------------------------------- reductions
+// Per-thread accumulator: plain for float (as the CPU's float lanes), compensated for double.
+template <typename A>
+struct Acc {
+  A v = 0;
+  __device__ __forceinline__ void add(A x) { v += x; }
+  __device__ __forceinline__ double value() const { return static_cast<double>(v); }
+};
+template <>
+struct Acc<double> {
+  Comp c;
+  __device__ __forceinline__ void add(double x) { c.add(x); }
+  __device__ __forceinline__ double value() const { return c.value(); }
+};
+
+// |a|^p for a >= 0 (or NaN). p = 0.5 is sqrt, correctly rounded like the CPU's pow(a, 0.5), where CUDA's
+// pow is off by up to 2 ulps; other p use pow.
+template <typename A>
+__device__ __forceinline__ A pow_term(A a, A p) {
+  return p == A(0.5) ? sqrt(a) : pow(a, p);
+}
+
 template <int M, typename A, bool AMP>
 struct ReduceFn {
-  A acc = 0;
+  Acc<A> acc;
   A mx = 0;
   A p;
   float inv;
@@ -193,19 +281,19 @@ struct ReduceFn {
     if (AMP) {
       if (!isfinite(v)) bad = 1;
       O u = v * static_cast<O>(inv);
-      v = static_cast<O>(to_float(from_double<T>(static_cast<double>(u))));  // the value unscale_ stores
+      v = static_cast<O>(to_float(store<T>(u)));  // the value unscale_ stores
     }
     const A a = fabs(static_cast<A>(v));
     if (M == kInf) {
       mx = (a > mx || a != a) ? a : mx;
     } else if (M == kL2) {
-      acc += a * a;
+      acc.add(a * a);
     } else if (M == kL1) {
-      acc += a;
+      acc.add(a);
     } else if (M == kP) {
-      acc += pow(a, p);
+      acc.add(pow_term(a, p));
     } else {
-      acc += static_cast<A>(v);
+      acc.add(static_cast<A>(v));
     }
   }
 };
@@ -221,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) k_reduce(const Seg* segs, int64_t ns
   void* base = use2 ? const_cast<void*>(L.s->ptr2) : L.s->ptr;
   const int32_t dt = use2 ? L.s->dtype2 : L.s->dtype;
   with_type(dt, base, L.offset, [&](auto* q) { visit(q, L.n, fn); });
-  const double r = (M == kInf) ? block_max(static_cast<double>(fn.mx), sh) : block_sum(static_cast<double>(fn.acc), sh);
+  const double r = (M == kInf) ? block_max(static_cast<double>(fn.mx), sh) : block_sum(fn.acc.value(), sh);
   int bad = 0;
   if (AMP) bad = __syncthreads_or(fn.bad);
   if (threadIdx.x == 0) {
@@ -243,21 +331,31 @@ __global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, c
   if (r >= nrows) return;
   const Seg* s = &segs[find_row_seg(segs, nseg, r)];
   const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
-  double v = 0.0;
-  for (int64_t c = lane; c < s->cpr; c += kRowLanes) {
-    const double q = part[(c0 + c) * stride + k];
-    v = mode == kInf ? nan_max(v, q) : v + q;
+  if (mode == kInf) {
+    double v = 0.0;
+    for (int64_t c = lane; c < s->cpr; c += kRowLanes) v = nan_max(v, part[(c0 + c) * stride + k]);
+    for (int o = kRowLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+    if (lane == 0) out[r] = v;
+    return;
   }
-  for (int o = kRowLanes / 2; o > 0; o >>= 1) {
-    const double u = __shfl_down_sync(0xffffffffu, v, o);
-    v = mode == kInf ? nan_max(v, u) : v + u;
-  }
-  if (lane == 0) out[r] = v;
+  Comp sum;  // the CPU adds chunk partials compensated too
+  for (int64_t c = lane; c < s->cpr; c += kRowLanes) sum.add(part[(c0 + c) * stride + k]);
+  sum = warp_sum(sum);
+  if (lane == 0) out[r] = sum.value();
 }
 
+// Norm from its power sum. The CPU takes pow(s, 1/p) in long double; here 1/p = y + y_lo as a double-double
+// (y_lo from an exact fma residual) and s^(y + y_lo) = s^y * (1 + y_lo ln s) to first order, so the rounding
+// of 1/p does not enter the result either. 1/p = 2 (p = 0.5) is s * s, rounded once.
 __device__ __forceinline__ double root(int mode, double s, double p) {
   if (mode == kL2) return sqrt(s);
-  if (mode == kP) return pow(s, 1.0 / p);
+  if (mode == kP) {
+    const double y = 1.0 / p;
+    if (y == 2.0) return s * s;
+    const double y_lo = fma(-p, y, 1.0) / p;
+    const double r = pow(s, y);
+    return (s > 0.0 && isfinite(r)) ? r + r * (y_lo * log(s)) : r;
+  }
   return s;
 }
 
@@ -300,22 +398,32 @@ void launch_reduce(int mode, unsigned grid, cudaStream_t st, const Seg* segs, in
 
 // Row sums of |x|^p (or max) into `out` (nrows doubles). AMP (inv set): of bf16/half/float(x * inv), with
 // per-chunk overflow flags. A template, so a file that never runs the AMP pass does not compile its kernels.
+// Returns the error of its first launch (0 when it was fine): a GPU this build has no code for fails right
+// there, and the caller returns before launching anything that writes gradients.
 template <bool AMP>
-void row_reduce(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
-                const float* inv, int use2, const Ws& w, double* out, cudaStream_t st) {
+int row_reduce(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+               const float* inv, int use2, const Ws& w, double* out, cudaStream_t st) {
   if (nchunks > 0) {
     const unsigned grid = static_cast<unsigned>(nchunks);
     if (acc64) launch_reduce<double, AMP>(mode, grid, st, segs, nseg, p, inv, use2, w.part, w.flags);
     else launch_reduce<float, AMP>(mode, grid, st, segs, nseg, p, inv, use2, w.part, w.flags);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;
   }
   if (nrows > 0) k_rows<<<grid_for(nrows * kRowLanes, 256), 256, 0, st>>>(segs, nseg, nrows, mode, w.part, 1, 0, out);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
 
 // The AMP instantiation of row_reduce, compiled in amp.cu only (the heaviest set of kernels, kept out of
 // reduce.cu so the three files build in parallel and each in under half a minute).
-void row_reduce_amp(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
-                    const float* inv, double* part, int* flags, double* out, cudaStream_t st);
+int row_reduce_amp(const Seg* segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
+                   const float* inv, double* part, int* flags, double* out, cudaStream_t st);
+
+// cudaFuncGetAttributes of one kernel of each file: loads its module for the current device without a
+// launch, so it reports "no kernel image" (or a PTX the driver cannot JIT) up front (see probe()).
+int probe_reduce();
+int probe_amp();
 
 }  // namespace fgcuda

@@ -41,7 +41,9 @@ int64_t plan(Seg* segs, int64_t nseg, int64_t* total_rows);
 // Bytes of device workspace the launchers below need.
 size_t workspace_bytes(int64_t nchunks, int64_t nrows);
 
-// All launchers return a cudaError_t value (0 on success), enqueue on `stream` and never synchronise.
+// All launchers return a cudaError_t value (0 on success), enqueue on `stream` and never synchronise. A
+// launcher of several kernels returns at the first launch that fails, and every launcher's first launch
+// only reads: a GPU without a kernel image for this build leaves the gradients untouched.
 // `acc64`: accumulate in double (some tensor is float64) instead of float.
 
 // (total, per-row) p-norms. total/per are of the accumulation dtype (float or double). When d_inv is
@@ -65,6 +67,10 @@ int clamp(const Seg* d_segs, int64_t nseg, int64_t nchunks, double c, Stream str
 // AGC over rows (segs[i].ptr the gradient, segs[i].ptr2 the parameter).
 int agc(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
         double clip_factor, double eps, void* d_ws, Stream stream);
+
+// 0 when this build carries code the current device can run (SASS for its arch, or PTX the driver can
+// JIT), else the cudaError_t a launch would fail with. Loads the kernels' modules; enqueues nothing.
+int probe();
 
 // Gradient centralisation over rows: x = T(x - mean(row)), mean accumulated in double.
 int centralize(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, void* d_ws, Stream stream);

@@ -8,14 +8,16 @@ template <typename A>
 __global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, int64_t nrows, int mode, double p,
                                                          A* total, A* per, const int* flags, int64_t nchunks,
                                                          float* found) {
-  __shared__ double sh[kWarps];
-  double acc = 0.0;
+  __shared__ double sh[2 * kWarps];
+  double mx = 0.0;
+  Comp sum;  // the CPU adds tensors' power sums compensated too
   for (int64_t r = threadIdx.x; r < nrows; r += kThreads) {
     const double s = rows[r];
     per[r] = static_cast<A>(root(mode, s, p));
-    acc = mode == kInf ? nan_max(acc, s) : acc + s;
+    if (mode == kInf) mx = nan_max(mx, s);
+    else sum.add(s);
   }
-  const double t = mode == kInf ? block_max(acc, sh) : block_sum(acc, sh);
+  const double t = mode == kInf ? block_max(mx, sh) : block_sum_comp(sum, sh);
   int bad = 0;
   if (found != nullptr)
     for (int64_t c = threadIdx.x; c < nchunks; c += kThreads) bad |= flags[c];
@@ -118,10 +120,10 @@ int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mo
          const float* d_inv, void* d_total, void* d_per, float* d_found, void* d_ws, Stream stream) {
   cudaStream_t st = stream;
   const Ws w = carve(d_ws, nchunks, nrows);
-  if (d_inv != nullptr)
-    row_reduce_amp(d_segs, nseg, nchunks, nrows, mode, p, acc64, d_inv, w.part, w.flags, w.rows, st);
-  else
-    row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 0, w, w.rows, st);
+  const int err = d_inv != nullptr
+                      ? row_reduce_amp(d_segs, nseg, nchunks, nrows, mode, p, acc64, d_inv, w.part, w.flags, w.rows, st)
+                      : row_reduce<false>(d_segs, nseg, nchunks, nrows, mode, p, acc64, nullptr, 0, w, w.rows, st);
+  if (err != 0) return err;
   float* found = d_inv != nullptr ? d_found : nullptr;
   if (acc64)
     k_norm_finish<double><<<1, kThreads, 0, st>>>(w.rows, nrows, mode, p, static_cast<double*>(d_total),
@@ -139,6 +141,8 @@ int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int a
   if (nchunks > 0) {
     if (acc64) k_stats<double><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, w.part);
     else k_stats<float><<<static_cast<unsigned>(nchunks), kThreads, 0, st>>>(d_segs, nseg, w.part);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;
   }
   if (nrows > 0) {
     if (acc64)
@@ -149,6 +153,11 @@ int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int a
                                                                  static_cast<float*>(d_max), d_nan, d_inf, d_zero);
   }
   return static_cast<int>(cudaGetLastError());
+}
+
+int probe_reduce() {
+  cudaFuncAttributes a;
+  return static_cast<int>(cudaFuncGetAttributes(&a, k_norm_finish<float>));
 }
 
 }  // namespace fgcuda
