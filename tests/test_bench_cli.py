@@ -9,11 +9,9 @@ import math
 import pytest
 
 from fastgrad import bench
-
-bench._import_benchmarks()
-from benchmarks import ops as O  # noqa: E402
-from benchmarks import workloads as W  # noqa: E402
-from benchmarks.runner import usable_backends  # noqa: E402
+from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark.runner import usable_backends
 
 
 @pytest.mark.parametrize("name,params", [
