@@ -217,7 +217,8 @@ def _bar_panels(res: Result, path: Path, key: str, impls: list[str], *, ylabel: 
     ops = [op for op in ops if any(not math.isnan(r[key]) for r in res.rows if r["op"] == op and r["impl"] in impls)]
     ncols = min(4, len(ops))
     nrows = math.ceil(len(ops) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows + 1.0), squeeze=False)
+    width_in, height_in = 4.4 * ncols + 1.4, 3.6 * nrows + 2.2
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_in, height_in), squeeze=False)
     width = 0.8 / len(impls)
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
     colors = {EAGER: "#555555", COMPILE: "#aaaaaa"}
@@ -246,7 +247,9 @@ def _bar_panels(res: Result, path: Path, key: str, impls: list[str], *, ylabel: 
         ax.text(1.0, ref, f" {ref_label}", transform=ax.get_yaxis_transform(), fontsize=7, va="center")
         if log:
             ax.set_yscale("log")
-            ax.yaxis.set_minor_formatter(ticker.FuncFormatter(tick_fmt))
+            # Minor labels at 2 and 5 times a power of ten only: all eight crowd into each other.
+            ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
+                lambda y, pos: tick_fmt(y, pos) if y > 0 and f"{y:.0e}"[0] in "25" else ""))
             ax.tick_params(axis="y", which="minor", labelsize=6)
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(tick_fmt))
         ax.set_title(f"{op}: {O.OPS[op].title}", fontsize=9)
@@ -262,12 +265,14 @@ def _bar_panels(res: Result, path: Path, key: str, impls: list[str], *, ylabel: 
 
     handles.append(mpatches.Patch(facecolor="white", edgecolor="black", hatch="////"))
     labels.append(f"unstable (spread > {100 * UNSTABLE_SPREAD:.0f}%)")
-    fig.legend(handles, labels, loc="upper right", fontsize=8)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
     m = res.meta
     fig.suptitle(f"{title}\n{m['device']} | {m['date']} | torch {m['torch']}, CUDA {m['cuda']}, "
                  f"triton {m['triton']}", fontsize=9)
-    # Fixed margins instead of tight_layout, which costs seconds of text measuring.
-    fig.subplots_adjust(left=0.06, right=0.86, bottom=0.16, top=0.84, wspace=0.4, hspace=0.8)
+    # Fixed margins in inches (room for the y label, the reference line's label, the rotated workload
+    # names and the legend) instead of tight_layout, which costs seconds of text measuring.
+    fig.subplots_adjust(left=0.8 / width_in, right=1 - 0.75 / width_in, bottom=1.5 / height_in,
+                        top=1 - 0.8 / height_in, wspace=0.45, hspace=0.9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
