@@ -4,6 +4,10 @@ Implementations per (workload, op): ``torch eager`` (the baseline), ``torch.comp
 function (CUDA only: on the CPU it needs a C++ toolchain and minutes of compile time per case), and
 ``fastgrad:<backend>`` for every fastgrad backend usable on the device. The Triton backend is never
 benchmarked on the CPU: there it runs through the Triton interpreter, a testing tool.
+
+The implementations of one (workload, op) are timed interleaved (``Timer.measure_interleaved``); each row
+gets its spread and an unstable mark. The ``host-*`` workloads run ``clip_grad_norm_`` over thousands of
+one-element or 148 tiny tensors, where the figure that matters is the host time per call.
 """
 
 from __future__ import annotations

@@ -29,13 +29,15 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 
 def spread(samples: list[float]) -> float:
-    """(p90 - p10) / median of ``samples`` (percentiles interpolated between order statistics); NaN for
-    fewer than two samples, where no spread can be seen."""
+    """Interquartile range over median, (p75 - p25) / median, of ``samples`` (quartiles interpolated between
+    order statistics); NaN for fewer than two samples, where no spread can be seen. The IQR is how far the
+    middle half of the repetitions scatter, which is what makes a median trustworthy or not; a single
+    preempted repetition on a shared machine does not move it, a machine that keeps drifting does."""
     if len(samples) < 2:
         return float("nan")
-    deciles = statistics.quantiles(samples, n=10, method="inclusive")
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     med = statistics.median(samples)
-    return (deciles[-1] - deciles[0]) / med if med > 0 else float("nan")
+    return (q3 - q1) / med if med > 0 else float("nan")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Measurement:
     min_ms: float
     host_ms: float
     reps: int
-    #: (p90 - p10) / median of the timed repetitions, and of the host times
+    #: (p75 - p25) / median of the timed repetitions, and of the host times
     spread: float = float("nan")
     host_spread: float = float("nan")
 
