@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("workloads:")
         for name, spec in W.WORKLOADS.items():
-            print(f"  {name:<11} {spec.title}  ({W.nbytes(spec.build()) / 2**20:.0f} MiB of grads)")
+            only = f"; ops: {', '.join(spec.ops)} only" if spec.ops else ""
+            print(f"  {name:<11} {spec.title}  ({W.nbytes(spec.build()) / 2**20:.0f} MiB of grads{only})")
         print("ops:")
         for name, spec in O.OPS.items():
             print(f"  {name:<11} {spec.title}  (baseline: {spec.baseline})")
