@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from . import ops as O
-from . import workloads as W
-from .runner import usable_backends
+from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark.runner import usable_backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_MB = float(os.environ.get("FASTGRAD_BENCH_MAX_MB", "16" if DEVICE.type == "cpu" else "0"))

@@ -9,11 +9,9 @@ import math
 import pytest
 
 from fastgrad import bench
-
-bench._import_benchmarks()
-from benchmarks import ops as O  # noqa: E402
-from benchmarks import workloads as W  # noqa: E402
-from benchmarks.runner import usable_backends  # noqa: E402
+from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark.runner import usable_backends
 
 
 @pytest.mark.parametrize("name,params", [
@@ -80,3 +78,37 @@ def test_cli_rejects_unknown_names(tmp_path):
         bench.main(["--workloads", "nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown op"):
         bench.main(["--ops", "nope", "--out", str(tmp_path)])
+
+
+def test_cli_runs_from_an_installed_copy_in_another_directory(tmp_path):
+    """`python -m fastgrad.bench` needs nothing outside the package: run it from a copy of the package alone
+    (what a non-editable install puts in site-packages), from a directory that is not the repository."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import importlib.util
+
+    import fastgrad
+
+    pkg = Path(fastgrad.__file__).resolve().parent
+    if importlib.util.find_spec("setuptools") is not None:
+        import setuptools
+
+        # The packaging config ships the benchmark subpackage (pyproject: packages.find include "fastgrad*").
+        assert "fastgrad.benchmark" in setuptools.find_packages(str(pkg.parent), include=["fastgrad*"])
+    site = tmp_path / "site"
+    shutil.copytree(pkg, site / "fastgrad", ignore=shutil.ignore_patterns("__pycache__"))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastgrad.bench", "--quick", "--workloads", "tiny", "--ops", "norm,clip",
+         "--device", "cpu", "--out", "res", "--no-progress", "--no-plot", "--budget", "0", "--min-reps", "2",
+         "--max-reps", "2"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Legend:" in proc.stdout
+    meta = json.loads((cwd / "res" / "meta.json").read_text())
+    assert meta["git_commit"] == "unknown (installed package)"  # really the copy, not the checkout
+    assert "## All results" in (cwd / "res" / "results.md").read_text()

@@ -121,7 +121,7 @@ def vit_b16(dtype: torch.dtype = F32) -> list[Entry]:
 
 
 def small_tensors(count: int = 4000, lo: int = 1024, hi: int = 16384, seed: int = 0) -> list[Entry]:
-    """``count`` fp32 tensors of ``lo``..``hi`` elements (the host-overhead workload). Even entries are
+    """``count`` fp32 tensors of ``lo``..``hi`` elements (launch and per-tensor costs at moderate sizes). Even entries are
     matrices with 64 columns, odd ones vectors, so AGC and GC see both kinds."""
     rng = random.Random(seed)
     out: list[Entry] = []
@@ -129,6 +129,17 @@ def small_tensors(count: int = 4000, lo: int = 1024, hi: int = 16384, seed: int 
         n = rng.randrange(lo, hi + 1, 64)
         out.append((f"t{i}", (n // 64, 64) if i % 2 == 0 else (n,), F32))
     return out
+
+
+def one_element(count: int = 4000) -> list[Entry]:
+    """``count`` one-element fp32 tensors: all cost is per-tensor host work (the host-overhead workload)."""
+    return [(f"g{i}", (1,), F32) for i in range(count)]
+
+
+def gpt2_count_small() -> list[Entry]:
+    """GPT-2 124M's 148 tensors with each matrix shrunk to 32x32 and each vector to 64 elements: a real
+    model's tensor count with next to no bytes, so the call's fixed host cost is what is timed."""
+    return [(n, (32, 32) if len(s) >= 2 else (64,), F32) for n, s, _ in gpt2_small()]
 
 
 def mixed_precision() -> list[Entry]:
@@ -149,6 +160,11 @@ class WorkloadSpec:
     build: callable
     #: False: the workload is defined by its tensor count and sizes (small-4000), so it is never shrunk
     scalable: bool = True
+    #: the ops it runs (None: every requested op)
+    ops: tuple[str, ...] | None = None
+    #: True: the headline figure is the host time per call (perf_counter around the call, the device
+    #: synchronised outside the timed region), not the device time
+    host: bool = False
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (
@@ -159,11 +175,16 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in (
     WorkloadSpec("vit-b16", "ViT-B/16 fp32", vit_b16),
     WorkloadSpec("small-4000", "4000 small fp32 tensors (1K-16K)", small_tensors, scalable=False),
     WorkloadSpec("mixed", "GPT-2 124M mixed bf16 matrices + fp32 vectors", mixed_precision),
+    WorkloadSpec("host-4000", "host time: 4000 one-element fp32 grads", one_element, scalable=False,
+                 ops=("clip",), host=True),
+    WorkloadSpec("host-148", "host time: GPT-2's 148 tensors, 32x32 / 64 elements", gpt2_count_small,
+                 scalable=False, ops=("clip",), host=True),
     WorkloadSpec("tiny", "5 tiny tensors (harness smoke test)", tiny),
 )}
 
 #: What ``--workloads all`` means: every real workload (``tiny`` only when asked for by name).
-DEFAULT_WORKLOADS = ("gpt2-124m", "llama-1b", "llama-7b", "resnet50", "vit-b16", "small-4000", "mixed")
+DEFAULT_WORKLOADS = ("gpt2-124m", "llama-1b", "llama-7b", "resnet50", "vit-b16", "small-4000", "mixed", "host-4000",
+                     "host-148")
 
 
 # --------------------------------------------------------------------------------------------- sizing
@@ -202,6 +223,8 @@ class Workload:
     full_bytes: int
     scale: float = 1.0
     note: str = ""
+    ops: tuple[str, ...] | None = None
+    host: bool = False
     params: list[torch.nn.Parameter] = field(default_factory=list)
 
     @property
@@ -218,7 +241,7 @@ def prepare(name: str, max_bytes: int | None) -> Workload:
     spec = WORKLOADS[name]
     entries = spec.build()
     full = nbytes(entries)
-    w = Workload(name, spec.title, entries, full)
+    w = Workload(name, spec.title, entries, full, ops=spec.ops, host=spec.host)
     if max_bytes is not None and full > max_bytes and not spec.scalable:
         w.note = f"full size ({full / 2**20:.0f} MiB) although over the {max_bytes / 2**20:.0f} MiB cap: " \
                  "its point is the count and size of its tensors"

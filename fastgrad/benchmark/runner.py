@@ -4,15 +4,21 @@ Implementations per (workload, op): ``torch eager`` (the baseline), ``torch.comp
 function (CUDA only: on the CPU it needs a C++ toolchain and minutes of compile time per case), and
 ``fastgrad:<backend>`` for every fastgrad backend usable on the device. The Triton backend is never
 benchmarked on the CPU: there it runs through the Triton interpreter, a testing tool.
+
+The implementations of one (workload, op) are timed interleaved (``Timer.measure_interleaved``); each row
+gets its spread and an unstable mark. The ``host-*`` workloads run ``clip_grad_norm_`` over thousands of
+one-element or 148 tiny tensors, where the figure that matters is the host time per call.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import gc
+import importlib
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +30,7 @@ from fastgrad import backends as _backends
 
 from . import ops as O
 from . import workloads as W
-from .timing import Timer, copy_bandwidth
+from .timing import UNSTABLE_SPREAD, Timer, copy_bandwidth
 
 EAGER, COMPILE = "torch eager", "torch.compile"
 
@@ -110,7 +116,10 @@ def device_name(device: torch.device) -> str:
 
 
 def _git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
+    # fastgrad/benchmark/runner.py -> the checkout's root; an installed package has no git history.
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown (installed package)"
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5).stdout.strip()
@@ -145,12 +154,54 @@ def metadata(cfg: Config, backends: list[str], why_not: dict[str, str]) -> dict:
         "compile": cfg.compile,
         "cpu_threads": torch.get_num_threads(),
         # A busy machine slows everything down unevenly: keep the load next to the numbers.
-        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+        "load_average": _load_average(),
     }
+
+
+def _load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def _compiled(fn: Callable[[], object]) -> Callable[[], object]:
     return torch.compile(fn)
+
+
+def ops_for(workload: str, ops: list[str]) -> list[str]:
+    """The requested ops that ``workload`` runs (the host-overhead workloads run clip only)."""
+    only = W.WORKLOADS[workload].ops
+    return [o for o in ops if only is None or o in only]
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (a container's affinity, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_warning(when: str) -> str | None:
+    """A warning when the 1-minute load average is over the core count: other work then competes for the
+    cores and makes the timings slower and erratic."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], cpu_count()
+    if load <= cores:
+        return None
+    return (f"machine busy {when} the run: load average {load:.2f} over {cores} cores; timings are slowed and "
+            "noisy (see the spread column), compare ratios within one (workload, op) only")
+
+
+def _row(wname: str, op: str, impl: str, backend: str | None, w: W.Workload, floor: int) -> dict:
+    return {"workload": wname, "op": op, "impl": impl, "backend": backend or "", "tensors": w.n_tensors,
+            "grad_mb": w.grad_bytes / 2**20, "floor_mb": floor / 2**20, "median_ms": float("nan"),
+            "min_ms": float("nan"), "host_ms": float("nan"), "reps": 0, "spread_pct": float("nan"),
+            "host_spread_pct": float("nan"), "unstable": False, "gbps": float("nan"), "pct_copy": float("nan"),
+            "x_eager": float("nan"), "x_compile": float("nan"), "note": ""}
+
+
+def headline_ms(r: dict, host: bool) -> float:
+    return r["host_ms"] if host else r["median_ms"]
 
 
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
@@ -165,6 +216,12 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
                 why_not.setdefault(b, "not usable")
         usable = [b for b in usable if b in cfg.backends]
     meta = metadata(cfg, usable, why_not)
+    notes: list[str] = []
+    meta["cores"] = cpu_count()
+    warn = busy_warning("before")
+    if warn:
+        notes.append(warn)
+        print(f"warning: {warn}", file=sys.stderr, flush=True)
     timer = Timer(device, warmup=cfg.warmup, min_reps=cfg.min_reps, max_reps=cfg.max_reps,
                   budget_s=cfg.budget_s)
     copy_bytes = (1 << 30 if device.type == "cuda" else 256 << 20) if not cfg.quick else (
@@ -173,67 +230,38 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
     meta["copy_bytes"] = copy_bytes
     max_bytes = cfg.max_bytes if cfg.max_bytes is not None else default_max_bytes(device, cfg.quick)
     meta["max_workload_bytes"] = max_bytes
+    meta["unstable_spread_pct"] = 100 * UNSTABLE_SPREAD
     if cfg.compile:
-        import torch._dynamo
-
+        # Module-level name on purpose: a function-local `import torch._dynamo` would make `torch` local
+        # to this whole function (GPU finding 9: UnboundLocalError at torch.cuda.empty_cache()).
+        _dynamo = importlib.import_module("torch._dynamo")
         # One compiled function per (workload, op): raise the recompile limits so none silently runs eager.
-        torch._dynamo.config.cache_size_limit = 1024
-        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-            torch._dynamo.config.accumulated_cache_size_limit = 4096
+        _dynamo.config.cache_size_limit = 1024
+        if hasattr(_dynamo.config, "accumulated_cache_size_limit"):
+            _dynamo.config.accumulated_cache_size_limit = 4096
     rows: list[dict] = []
-    notes: list[str] = []
     workload_meta: dict[str, dict] = {}
     meta["workloads"] = workload_meta
     res = Result(rows, meta, notes)
     for wname in cfg.workloads:
+        ops = ops_for(wname, cfg.ops)
+        if not ops:
+            continue
         w = W.prepare(wname, max_bytes)
         if w.note:
             notes.append(f"{wname}: {w.note}")
         workload_meta[wname] = {"title": w.title, "tensors": w.n_tensors, "grad_bytes": w.grad_bytes,
-                                "full_grad_bytes": w.full_bytes, "scale": w.scale, "note": w.note}
+                                "full_grad_bytes": w.full_bytes, "scale": w.scale, "note": w.note,
+                                "host": w.host}
         params = W.materialize(w, device, seed=cfg.seed)
         st = O.OpState(params)
-        n_bytes = w.grad_bytes
         p_bytes = sum(p.numel() * p.element_size() for p in params)
-        if any(O.OPS[o].mutates for o in cfg.ops):
+        if any(O.OPS[o].mutates for o in ops):
             st.save()
         use_compile = cfg.compile and (cfg.compile_workloads is None or wname in cfg.compile_workloads)
-        for op in cfg.ops:
-            spec = O.OPS[op]
-            reset = st.restore if spec.mutates else None
-            impls: list[tuple[str, str | None, Callable[[], Callable[[], object]]]] = [
-                (EAGER, None, lambda: O.torch_fn(op, st))]
-            if use_compile:
-                impls.append((COMPILE, None, lambda: _compiled(O.torch_fn(op, st))))
-            for b in usable:
-                impls.append((f"fastgrad:{b}", b, lambda b=b: O.fastgrad_fn(op, st, b)))
-            floor = spec.floor(n_bytes, p_bytes)
-            case_rows = []
-            for impl, backend, make in impls:
-                row = {"workload": wname, "op": op, "impl": impl, "backend": backend or "",
-                       "tensors": w.n_tensors, "grad_mb": n_bytes / 2**20, "floor_mb": floor / 2**20,
-                       "median_ms": float("nan"), "min_ms": float("nan"), "host_ms": float("nan"), "reps": 0,
-                       "gbps": float("nan"), "pct_copy": float("nan"), "x_eager": float("nan"),
-                       "x_compile": float("nan"), "note": ""}
-                try:
-                    m = timer.measure(make(), reset)
-                except Exception as exc:  # noqa: BLE001 - a failing case is reported, the run goes on
-                    row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-                    st.restore()
-                else:
-                    gbps = floor / (m.median_ms * 1e-3) / 1e9
-                    row.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, reps=m.reps,
-                               gbps=gbps, pct_copy=100 * gbps / meta["copy_gbps"])
-                case_rows.append(row)
-                if progress:
-                    progress(f"{wname} {op} {impl}")
-            base = {r["impl"]: r["median_ms"] for r in case_rows}
-            for r in case_rows:
-                if r["impl"] != EAGER:
-                    r["x_eager"] = base[EAGER] / r["median_ms"]
-                if COMPILE in base and r["impl"] not in (EAGER, COMPILE):
-                    r["x_compile"] = base[COMPILE] / r["median_ms"]
-            rows.extend(case_rows)
+        for op in ops:
+            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, p_bytes, meta["copy_gbps"],
+                                  progress))
         del params, st, w
         gc.collect()
         if device.type == "cuda":
@@ -242,4 +270,64 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
             torch.cuda.empty_cache()
         if on_workload is not None:
             on_workload(res)
+    warn = busy_warning("after")
+    if warn:
+        notes.append(warn)  # printed by the CLI under the table
+    meta["load_average_after"] = _load_average()
     return res
+
+
+def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, usable: list[str],
+              use_compile: bool, p_bytes: int, copy_gbps: float,
+              progress: Callable[[str], None] | None) -> list[dict]:
+    """Every implementation of one (workload, op), timed interleaved; rows with speedups and marks."""
+    spec = O.OPS[op]
+    reset = st.restore if spec.mutates else None
+    impls: list[tuple[str, str | None, Callable[[], Callable[[], object]]]] = [
+        (EAGER, None, lambda: O.torch_fn(op, st))]
+    if use_compile:
+        impls.append((COMPILE, None, lambda: _compiled(O.torch_fn(op, st))))
+    for b in usable:
+        impls.append((f"fastgrad:{b}", b, lambda b=b: O.fastgrad_fn(op, st, b)))
+    floor = spec.floor(w.grad_bytes, p_bytes)
+    rows = [_row(w.name, op, impl, backend, w, floor) for impl, backend, _ in impls]
+    fns: list[Callable[[], object]] = []
+    idx: list[int] = []
+    for k, (_, _, make) in enumerate(impls):
+        try:
+            fns.append(make())
+            idx.append(k)
+        except Exception as exc:  # noqa: BLE001 - a failing case is reported, the run goes on
+            rows[k]["note"] = _failed(exc)
+    # Host-overhead calls take microseconds: allow more repetitions, still within the time budget.
+    max_reps = cfg.max_reps * 10 if w.host else None
+    for k, m in zip(idx, timer.measure_interleaved(fns, reset, max_reps=max_reps)):
+        r = rows[k]
+        if isinstance(m, BaseException):
+            r["note"] = _failed(m)
+            continue
+        r.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, reps=m.reps,
+                 spread_pct=100 * m.spread, host_spread_pct=100 * m.host_spread)
+        sp = m.host_spread if w.host else m.spread
+        # No spread to judge (one repetition) counts as unstable too: nothing shows the figure is steady.
+        r["unstable"] = not (sp <= UNSTABLE_SPREAD)
+        if not w.host:
+            gbps = floor / (m.median_ms * 1e-3) / 1e9
+            r.update(gbps=gbps, pct_copy=100 * gbps / copy_gbps)
+    st.restore()
+    if progress:
+        for impl, _, _ in impls:
+            progress(f"{w.name} {op} {impl}")
+    base = {r["impl"]: headline_ms(r, w.host) for r in rows}
+    for r in rows:
+        t = headline_ms(r, w.host)
+        if r["impl"] != EAGER:
+            r["x_eager"] = base[EAGER] / t
+        if COMPILE in base and r["impl"] not in (EAGER, COMPILE):
+            r["x_compile"] = base[COMPILE] / t
+    return rows
+
+
+def _failed(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"failed: {type(exc).__name__}: {first}"
