@@ -17,11 +17,15 @@ gradient is scaled. Reports the minimum and the median per call over all rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import torch
+
+if __name__ == "__main__":  # run as a script: measure this checkout's fastgrad, not another installed copy
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def params(n: int, numel: int, seed: int = 0):
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
         "fastgrad_ops": op_by_op,
         "torch": lambda ps: torch.nn.utils.clip_grad_norm_(ps, args.max_norm),
     }
-    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, max_norm {args.max_norm}, "
+    print(f"# fastgrad {fastgrad.__file__}, torch {torch.__version__}, threads {torch.get_num_threads()}, max_norm {args.max_norm}, "
           f"numel {args.numel}; per call, microseconds")
     for n in [int(x) for x in args.tensors.split(",") if x]:
         ps = params(n, args.numel)

@@ -35,6 +35,9 @@ import sys
 import time
 
 import torch
+
+if __name__ == "__main__":  # run as a script: measure this checkout's fastgrad, not another installed copy
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -264,7 +267,7 @@ def main(argv=None) -> int:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "fastgrad": __import__("fastgrad").__file__, "threads": torch.get_num_threads(),
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
     fields = ["model", "size", "variant", "optimizer", "params", "steps", "step_ms_median", "step_ms_p10",

@@ -124,19 +124,25 @@ std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::ve
 }
 
 // ------------------------------------------------------------------------------------------- norm
-std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
-  check_cpu(tensors, "norm");
-  const auto fl = flats(tensors, false);
-  const bool acc64 = any_double(fl);
-  const Mode mode = mode_for(p);
-  const auto items = split(fl);
+// The read pass of a norm: one partial per work item.
+std::vector<double> norm_partials(const std::vector<Flat>& fl, const std::vector<Item>& items, Mode mode, double p,
+                                  bool acc64) {
   std::vector<double> part(items.size());
   for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
     const Item& it = items[i];
     const Flat& f = fl[it.t];
     part[i] = reduce_range(mode, f.st, acc64, at_elem(f, it.begin), it.len, p);
   });
-  return norms_from(fl, items, part, mode, p, acc64);
+  return part;
+}
+
+std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
+  check_cpu(tensors, "norm");
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  return norms_from(fl, items, norm_partials(fl, items, mode, p, acc64), mode, p, acc64);
 }
 
 std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_scale, double p) {
@@ -427,13 +433,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
 double total_norm(const std::vector<Flat>& fl, double p, bool acc64) {
   const Mode mode = mode_for(p);
   const auto items = split(fl);
-  std::vector<double> part(items.size());
-  for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
-    const Item& it = items[i];
-    const Flat& f = fl[it.t];
-    part[i] = reduce_range(mode, f.st, acc64, at_elem(f, it.begin), it.len, p);
-  });
-  return total_from(fl.size(), items, part, mode, p, nullptr);
+  return total_from(fl.size(), items, norm_partials(fl, items, mode, p, acc64), mode, p, nullptr);
 }
 
 void scale_flats(const std::vector<Flat>& fl, double f) {
