@@ -8,11 +8,20 @@
 // exact semantics and error messages, takes over.
 #include <Python.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "cpu/kernels.h"
 
 namespace {
 
@@ -157,11 +166,102 @@ PyObject* plan_key(PyObject*, PyObject* seq) {
                                    static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
 }
 
+// The dispatch keys of an ordinary CPU tensor outside inference mode, in this torch build. A tensor with
+// exactly these keys is dense CPU memory with no wrapper, subclass, lazy conj/neg bit or inference flag.
+c10::DispatchKeySet plain_cpu_keys() {
+  static const c10::DispatchKeySet keys = [] {
+    c10::InferenceMode normal(false);
+    return at::empty({0}).key_set();
+  }();
+  return keys;
+}
+
+// No mode, transform or tracer that would want to see the ops of a call: then running the kernels
+// directly is the same as dispatching them.
+bool plain_context() {
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !at::impl::torch_function_mode_enabled() &&
+         c10::impl::tls_local_dispatch_key_set().included_ == c10::default_included_set;
+}
+
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease() { PyEval_RestoreThread(state_); }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// clip_norm_cpu(params, max_norm, norm_type, error_if_nonfinite) -> (total, nonfinite) or None.
+//
+// The whole of clip_grad_norm_ on the cpu backend in one call for the common case: plain params whose
+// grads are dense CPU tensors of the four floating dtypes. It runs the cpu backend's norm, the clip
+// coefficient and the scale pass (skipped when the coefficient is 1) through the same functions as the
+// fastgrad::norm and fastgrad::scale_ ops (csrc/cpu/ops.cpp), so the bits are the same as the op-by-op
+// path; what it saves is two dispatcher calls (each converts the whole list to IValues and back), the
+// .grad list, the scan and the coefficient's three tensor ops. `total` is the norm in the grads'
+// promoted dtype, as clip_grad_norm_ returns it. With error_if_nonfinite and a non-finite norm nothing
+// is written and `nonfinite` is True (Python raises). None (nothing done) for anything else: no grads,
+// another layout, device or dtype, a non-dense grad, a subclass or a dispatch/function mode.
+PyObject* clip_norm_cpu(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* seq = nullptr;
+  double max_norm = 0.0, p = 2.0;
+  int check = 0;
+  if (!PyArg_ParseTuple(args, "Oddp", &seq, &max_norm, &p, &check)) return nullptr;
+  if (!plain_context()) Py_RETURN_NONE;
+  const Items items(seq);
+  if (!items.ok()) Py_RETURN_NONE;
+  const c10::DispatchKeySet keys = plain_cpu_keys();
+  std::vector<fastgrad::cpu::Flat> fl;
+  fl.reserve(static_cast<size_t>(items.size()));
+  int mask = 0;
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    if (!THPVariable_CheckExact(items[i])) Py_RETURN_NONE;
+    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
+    if (!g.defined()) continue;
+    const int bit = dtype_bit(g.scalar_type());
+    if (bit == 0 || g.key_set() != keys || !g.is_non_overlapping_and_dense()) Py_RETURN_NONE;
+    mask |= bit;
+    fastgrad::cpu::Flat f;  // no tensor handles: the grads are alive for the call and processed in place
+    f.ptr = g.data_ptr();
+    f.n = g.numel();
+    f.st = g.scalar_type();
+    fl.push_back(f);
+  }
+  if (fl.empty()) Py_RETURN_NONE;
+  const bool acc64 = (mask & 8) != 0;
+  bool nonfinite = false;
+  at::Tensor out;
+  {
+    GilRelease nogil;
+    const double raw = fastgrad::cpu::total_norm(fl, p, acc64);
+    const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
+    nonfinite = !std::isfinite(total);
+    if (!(check && nonfinite)) fastgrad::cpu::scale_flats(fl, fastgrad::cpu::clip_coef(total, max_norm, acc64));
+    nonfinite = nonfinite && check;
+    // The 0-dim result: the accumulation dtype, then the promoted dtype as Tensor.to rounds it.
+    out = at::empty({}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat));
+    if (acc64)
+      *out.data_ptr<double>() = total;
+    else
+      *out.data_ptr<float>() = static_cast<float>(total);
+    if (mask == 1) out = out.to(at::kHalf);
+    if (mask == 2) out = out.to(at::kBFloat16);
+  }
+  return Py_BuildValue("(NO)", THPVariable_Wrap(std::move(out)), nonfinite ? Py_True : Py_False);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"grads_of", grads_of, METH_O, "[p.grad for p in params if p.grad is not None], or None (not plain tensors)."},
     {"pairs_of", pairs_of, METH_O, "(params with a grad, their grads) when shapes and devices match, or None."},
     {"scan", scan, METH_O, "(device, dtype_mask, all_contiguous) of a list of plain tensors on one device, or None."},
     {"plan_key", plan_key, METH_O, "bytes of (data_ptr, numel, dtype) per tensor, or None."},
+    {"clip_norm_cpu", clip_norm_cpu, METH_VARARGS,
+     "clip_grad_norm_ on the cpu backend for plain dense CPU grads: (total, nonfinite), or None."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

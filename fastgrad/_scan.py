@@ -120,6 +120,21 @@ def plan_key(tensors: Sequence[Tensor]):
     return None if c is None else c.plan_key(tensors)
 
 
+def clip_norm_cpu(params: Sequence[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                  backend: str | None):
+    """``clip_grad_norm_`` in one C++ call when the cpu backend would run it on plain dense CPU grads:
+    ``(total, nonfinite)`` (``nonfinite`` True means error_if_nonfinite tripped and nothing was written),
+    or None when the general path must run (nothing done). See csrc/host.cpp ``clip_norm_cpu``."""
+    c = helpers()
+    if c is None or not hasattr(c, "clip_norm_cpu"):
+        return None
+    from .backends import selects_builtin  # (not at import: backends imports this module)
+
+    if not selects_builtin("cpu", "norm", backend, norm_type):
+        return None
+    return c.clip_norm_cpu(params, max_norm, norm_type, error_if_nonfinite)
+
+
 def acc_dtype_of(tensors: Checked) -> torch.dtype:
     return torch.float64 if tensors.dtype_mask & F64 else torch.float32
 

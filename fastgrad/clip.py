@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import _scan
 from . import distributed as D
 from .backends import BackendError, acc_dtype
 from .backends.torch_backend import combine_norms
@@ -165,6 +166,12 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     params = I.as_list(parameters, warn_empty_generator=True)
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
+    if process_group is None:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
+        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
+        if fast is not None:
+            if fast[1]:
+                raise RuntimeError(_NONFINITE_MSG.format(p))
+            return fast[0]
     grads = I.grads_of(params)
     if not grads and process_group is None:
         return torch.tensor(0.0)

@@ -76,3 +76,64 @@ def test_info_cli_reports_backends():
     info = json.loads(js.stdout)
     assert info["backends"]["torch"]["usable"] is True
     assert info["torch"] == torch.__version__
+
+
+class _Ready(backends.Backend):
+    """A stand-in that is available and supports everything, so only the order decides."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def supports(self, op, tensors, **params):
+        return None
+
+
+class _Refuses(_Ready):
+    def supports(self, op, tensors, **params):
+        return "refuses every call"
+
+
+def _cuda_list(n):
+    # select() reads only .device of the tensors and hands the list to supports(): no GPU needed.
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(device=torch.device("cuda"))] * n
+
+
+@pytest.mark.parametrize("op", backends.OPS)
+def test_measured_table_drives_automatic_choice_for_cuda(monkeypatch, op):
+    for name in ("cuda", "triton"):
+        monkeypatch.setitem(backends._REGISTRY, name, _Ready(name))
+    monkeypatch.delenv("FASTGRAD_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "_default", None)
+    short, long = _cuda_list(148), _cuda_list(backends.LONG_LIST_MIN)
+    # What the H100 run measured (see the comment on MEASURED_ORDER): triton for AGC/GC and for long
+    # lists of small tensors, cuda for the rest.
+    want = "triton" if op in ("agc", "centralize") else "cuda"
+    assert backends.select(op, short).name == want
+    assert backends.select(op, long).name == "triton"
+    # The table, not a fixed order, decides: flipping its entry flips the choice.
+    flipped = tuple(reversed(backends.MEASURED_ORDER["cuda"][op][:2])) + ("torch",)
+    monkeypatch.setitem(backends.MEASURED_ORDER["cuda"], op, flipped)
+    assert backends.select(op, short).name == flipped[0]
+    # The first entry cannot serve: the next one in the table does, quietly.
+    monkeypatch.setitem(backends._REGISTRY, flipped[0], _Refuses(flipped[0]))
+    assert backends.select(op, short).name == flipped[1]
+    # A named backend still wins over the table.
+    assert backends.select(op, short, flipped[1]).name == flipped[1]
+
+
+def test_selects_builtin_matches_select_for_cpu(monkeypatch):
+    # The clip_grad_norm_ host fast path asks selects_builtin() instead of select(): they must agree.
+    ts = [torch.randn(3)]
+    monkeypatch.delenv("FASTGRAD_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "_default", None)
+    for backend in (None, "cpu", "torch"):
+        for p in (2.0, 1.0, float("inf"), 0.5, 0.0):
+            try:
+                chosen = backends.select("norm", ts, backend, norm_type=p).name
+            except BackendError:
+                chosen = None
+            assert backends.selects_builtin("cpu", "norm", backend, p) == (chosen == "cpu"), (backend, p)
+    monkeypatch.setitem(backends._REGISTRY, "cpu", _Ready("cpu"))  # replaced: not the built-in any more
+    assert not backends.selects_builtin("cpu", "norm", None, 2.0)

@@ -262,3 +262,142 @@ def test_no_python_work_per_tensor(name):
         assert _fastgrad_lines(400, fn) > _fastgrad_lines(20, fn)
     finally:
         _scan.set_enabled(prev)
+
+
+# ------------------------------------------------------------ clip_grad_norm_ in one C++ call (cpu)
+def _clip_params(seed, dtypes, shapes=((7, 5), (0,), (33,), (3, 4, 5)), transpose=False, special=None):
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for i, dt in enumerate(dtypes):
+        for j, shape in enumerate(shapes):
+            p = torch.nn.Parameter(torch.randn(shape, generator=g).to(dt))
+            grad = (torch.randn(shape, generator=g) * 10 ** (i - 1)).to(dt)
+            if transpose and grad.dim() == 2:
+                grad = grad.t().contiguous().t()  # dense but not contiguous
+            if special is not None and i == 0 and j == 0:
+                grad.view(-1)[3] = special
+            p.grad = grad
+            ps.append(p)
+    return ps
+
+
+def _clip_both_ways(monkeypatch, make, **kw):
+    """clip_grad_norm_ with the one-call path and with the op-by-op path (same backend) on fresh copies."""
+    out = []
+    for fast in (True, False):
+        ps = make()
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(_scan, "clip_norm_cpu", lambda *a: None)
+            calls = []
+            real = _scan.clip_norm_cpu
+            m.setattr(_scan, "clip_norm_cpu", lambda *a: calls.append(real(*a)) or calls[-1])
+            try:
+                total = fastgrad.clip_grad_norm_(ps, **kw)
+            except RuntimeError as exc:
+                total = exc
+        out.append((total, [p.grad for p in ps], calls[0] is not None))
+    return out
+
+
+CLIP_DTYPES = [(torch.float32,), (torch.float64,), (torch.float16,), (torch.bfloat16,),
+               (torch.float32, torch.bfloat16, torch.float16), (torch.float16, torch.float64)]
+
+
+@needs_helpers
+@pytest.mark.parametrize("dtypes", CLIP_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 0.5, 3.0])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e9, 0.0, float("inf")])
+def test_clip_one_call_same_bits_as_op_by_op(monkeypatch, fast_path, dtypes, norm_type, max_norm):
+    (t1, g1, took), (t2, g2, _) = _clip_both_ways(
+        monkeypatch, lambda: _clip_params(5, dtypes, transpose=True), max_norm=max_norm, norm_type=norm_type)
+    assert took, "the one-call path was not taken"
+    assert t1.dtype == t2.dtype and t1.shape == () and torch.equal(t1, t2)
+    assert all(a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@needs_helpers
+@pytest.mark.parametrize("special", [float("nan"), float("inf")])
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+def test_clip_one_call_nonfinite(monkeypatch, fast_path, special, error_if_nonfinite):
+    make = lambda: _clip_params(6, (torch.float32, torch.float16), special=special)  # noqa: E731
+    (t1, g1, took), (t2, g2, _) = _clip_both_ways(monkeypatch, make, max_norm=1e-3,
+                                                    error_if_nonfinite=error_if_nonfinite)
+    assert took
+    fresh = [p.grad for p in make()]
+    if error_if_nonfinite:
+        assert isinstance(t1, RuntimeError) and str(t1) == str(t2)
+        # raised before writing: the grads are the fresh ones, NaN for NaN
+        assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(g1, fresh))
+        assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in zip(g1, fresh))
+    else:
+        assert torch.equal(t1, t2) or (t1.isnan() and t2.isnan())
+        assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in zip(g1, g2))
+        assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(g1, g2))
+
+
+@needs_helpers
+def test_clip_one_call_repeated_grad_and_none(fast_path, monkeypatch):
+    # The same grad object twice counts (and is scaled) twice, as in torch and the op-by-op path; params
+    # without a grad are skipped.
+    def make():
+        a = torch.nn.Parameter(torch.randn(6))
+        a.grad = torch.randn(6, generator=torch.Generator().manual_seed(1))
+        b = torch.nn.Parameter(torch.randn(2))
+        return [a, b, a]
+    (t1, g1, took), (t2, g2, _) = _clip_both_ways(monkeypatch, make, max_norm=0.1)
+    assert took and torch.equal(t1, t2)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def _slice_grad():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    p.grad = torch.randn(4, 12)[:, ::2]  # not dense: the kernels need a copy, the general path does it
+    return [p]
+
+
+def _inference_grad():
+    p = torch.nn.Parameter(torch.randn(5))
+    with torch.inference_mode():
+        p.grad = torch.randn(5)
+    return [p]
+
+
+@needs_helpers
+@pytest.mark.parametrize("case", ["non_dense", "inference", "dispatch_mode", "torch_backend", "p0", "empty",
+                                  "int_grad", "meta"])
+def test_clip_one_call_declines(fast_path, case):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    params, backend, norm_type = [p], None, 2.0
+    if case == "non_dense":
+        params = _slice_grad()
+    elif case == "inference":
+        params = _inference_grad()
+    elif case == "torch_backend":
+        backend = "torch"
+    elif case == "p0":
+        norm_type = 0.0
+    elif case == "empty":
+        params = [torch.nn.Parameter(torch.randn(2))]
+    elif case == "int_grad":
+        params = [torch.ones(3, dtype=torch.int64)]
+    elif case == "meta":
+        m = torch.nn.Parameter(torch.randn(3, device="meta"))
+        m.grad = torch.randn(3, device="meta")
+        params = [m]
+    before = [q.grad.clone() if q.grad is not None else None for q in params]
+    if case == "dispatch_mode":
+        with Seen():
+            assert _scan.clip_norm_cpu(params, 1e-3, norm_type, False, backend) is None
+    else:
+        assert _scan.clip_norm_cpu(params, 1e-3, norm_type, False, backend) is None
+    for q, b in zip(params, before):
+        if case != "meta":
+            assert (q.grad is None and b is None) or torch.equal(q.grad, b)  # nothing written

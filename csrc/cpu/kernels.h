@@ -192,6 +192,16 @@ void for_items(int64_t n, int64_t total_elems, const F& fn);
 
 bool any_double(const std::vector<Flat>& fl);
 
+// The bodies of the norm and scale_ ops over flat views, shared with the host fast path of
+// clip_grad_norm_ (csrc/host.cpp), so both give the same bits.
+// Total p-norm, before rounding to the accumulation dtype.
+double total_norm(const std::vector<Flat>& fl, double p, bool acc64);
+// In place x = T(x * f); no memory touched when f == 1 (or f rounds to 1.0f, for non-float64 runs).
+void scale_flats(const std::vector<Flat>& fl, double f);
+// The clip coefficient min(max_norm / (total + 1e-6), 1) as torch computes it on a 0-dim tensor of the
+// accumulation dtype (float32 unless acc64); `total` is already rounded to that dtype.
+double clip_coef(double total, double max_norm, bool acc64);
+
 }  // namespace cpu
 }  // namespace fastgrad
 

@@ -85,21 +85,18 @@ Tensor make_0d(double v, at::ScalarType st) {
   return out;
 }
 
-// Per-tensor partials of a read pass -> (total, per-tensor) norms.
-std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::vector<Item>& items,
-                                      const std::vector<double>& part, Mode mode, double p, bool acc64) {
-  const size_t nt = fl.size();
+// Per-tensor partials of a read pass -> total norm (double, before rounding to the accumulation dtype)
+// and, when `per` is given, each tensor's norm.
+double total_from(size_t nt, const std::vector<Item>& items, const std::vector<double>& part, Mode mode, double p,
+                  std::vector<double>* per) {
   std::vector<double> sums(nt, 0.0);
-  std::vector<double> per(nt);
   double total;
   if (mode == Mode::Inf) {
     for (size_t i = 0; i < items.size(); ++i) sums[items[i].t] = combine(mode, sums[items[i].t], part[i]);
     double tot = 0.0;
-    for (size_t t = 0; t < nt; ++t) {
-      per[t] = sums[t];
-      tot = combine(mode, tot, sums[t]);
-    }
+    for (size_t t = 0; t < nt; ++t) tot = combine(mode, tot, sums[t]);
     total = tot;
+    if (per != nullptr) *per = std::move(sums);
   } else {
     // Items of one tensor are consecutive: sum them, then the tensors, both compensated.
     CompensatedSum tot;
@@ -110,26 +107,42 @@ std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::ve
       sums[t] = s.value();
       tot.add(sums[t]);
     }
-    for (size_t t = 0; t < nt; ++t) per[t] = finalize(mode, sums[t], p);
+    if (per != nullptr) {
+      per->resize(nt);
+      for (size_t t = 0; t < nt; ++t) (*per)[t] = finalize(mode, sums[t], p);
+    }
     total = finalize(mode, tot.value(), p);
   }
+  return total;
+}
+
+std::tuple<Tensor, Tensor> norms_from(const std::vector<Flat>& fl, const std::vector<Item>& items,
+                                      const std::vector<double>& part, Mode mode, double p, bool acc64) {
+  std::vector<double> per;
+  const double total = total_from(fl.size(), items, part, mode, p, &per);
   return {make_0d(total, acc64 ? at::kDouble : at::kFloat), make_1d(per, acc64)};
 }
 
 // ------------------------------------------------------------------------------------------- norm
-std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
-  check_cpu(tensors, "norm");
-  const auto fl = flats(tensors, false);
-  const bool acc64 = any_double(fl);
-  const Mode mode = mode_for(p);
-  const auto items = split(fl);
+// The read pass of a norm: one partial per work item.
+std::vector<double> norm_partials(const std::vector<Flat>& fl, const std::vector<Item>& items, Mode mode, double p,
+                                  bool acc64) {
   std::vector<double> part(items.size());
   for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
     const Item& it = items[i];
     const Flat& f = fl[it.t];
     part[i] = reduce_range(mode, f.st, acc64, at_elem(f, it.begin), it.len, p);
   });
-  return norms_from(fl, items, part, mode, p, acc64);
+  return part;
+}
+
+std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
+  check_cpu(tensors, "norm");
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  return norms_from(fl, items, norm_partials(fl, items, mode, p, acc64), mode, p, acc64);
 }
 
 std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_scale, double p) {
@@ -168,19 +181,10 @@ void scale_cpu(TensorList tensors, const Tensor& factor) {
   std::vector<Flat> fl;
   fl.reserve(tensors.size());
   for (const auto& t : tensors) {
-    // float/half/bf16 tensors multiply in float, like torch's mul_ by a 0-dim tensor.
-    if (f32_is_one && t.scalar_type() != at::kDouble) continue;
+    if (f32_is_one && t.scalar_type() != at::kDouble) continue;  // see scale_flats
     fl.push_back(flat(t, true));
   }
-  const auto items = split(fl);
-  const int64_t ni = static_cast<int64_t>(items.size());
-  // Last item first: scale_ usually follows a norm pass over the same list, whose last-read data is
-  // what is still in cache. Element-wise, so the order changes no result.
-  for_items(ni, total_numel(fl), [&](int64_t i) {
-    const Item& it = items[ni - 1 - i];
-    const Flat& fv = fl[it.t];
-    scale_range(fv.st, at_elem_mut(fv, it.begin), it.len, f, false);
-  });
+  scale_flats(fl, f);
   for (auto& x : fl) finish(x);
 }
 
@@ -424,6 +428,49 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------ shared with the host fast path
+double total_norm(const std::vector<Flat>& fl, double p, bool acc64) {
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  return total_from(fl.size(), items, norm_partials(fl, items, mode, p, acc64), mode, p, nullptr);
+}
+
+void scale_flats(const std::vector<Flat>& fl, double f) {
+  // Multiplying by exactly 1 changes nothing: skip the memory entirely (the "not clipping" case).
+  if (f == 1.0) return;
+  // float/half/bf16 tensors multiply in float, like torch's mul_ by a 0-dim tensor: a factor that rounds
+  // to 1.0f leaves them unchanged.
+  const bool f32_is_one = static_cast<float>(f) == 1.0f;
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t t = 0; t < static_cast<int64_t>(fl.size()); ++t) {
+    if (f32_is_one && fl[t].st != at::kDouble) continue;
+    for (int64_t b = 0; b < fl[t].n; b += kChunk) items.push_back({t, b, std::min(kChunk, fl[t].n - b)});
+    total += fl[t].n;
+  }
+  const int64_t ni = static_cast<int64_t>(items.size());
+  // Last item first: scale_ usually follows a norm pass over the same list, whose last-read data is
+  // what is still in cache. Element-wise, so the order changes no result.
+  for_items(ni, total, [&](int64_t i) {
+    const Item& it = items[ni - 1 - i];
+    const Flat& fv = fl[it.t];
+    scale_range(fv.st, at_elem_mut(fv, it.begin), it.len, f, false);
+  });
+}
+
+double clip_coef(double total, double max_norm, bool acc64) {
+  // torch.clamp(max_norm / (total + 1e-6), max=1.0) on a 0-dim tensor of the accumulation dtype, op by
+  // op: add, then reciprocal times max_norm (Tensor.__rtruediv__), each rounded to that dtype; the
+  // Python scalars are rounded to it first. NaN passes through the clamp.
+  if (acc64) {
+    const double c = (1.0 / (total + 1e-6)) * max_norm;
+    return std::isnan(c) || c < 1.0 ? c : 1.0;
+  }
+  const float d = static_cast<float>(total) + static_cast<float>(1e-6);
+  const float c = (1.0f / d) * static_cast<float>(max_norm);
+  return std::isnan(c) || c < 1.0f ? c : 1.0f;
+}
 
 TORCH_LIBRARY_IMPL(fastgrad, CPU, m) {
   m.impl("norm", &norm_cpu);

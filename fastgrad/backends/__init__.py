@@ -4,8 +4,9 @@ Order of choice for one device's group of tensors:
 1. the ``backend=`` argument of the public function;
 2. else the process default set by :func:`set_backend`;
 3. else the ``FASTGRAD_BACKEND`` environment variable (read at each call, so tests can set it);
-4. else automatic: the first backend of :data:`AUTO_ORDER` for the device type that is available and
-   ``supports()`` the call; ``torch`` always can.
+4. else automatic: the first backend of :func:`auto_order` (the measured per-op table
+   :data:`MEASURED_ORDER` for CUDA tensors, else :data:`AUTO_ORDER` for the device type) that is
+   available and ``supports()`` the call; ``torch`` always can.
 
 A backend named by 1-3 that cannot serve the call raises :class:`BackendError` naming why; an automatic
 choice falls back quietly.
@@ -23,7 +24,8 @@ from .base import OPS, Backend, BackendError, acc_dtype, is_fast_norm_type
 
 __all__ = [
     "Backend", "BackendError", "OPS", "AUTO_ORDER", "acc_dtype", "is_fast_norm_type", "register", "get",
-    "registered", "available_backends", "set_backend", "get_default_backend", "select",
+    "registered", "available_backends", "set_backend", "get_default_backend", "select", "selects_builtin",
+    "auto_order", "MEASURED_ORDER", "MEASURED_LONG_ORDER", "LONG_LIST_MIN",
 ]
 
 #: Automatic choice per device type. The Triton interpreter is never chosen automatically for CPU
@@ -33,6 +35,42 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "torch"),
 }
 _FALLBACK_ORDER = ("torch",)
+
+# Automatic order per op, by measurement: the H100 run of 2026-11-22 (python -m fastgrad.bench, all 7
+# workloads, project commit 37a1a7f; gpu-results/2026-11-22-h100/matrix/results.csv in the shared results,
+# summarised in its README). Median ms, cuda vs triton backend:
+#   norm, scale (clip), amp_norm, grad_stats: cuda faster on every workload of <= 291 tensors (e.g. gpt2-124m
+#     norm 0.291 vs 0.307, clip 0.291 vs 0.323, amp_clip 0.738 vs 0.797; llama-7b grad_stats 5.20 vs 12.2);
+#   clip_value: within 5% either way (resnet50 0.228 vs 0.215, gpt2 0.442 vs 0.443): cuda kept first;
+#   agc, centralize (GC): triton faster on all 7 (gpt2 agc 1.34 vs 1.82, llama-7b gc 15.3 vs 18.9);
+#   small-4000 (4,000 tensors, 33 KB each on average): triton faster for every op (norm 0.81 vs 1.27,
+#     clip 1.85 vs 2.79, amp_clip 2.03 vs 2.99, clip_value 1.06 vs 1.59, grad_stats 10.9 vs 12.0).
+# The list length is the one cheap signal (no per-tensor Python): the measured lists have either <= 291
+# or 4,000 tensors, so LONG_LIST_MIN = 1,000 splits them; where exactly between the two the cross-over
+# lies was not measured.
+MEASURED_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {
+        "norm": ("cuda", "triton", "torch"),
+        "amp_norm": ("cuda", "triton", "torch"),
+        "scale": ("cuda", "triton", "torch"),
+        "clip_value": ("cuda", "triton", "torch"),
+        "grad_stats": ("cuda", "triton", "torch"),
+        "agc": ("triton", "cuda", "torch"),
+        "centralize": ("triton", "cuda", "torch"),
+    },
+}
+#: Order for lists of at least LONG_LIST_MIN tensors, per device type (every op).
+MEASURED_LONG_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "cuda", "torch")}
+LONG_LIST_MIN = 1000
+
+
+def auto_order(op: str, device_type: str, n_tensors: int) -> tuple[str, ...]:
+    """The automatic order of backends for primitive ``op`` on a list of ``n_tensors`` tensors of
+    ``device_type``: the measured table where it has an entry, else :data:`AUTO_ORDER`."""
+    if n_tensors >= LONG_LIST_MIN and device_type in MEASURED_LONG_ORDER:
+        return MEASURED_LONG_ORDER[device_type]
+    order = MEASURED_ORDER.get(device_type, {}).get(op)
+    return order if order is not None else AUTO_ORDER.get(device_type, _FALLBACK_ORDER)
 
 _REGISTRY: dict[str, Backend] = {}
 _default: str | None = None
@@ -108,13 +146,36 @@ def select(op: str, tensors: Sequence[Tensor], backend: str | None = None, **par
             )
         return b
     dev = tensors[0].device.type if tensors else "cpu"
-    for candidate in AUTO_ORDER.get(dev, _FALLBACK_ORDER):
+    for candidate in auto_order(op, dev, len(tensors)):
         b = _REGISTRY.get(candidate)
         if b is None or _unavailable(candidate) is not None:
             continue
         if b.supports(op, tensors, **params) is None:
             return b
     return _REGISTRY["torch"]
+
+
+def selects_builtin(device_type: str, op: str, backend: str | None, norm_type: float) -> bool:
+    """Whether :func:`select` would return the built-in backend named ``device_type`` ("cpu") for a
+    Checked list (plain tensors on one ``device_type`` device) with this ``backend=`` argument and
+    ``norm_type``, without building the list: lets a host fast path that calls that backend's kernels
+    directly (fastgrad/_scan.py) skip the list scan. False whenever the answer could differ (another
+    backend named or first in the order, a replaced registry entry, a norm order without a fused kernel);
+    the caller then takes the general path, which selects (and raises) as usual."""
+    name = backend if backend is not None else get_default_backend()
+    if name is None:
+        order = auto_order(op, device_type, 0)
+        if not order or order[0] != device_type:
+            return False
+        name = device_type
+    elif name != device_type:
+        return False
+    b = _REGISTRY.get(name)
+    return (b is not None and b is _BUILTIN.get(name) and _unavailable(name) is None
+            and (op not in ("norm", "amp_norm", "agc") or is_fast_norm_type(norm_type)))
+
+
+_BUILTIN: dict[str, Backend] = {}
 
 
 def _register_builtin() -> None:
@@ -130,6 +191,7 @@ def _register_builtin() -> None:
 
     register(CudaBackend())
     register(CpuBackend())
+    _BUILTIN.update(_REGISTRY)
 
 
 _register_builtin()

@@ -1,0 +1,88 @@
+"""Fixed host cost of one ``clip_grad_norm_`` call on CPU tensors (issue 13's host-overhead case).
+
+Many tiny CPU gradients (one element each by default) make the call's fixed and per-tensor host work
+the whole cost. Measured in the same run, interleaved round by round so machine noise hits all alike:
+
+* ``fastgrad``: the public call as it runs now (cpu backend; the one-call C++ path when it applies);
+* ``fastgrad_ops``: the same call forced through the op-by-op path (norm op, coefficient in torch, scale
+  op), i.e. the code before the one-call path, for the before/after comparison;
+* ``torch``: ``torch.nn.utils.clip_grad_norm_`` (foreach).
+
+``--max-norm`` large (default) means the coefficient is 1 and nothing is written; small means every
+gradient is scaled. Reports the minimum and the median per call over all rounds.
+
+    python benchmarks/host_overhead.py --tensors 4000,148 --rounds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if __name__ == "__main__":  # run as a script: measure this checkout's fastgrad, not another installed copy
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def params(n: int, numel: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(numel, generator=g)
+    return ps
+
+
+def main(argv=None) -> int:
+    import fastgrad
+    from fastgrad import _scan
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tensors", default="4000,148", help="comma list of list lengths")
+    ap.add_argument("--numel", type=int, default=1, help="elements per gradient")
+    ap.add_argument("--max-norm", type=float, default=1e9)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=0, help="calls per variant per round (0: ~20 ms worth)")
+    args = ap.parse_args(argv)
+
+    real = _scan.clip_norm_cpu
+
+    def op_by_op(ps):
+        _scan.clip_norm_cpu = lambda *a: None
+        try:
+            return fastgrad.clip_grad_norm_(ps, args.max_norm)
+        finally:
+            _scan.clip_norm_cpu = real
+
+    variants = {
+        "fastgrad": lambda ps: fastgrad.clip_grad_norm_(ps, args.max_norm),
+        "fastgrad_ops": op_by_op,
+        "torch": lambda ps: torch.nn.utils.clip_grad_norm_(ps, args.max_norm),
+    }
+    print(f"# fastgrad {fastgrad.__file__}, torch {torch.__version__}, threads {torch.get_num_threads()}, max_norm {args.max_norm}, "
+          f"numel {args.numel}; per call, microseconds")
+    for n in [int(x) for x in args.tensors.split(",") if x]:
+        ps = params(n, args.numel)
+        calls = args.calls or max(3, int(20_000 / (n * 0.15 + 10)))
+        times = {k: [] for k in variants}
+        for fn in variants.values():
+            fn(ps)
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(ps)
+                times[name].append((time.perf_counter() - t0) / calls * 1e6)
+        base = statistics.median(times["torch"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{n:6d} tensors  {name:13s} min {min(ts):9.1f}  median {med:9.1f}  "
+                  f"(torch / this: {base / med:5.1f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
