@@ -88,6 +88,8 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
 def _check_logger(lg) -> None:
     """Refuse, when the monitor is built, a logger that would fail at the first logging step (maybe hours
     later). Accepts what ``GradientMonitor._emit`` can drive."""
+    if isinstance(lg, type):
+        raise TypeError(f"unsupported logger {lg.__name__}: a class, not an instance; pass e.g. {lg.__name__}(...)")
     if hasattr(lg, "add_scalar") or isinstance(lg, logging.Logger):
         return
     if hasattr(lg, "log") and callable(lg.log):
@@ -393,6 +395,9 @@ class GradientMonitor:
                        f"non-finite loss (NaN/Inf) first at step {first}; check the loss before backward()",
                        detail, steps=sorted({first, last}))
 
+    def _trend_args(self) -> dict:
+        return dict(self.rules)
+
     @torch.no_grad()
     def log(self) -> GradientReport:
         """Build the report of the current step (one sync) and send it to the loggers. Called automatically
@@ -413,10 +418,8 @@ class GradientMonitor:
         r = self.rules
         steps = list(self._h_steps)[-self.capacity:]
         norms = list(self._h_norm)[-self.capacity:]
-        trends = detect_trends(steps, norms, new_after=self._logged, spike_z=r["spike_z"],
-                               spike_ratio=r["spike_ratio"], warn_ratio=r["warn_ratio"], baseline=r["baseline"],
-                               warmup=r["warmup"], window=r["window"], min_history=r["min_history"],
-                               thresholds=self.thresholds)
+        trends = detect_trends(steps, norms, new_after=self._logged, thresholds=self.thresholds,
+                               **self._trend_args())
         losses = list(self._h_loss)[-self.capacity:]
         trends += detect_loss_jumps(steps, losses, new_after=self._logged, window=r["baseline"],
                                     warmup=r["warmup"], min_history=r["min_history"])
@@ -519,8 +522,7 @@ class GradientMonitor:
         pts = [(s, v) for s, v in zip(h["steps"], h["total_norm"]) if math.isfinite(v) and v > 0]
         if pts:
             ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.2, label="total grad norm")
-            spikes = detect_trends(h["steps"], h["total_norm"], k_sigma=self.k_sigma, window=self.trend_window,
-                                   min_history=self.min_history, thresholds=th)
+            spikes = detect_trends(h["steps"], h["total_norm"], thresholds=th, **self._trend_args())
             marks = {s for f in spikes if f.code == "spike" for s in f.steps}
             sp = [(s, v) for s, v in pts if s in marks]
             if sp:
