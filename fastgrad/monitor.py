@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .report import Finding, GradientReport, Thresholds, _fmt, _gather, _robust_baseline, detect_loss_jumps
 from . import _inputs as I
-from .stats import GradStats, _named, grad_stats
+from .stats import GradStats, _named, _stats_of
 
 __all__ = ["GradientMonitor", "detect_trends"]
 
@@ -189,6 +189,9 @@ class GradientMonitor:
             _check_logger(lg)
         self.named = _named(model)
         self.names = [n for n, p in self.named if p.requires_grad]
+        self._all_names = [n for n, _ in self.named]
+        self._params = [p for _, p in self.named]
+        self._meta: list = []  # names/shapes/dtypes/numel of the all-grads case, computed once
         self.every = every
         self.capacity = max(history, every or 1)
         self.per_layer = per_layer
@@ -244,9 +247,12 @@ class GradientMonitor:
     @torch.no_grad()
     def __call__(self, loss=None) -> GradientReport | None:
         """Record this step's gradients (call after ``backward()``); on a logging step return the report."""
-        return self.record(grad_stats(self.named, backend=self.backend), loss)
+        return self.record(self._stats(), loss)
 
     step_ = __call__
+
+    def _stats(self) -> GradStats:
+        return _stats_of(self._all_names, self._params, self.backend, self._meta)
 
     @torch.no_grad()
     def record(self, stats: GradStats, loss=None) -> GradientReport | None:
@@ -319,15 +325,15 @@ class GradientMonitor:
 
         max_norm = I.check_max_norm(max_norm)
         p = I.check_norm_type(norm_type)
-        grads = [q.grad for _, q in self.named if q.grad is not None]
+        grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = grad_stats(self.named, backend=self.backend) if grads and _fusable(grads) else None
-            total = C.clip_grad_norm_([q for _, q in self.named], max_norm, p, error_if_nonfinite, foreach,
+            stats = self._stats() if grads and _fusable(grads) else None
+            total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
             self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
             return total
-        stats = grad_stats(self.named, backend=self.backend)
+        stats = self._stats()
         total = stats.total_norm
         if error_if_nonfinite:
             C._check_finite(total, p)  # the one sync asked for, before anything is written
@@ -402,7 +408,7 @@ class GradientMonitor:
     def log(self) -> GradientReport:
         """Build the report of the current step (one sync) and send it to the loggers. Called automatically
         on every ``every``-th step; call it yourself at any time."""
-        stats = self.last_stats if self.last_stats is not None else grad_stats(self.named, backend=self.backend)
+        stats = self.last_stats if self.last_stats is not None else self._stats()
         pnorms = None
         if self.include_params and len(stats):
             from .clip import multi_tensor_norm
