@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .report import Finding, GradientReport, Thresholds, _fmt, _gather, _robust_baseline, detect_loss_jumps
+from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
 from . import _inputs as I
 from .stats import GradStats, _named, _stats_of
 
@@ -49,18 +49,8 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
     """
     th = thresholds or Thresholds()
     found: list[Finding] = []
-    spikes = []
-    for i, (s, v) in enumerate(zip(steps, norms)):
-        if s <= new_after or s <= warmup or not math.isfinite(v):
-            continue
-        base = [x for x in norms[max(0, i - baseline):i] if math.isfinite(x)]
-        if len(base) < min_history:
-            continue
-        med, sd = _robust_baseline(base)
-        if med <= 0:
-            continue
-        if v > med + spike_z * max(sd, 0.05 * med) and v >= spike_ratio * med:
-            spikes.append((s, v, v / med, med))
+    spikes = robust_jumps(steps, norms, new_after=new_after, warmup=warmup, window=baseline,
+                          min_history=min_history, z=spike_z, min_ratio=spike_ratio)
     if spikes:
         s0, v0, r0, m0 = max(spikes, key=lambda t: t[2])
         sev = "warning" if r0 >= warn_ratio else "notice"

@@ -605,6 +605,25 @@ def _robust_baseline(values: Sequence[float]) -> tuple[float, float]:
     return med, 1.4826 * mad
 
 
+def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: int, warmup: int, window: int,
+                 min_history: int, z: float, min_ratio: float) -> list[tuple[int, float, float, float]]:
+    """``(step, value, value / median, median)`` of each step after ``new_after`` and ``warmup`` whose value
+    is over ``z`` robust std (floored at 5% of the median) above the median of the up to ``window`` finite
+    values before it and at least ``min_ratio`` times that median (positive medians only)."""
+    vals = list(values)
+    out = []
+    for i, (s, v) in enumerate(zip(steps, vals)):
+        if s <= new_after or s <= warmup or not math.isfinite(v):
+            continue
+        base = [x for x in vals[max(0, i - window):i] if math.isfinite(x)]
+        if len(base) < min_history:
+            continue
+        med, sd = _robust_baseline(base)
+        if med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med:
+            out.append((s, v, v / med, med))
+    return out
+
+
 def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0, window: int = 50,
                       warmup: int = 10, min_history: int = 10, z: float = 6.0, notice_ratio: float = 3.0,
                       warn_ratio: float = 10.0) -> list[Finding]:
@@ -612,20 +631,8 @@ def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_afte
     than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it
     AND at least ``notice_ratio`` times that median (a warning from ``warn_ratio``). Only positive medians
     are compared by ratio; a loss that can be negative gets no jump findings."""
-    vals = list(losses)
-    jumps = []
-    for i, (s, v) in enumerate(zip(steps, vals)):
-        if s <= new_after or i < warmup or not math.isfinite(v):
-            continue
-        base = [x for x in vals[max(0, i - window):i] if math.isfinite(x)]
-        if len(base) < min_history:
-            continue
-        med, sd = _robust_baseline(base)
-        if med <= 0:
-            continue
-        sd = max(sd, 0.05 * med)
-        if v > med + z * sd and v >= notice_ratio * med:
-            jumps.append((s, v, v / med, med))
+    jumps = robust_jumps(steps, losses, new_after=new_after, warmup=warmup, window=window,
+                         min_history=min_history, z=z, min_ratio=notice_ratio)
     if not jumps:
         return []
     top = max(jumps, key=lambda j: j[2])
