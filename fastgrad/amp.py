@@ -250,7 +250,6 @@ def _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinit
 
 
 # ---------------------------------------------------------------- public
-@torch.no_grad()
 def _explain_bad_args(scaler, optimizer) -> None:
     """Error path of scaler_unscale_and_clip: ``optimizer`` has no param_groups. Say the fix."""
     if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
@@ -262,6 +261,7 @@ def _explain_bad_args(scaler, optimizer) -> None:
                     "max_norm) (the gradients were not modified)") from None
 
 
+@torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
                             error_if_nonfinite: bool = False, zero_write: bool = False,
                             backend: str | None = None, process_group=None) -> Tensor:
@@ -291,8 +291,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     try:
         params = optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
-        _explain_bad_args(scaler, optimizer)
-        raise
+        _explain_bad_args(scaler, optimizer)  # raises the TypeError that says the fix
     traced = _traced_plain(scaler)
     if not _enabled(scaler, traced):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
