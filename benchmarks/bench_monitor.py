@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "torch": torch.__version__,
             "device": a.device, "threads": torch.get_num_threads(), "backend": a.backend or "auto",
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
             "command": " ".join(["python -m benchmarks.bench_monitor"] + (argv or sys.argv[1:]))}
     if a.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
