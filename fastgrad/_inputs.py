@@ -26,7 +26,12 @@ def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
     if isinstance(parameters, Tensor):
         return [parameters]
     is_generator = isinstance(parameters, types.GeneratorType)
-    items = list(parameters)
+    try:
+        items = list(parameters)
+    except TypeError:
+        if isinstance(parameters, torch.nn.Module):  # error path only: say what to pass instead
+            raise TypeError(_MODULE_FIX.format(type(parameters).__name__)) from None
+        raise
     if warn_empty_generator and is_generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
     return items
@@ -38,12 +43,40 @@ def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     grads = _scan.grads_of(params)
     if grads is not None:
         return grads
-    return [p.grad for p in params if p.grad is not None]  # (no walrus: dynamo cannot trace it)
+    try:
+        return [p.grad for p in params if p.grad is not None]  # (no walrus: dynamo cannot trace it)
+    except AttributeError:
+        reject_non_tensors(params)  # names the bad item and the fix
+        raise
+
+
+_MODULE_FIX = ("got a module ({}) where parameters are expected: pass model.parameters(), "
+               "e.g. fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)")
+
+
+def reject_non_tensors(items, what: str = "parameters") -> None:
+    """Raise a TypeError that says the fix for the usual mistakes: ``model.named_parameters()`` (pairs) or a
+    module where parameters are expected. Only called after the normal path failed (error path only)."""
+    for item in items:
+        if isinstance(item, Tensor):
+            continue
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            raise TypeError(
+                f"got (name, parameter) pairs where {what} are expected (model.named_parameters()?): pass "
+                "model.parameters(), or [p for _, p in model.named_parameters()]; the gradients were not "
+                "modified") from None
+        if isinstance(item, torch.nn.Module):
+            raise TypeError(_MODULE_FIX.format(type(item).__name__) + "; the gradients were not modified")
+        raise TypeError(f"{what} must be tensors, got {type(item).__name__}; the gradients "
+                        "were not modified")
 
 
 def pairs_of(params: list) -> tuple[list[Tensor], list[Tensor]] | None:
     """``(params with a grad, their grads)`` from one C++ pass, or None: see fastgrad/_scan.py."""
-    return _scan.pairs_of(params)
+    pairs = _scan.pairs_of(params)
+    if pairs is None:  # the compiled pass declined: before the caller's Python loop, name a bad item
+        reject_non_tensors(params)
+    return pairs
 
 
 # ---------------------------------------------------------------- validating
@@ -99,7 +132,7 @@ def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallb
     needs_torch = False
     for t in tensors:
         if not isinstance(t, Tensor):
-            raise TypeError(f"{what} must be tensors, got {type(t).__name__}")
+            reject_non_tensors([t], what)
         dt = t.dtype
         if dt in _FLOATING and t.layout == torch.strided:
             continue

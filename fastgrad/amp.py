@@ -250,6 +250,17 @@ def _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinit
 
 
 # ---------------------------------------------------------------- public
+def _explain_bad_args(scaler, optimizer) -> None:
+    """Error path of scaler_unscale_and_clip: ``optimizer`` has no param_groups. Say the fix."""
+    if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
+        raise TypeError("scaler_unscale_and_clip(scaler, optimizer, max_norm): the scaler and the optimizer are "
+                        "swapped; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, max_norm) (the "
+                        "gradients were not modified)") from None
+    raise TypeError(f"scaler_unscale_and_clip: optimizer must be a torch.optim.Optimizer (with param_groups), "
+                    f"got {type(optimizer).__name__}; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, "
+                    "max_norm) (the gradients were not modified)") from None
+
+
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
                             error_if_nonfinite: bool = False, zero_write: bool = False,
@@ -277,7 +288,10 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     """
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
-    params = optimizer_params(optimizer)
+    try:
+        params = optimizer_params(optimizer)
+    except (AttributeError, TypeError, KeyError, IndexError):
+        _explain_bad_args(scaler, optimizer)  # raises the TypeError that says the fix
     traced = _traced_plain(scaler)
     if not _enabled(scaler, traced):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,

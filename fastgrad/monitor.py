@@ -19,8 +19,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .report import Finding, GradientReport, Thresholds, _gather
-from .stats import GradStats, _named, grad_stats
+from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
+from . import _inputs as I
+from .stats import GradStats, _named, _stats_of
 
 __all__ = ["GradientMonitor", "detect_trends"]
 
@@ -28,46 +29,43 @@ _CSV_FIELDS = ["step", "status", "total_norm", "max_abs", "nan", "inf", "zero_fr
                "grad_param_ratio", "loss", "findings"]
 
 
-def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: int = 0, k_sigma: float = 3.0,
-                  window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Trends of a total-norm history (oldest first), as report findings:
+def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: int = 0, spike_z: float = 6.0,
+                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
+                  window: int = 200, min_history: int = 10, trend_ratio: float = 2.0,
+                  thresholds: Thresholds | None = None) -> list[Finding]:
+    """Trends of a total-norm history (oldest first), as report findings. Baselines are robust (median and
+    scaled MAD), so earlier spikes and heavy-tailed noise do not move them, and steps up to ``warmup`` are
+    never judged (early training is allowed to move fast):
 
-    - ``spike``: a step after ``new_after`` whose norm exceeds mean + k_sigma * std of the (up to ``window``)
-      finite norms before it; needs ``min_history`` of them. The std is floored at 5% of the mean so that a
-      nearly constant history does not turn small wobbles into spikes. A warning if some spike is also over
-      twice the mean, else a notice.
-    - ``increasing``: over the last ``window`` finite norms split in four quarters, each quarter's median is
-      above the previous one and the last is at least twice the first (medians ignore single spikes).
+    - ``spike``: a step after ``new_after`` whose norm is more than ``spike_z`` robust standard deviations
+      above the median of the (up to ``baseline``) finite norms before it AND at least ``spike_ratio`` times
+      that median; needs ``min_history`` of them. The robust std is floored at 5% of the median so a nearly
+      constant history does not turn wobbles into spikes. A warning when some spike is ``warn_ratio`` times
+      the median or more, else a notice. The title names the step and the size of the largest spike.
+    - ``increasing``: the finite norms after ``warmup`` in the last ``window`` steps, split in four quarters:
+      each quarter's median above the previous one and the last at least ``trend_ratio`` times the first.
     - ``decaying``: each quarter's median below the previous one and the last one under the vanishing
       threshold (1e-3) or 1000x below the first: the norm decays to ~0.
     """
     th = thresholds or Thresholds()
     found: list[Finding] = []
-    spikes, big = [], False
-    for i, (s, v) in enumerate(zip(steps, norms)):
-        if s <= new_after or not math.isfinite(v):
-            continue
-        base = [x for x in norms[max(0, i - window):i] if math.isfinite(x)]
-        if len(base) < min_history:
-            continue
-        mean = sum(base) / len(base)
-        std = math.sqrt(sum((x - mean) ** 2 for x in base) / len(base))
-        std = max(std, 0.05 * abs(mean))
-        if v > mean + k_sigma * std:
-            spikes.append(s)
-            big = big or v > 2 * mean
+    spikes = robust_jumps(steps, norms, new_after=new_after, warmup=warmup, window=baseline,
+                          min_history=min_history, z=spike_z, min_ratio=spike_ratio)
     if spikes:
-        # Over a long noisy history some k-sigma excursions are chance: only a spike that also doubles the
-        # mean norm is a warning.
-        found.append(Finding("spike", "warning" if big else "notice", f"gradient norm spikes (> {k_sigma:g} sigma)",
-                             f"{len(spikes)} step(s) above mean + {k_sigma:g} std of the preceding history.",
-                             steps=spikes))
-    recent = [v for v in norms[-window:] if math.isfinite(v)]
+        s0, v0, r0, m0 = max(spikes, key=lambda t: t[2])
+        sev = "warning" if r0 >= warn_ratio else "notice"
+        title = (f"gradient norm spike at step {s0}: {r0:.3g}x the recent median" if len(spikes) == 1 else
+                 f"gradient norm spikes at {len(spikes)} steps (largest at step {s0}: {r0:.3g}x the recent median)")
+        detail = "; ".join(f"step {s}: norm {_fmt(v)} = {r:.3g}x median {_fmt(m)}" for s, v, r, m in spikes[:5])
+        found.append(Finding("spike", sev, title, detail + ("; ..." if len(spikes) > 5 else "") + ".",
+                             steps=[t[0] for t in spikes]))
+    tail = list(zip(steps[-window:], norms[-window:]))
+    recent = [v for s, v in tail if s > warmup and math.isfinite(v)]
     if len(recent) >= max(min_history, 4):
         q = len(recent) // 4
         med = [median(recent[i * q:(i + 1) * q]) for i in range(3)] + [median(recent[3 * q:])]
-        first_step = steps[-len(norms[-window:])]
-        if all(b > a for a, b in zip(med, med[1:])) and med[3] >= 2 * med[0]:
+        first_step = next(s for s, v in tail if s > warmup and math.isfinite(v))
+        if all(b > a for a, b in zip(med, med[1:])) and med[3] >= trend_ratio * med[0]:
             found.append(Finding("increasing", "warning", "gradient norm steadily increasing",
                                  f"Median norm grew {med[3] / med[0] if med[0] else math.inf:.3g}x since step "
                                  f"{first_step} ({' -> '.join(f'{m:.3g}' for m in med)})."))
@@ -75,6 +73,64 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
             found.append(Finding("decaying", "warning", "gradient norm decaying to ~0",
                                  f"Median norm fell from {med[0]:.3g} to {med[3]:.3g} since step {first_step}."))
     return found
+
+
+def _check_logger(lg) -> None:
+    """Refuse, when the monitor is built, a logger that would fail at the first logging step (maybe hours
+    later). Accepts what ``GradientMonitor._emit`` can drive."""
+    if isinstance(lg, type):
+        raise TypeError(f"unsupported logger {lg.__name__}: a class, not an instance; pass e.g. {lg.__name__}(...)")
+    if hasattr(lg, "add_scalar") or isinstance(lg, logging.Logger):
+        return
+    if hasattr(lg, "log") and callable(lg.log):
+        return
+    if hasattr(lg, "write"):
+        if not callable(lg.write):
+            raise TypeError(f"logger {lg!r}: its 'write' attribute is not callable; pass an open text file")
+        return
+    if isinstance(lg, (str, os.PathLike)):
+        path = os.fspath(lg)
+        if not path:
+            raise ValueError("logger: an empty CSV path; pass a file name such as 'grad_health.csv'")
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"logger: CSV path {path!r} is a directory; name a file inside it, e.g. "
+                             f"{os.path.join(path, 'grad_health.csv')!r}")
+        if not os.path.isdir(folder):
+            raise ValueError(f"logger: the folder of the CSV path {path!r} does not exist ({folder}); create it "
+                             f"first (os.makedirs({folder!r}, exist_ok=True)) or pick another path")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise ValueError(f"logger: the CSV path {path!r} is not writable")
+        return
+    if callable(lg) and not isinstance(lg, type):
+        return
+    raise TypeError(
+        f"unsupported logger {lg!r} of type {type(lg).__name__}: pass a TensorBoard SummaryWriter (has "
+        "add_scalar), a wandb run (has log(dict)), a logging.Logger, a CSV path or open text file, a callable "
+        "f(metrics: dict, step: int), a list of these, or None")
+
+
+def _fusable(grads: list[Tensor]) -> bool:
+    """Dense real floating plain tensors: what the fused statistics pass reads (DTensor, sparse and complex
+    gradients take the two-pass path)."""
+    if type(grads) is I.Checked:
+        return True
+    for g in grads:
+        if type(g) is not Tensor and not isinstance(g, torch.nn.Parameter):
+            return False
+        if g.layout != torch.strided or g.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                         torch.float64):
+            return False
+    return True
+
+
+def _empty_like_stats(named, total: Tensor) -> GradStats:
+    """Statistics the fused pass cannot compute (e.g. sparse grads): only the total norm, nothing per tensor."""
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total  # a DTensor norm: its value
+    e_f = torch.zeros(0, device=total.device)
+    e_i = torch.zeros(0, dtype=torch.int64, device=total.device)
+    return GradStats([], [], [], e_f, e_f, e_i, e_i, e_i, e_i, total.detach().reshape(()).float(),
+                     [n for n, _ in named])
 
 
 class GradientMonitor:
@@ -89,29 +145,50 @@ class GradientMonitor:
             report = monitor(loss)      # None except every 100th step, when it is a GradientReport
             optimizer.step(); optimizer.zero_grad()
 
+    or, clipping and monitoring in one read of the gradients::
+
+            loss.backward()
+            monitor.clip_grad_norm_(1.0, loss=loss)   # = fastgrad.clip_grad_norm_ + monitor(loss)
+            optimizer.step(); optimizer.zero_grad()
+
     ``logger``: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar``), a Weights & Biases run
     (anything with ``log(dict)``), a ``logging.Logger``, a CSV path or text file, a callable
     ``f(metrics: dict, step: int)``, or a list of these; None keeps the reports in ``last_report`` only.
+    Each is checked here (TypeError/ValueError naming the problem), not at the first logging step.
     ``history``: ring-buffer length in steps (at least ``every``). ``loss`` may be a tensor (stored on the
-    device, no sync) or a number.
+    device, no sync) or a number; a NaN/Inf loss on any step is reported, as critical, at the next logging
+    step with the first step it happened (a device-side flag: no sync in between).
+
+    Alert rules (:func:`detect_trends`, :func:`~fastgrad.report.detect_loss_jumps`): robust baselines
+    (median and MAD of the last ``baseline`` steps), nothing judged during the first ``warmup`` steps; a
+    spike must be ``spike_z`` robust std above the median and ``spike_ratio`` times it (a warning from
+    ``warn_ratio``); a loss jump of 10x its recent median is a warning, of 3x a notice.
     """
 
     def __init__(self, model, every: int | None = 100, logger=None, *, history: int = 1000,
-                 per_layer: bool = True, include_params: bool = True, k_sigma: float = 3.0,
+                 per_layer: bool = True, include_params: bool = True, spike_z: float = 6.0,
+                 spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                  trend_window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None,
                  backend: str | None = None):
-        if every is not None and every < 1:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be a positive number of steps, got {history!r}")
+        self.loggers = list(logger) if isinstance(logger, (list, tuple)) else ([] if logger is None else [logger])
+        for lg in self.loggers:
+            _check_logger(lg)
         self.named = _named(model)
         self.names = [n for n, p in self.named if p.requires_grad]
+        self._all_names = [n for n, _ in self.named]
+        self._params = [p for _, p in self.named]
+        self._meta: list = []  # names/shapes/dtypes/numel of the all-grads case, computed once
         self.every = every
-        self.loggers = list(logger) if isinstance(logger, (list, tuple)) else ([] if logger is None else [logger])
         self.capacity = max(history, every or 1)
         self.per_layer = per_layer
         self.include_params = include_params
-        self.k_sigma = k_sigma
+        self.rules = dict(spike_z=spike_z, spike_ratio=spike_ratio, warn_ratio=warn_ratio, baseline=baseline,
+                          warmup=warmup, window=trend_window, min_history=min_history)
         self.trend_window = trend_window
-        self.min_history = min_history
         self.thresholds = thresholds or Thresholds()
         self.backend = backend
         self.step = 0  # host-side counter: the only thing that picks ring-buffer slots
@@ -122,6 +199,8 @@ class GradientMonitor:
         self._flushed = 0  # last step copied into the host history
         self._logged = 0  # last step whose trends were reported
         self._h_steps, self._h_norm, self._h_loss, self._h_nonfinite = array("q"), array("d"), array("d"), array("d")
+        # Non-finite losses given as numbers, since the last report: (first step, count, last step).
+        self._host_bad_loss = [0, 0, 0]
         self._csv_files: dict[int, tuple] = {}
 
     # ---------------------------------------------------------------- per step
@@ -133,6 +212,8 @@ class GradientMonitor:
             "norm": torch.full((cap,), nan, device=dev, dtype=dt),
             "loss": torch.full((cap,), nan, device=dev, dtype=torch.float32 if dt != torch.float64 else dt),
             "nonfinite": torch.zeros(cap, device=dev, dtype=torch.int64),
+            # [first step, count, last step] of non-finite tensor losses since the last report (0 = none)
+            "bad_loss": torch.zeros(3, device=dev, dtype=torch.int64),
         }
         if self.per_layer:
             self._bufs["layers"] = torch.full((cap, len(self.names)), nan, device=dev, dtype=dt)
@@ -156,7 +237,19 @@ class GradientMonitor:
     @torch.no_grad()
     def __call__(self, loss=None) -> GradientReport | None:
         """Record this step's gradients (call after ``backward()``); on a logging step return the report."""
-        stats = grad_stats(self.named, backend=self.backend)
+        return self.record(self._stats(), loss)
+
+    step_ = __call__
+
+    def _stats(self) -> GradStats:
+        return _stats_of(self._all_names, self._params, self.backend, self._meta)
+
+    @torch.no_grad()
+    def record(self, stats: GradStats, loss=None) -> GradientReport | None:
+        """Record one step from statistics computed elsewhere (e.g. by a clip pass or ``fastgrad.check``)
+        without reading the gradients again: ``stats`` must come from ``grad_stats`` over this monitor's
+        parameters (or a subset: per-layer columns are matched by name). No host sync except on a logging
+        step, where the report is returned (else None)."""
         self.last_stats = stats
         if self._bufs is None:
             like = stats.total_norm
@@ -174,9 +267,22 @@ class GradientMonitor:
         else:
             b["nonfinite"][slot] = 0
         if isinstance(loss, Tensor):
-            b["loss"][slot:slot + 1].copy_(loss.detach().reshape(-1)[:1], non_blocking=True)
+            lt = loss.detach().reshape(-1)
+            b["loss"][slot:slot + 1].copy_(lt[:1], non_blocking=True)
+            # Device-side flag of a non-finite loss: first/last step and count, all without a sync.
+            bad = (~torch.isfinite(lt)).any().to(dev, non_blocking=True)
+            fl = b["bad_loss"]
+            fl[0:1].copy_(torch.where(bad & (fl[0] == 0), self.step, fl[0]).reshape(1))
+            fl[1:2].add_(bad.reshape(1))
+            fl[2:3].copy_(torch.where(bad, self.step, fl[2]).reshape(1))
         else:
-            b["loss"][slot] = float("nan") if loss is None else float(loss)  # a fill kernel, no sync
+            value = float("nan") if loss is None else float(loss)
+            b["loss"][slot] = value  # a fill kernel, no sync
+            if loss is not None and not math.isfinite(value):
+                h = self._host_bad_loss
+                h[0] = h[0] or self.step
+                h[1] += 1
+                h[2] = self.step
         if self.per_layer:
             row = b["layers"][slot]
             src, dst = self._layer_index(stats.names, dev)
@@ -190,7 +296,40 @@ class GradientMonitor:
             return self.log()
         return None
 
-    step_ = __call__
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None, *, loss=None) -> Tensor:
+        """``fastgrad.clip_grad_norm_`` over the monitored parameters AND this step's monitor record, from
+        ONE read of the gradients: the fused statistics pass gives the per-tensor L2 norms (and max |g|,
+        NaN/Inf/zero counts), the total norm and the clip coefficient are derived on the device, and the
+        gradients are scaled only where the coefficient is below 1 (the fused backends skip the write
+        otherwise). Returns the total norm before clipping, as ``clip_grad_norm_`` does; no host sync except
+        on a logging step (then the report is in ``last_report`` and went to the loggers) or with
+        ``error_if_nonfinite=True``. The recorded statistics are those before clipping.
+
+        The total equals ``clip_grad_norm_``'s to within float32 rounding (it is the norm of the per-tensor
+        norms; the C++ cpu kernel of ``clip_grad_norm_`` sums squares in double before its one rounding), so
+        the clipped gradients agree to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor
+        gradients: ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
+        from . import clip as C
+
+        max_norm = I.check_max_norm(max_norm)
+        p = I.check_norm_type(norm_type)
+        grads = I.grads_of(self._params)
+        if p != 2.0 or not grads or not _fusable(grads):
+            # The statistics are read first, so that they describe the gradients before clipping.
+            stats = self._stats() if grads and _fusable(grads) else None
+            total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
+                                      backend=self.backend)
+            self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
+            return total
+        stats = self._stats()
+        total = stats.total_norm
+        if error_if_nonfinite:
+            C._check_finite(total, p)  # the one sync asked for, before anything is written
+        C._scale(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), self.backend, foreach)
+        self.record(stats, loss)
+        return total.to(I.promoted_dtype(grads))
 
     # ---------------------------------------------------------------- reading (syncs)
     def _slots(self, first_step: int, last_step: int) -> list[int]:
@@ -232,11 +371,34 @@ class GradientMonitor:
         rows = self._bufs["layers"].double().tolist()
         return {name: [rows[k][j] for k in order] for j, name in enumerate(self.names)}
 
+    def _bad_loss_finding(self, dev_flag: list[float]) -> Finding | None:
+        """Merge the device flag and the host one (losses given as numbers), then clear both."""
+        h = self._host_bad_loss
+        firsts = [int(v) for v in (dev_flag[0], h[0]) if v]
+        count = int(dev_flag[1]) + h[1]
+        last = max(int(dev_flag[2]), h[2])
+        self._host_bad_loss = [0, 0, 0]
+        if self._bufs is not None:
+            self._bufs["bad_loss"].zero_()  # a kernel, no sync: the next window starts clean
+        if not count:
+            return None
+        first = min(firsts)
+        since = f"since step {self._logged}" if self._logged else "so far"
+        detail = (f"The loss was NaN/Inf at {count} step(s) {since}, first at step {first}"
+                  + (f", last at step {last}" if last != first else "")
+                  + ". The optimizer stepped on gradients of a meaningless loss (finite or not).")
+        return Finding("nonfinite_loss", "critical",
+                       f"non-finite loss (NaN/Inf) first at step {first}; check the loss before backward()",
+                       detail, steps=sorted({first, last}))
+
+    def _trend_args(self) -> dict:
+        return dict(self.rules)
+
     @torch.no_grad()
     def log(self) -> GradientReport:
         """Build the report of the current step (one sync) and send it to the loggers. Called automatically
         on every ``every``-th step; call it yourself at any time."""
-        stats = self.last_stats if self.last_stats is not None else grad_stats(self.named, backend=self.backend)
+        stats = self.last_stats if self.last_stats is not None else self._stats()
         pnorms = None
         if self.include_params and len(stats):
             from .clip import multi_tensor_norm
@@ -244,27 +406,38 @@ class GradientMonitor:
             params = [p.detach() for n, p in self.named if p.grad is not None]
             _, pnorms = multi_tensor_norm(params, per_tensor=True, backend=self.backend)
         b = self._bufs
-        extras = [b["norm"], b["loss"], b["nonfinite"]] if b is not None else []
+        extras = [b["norm"], b["loss"], b["nonfinite"], b["bad_loss"]] if b is not None else []
         host, rest = _gather(stats, pnorms, extras)  # the one sync of a logging step
+        flag = rest.pop() if rest else [0, 0, 0]
         if rest:
             self._absorb(*rest)
+        r = self.rules
         steps = list(self._h_steps)[-self.capacity:]
         norms = list(self._h_norm)[-self.capacity:]
-        losses = [v for v in list(self._h_loss)[-self.trend_window:] if math.isfinite(v)]
-        trends = detect_trends(steps, norms, new_after=self._logged, k_sigma=self.k_sigma, window=self.trend_window,
-                               min_history=self.min_history, thresholds=self.thresholds)
+        trends = detect_trends(steps, norms, new_after=self._logged, thresholds=self.thresholds,
+                               **self._trend_args())
+        losses = list(self._h_loss)[-self.capacity:]
+        trends += detect_loss_jumps(steps, losses, new_after=self._logged, window=r["baseline"],
+                                    warmup=r["warmup"], min_history=r["min_history"])
+        bad_loss = self._bad_loss_finding(flag)
         bad_steps = [s for s, v in zip(self._h_steps, self._h_nonfinite) if s > self._logged and v > 0]
         current_bad = sum(host["nan"]) + sum(host["inf"]) > 0
         if bad_steps and not (current_bad and bad_steps == [self.step]):
             trends.append(Finding("nonfinite_seen", "warning", "non-finite gradients at earlier steps",
                                   f"{len(bad_steps)} step(s) since the last report had NaN/Inf gradients.",
                                   steps=bad_steps))
-        report = GradientReport._build(host, stats, loss_history=losses or None, step=self.step,
-                                       thresholds=self.thresholds, extra_findings=trends)
+        finite_losses = [v for v in losses[-self.trend_window:] if math.isfinite(v)]
+        loss_now = self._h_loss[-1] if len(self._h_loss) and self._h_steps[-1] == self.step else math.nan
+        report = GradientReport._build(host, stats, loss_history=finite_losses or None, step=self.step,
+                                       thresholds=self.thresholds,
+                                       extra_findings=([bad_loss] if bad_loss else []) + trends,
+                                       loss=None if math.isnan(loss_now) and bad_loss is None else loss_now)
+        if bad_loss is not None:  # first in the list: the earliest cause
+            report.findings.remove(bad_loss)
+            report.findings.insert(0, bad_loss)
         new_steps = [(s, v) for s, v in zip(self._h_steps, self._h_norm) if s > self._logged]
         self._logged = self.step
         self.last_report = report
-        loss_now = self._h_loss[-1] if len(self._h_loss) and self._h_steps[-1] == self.step else math.nan
         for lg in self.loggers:
             self._emit(lg, report, new_steps, loss_now)
         return report
@@ -345,8 +518,7 @@ class GradientMonitor:
         pts = [(s, v) for s, v in zip(h["steps"], h["total_norm"]) if math.isfinite(v) and v > 0]
         if pts:
             ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.2, label="total grad norm")
-            spikes = detect_trends(h["steps"], h["total_norm"], k_sigma=self.k_sigma, window=self.trend_window,
-                                   min_history=self.min_history, thresholds=th)
+            spikes = detect_trends(h["steps"], h["total_norm"], thresholds=th, **self._trend_args())
             marks = {s for f in spikes if f.code == "spike" for s in f.steps}
             sp = [(s, v) for s, v in pts if s in marks]
             if sp:

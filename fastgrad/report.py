@@ -15,6 +15,9 @@ total norm > 1000                         critical    ``exploding``
 1e-3 <= total norm < 0.1                  notice      ``low``
 0 < total norm < 1e-3                     warning     ``vanishing``; a notice ``small_but_learning``
                                                       instead when a loss history shows progress
+NaN or Inf loss (even with finite grads)  critical    ``nonfinite_loss`` (the current loss, or any
+                                                      value of the loss history)
+loss jumps >= 10x its recent median       warning     ``loss_spike`` (>= 3x: a notice)
 > 50% of gradient values exactly zero     warning     ``dead``
 early layers' norms > 1000x below late    warning     ``depth_vanishing``
 ========================================  ==========  =============================================
@@ -25,6 +28,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import asdict, dataclass, field
+from statistics import median
 from typing import Iterable, Sequence
 
 import torch
@@ -32,7 +36,8 @@ from torch import Tensor
 
 from .stats import GradStats, _named, grad_stats
 
-__all__ = ["Thresholds", "Finding", "ParamRow", "LayerRow", "GradientReport", "gradient_report", "loss_progress"]
+__all__ = ["Thresholds", "Finding", "ParamRow", "LayerRow", "GradientReport", "gradient_report", "loss_progress",
+           "detect_loss_jumps"]
 
 SEVERITIES = ("notice", "warning", "critical")
 _RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
@@ -108,6 +113,27 @@ _RECOMMEND: dict[str, tuple[str, str]] = {
         "# to locate the op that produced it:\n"
         "with torch.autograd.detect_anomaly():\n"
         "    loss = criterion(model(x), y); loss.backward()",
+    ),
+    "nonfinite_loss": (
+        "The loss itself is NaN/Inf, so every update computed from it is garbage even where the gradients are "
+        "finite. Check the loss before backward() and skip (or stop) the step; in a custom loss keep log, "
+        "division and exp in range (add an eps, clamp); if the loss diverged first, lower the learning rate.",
+        "loss = criterion(model(x), y)\n"
+        "if not torch.isfinite(loss):   # one sync; fastgrad.GradientMonitor(model)(loss) flags it without one\n"
+        "    raise FloatingPointError(f'non-finite loss {loss.item()} at step {step}')\n"
+        "# unstable pieces of a custom loss:\n"
+        "loss = -torch.log(p.clamp_min(1e-8))         # log(0) = -inf\n"
+        "ratio = a / (b + 1e-8)                       # x / 0\n"
+        "z = torch.exp(s.clamp(max=80.0))             # exp overflows float32 above ~88\n"
+        "for group in optimizer.param_groups:         # and if the loss diverged first\n"
+        "    group['lr'] *= 0.1",
+    ),
+    "loss_spike": (
+        "The loss jumped far above its recent level: an outlier batch, a too-high learning rate, or the start "
+        "of a divergence. Clip the gradient norm, lower the learning rate, and check the batch of that step.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.5",
     ),
     "no_learning": (
         "Nothing will change at the next step. Check that the parameters require grad, that the loss depends "
@@ -256,35 +282,52 @@ class GradientReport:
     step: int | None = None
     loss_progress: bool | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
+    loss: float | None = None  # the current loss, when one was given (NaN/Inf kept)
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_stats(cls, stats: GradStats, param_norms: Tensor | None = None, *,
                    loss_history: Sequence | Tensor | None = None, step: int | None = None,
-                   thresholds: Thresholds | None = None) -> "GradientReport":
+                   thresholds: Thresholds | None = None, loss=None) -> "GradientReport":
         """Build a report from device statistics with one host sync. ``param_norms``: the per-tensor norms
         of the parameters in the order of ``stats`` (for the grad/param ratio). ``loss_history``: recent loss
-        values (floats or tensors, oldest first) for the "small but learning is fine" caveat."""
+        values (floats or tensors, oldest first) for the "small but learning is fine" caveat, the loss-jump
+        rule and the non-finite-loss check. ``loss``: the current loss (tensor or number), read in the same
+        sync; NaN/Inf there or in the history is a critical finding even when every gradient is finite."""
         extras, floats = [], None
+        dev = stats.total_norm.device
         if isinstance(loss_history, Tensor):
             extras = [loss_history.detach()]
         elif loss_history is not None:
             loss_history = list(loss_history)
             if any(isinstance(v, Tensor) for v in loss_history):
-                dev = stats.total_norm.device
                 extras = [torch.stack([torch.as_tensor(v).detach().reshape(()).to(dev, torch.float64)
                                        for v in loss_history])]
             else:
                 floats = [float(v) for v in loss_history]
+        loss_value = None
+        if isinstance(loss, Tensor):
+            # every element counts for finiteness; the first one is the value shown
+            lt = loss.detach().reshape(-1)
+            extras.append(torch.stack([lt[0].to(dev, torch.float64) if lt.numel() else
+                                       torch.zeros((), dtype=torch.float64, device=dev),
+                                       (~torch.isfinite(lt)).any().to(dev, torch.float64)]))
+        elif loss is not None:
+            loss_value = float(loss)
         host, rest = _gather(stats, param_norms, extras)
-        if extras:
+        if isinstance(loss, Tensor):
+            value, bad = rest.pop()
+            loss_value = value if not bad or not math.isfinite(value) else math.nan
+        if rest:
             floats = rest[0]
-        return cls._build(host, stats, loss_history=floats, step=step, thresholds=thresholds)
+        return cls._build(host, stats, loss_history=floats, step=step, thresholds=thresholds, loss=loss_value)
 
     @classmethod
     def _build(cls, host: dict, stats: GradStats, *, loss_history: Sequence[float] | None = None,
                step: int | None = None, thresholds: Thresholds | None = None,
-               extra_findings: Iterable[Finding] = ()) -> "GradientReport":
+               extra_findings: Iterable[Finding] = (), loss: float | None = None,
+               history_steps: Sequence[int] | None = None) -> "GradientReport":
+        """``history_steps``: the step of each ``loss_history`` value (default: positions 1..n)."""
         th = thresholds or Thresholds()
         pn = host.get("param_norm")
         params = [
@@ -306,9 +349,13 @@ class GradientReport:
             total_norm=total, max_abs=max_abs, nan=sum(r.nan for r in params), inf=sum(r.inf for r in params),
             zero=sum(r.zero for r in params), numel=sum(r.numel for r in params), param_norm=param_norm,
             ratio=_ratio(total, param_norm), params=params, layers=layers, no_grad=list(stats.no_grad),
-            findings=[], step=step, loss_progress=progress, thresholds=th,
+            findings=[], step=step, loss_progress=progress, thresholds=th, loss=loss,
         )
-        report.findings = _classify(report) + list(extra_findings)
+        steps = list(history_steps) if history_steps is not None else (
+            list(range(1, len(loss_history) + 1)) if loss_history is not None else [])
+        # The loss comes first: a bad loss is the earliest cause of everything after it.
+        report.findings = (_loss_findings(loss, loss_history, steps, step) + _classify(report)
+                           + list(extra_findings))
         report._downgrade_with_progress()
         return report
 
@@ -352,6 +399,7 @@ class GradientReport:
             "nan": self.nan, "inf": self.inf, "zero": self.zero, "numel": self.numel,
             "zero_fraction": self.zero / self.numel if self.numel else 0.0,
             "param_norm": self.param_norm, "grad_param_ratio": self.ratio, "loss_progress": self.loss_progress,
+            "loss": self.loss,
             "no_grad": list(self.no_grad),
             "findings": [asdict(f) for f in self.findings],
             "layers": [asdict(r) for r in self.layers],
@@ -387,6 +435,8 @@ class GradientReport:
             ("Zero gradient values", f"{frac:.1%} of {self.numel:,}"),
             ("Tensors with a gradient", f"{len(self.params)} (without: {len(self.no_grad)})"),
         ]
+        if self.loss is not None:
+            rows.append(("Loss", _fmt(self.loss) + ("" if math.isfinite(self.loss) else " (NON-FINITE)")))
         if self.loss_progress is not None:
             rows.append(("Loss history", "improving" if self.loss_progress else "not improving"))
         if self.step is not None:
@@ -523,6 +573,76 @@ class GradientReport:
         return out
 
 
+# ---------------------------------------------------------------------------------------------- loss rules
+def _loss_findings(loss: float | None, history: Sequence[float] | None, steps: Sequence[int],
+                   step: int | None) -> list[Finding]:
+    """A non-finite current loss or history value (critical), else a jump of the last history values far
+    above their recent median (``detect_loss_jumps``)."""
+    hist = list(history) if history is not None else []
+    bad = [s for s, v in zip(steps, hist) if not math.isfinite(v)]
+    now_bad = loss is not None and not math.isfinite(loss)
+    if now_bad or bad:
+        where = []
+        if now_bad:
+            where.append(f"the current loss is {loss}" + (f" (step {step})" if step is not None else ""))
+        if bad:
+            where.append(f"{len(bad)} value(s) of the loss history are NaN/Inf, first at step {bad[0]}")
+        return [Finding("nonfinite_loss", "critical", "non-finite loss (NaN/Inf); check the loss before backward()",
+                        _cap("; ".join(where)) + ". The gradients computed from it are meaningless even "
+                        "if finite.", steps=sorted(set(bad + ([step] if now_bad and step is not None else []))))]
+    return detect_loss_jumps(steps, hist)
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def _robust_baseline(values: Sequence[float]) -> tuple[float, float]:
+    """(median, scaled MAD) of ``values``: 1.4826 * MAD estimates the std of normal noise, and neither
+    moves much when a few outliers (earlier spikes) are in the window."""
+    med = median(values)
+    mad = median(abs(v - med) for v in values)
+    return med, 1.4826 * mad
+
+
+def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: int, warmup: int, window: int,
+                 min_history: int, z: float, min_ratio: float) -> list[tuple[int, float, float, float]]:
+    """``(step, value, value / median, median)`` of each step after ``new_after`` and ``warmup`` whose value
+    is over ``z`` robust std (floored at 5% of the median) above the median of the up to ``window`` finite
+    values before it and at least ``min_ratio`` times that median (positive medians only)."""
+    vals = list(values)
+    out = []
+    for i, (s, v) in enumerate(zip(steps, vals)):
+        if s <= new_after or s <= warmup or not math.isfinite(v):
+            continue
+        base = [x for x in vals[max(0, i - window):i] if math.isfinite(x)]
+        if len(base) < min_history:
+            continue
+        med, sd = _robust_baseline(base)
+        if med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med:
+            out.append((s, v, v / med, med))
+    return out
+
+
+def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0, window: int = 50,
+                      warmup: int = 10, min_history: int = 10, z: float = 6.0, notice_ratio: float = 3.0,
+                      warn_ratio: float = 10.0) -> list[Finding]:
+    """``loss_spike`` findings: a step after ``new_after`` (and after ``warmup`` values) whose loss is more
+    than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it
+    AND at least ``notice_ratio`` times that median (a warning from ``warn_ratio``). Only positive medians
+    are compared by ratio; a loss that can be negative gets no jump findings."""
+    jumps = robust_jumps(steps, losses, new_after=new_after, warmup=warmup, window=window,
+                         min_history=min_history, z=z, min_ratio=notice_ratio)
+    if not jumps:
+        return []
+    top = max(jumps, key=lambda j: j[2])
+    sev = "warning" if top[2] >= warn_ratio else "notice"
+    title = (f"loss jump at step {top[0]}: {top[2]:.3g}x its recent median" if len(jumps) == 1 else
+             f"loss jumps at {len(jumps)} steps (largest {top[2]:.3g}x its recent median, step {top[0]})")
+    detail = "; ".join(f"step {s}: {_fmt(v)} ({r:.3g}x median {_fmt(m)})" for s, v, r, m in jumps[:5])
+    return [Finding("loss_spike", sev, title, detail + ".", steps=[j[0] for j in jumps])]
+
+
 # ---------------------------------------------------------------------------------------------- classification
 def _group_layers(params: list[ParamRow], with_params: bool) -> list[LayerRow]:
     layers: dict[str, LayerRow] = {}
@@ -656,14 +776,16 @@ def _layers_text(f: Finding, limit: int = 8) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-def gradient_report(model_or_parameters, *, loss_history: Sequence | Tensor | None = None,
+def gradient_report(model_or_parameters, *, loss=None, loss_history: Sequence | Tensor | None = None,
                     include_params: bool = True, step: int | None = None, thresholds: Thresholds | None = None,
                     backend: str | None = None) -> GradientReport:
     """Gradient health report of a model (or parameters, or ``(name, param)`` pairs) after ``backward()``.
 
     Reads every gradient once (``grad_stats``) and, with ``include_params``, every parameter once (for the
-    grad/param norm ratio), then syncs the host once. ``loss_history`` (oldest first) enables the "small but
-    learning is fine" caveat for vanishing gradients."""
+    grad/param norm ratio), then syncs the host once. ``loss`` (tensor or number) is the current loss and
+    ``loss_history`` (oldest first) the recent ones: a NaN/Inf in either is a critical ``nonfinite_loss``
+    finding even when every gradient is finite; the history also enables the "small but learning is fine"
+    caveat for vanishing gradients and the ``loss_spike`` rule."""
     named = _named(model_or_parameters)
     stats = grad_stats(named, backend=backend)
     pnorms = None
@@ -672,4 +794,5 @@ def gradient_report(model_or_parameters, *, loss_history: Sequence | Tensor | No
 
         params = [p.detach() for _, p in named if p.grad is not None]
         _, pnorms = multi_tensor_norm(params, per_tensor=True, backend=backend)
-    return GradientReport.from_stats(stats, pnorms, loss_history=loss_history, step=step, thresholds=thresholds)
+    return GradientReport.from_stats(stats, pnorms, loss_history=loss_history, step=step, thresholds=thresholds,
+                                     loss=loss)

@@ -79,6 +79,28 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     iterable of parameters (named by position), or one tensor.
     """
     named = _named(parameters_or_named_parameters_or_module)
+    return _stats_of([n for n, _ in named], [p for _, p in named], backend)
+
+
+def _stats_of(names: list[str], params: list[Tensor], backend: str | None, meta: list | None = None) -> GradStats:
+    """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
+    the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
+    (torch keeps a grad's shape and dtype equal to its parameter's), cached in ``meta`` across calls by a
+    caller that keeps the same parameter list (a monitor); else the Python loop."""
+    grads = I.grads_of(params)
+    if len(grads) == len(params) and grads:
+        if meta is None or not meta:
+            info = (list(names), [tuple(p.shape) for p in params], [p.dtype for p in params])
+            if meta is not None:
+                meta.append(info)
+        else:
+            info = meta[0]
+        cols = tensor_stats(grads, backend=backend, numel=info[3] if len(info) > 3 else None)
+        if meta is not None and len(info) == 3:
+            meta[0] = info + (cols["numel"],)
+        return GradStats(info[0], info[1], info[2], cols["norm"], cols["max_abs"], cols["nan"], cols["inf"],
+                         cols["zero"], cols["numel"], cols["total_norm"], [])
+    named = list(zip(names, params))
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     no_grad = [n for n, p in named if p.grad is None]
     if not with_grad:
@@ -94,7 +116,8 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
                      no_grad)
 
 
-def tensor_stats(tensors: list[Tensor], *, backend: str | None = None) -> dict[str, Tensor]:
+def tensor_stats(tensors: list[Tensor], *, backend: str | None = None, numel: Tensor | None = None
+                 ) -> dict[str, Tensor]:
     """The statistics of ``grad_stats`` over any non-empty list of dense real floating tensors (e.g. the
     parameters themselves, for ``find_nonfinite``): a dict of 1-D tensors ``norm``, ``max_abs``, ``nan``,
     ``inf``, ``zero``, ``numel`` in input order and the 0-dim ``total_norm``, on the first tensor's device,
@@ -111,7 +134,9 @@ def tensor_stats(tensors: list[Tensor], *, backend: str | None = None) -> dict[s
         for k, v in out.items():
             parts.setdefault(k, []).append(v.to(first, dtype if v.is_floating_point() else torch.int64))
     cols = {k: I.restore_order(torch.cat(v), groups) for k, v in parts.items()}
-    # numel is known on the host; the copy is asynchronous, so it costs no sync.
-    cols["numel"] = torch.tensor(list(map(Tensor.numel, tensors)), dtype=torch.int64).to(first, non_blocking=True)
+    # numel is known on the host; the copy is asynchronous, so it costs no sync. (``numel``: a cached copy.)
+    if numel is None or numel.device != first:
+        numel = torch.tensor(list(map(Tensor.numel, tensors)), dtype=torch.int64).to(first, non_blocking=True)
+    cols["numel"] = numel
     cols["total_norm"] = torch.linalg.vector_norm(cols["norm"])
     return cols

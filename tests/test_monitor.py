@@ -15,6 +15,9 @@ from torch import nn
 import fastgrad
 from fastgrad.monitor import detect_trends
 
+from . import helpers as H
+from . import oracle
+
 
 def _param(name="w"):
     # fp64 so that the norms we set are recorded exactly
@@ -160,11 +163,172 @@ def test_decay_to_zero_and_the_learning_caveat():
     assert r.finding("decaying").severity == "notice" and r.codes()[0] == "small_but_learning"
 
 
-def test_detect_trends_needs_history():
-    assert detect_trends(list(range(1, 6)), [1, 1, 1, 1, 100]) == []  # 4 points: too few for a baseline
-    assert detect_trends(list(range(1, 13)), [1.0] * 11 + [1.1]) == []  # std floor: a 10% wobble is no spike
-    (small,) = detect_trends(list(range(1, 13)), [1.0] * 11 + [1.5])  # over 3 sigma, under 2x the mean
-    assert small.code == "spike" and small.severity == "notice" and small.steps == [12]
+def test_detect_trends_needs_history_and_warmup():
+    assert detect_trends(list(range(1, 6)), [1, 1, 1, 1, 100]) == []  # too few for a baseline
+    assert detect_trends(list(range(1, 12)), [1.0] * 10 + [100.0]) == []  # step 11 is inside the warm-up
+    assert detect_trends(list(range(1, 27)), [1.0] * 25 + [1.1]) == []  # MAD floor: a wobble is no spike
+    assert detect_trends(list(range(1, 27)), [1.0] * 25 + [2.5]) == []  # under the minimum ratio (3x)
+    (small,) = detect_trends(list(range(1, 27)), [1.0] * 25 + [4.0])  # 4x: a notice
+    assert small.code == "spike" and small.severity == "notice" and small.steps == [26]
+    (big,) = detect_trends(list(range(1, 27)), [1.0] * 25 + [20.0])
+    assert big.severity == "warning" and "step 26" in big.title and "20x" in big.title
+
+
+def test_noisy_but_healthy_series_raises_nothing():
+    # Heavy-tailed noise (log-normal, sigma 0.2) with 2x outliers and a slow drift: a mean + 3 std rule
+    # flags several of these; robust baselines with a minimum ratio stay quiet.
+    g = torch.Generator().manual_seed(7)
+    norms = [0.5 * (1 + 0.001 * t) * math.exp(0.2 * float(v)) for t, v in enumerate(torch.randn(300, generator=g))]
+    for t in (40, 95, 170, 260):
+        norms[t] *= 2.0
+    losses = [2.0 / (1 + 0.01 * t) * math.exp(0.1 * float(v)) for t, v in enumerate(torch.randn(300, generator=g))]
+    named = [_param()]
+    reports = _drive(fastgrad.GradientMonitor(named, every=30), named, norms, losses)
+    assert [(s, r.codes()) for s, r in reports.items() if r.codes()] == []
+    assert detect_trends(list(range(1, 301)), norms) == []
+
+
+def _tiny_transformer_run(spike_at=None, steps=300, every=30):
+    """A real (tiny) Transformer trained with AdamW on a reversal task. Two monitors watch the same run:
+    ``clean`` sees the gradients as they are; ``spiked`` sees them multiplied by 20 at ``spike_at`` (the
+    optimizer still gets the clean ones, so both watch the same healthy training)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add contention on a shared machine
+    try:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        model = nn.ModuleDict(dict(emb=nn.Embedding(8, 16), enc=nn.TransformerEncoder(
+            layer, 2, enable_nested_tensor=False), head=nn.Linear(16, 8)))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        clean = fastgrad.GradientMonitor(model, every=every)
+        spiked = fastgrad.GradientMonitor(model, every=every)
+        g = torch.Generator().manual_seed(1)
+        out = {"clean": [], "spiked": []}
+        for t in range(1, steps + 1):
+            x = torch.randint(0, 8, (8, 8), generator=g)
+            logits = model["head"](model["enc"](model["emb"](x)))
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 8), x.flip(1).reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            if (r := clean(loss)) is not None:
+                out["clean"].append(r)
+            grads = [p.grad for p in model.parameters()]
+            if t == spike_at:
+                saved = [g_.clone() for g_ in grads]
+                torch._foreach_mul_(grads, 20.0)
+            if (r := spiked(loss)) is not None:
+                out["spiked"].append(r)
+            if t == spike_at:
+                for g_, s_ in zip(grads, saved):
+                    g_.copy_(s_)
+            opt.step()
+        out["loss"] = clean.history()["loss"]
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tiny_transformer_healthy_run_is_quiet_and_a_20x_spike_is_flagged():
+    out = _tiny_transformer_run(spike_at=150)
+    clean, spiked = out["clean"], out["spiked"]
+    assert len(clean) == 10 and out["loss"][-1] < out["loss"][0]  # it trains
+    assert [(r.step, r.codes()) for r in clean if r.codes()] == []  # no warning, not even a notice
+    flagged = [(r.step, r.finding("spike")) for r in spiked if r.finding("spike") is not None]
+    assert [s for s, _ in flagged] == [150]  # in its own logging window, and only there
+    f = flagged[0][1]
+    assert f.severity == "warning" and f.steps == [150] and "step 150" in f.title
+    ratio = float(f.title.split(": ")[1].split("x")[0])
+    assert 15 < ratio < 25  # its size: 20x the recent median (the median moves a little)
+    assert all(r.status == "healthy" for r in spiked if r.step != 150)
+
+
+def test_loss_jump_of_50x_is_a_warning():
+    named = [_param()]
+    losses = _noisy(60, seed=4, level=2.0, sigma=0.05)
+    losses[44] *= 50  # step 45
+    r = _drive(fastgrad.GradientMonitor(named, every=30), named, [1.0] * 60, losses)
+    assert r[30].codes() == []
+    f = r[60].finding("loss_spike")
+    assert f is not None and f.severity == "warning" and f.steps == [45] and "step 45" in f.title
+    losses[44] /= 50 / 4  # a 4x jump: only a notice
+    r = _drive(fastgrad.GradientMonitor(named, every=30), named, [1.0] * 60, losses)
+    assert r[60].finding("loss_spike").severity == "notice"
+
+
+# ---------------------------------------------------------------------------------------------- non-finite loss
+@pytest.mark.parametrize("as_tensor", [True, False])
+def test_nonfinite_loss_with_finite_grads_is_critical_at_the_next_logging_step(as_tensor):
+    named = [_param()]
+    mon = fastgrad.GradientMonitor(named, every=10)
+    losses = [1.0] * 20
+    losses[3] = float("nan")  # step 4
+    losses[6] = float("inf")  # step 7
+    losses = [torch.tensor(v) for v in losses] if as_tensor else losses
+    reports = _drive(mon, named, [1.0] * 20, losses)
+    r = reports[10]
+    assert r.status == "critical" and r.codes()[0] == "nonfinite_loss" and r.nan == r.inf == 0
+    f = r.finding("nonfinite_loss")
+    assert f.steps == [4, 7] and "first at step 4" in f.title and "2 step(s)" in f.detail
+    assert "check the loss before backward()" in r.to_markdown()
+    assert "clamp" in r.to_markdown() and "lr" in r.to_markdown()  # eps/clamp and learning-rate advice
+    assert reports[20].codes() == []  # the flag was cleared after being reported
+
+
+def _forbid_syncs(monkeypatch):
+    """Make every host read of a tensor raise (item, bool, float, int, tolist, cpu/numpy)."""
+    def boom(*a, **k):
+        raise AssertionError("host sync on a non-logging step")
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+
+
+def test_per_step_path_does_no_host_read(monkeypatch):
+    torch.manual_seed(0)
+    m = nn.Linear(5, 3)
+    plain = fastgrad.GradientMonitor(m, every=10)
+    clipping = fastgrad.GradientMonitor(m, every=10)
+    for t in range(1, 11):
+        m.zero_grad()
+        loss = m(torch.randn(4, 5)).pow(2).mean()
+        loss.backward()
+        # step 2: a NaN loss with finite gradients (what log(pred - y) with pred < y does)
+        seen = loss.detach() + (float("nan") if t == 2 else 0.0)
+        if t < 10:
+            with monkeypatch.context() as mp:
+                _forbid_syncs(mp)
+                assert plain(seen) is None
+                clipping.clip_grad_norm_(0.01, loss=seen)
+        else:
+            reports = [plain(seen), clipping.clip_grad_norm_(0.01, loss=seen) is not None and clipping.last_report]
+    for r in reports:  # step 2's NaN came back at step 10 from the device-side flag
+        assert r.step == 10 and r.codes()[0] == "nonfinite_loss" and r.finding("nonfinite_loss").steps == [2]
+        assert r.nan == r.inf == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nonfinite_loss_flag_is_sync_free_on_cuda():
+    m = nn.Linear(16, 4).cuda()
+    mon = fastgrad.GradientMonitor(m, every=4)
+    x = torch.randn(8, 16, device="cuda")
+    reports = []
+    for t in range(1, 5):
+        m.zero_grad()
+        out = m(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        # a NaN loss whose gradients stay finite (the loss is not a function of the NaN)
+        bad = loss.detach() + (torch.tensor(float("nan"), device="cuda") if t == 2 else 0.0)
+        if t < 4:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert mon(bad) is None
+                mon.clip_grad_norm_(1.0)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        else:
+            reports.append(mon(bad))
+    (r,) = reports
+    assert r.finding("nonfinite_loss").steps == [2] and r.status == "critical"
 
 
 def test_huge_lr_training_is_flagged_by_the_monitor():
@@ -272,3 +436,136 @@ def test_plot_png(tmp_path):
 def test_rejects_bad_every():
     with pytest.raises(ValueError, match="every"):
         fastgrad.GradientMonitor([_param()], every=0)
+
+
+# ---------------------------------------------------------------------------------------------- clip + monitor
+_SHAPES = [(3, 5), (1025,), (7, 1, 9), (0,), (4097,), (2, 3)]
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a factor of 1 (no write)
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float32, torch.bfloat16], [torch.float64]],
+                         ids=["fp32", "fp32+bf16", "fp64"])
+def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
+    backend, device = bd
+    params = H.make_params(_SHAPES, dtypes, device, seed=3, none_every=4)
+    ref, tref = H.clone_params(params), H.clone_params(params)
+    before = [p.grad.clone() if p.grad is not None else None for p in params]
+    mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
+    total = mon.clip_grad_norm_(max_norm)
+    ref_total = fastgrad.clip_grad_norm_(ref, max_norm, backend=backend)
+    torch_total = torch.nn.utils.clip_grad_norm_(tref, max_norm)
+    assert total.dtype == ref_total.dtype and total.device == ref_total.device and total.shape == ()
+    grads = [p.grad for p in params if p.grad is not None]
+    true_total, true_grads = oracle.clipped([g for g in before if g is not None], max_norm, 2.0)
+    # SPEC section 3: no worse than torch against the oracle (+1 ulp), and close to fastgrad's clip
+    H.assert_no_worse_than(total, torch_total, true_total, dtypes[-1], "total norm")
+    assert float(total) == pytest.approx(float(ref_total), rel=4e-7 if dtypes[-1] != torch.float64 else 1e-15)
+    if backend == "torch":  # the same per-tensor norms, combined the same way: the same bits
+        assert torch.equal(H.bits(total), H.bits(ref_total))
+    for g, r, t, b in zip(grads, H.grads(tref), true_grads, [g for g in before if g is not None]):
+        if max_norm == 1e6:
+            assert torch.equal(H.bits(g), H.bits(b))  # not clipping leaves the gradients untouched
+        else:
+            H.assert_no_worse_than(g, r, t, g.dtype, "clipped grad")
+    # the step was recorded from the same read: the statistics of the gradients before clipping
+    h = mon.history()
+    assert h["steps"] == [1] and h["total_norm"][0] == pytest.approx(float(total), rel=1e-6)
+    st = mon.last_stats
+    assert st.names == [str(i) for i, p in enumerate(params) if p.grad is not None]
+    assert st.max_abs.tolist() == pytest.approx([float(b.abs().max()) if b.numel() else 0.0
+                                                 for b in before if b is not None], rel=1e-6)
+
+
+def test_monitor_clip_nonfinite_and_other_norm_types(bd):
+    backend, device = bd
+    params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=5)
+    params[1].grad[2] = float("nan")
+    mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
+    before = [p.grad.clone() for p in params]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        mon.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert all(torch.equal(H.bits(p.grad), H.bits(b)) for p, b in zip(params, before))  # untouched
+    total = mon.clip_grad_norm_(1.0)  # a NaN norm makes every gradient NaN, as torch does
+    assert math.isnan(float(total)) and all(p.grad.isnan().all() for p in params)
+    r = mon.log()
+    assert r.finding("nonfinite").layers == ["1"]
+    # norm_type != 2: the clip's own norm, then a separate statistics pass of the unclipped gradients
+    params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=6)
+    ref = H.clone_params(params)
+    mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
+    pre = fastgrad.grad_stats(params, backend=backend).total_norm
+    total = mon.clip_grad_norm_(0.1, norm_type=1.0)
+    assert torch.equal(total, fastgrad.clip_grad_norm_(ref, 0.1, norm_type=1.0, backend=backend))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, ref))
+    assert torch.equal(mon.last_stats.total_norm, pre)
+
+
+# ---------------------------------------------------------------------------------------------- clear errors
+def test_loggers_are_checked_when_the_monitor_is_built(tmp_path):
+    m = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="unsupported logger 42 of type int.*SummaryWriter"):
+        fastgrad.GradientMonitor(m, logger=42)
+    with pytest.raises(TypeError, match="unsupported logger"):
+        fastgrad.GradientMonitor(m, logger=[logging.getLogger("x"), object()])
+    with pytest.raises(TypeError, match="unsupported logger"):
+        fastgrad.GradientMonitor(m, logger=io.StringIO)  # the class, not a file
+    missing = tmp_path / "no_such_dir" / "grads.csv"
+    with pytest.raises(ValueError, match="folder of the CSV path .* does not exist.*makedirs"):
+        fastgrad.GradientMonitor(m, logger=str(missing))
+    with pytest.raises(ValueError, match="is a directory"):
+        fastgrad.GradientMonitor(m, logger=tmp_path)
+
+    class NoWrite:
+        write = 3
+
+    with pytest.raises(TypeError, match="'write' attribute is not callable"):
+        fastgrad.GradientMonitor(m, logger=NoWrite())
+    with pytest.raises(ValueError, match="every must be"):
+        fastgrad.GradientMonitor(m, every=0)
+    # what works is still accepted: a path in an existing folder, files, callables, loggers
+    fastgrad.GradientMonitor(m, logger=[tmp_path / "ok.csv", io.StringIO(), lambda d, s: None,
+                                        logging.getLogger("y")])
+    assert not (tmp_path / "ok.csv").exists()  # checking does not create the file
+
+
+def _linear_with_grads():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    m(torch.randn(5, 4)).pow(2).sum().backward()
+    return m, [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: fastgrad.clip_grad_norm_(m.named_parameters(), 1.0),
+    lambda m: fastgrad.clip_grad_value_(m.named_parameters(), 0.1),
+    lambda m: fastgrad.clip_grads_with_norm_(m.named_parameters(), 1.0, torch.tensor(5.0)),
+    lambda m: fastgrad.get_total_norm(m.named_parameters()),
+    lambda m: fastgrad.multi_tensor_norm(m.named_parameters()),
+    lambda m: fastgrad.adaptive_clip_grad_(m.named_parameters(), 0.01),
+    lambda m: fastgrad.centralize_gradient_(m.named_parameters()),
+], ids=["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "multi_tensor_norm",
+        "adaptive_clip_grad_", "centralize_gradient_"])
+def test_named_parameters_where_parameters_are_expected(call):
+    m, before = _linear_with_grads()
+    with pytest.raises(TypeError, match=r"named_parameters\(\).*pass model.parameters\(\)"):
+        call(m)
+    assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+
+
+def test_module_where_parameters_are_expected():
+    m, before = _linear_with_grads()
+    for arg in (m, nn.Sequential(m)):
+        with pytest.raises(TypeError, match=r"got a module .* pass model.parameters\(\)"):
+            fastgrad.clip_grad_norm_(arg, 1.0)
+    assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+
+
+def test_swapped_scaler_and_optimizer():
+    m, before = _linear_with_grads()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with pytest.raises(TypeError, match=r"swapped; call fastgrad.scaler_unscale_and_clip\(scaler, optimizer"):
+        fastgrad.scaler_unscale_and_clip(opt, scaler, 1.0)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        fastgrad.scaler_unscale_and_clip(scaler, m, 1.0)
+    assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))

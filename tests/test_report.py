@@ -313,3 +313,51 @@ def test_custom_thresholds():
     th = Thresholds(healthy_high=1.0, exploding=2.0, critical=3.0)
     assert fastgrad.gradient_report([("w", _one_grad(2.5))], thresholds=th).codes() == ["exploding"]
     assert fastgrad.gradient_report([("w", _one_grad(2.5))]).status == "healthy"
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+def _finite_grads_model():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    m(torch.randn(8, 4)).pow(2).mean().backward()
+    return m
+
+
+def test_nonfinite_loss_history_is_critical_with_finite_grads():
+    m = _finite_grads_model()
+    r = fastgrad.gradient_report(m, loss_history=[1.0, 0.9, float("nan")])
+    assert r.nan == r.inf == 0 and r.status == "critical" and r.codes() == ["nonfinite_loss"]
+    f = r.finding("nonfinite_loss")
+    assert f.steps == [3] and "first at step 3" in f.detail
+    md = r.to_markdown()
+    assert "check the loss before backward()" in md and "clamp" in md and "lr" in md
+
+
+def test_custom_loss_that_goes_nan_with_finite_gradients():
+    # log(pred - y) with pred < y: the loss is NaN, d log(u)/du = 1/u is finite, so are the gradients
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    with torch.no_grad():
+        m.bias.fill_(-10.0)
+    x, y = torch.randn(16, 3), torch.ones(16, 1)
+    loss = torch.log(m(x) - y).mean()
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters()) and torch.isnan(loss)
+    r = fastgrad.gradient_report(m, loss=loss)
+    assert r.status == "critical" and r.codes()[0] == "nonfinite_loss" and math.isnan(r.loss)
+    assert "| Loss | nan (NON-FINITE) |" in r.to_markdown()
+    assert r.to_dict()["loss"] != r.to_dict()["loss"]  # NaN kept in the dict
+    ok = fastgrad.gradient_report(m, loss=torch.tensor(0.25), loss_history=[1.0, 0.5])
+    assert "nonfinite_loss" not in ok.codes() and ok.loss == 0.25 and "| Loss | 0.25 |" in ok.to_markdown()
+    assert fastgrad.gradient_report(m, loss=float("inf")).codes()[0] == "nonfinite_loss"
+    # a multi-element loss counts every element, shown by its first
+    assert fastgrad.gradient_report(m, loss=torch.tensor([1.0, float("nan")])).status == "critical"
+
+
+def test_loss_jump_in_the_history():
+    m = _finite_grads_model()
+    hist = [2.0 - 0.01 * i for i in range(30)] + [50 * 1.7]
+    r = fastgrad.gradient_report(m, loss_history=hist)
+    f = r.finding("loss_spike")
+    assert f.severity == "warning" and f.steps == [31] and "step 31" in f.title
+    assert "loss_spike" not in fastgrad.gradient_report(m, loss_history=hist[:-1]).codes()
