@@ -98,8 +98,9 @@ def launch_grad_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor
             _stats_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, fpart, ipart, g.b0, nb,
                 DT=tl_dtype(g.dtypes[0]), ACC=tl.float64, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
-                num_warps=Config.NUM_WARPS)
+                num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _stats_finalize_kernel[(triton.cdiv(n, Config.SEG_BLOCK),)](
             fpart, ipart, plan.seg, norm, max_abs, nan, inf, zero, plan.nsegs, nb,
-            ACC=tl.float64, OUT=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+            ACC=tl.float64, OUT=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
+            num_warps=4, enable_fp_fusion=False)
     return norm, max_abs, nan, inf, zero
