@@ -51,18 +51,20 @@ def make_params(shapes: Sequence[tuple], dtypes, device: str, seed: int = 0, sca
     return params
 
 
-def clone_params(params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """Deep copies that keep each gradient's strides (so non-contiguous stays non-contiguous)."""
+def clone_params(params: Sequence[torch.nn.Parameter], device=None) -> list[torch.nn.Parameter]:
+    """Deep copies that keep each gradient's strides (so non-contiguous stays non-contiguous), on
+    ``device`` if given (a reference that torch can only compute there), else on the originals' device."""
     out = []
     for p in params:
-        q = torch.nn.Parameter(p.detach().clone())
+        dev = p.device if device is None else torch.device(device)
+        q = torch.nn.Parameter(p.detach().to(dev, copy=True))
         if p.grad is not None:
             g = p.grad
             if g.is_contiguous():
-                q.grad = g.clone()
+                q.grad = g.to(dev, copy=True)
             else:
                 storage = torch.empty(g.untyped_storage().nbytes() // g.element_size(), dtype=g.dtype,
-                                      device=g.device)
+                                      device=dev)
                 c = storage.as_strided(g.shape, g.stride(), g.storage_offset())
                 c.copy_(g)
                 q.grad = c

@@ -29,6 +29,8 @@ V128_LOAD = re.compile(r"ld\.global(?:\.[\w:]+)*?\.(?:v4\.[bfus]32|v2\.[bfus]64)
 # only sound where the mask is provably uniform per vector, which the tails never are (tensor lengths are
 # arbitrary); Triton emits it when an alignment hint wrongly lands on the block length.
 PRED_VEC = re.compile(r"@!?%p\d+\s+(?:ld|st)\.global(?:\.[\w:]+)*?\.v[24]\.")
+# A fused multiply-add in the PTX (fma.rn.f32, fma.rn.ftz.f32, fma.rn.f64, packed variants)
+FMA = re.compile(r"\bfma\.rn(?:\.\w+)*\s")
 WORKER_TIMEOUT_S = 540
 
 
@@ -214,7 +216,9 @@ def _worker(shard: int, nshards: int) -> int:
             _, _, _, ck = compile_case(k, args, kwargs, arch)
             ptx = ck.asm.get("ptx", "")
             res.update(ok=True, stages=sorted(ck.asm), cubin=bool(ck.asm.get("cubin")),
-                       v128_loads=len(V128_LOAD.findall(ptx)), pred_vec=len(PRED_VEC.findall(ptx)))
+                       v128_loads=len(V128_LOAD.findall(ptx)), pred_vec=len(PRED_VEC.findall(ptx)),
+                       fma=len(FMA.findall(ptx)), nv_pow="__nv_pow\"" in ck.asm.get("ttir", ""),
+                       fp_fusion=bool(getattr(ck.metadata, "enable_fp_fusion", None)))
         except Exception as e:  # noqa: BLE001 - a compile error of any kind is the finding
             res.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
         res["seconds"] = round(time.perf_counter() - t0, 3)
@@ -339,6 +343,29 @@ def test_aligned_fp32_norm_partial_uses_128bit_loads(aot):
     assert len(rs) == 8 * len(ARCHS)  # 4 modes x AMP on/off
     scalar = [_label(r) for r in rs if r["v128_loads"] == 0]
     assert not scalar, "no 128-bit vector loads (ld.global.v4) in: " + ", ".join(scalar)
+
+
+def test_fractional_p_uses_libdevice_pow(aot):
+    # pow built as exp2(p * log2 a) loses bits in proportion to |p ln a| (~10 ulp on the H100 for fp64 and
+    # p = 0.5); every kernel that raises to a fractional power must call CUDA's accurate pow instead
+    _, results = aot
+    pow_kernels = ("._norm_partial_kernel", "._norm_finalize_kernel", "._agc_partial_kernel", "._agc_coef_kernel")
+    rs = [r for r in results if r["kernel"].endswith(pow_kernels) and r["constexprs"].get("MODE") == "3"]
+    assert len(rs) >= 4 * len(ARCHS)
+    naive = [_label(r) for r in rs if not r["nv_pow"]]
+    assert not naive, "MODE=3 (fractional p) without libdevice pow (__nv_pow) in: " + ", ".join(naive)
+
+
+def test_no_fma_contraction(aot):
+    # Norm bits must not depend on where a compiler chooses to fuse a * b + c: every launch pins
+    # enable_fp_fusion=False, so the only FMAs left are the explicit ones inside libdevice's pow.
+    _, results = aot
+    fused = [_label(r) for r in results if r["fp_fusion"]]
+    assert not fused, "compiled with enable_fp_fusion=True: " + ", ".join(fused[:4])
+    rs = [r for r in results if not r["nv_pow"]]
+    assert rs
+    bad = [f"{_label(r)} ({r['fma']})" for r in rs if r["fma"]]
+    assert not bad, f"fma.rn in the PTX of {len(bad)} specialisations, e.g.: " + ", ".join(bad[:4])
 
 
 if __name__ == "__main__":

@@ -103,16 +103,17 @@ def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: 
             _agc_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.ptr_tabs[1], plan.blk, part, p, g.b0, nb,
                 DTW=tl_dtype(g.dtypes[0]), DTG=tl_dtype(g.dtypes[1]), ACC=tl.float64, MODE=mode,
-                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         if plan.nsegs:
             _agc_coef_kernel[(triton.cdiv(plan.nsegs, Config.SEG_BLOCK),)](
                 part, plan.seg, coef, float(clip_factor), float(eps), 1e-6, 1.0 / p, plan.nsegs, nb,
-                ACC=tl.float64, OUT=tl.float64, MODE=mode, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+                ACC=tl.float64, OUT=tl.float64, MODE=mode, SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
+                num_warps=4, enable_fp_fusion=False)
         for g in plan.groups:
             if g.count == 0:
                 continue
             dt = g.dtypes[1]
             _scale_kernel[(g.count,)](
                 plan.ptr_tabs[1], plan.blk, coef, g.b0, DT=tl_dtype(dt), C=tl.float64, PER_SEG=True,
-                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
     copy_back(copies)

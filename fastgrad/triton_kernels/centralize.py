@@ -76,15 +76,15 @@ def launch_centralize_(grads: Sequence[Tensor]) -> None:
             if g.count:
                 _gc_partial_kernel[(g.count,)](
                     plan.ptr_tabs[0], plan.blk, part, g.b0, DT=tl_dtype(g.dtypes[0]), ACC=tl.float64,
-                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _gc_mean_kernel[(triton.cdiv(plan.nsegs, Config.SEG_BLOCK),)](
             part, plan.seg, mean, plan.nsegs, ACC=tl.float64, SEG_BLOCK=Config.SEG_BLOCK,
-            PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+            PART_BLOCK=Config.PART_BLOCK, num_warps=4, enable_fp_fusion=False)
         for g in plan.groups:
             if g.count:
                 dt = g.dtypes[0]
                 _gc_apply_kernel[(g.count,)](
                     plan.ptr_tabs[0], plan.blk, mean, g.b0, DT=tl_dtype(dt),
                     C=tl.float64,  # x - mean in fp64, rounded once
-                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
     copy_back(copies)

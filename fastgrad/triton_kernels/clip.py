@@ -82,7 +82,7 @@ def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
             _scale_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, factor, g.b0,
                 DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32, PER_SEG=False,
-                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
     copy_back(copies)
 
 
@@ -97,5 +97,5 @@ def launch_clip_value_(tensors: Sequence[Tensor], clip_value: float) -> None:
             _clip_value_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, float(clip_value), g.b0,
                 DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32,
-                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS)
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
     copy_back(copies)

@@ -16,6 +16,10 @@ per dtype present (usually one), whatever the list's length. Plans are built onc
 vectorised torch ops, copied to the device in one transfer and cached by the lists' (data_ptr, numel,
 dtype) tuples, so a training loop that reuses its gradient buffers pays for the tables once.
 Offsets are int64 throughout; kernels never recompile for a new list (counts are not specialised).
+
+Every launch passes ``enable_fp_fusion=False``: Triton otherwise contracts a * b + c into one FMA where its
+LLVM/ptxas see fit (and the default changes in Triton 3.10), so norm bits could change with the compiler
+version; without contraction each operation rounds as written, as in the interpreter and the C++ build.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from .. import _scan
 
 INF = tl.constexpr(float("inf"))
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # The interpreter rounds fp32 -> bf16 by truncation; hardware rounds to nearest even. Under the
 # interpreter the kernels round by hand so CPU runs give the bits a GPU gives.
-_EMULATE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_EMULATE_BF16 = _INTERPRET
 
 _TL_DTYPE = {
     torch.float16: tl.float16,
@@ -127,14 +133,73 @@ def div_rn(a, b):
 
 
 @triton.jit
+def _split(x):
+    # Veltkamp split: hi holds the top 26 bits, so products of halves are exact (no FMA needed: the
+    # interpreter of Triton 3.6 evaluates fma as a multiply and an add)
+    c = x * tl.full([], 134217729.0, tl.float64)  # 2^27 + 1 (not exact in fp32: no bare literal)
+    hi = c - (c - x)
+    return hi, x - hi
+
+
+@triton.jit
+def _two_prod(a, b):
+    """(p, e) with p = fl(a * b) and p + e = a * b exactly (Dekker)."""
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+@triton.jit
+def _exp2_int(k):
+    """2^k for integral fp64 k, clamped to the normal exponents [-1022, 1023]."""
+    k = tl.minimum(tl.maximum(k, -1022.0), 1023.0).to(tl.int64)
+    return ((k + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def pow_reduced(a, p):
+    """``a ** p`` for finite a > 0 and finite p > 0 from fp64 log2/exp2, about 1 ulp whatever the size of
+    p * log2(a): a = 2^e * m with m in [0.75, 1.5), and p * (e + log2 m) kept as two doubles, so only the
+    rounding of log2(m) (|log2 m| < 0.6) is scaled by p. The naive exp2(p * log2 a) rounds the product
+    itself, an error that exp2 multiplies by ln 2 * |p log2 a|: ~10 ulp for fp64 data and p = 0.5."""
+    bits = a.to(tl.int64, bitcast=True)
+    sub = ((bits >> 52) & 0x7FF) == 0
+    # subnormals: scale by 2^54 (exact) to make them normal; e takes the 54 back
+    a = tl.where(sub, a * 18014398509481984.0, a)
+    bits = a.to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1023 - tl.where(sub, 54, 0)
+    m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)
+    big = m >= 1.5
+    m = tl.where(big, m * 0.5, m)
+    e = e + tl.where(big, 1, 0)
+    ph, pl = _two_prod(p, e.to(tl.float64))
+    qh, ql = _two_prod(p, tl.log2(m))
+    s = ph + qh
+    bv = s - ph
+    serr = (ph - (s - bv)) + (qh - bv)  # two-sum: s + serr = ph + qh exactly
+    n = tl.floor(s + 0.5)
+    f = (s - n) + (serr + pl + ql)  # s - n is exact (Sterbenz); |f| <= ~0.5
+    # 2^n as two factors, so that the result over/underflows only when a ** p does
+    n = tl.minimum(tl.maximum(n, -2200.0), 2200.0)
+    n1 = tl.floor(n * 0.5)
+    return tl.exp2(f) * _exp2_int(n1) * _exp2_int(n - n1)
+
+
+@triton.jit
 def pow_fp64(a, p):
-    """``a ** p`` for a >= 0 (or NaN) and p > 0, in fp64 so the power stays accurate for fp32 data too
-    (the interpreter has no libdevice, so this is built from exp2/log2)."""
+    """``a ** p`` for a >= 0 (or NaN) and p > 0, in fp64 so the power stays accurate for fp32 data too.
+    Compiled: libdevice's pow (CUDA's double pow, within 2 ulp). The interpreter has no libdevice, so
+    there pow_reduced builds it from exp2/log2 with the same accuracy."""
     a64 = a.to(tl.float64)
-    pos = a64 > 0
-    r = tl.exp2(tl.log2(tl.where(pos, a64, 1.0)) * p)
-    # 0 -> 0, NaN -> NaN (NaN > 0 is false, so keep the input itself), inf -> inf via exp2(inf)
-    return tl.where(pos, r, tl.where(a64 == a64, 0.0, a64))
+    if _INTERPRET:
+        pos = (a64 > 0) & (a64 < INF)
+        r = pow_reduced(tl.where(pos, a64, 1.0), p)
+        # 0 -> 0, inf -> inf, NaN -> NaN (NaN > 0 is false, so keep the input itself)
+        return tl.where(pos, r, tl.where(a64 == 0, 0.0, a64))
+    else:
+        # pow(0, p > 0) = 0, pow(inf, p > 0) = inf, pow(NaN, p) = NaN: no special cases needed
+        return libdevice.pow(a64, p)
 
 
 @triton.jit
@@ -349,17 +414,29 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
+def _rows_dense(t: Tensor) -> bool:
+    """Dense with dim 0 outermost: row r fills [r * row_len, (r + 1) * row_len) elements from data_ptr, in
+    some order within the row (e.g. channels_last conv weights). AGC and GC only reduce a row and scale
+    or shift its elements, which no order within the row changes beyond summation order."""
+    if t.dim() <= 1 or t.shape[0] <= 1:
+        return _dense(t)
+    return _dense(t) and t.stride(0) == t.numel() // t.shape[0]
+
+
 def flat_inputs(tensors: Sequence[Tensor], rowwise: bool = False) -> tuple[list[Tensor], list]:
-    """Tensors the kernels can address as one flat buffer (``rowwise``: row-major with dim-0 rows), and
-    the (original, contiguous copy) pairs an in-place op must copy back."""
+    """Tensors the kernels can address as one flat buffer (``rowwise``: with dim-0 rows as consecutive
+    ranges), and the (original, contiguous copy) pairs an in-place op must copy back. Only overlapping or
+    gapped layouts (slices, expanded views) are copied: a fresh copy per call, so such lists rebuild
+    their kernel table every call and cannot be captured in a CUDA graph."""
     if type(tensors) is _scan.Checked and tensors.contiguous:  # checked in one pass already
         return tensors, []
     if all(map(Tensor.is_contiguous, tensors)):  # the common case, without a Python loop
         return tensors, []
     out = list(tensors)
     copies = []
+    dense = _rows_dense if rowwise else _dense
     for i, t in enumerate(out):
-        if t.is_contiguous() or (not rowwise and _dense(t)):
+        if t.is_contiguous() or dense(t):
             continue
         c = t.contiguous()
         out[i] = c
@@ -387,7 +464,10 @@ def acc_of(tensors: Sequence[Tensor]) -> torch.dtype:
 
 
 class device_guard:
-    """Launch on the tensors' GPU even when another one is current (no-op on CPU)."""
+    """Launch on the tensors' GPU even when another one is current (no-op on CPU). Triton launches on the
+    current device's current stream, so the switch is needed; CUDA's current device is per host thread,
+    so it changes nothing for other threads, and it costs one query when the device is already current
+    (the usual case)."""
 
     __slots__ = ("dev", "prev")
 
@@ -406,4 +486,5 @@ class device_guard:
     def __exit__(self, *exc):
         if self.prev is not None:
             torch.cuda.set_device(self.prev)
+            self.prev = None
         return False

@@ -184,9 +184,10 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
                 plan.ptr_tabs[0], plan.blk, part, flags, inv_scale if amp else part, p, g.b0,
                 DT=tl_dtype(dt), C=tl.float64 if dt == torch.float64 else tl.float32, ACC=tl.float64,
                 MODE=mode, HAS_SCALE=amp, FLAG=amp, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
-                num_warps=Config.NUM_WARPS)
+                num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _norm_finalize_kernel[(1,)](
             part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
             ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK,
-            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, FLAG_BLOCK=Config.FLAG_BLOCK, num_warps=4)
+            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, FLAG_BLOCK=Config.FLAG_BLOCK,
+            num_warps=4, enable_fp_fusion=False)
     return total, per, (found if amp else None)

@@ -17,10 +17,14 @@ from .multi_tensor import (INF, Config, acc_of, block_info, tensor_base, device_
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, ACC: tl.constexpr):
-    a = tl.abs(x.to(ACC))
+def _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, C: tl.constexpr, ACC: tl.constexpr):
+    # Only the sum of squares needs the fp64 accumulator. max |x| and the three tests are exact in the
+    # compute dtype C (fp32, fp64 for fp64 data), which keeps the per-element fp64 work (half-rate or less
+    # on GPUs) to a convert and a multiply-add, and the max/NaN accumulators at half the registers.
+    a = tl.abs(x.to(C))
     isnan = a != a
-    sq += a * a
+    a64 = a.to(ACC)
+    sq += a64 * a64
     mx = tl.maximum(mx, tl.where(isnan, 0.0, a))
     nanacc += nan_sticky(a)
     cnan += isnan.to(tl.int32)
@@ -31,13 +35,14 @@ def _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, ACC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["b0", "nb"])
 def _stats_partial_kernel(ptr_tab, blk_tab, fpart, ipart, b0, nb,
-                          DT: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                          DT: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
+                          BLOCK: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
     ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
     sq = tl.zeros([BLOCK], ACC)
-    mx = tl.zeros([BLOCK], ACC)
-    nanacc = tl.zeros([BLOCK], ACC)
+    mx = tl.zeros([BLOCK], C)
+    nanacc = tl.zeros([BLOCK], C)
     cnan = tl.zeros([BLOCK], tl.int32)
     cinf = tl.zeros([BLOCK], tl.int32)
     czero = tl.zeros([BLOCK], tl.int32)
@@ -45,16 +50,16 @@ def _stats_partial_kernel(ptr_tab, blk_tab, fpart, ipart, b0, nb,
     nfull = n - n % BLOCK
     for i in range(0, nfull, BLOCK):
         x = tl.load(ptr + i + ar)
-        sq, mx, nanacc, cnan, cinf, czero = _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, ACC)
+        sq, mx, nanacc, cnan, cinf, czero = _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, C, ACC)
     offs = nfull + ar
     m = offs < n
     x = tl.load(ptr + offs, mask=m, other=0.0)
-    sq, mx, nanacc, cnan, cinf, czero = _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, ACC)
+    sq, mx, nanacc, cnan, cinf, czero = _stats_step(x, sq, mx, nanacc, cnan, cinf, czero, C, ACC)
     # masked lanes loaded 0.0: they must not count as zeros
     czero -= tl.where(m, 0, 1)
     # layout: fpart[0:nb] sums of squares, fpart[nb:2nb] maxima; ipart likewise for the three counts
     tl.store(fpart + bid, tl.sum(sq, 0))
-    tl.store(fpart + nb + bid, tl.max(mx, 0) + tl.sum(nanacc, 0))
+    tl.store(fpart + nb + bid, (tl.max(mx, 0) + tl.sum(nanacc, 0)).to(ACC))
     tl.store(ipart + bid, tl.sum(cnan, 0))
     tl.store(ipart + nb + bid, tl.sum(cinf, 0))
     tl.store(ipart + 2 * nb + bid, tl.sum(czero, 0))
@@ -97,9 +102,11 @@ def launch_grad_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor
                 continue
             _stats_partial_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, fpart, ipart, g.b0, nb,
-                DT=tl_dtype(g.dtypes[0]), ACC=tl.float64, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
-                num_warps=Config.NUM_WARPS)
+                DT=tl_dtype(g.dtypes[0]), C=tl.float64 if g.dtypes[0] == torch.float64 else tl.float32,
+                ACC=tl.float64, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
+                num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _stats_finalize_kernel[(triton.cdiv(n, Config.SEG_BLOCK),)](
             fpart, ipart, plan.seg, norm, max_abs, nan, inf, zero, plan.nsegs, nb,
-            ACC=tl.float64, OUT=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, num_warps=4)
+            ACC=tl.float64, OUT=tl_dtype(acc), SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK,
+            num_warps=4, enable_fp_fusion=False)
     return norm, max_abs, nan, inf, zero
