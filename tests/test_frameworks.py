@@ -72,29 +72,45 @@ def test_framework_clipping_reaches_fastgrad_and_matches_torch(case, workers):
     assert res["patched_fastgrad_calls"] == STEPS, res  # the framework's own call, once per step
     assert res["patch_counter"] == STEPS, res
     assert res["clipping_triggered"], res
-    assert res["mismatch"] is None, res["mismatch"]
+    assert res["call_mismatch"] is None, res["call_mismatch"]  # each call vs torch on the same gradients
+    assert res["mismatch"] is None, res["mismatch"]  # parameters after the last step
 
 
 # ---------------------------------------------------------------------------------------------- worker
 # Everything below runs only in the subprocess.
 
 def _recorder(fn: str, threshold: float):
-    """Wrap fastgrad.clip.<fn> to count calls and note whether clipping really changed something."""
+    """Wrap fastgrad.clip.<fn> to count calls, note whether clipping really changed something, and check
+    each call against torch's own function (as captured by fastgrad) on copies of the same gradients:
+    the total norm and the clipped gradients within rtol 1e-6 (SPEC section 3, fp32), same dtype."""
     import torch
 
     import fastgrad.clip
+    from fastgrad import patch
+
+    from .helpers import clone_params, grads
 
     real = getattr(fastgrad.clip, fn)
-    log = {"calls": 0, "triggered": False, "max_seen": 0.0,
+    log = {"calls": 0, "triggered": False, "max_seen": 0.0, "call_mismatch": None,
            "restore": lambda: setattr(fastgrad.clip, fn, real)}
 
     def wrapped(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        twins = clone_params(params)
         if fn == "clip_grad_value_":
-            seen = max(p.grad.abs().max().item() for p in params if p.grad is not None)
+            seen = max(g.abs().max().item() for g in grads(params))
         out = real(params, *args, **kwargs)
+        ref = getattr(patch.TORCH, fn)(twins, *args, **kwargs)
         if fn == "clip_grad_norm_":
             seen = out.item()
+        try:
+            if out is not None or ref is not None:
+                assert out.dtype == ref.dtype and out.shape == ref.shape
+                torch.testing.assert_close(out, ref, rtol=RTOL, atol=0)
+            for g, gt in zip(grads(params), grads(twins), strict=True):
+                torch.testing.assert_close(g, gt, rtol=RTOL, atol=0)
+        except AssertionError as exc:
+            log["call_mismatch"] = log["call_mismatch"] or f"call {log['calls']}: {exc}"
         log["max_seen"] = max(log["max_seen"], seen)
         log["triggered"] |= seen > threshold
         log["calls"] += 1
@@ -219,7 +235,7 @@ def _run_case(case: str) -> dict:
     moved = max((a - b).abs().max().item() for a, b in zip(ours, reference))
     return {"reference_fastgrad_calls": reference_calls, "patched_fastgrad_calls": log["calls"] - reference_calls,
             "patch_counter": counter, "clipping_triggered": log["triggered"], "max_abs_param_diff": moved,
-            "max_seen": log["max_seen"], "mismatch": mismatch}
+            "max_seen": log["max_seen"], "call_mismatch": log["call_mismatch"], "mismatch": mismatch}
 
 
 def _worker(framework: str) -> dict:
