@@ -145,6 +145,10 @@ def test_routers_count_calls_and_reach_fastgrad_clip_at_call_time(monkeypatch):
         CLIP.clip_grad_value_(p, clip_value=0.1)
         assert patch.call_counts()["clip_grad_value_"] == before + 2
     assert len(seen) == 2 and seen[1][1] == {"clip_value": 0.1}
+    with fastgrad.patch_torch(), pytest.warns(FutureWarning):
+        before = patch.call_counts()["clip_grad_norm_"]
+        UTILS.clip_grad_norm(p, 1.0)  # torch's deprecated alias looks clip_grad_norm_ up in clip_grad: routed too
+        assert patch.call_counts()["clip_grad_norm_"] == before + 1
     UTILS.clip_grad_value_(p, 0.1)  # unpatched: torch's own, not fastgrad
     assert len(seen) == 2
 
@@ -215,3 +219,19 @@ def test_info_status_line():
         for name in patch.NAMES:
             assert name in line
     assert patch.describe().startswith("not patched")
+
+
+def test_patched_call_traces_under_torch_compile_fullgraph():
+    """A compiled training step that calls torch.nn.utils.clip_grad_norm_ keeps working when patched: the
+    router adds no graph break, and the call still counts and gives fastgrad's eager result."""
+    params = make_params([(7, 3), (33,)], torch.float32, "cpu", seed=6, scale=5.0)
+    eager = clone_params(params)
+    with fastgrad.patch_torch():
+        step = torch.compile(lambda ps: UTILS.clip_grad_norm_(ps, 1.0), fullgraph=True, backend="aot_eager")
+        n = patch.call_counts()["clip_grad_norm_"]
+        total = step(params)
+        assert patch.call_counts()["clip_grad_norm_"] == n + 1
+    total_e = fastgrad.clip_grad_norm_(eager, 1.0)
+    torch.testing.assert_close(total, total_e, rtol=1e-6, atol=0)
+    for g, ge in zip(grads(params), grads(eager)):
+        torch.testing.assert_close(g, ge, rtol=1e-6, atol=0)
