@@ -13,8 +13,11 @@ Semantics:
   that someone else replaced after our patch is left alone (theirs wins; we only remove our own routers).
 * Context manager: ``with fastgrad.patch_torch(): ...`` patches, and on exit restores the state found on
   entry, so nested blocks, and a block inside a process-wide ``patch_torch()``, leave the outer patch on.
-* Call-time lookup only: code that looks the function up when it clips (``torch.nn.utils.clip_grad_norm_(...)``,
-  as all three frameworks above do in the installed versions) is routed. A module that ran
+* Call-time lookup only: code that looks the function up when it clips is routed. Lightning 2.6
+  (``Precision.clip_grad_by_norm``/``_by_value``, Fabric's strategies), accelerate 1.15
+  (``Accelerator.clip_grad_norm_``/``clip_grad_value_``) and transformers 5.23 (``Trainer``, through
+  accelerate, and a function-local import for mixed DTensor meshes) all call ``torch.nn.utils.<fn>(...)``
+  at clip time, so they are routed even when imported before the patch. A module that ran
   ``from torch.nn.utils import clip_grad_norm_`` before the patch keeps torch's function: call
   ``patch_torch()`` before importing it. (A module that imports it while patched keeps fastgrad's.)
 

@@ -5,7 +5,9 @@ clipping, once under ``fastgrad.patch_torch()``. The patched run must reach fast
 own clipping call (counted by wrapping ``fastgrad.clip.<fn>``, which the patch's routers look up at call
 time), clipping must actually trigger, and the parameters after the last step must equal the unpatched
 run's within the SPEC's fp32 tolerance (rtol 1e-6; fastgrad accumulates the norm in its own order, so bitwise
-equality is not expected). The unpatched run must not touch fastgrad.
+equality is not expected). Each call is also checked against torch's function on copies of the same
+gradients. The unpatched run must not touch fastgrad. The framework is imported (by the unpatched run)
+before ``patch_torch()``: routing must not depend on import order for these frameworks.
 
 Each framework's cases run in their own subprocess (``python -m tests.test_frameworks FRAMEWORK``): the frameworks keep global
 state (accelerate's AcceleratorState singleton, Lightning's seeding and warnings, transformers' logging)
