@@ -17,6 +17,7 @@ from .stats import GradStats, grad_stats
 from .report import GradientReport, gradient_report
 from .monitor import GradientMonitor
 from .nonfinite import find_nonfinite
+from .patch import patch_torch, unpatch_torch
 
 __all__ = [
     "clip_grad_norm_",
@@ -33,6 +34,8 @@ __all__ = [
     "gradient_report",
     "GradientMonitor",
     "find_nonfinite",
+    "patch_torch",
+    "unpatch_torch",
     "available_backends",
     "set_backend",
     "BackendError",

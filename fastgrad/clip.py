@@ -26,6 +26,8 @@ from . import _scan
 from . import distributed as D
 from .backends import BackendError, acc_dtype
 from .backends.torch_backend import combine_norms
+# torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
+from .patch import TORCH as _torch_utils
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "clip_grad_value_", "multi_tensor_norm"]
 
@@ -114,7 +116,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     if I.check_tensors(tensors, "tensors"):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "get_total_norm")
-        return torch.nn.utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
+        return _torch_utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
     if process_group is not None or D.has_dtensor(tensors):
         total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group)
         if error_if_nonfinite:
@@ -139,7 +141,7 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
         return None
     if I.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grads_with_norm_")
-        return torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+        return _torch_utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
     if type(total_norm) is not Tensor:
         total_norm = D.to_local_norm(total_norm)  # a DTensor norm becomes its replicated value
     if D.has_dtensor(grads):
@@ -178,7 +180,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if I.check_tensors(grads):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "clip_grad_norm_")
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
+        return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
     if process_group is not None or D.has_dtensor(grads):
         total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group)
         if error_if_nonfinite:
@@ -206,12 +208,12 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
         return None
     if I.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grad_value_")
-        return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
+        return _torch_utils.clip_grad_value_(params, clip_value, foreach)
     if D.has_dtensor(grads):
         if any(pl.is_partial() for g in grads for pl in g.placements):
             # clamping is not linear: a Partial term cannot be clamped locally; torch redistributes
             _torch_fallback_allowed(backend, "clip_grad_value_ on Partial DTensor gradients")
-            return torch.nn.utils.clip_grad_value_(params, clip_value, foreach)
+            return _torch_utils.clip_grad_value_(params, clip_value, foreach)
         grads = D.prepare(grads, for_norm=False).writes
     for group in I.split_by_device(grads):
         b = I.pick("clip_value", group, backend)
