@@ -27,7 +27,7 @@ $(STAMP): $(INSTALL_DEPS)
 	# a no-isolation build uses the env's own build tools (Python >= 3.12 venvs ship no setuptools)
 	$(PYTHON) -m pip install "setuptools>=64" wheel ninja
 	# --no-build-isolation: the optional C++ extension builds against the torch installed above.
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton,diagnostics]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton,diagnostics,frameworks]"
 	@mkdir -p $(dir $@)
 	# the environment as it is after the install (torch may have just arrived)
 	@$(PYTHON) -c "$(ENV_ID_PY)" > $@

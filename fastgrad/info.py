@@ -49,7 +49,14 @@ def collect() -> dict:
         for name, b in backends.registered().items()
     }
     info["auto_order"] = {dev: list(order) for dev, order in backends.AUTO_ORDER.items()}
+    info["measured_order"] = {dev: {op: list(o) for op, o in ops.items()}
+                              for dev, ops in backends.MEASURED_ORDER.items()}
+    info["long_list"] = {"min_tensors": backends.LONG_LIST_MIN,
+                         "order": {dev: list(o) for dev, o in backends.MEASURED_LONG_ORDER.items()}}
     info["default_backend"] = backends.get_default_backend() or "automatic"
+    from . import patch
+
+    info["patch_torch"] = patch.describe()
     info["verdict"] = verdict(info)
     return info
 
@@ -138,7 +145,15 @@ def render(info: dict) -> str:
         lines.append(f"  {name:7s} {state}")
     lines.append("automatic choice: " + "; ".join(f"{d} tensors -> {' > '.join(o)}" for d, o in info["auto_order"].items())
                  + "; other devices -> torch")
+    for dev, ops in info["measured_order"].items():
+        lines.append(f"  {dev} tensors, per op (measured, fastgrad.backends.MEASURED_ORDER): "
+                     + "; ".join(f"{op} {'>'.join(o)}" for op, o in ops.items()))
+    for dev, o in info["long_list"]["order"].items():
+        lines.append(f"  {dev} tensors, lists of {info['long_list']['min_tensors']}+ tensors: {' > '.join(o)}")
     lines.append(f"default backend: {info['default_backend']}")
+    # a fresh `python -m fastgrad.info` process is never patched; render(collect()) inside a training
+    # process shows the live state
+    lines.append(f"torch.nn.utils clipping: {info['patch_torch']}")
     return "\n".join(lines)
 
 
