@@ -31,15 +31,6 @@ __all__ = ["StepRecord", "CheckResult", "build_result"]
 
 # The fixes of the run-time red flags (text, code): the guide's advice, as code to paste.
 _FIXES: dict[str, tuple[str, str]] = {
-    "nonfinite_loss": (
-        "The loss became NaN/Inf. Check the loss before backward(); guard unstable log/division/exp in a custom "
-        "loss with an eps or a clamp; lower the learning rate if the loss grew before it broke.",
-        "loss = criterion(output, target)\n"
-        "if not torch.isfinite(loss):              # one sync: fine in a diagnostic run\n"
-        "    print(fastgrad.find_nonfinite(model, loss)); break\n"
-        "# in a custom loss: keep log/division/exp arguments in range\n"
-        "loss = torch.log(torch.clamp(x, min=1e-8)).mean()   # instead of torch.log(x)",
-    ),
     "nonfinite_history": (
         "The optimizer stepped on NaN/Inf gradients, so the parameters are now garbage. Stop on the first "
         "non-finite step and find its source; under AMP let the GradScaler skip such steps.",
@@ -258,7 +249,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     if chk.last_stats is not None and len(chk.last_stats):
         last = GradientReport.from_stats(chk.last_stats, None, loss_history=losses or None,
                                          step=used[-1].step if used else None)
-        findings += [f for f in last.findings if f.code not in ("decaying",)]
+        # the run-wide loss finding below (every step, where the NaN was born) replaces the report's own
+        findings += [f for f in last.findings if f.code not in ("decaying", "nonfinite_loss")]
 
     # Where the first NaN/Inf was born in the forward pass (the watcher counts steps from 0).
     o = chk.watcher.first_nonfinite() if chk.watcher is not None else None

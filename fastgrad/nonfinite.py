@@ -35,6 +35,9 @@ class NonFiniteReport:
     params: list[NonFiniteEntry] = field(default_factory=list)
     checked_grads: int = 0
     checked_params: int = 0
+    #: the first module output that went non-finite, from a ``fastgrad.watch.ForwardWatcher`` when one was
+    #: passed (None: none given, or every watched output stayed finite)
+    origin: object | None = None
 
     @property
     def found(self) -> bool:
@@ -57,6 +60,11 @@ class NonFiniteReport:
         if self.params:
             return ("Parameters are already non-finite: an earlier optimizer step applied a non-finite update "
                     "(check the gradients before optimizer.step(), clip them, or let a GradScaler skip the step).")
+        if self.origin is not None:
+            o = self.origin
+            return (f"The forward pass produced it: the first non-finite module output was {o.module} "
+                    f"({o.module_type}) at step {o.step}; inspect that module's inputs and its log/exp/division "
+                    "or fp16-range operations.")
         if self.loss_finite is False:
             return ("The loss is non-finite before backward(): the forward pass produced it (inputs, log/exp/"
                     "division overflow, fp16 range); inspect the inputs and the loss computation.")
@@ -71,6 +79,7 @@ class NonFiniteReport:
             "found": self.found, "loss_finite": self.loss_finite, "loss_value": self.loss_value,
             "grads": [asdict(e) for e in self.grads], "params": [asdict(e) for e in self.params],
             "checked_grads": self.checked_grads, "checked_params": self.checked_params,
+            "origin": asdict(self.origin) if self.origin is not None else None,
             "diagnosis": self.diagnosis,
         }
 
@@ -85,6 +94,8 @@ class NonFiniteReport:
         lines.append(f"parameters: {len(self.params)} of {self.checked_params} non-finite")
         for e in self.params:
             lines.append(f"  {e.name}: {e.nan} NaN, {e.inf} Inf of {e.numel}")
+        if self.origin is not None:
+            lines.append(str(self.origin))
         lines.append(self.diagnosis)
         return "\n".join(lines)
 
@@ -116,12 +127,14 @@ def _counts(tensors: list[Tensor], backend: str | None, device) -> Tensor:
 
 
 @torch.no_grad()
-def find_nonfinite(model_or_parameters, loss=None, *, check_params: bool = True,
+def find_nonfinite(model_or_parameters, loss=None, *, check_params: bool = True, watcher=None,
                    backend: str | None = None) -> NonFiniteReport:
     """Locate NaN/Inf: whether ``loss`` (tensor or number) is non-finite, which parameters' gradients hold
     NaN/Inf, and (with ``check_params``) which parameters themselves do. Accepts a module, parameters, or
     ``(name, param)`` pairs; parameters without a gradient are still checked as parameters. One pass over the
-    gradients, one over the parameters, one host sync."""
+    gradients, one over the parameters, one host sync. ``watcher``: a ``fastgrad.watch.ForwardWatcher`` that
+    watched the forward passes; the first module output it saw go non-finite is reported as ``origin`` and
+    leads the diagnosis (one more sync, the watcher's)."""
     named = _named(model_or_parameters)
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     params = [(n, p.detach()) for n, p in named] if check_params else []
@@ -164,5 +177,6 @@ def find_nonfinite(model_or_parameters, loss=None, *, check_params: bool = True,
                 out.append(NonFiniteEntry(n, nan, inf, t.numel()))
         return out
 
+    origin = watcher.first_nonfinite() if watcher is not None else None
     return NonFiniteReport(loss_finite, loss_value, entries(with_grad, gcounts), entries(params, pcounts),
-                           checked_grads=ng, checked_params=npar)
+                           checked_grads=ng, checked_params=npar, origin=origin)

@@ -115,7 +115,7 @@ def test_nan_loss_with_finite_gradients_is_critical(runs):
     assert _row(r, "NaN/Inf parameters")["status"] == "healthy"
     assert _row(r, "Loss")["status"] == "critical"
     assert r["json"]["first_nonfinite_output"].startswith("LogLoss (LogLoss)")
-    assert "torch.clamp" in r["stdout"]
+    assert "torch.log(p.clamp_min(1e-8))" in r["stdout"]  # the eps/clamp fix as code (report.py advice)
 
 
 def test_deep_sigmoid_vanishes_across_depth(runs):

@@ -101,3 +101,31 @@ def test_complex_and_mixed_dtypes_fall_back():
     c.grad = torch.zeros(2, dtype=torch.float64)
     r = fastgrad.find_nonfinite([("a", a), ("b", b), ("c", c)])
     assert [(e.name, e.nan, e.inf) for e in r.grads] == [("a", 1, 0), ("b", 0, 1)]
+
+
+class _LogOf(nn.Module):
+    """log of its input: NaN where the input is negative (the forward birth of a NaN)."""
+
+    def forward(self, x):
+        return torch.log(x)
+
+
+def test_watcher_names_where_the_nan_was_born():
+    from fastgrad.watch import ForwardWatcher
+
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _LogOf(), nn.Linear(8, 2))
+    watcher = ForwardWatcher(m)
+    try:
+        loss = m(torch.randn(5, 6)).pow(2).mean()  # tanh output has negative entries -> log -> NaN
+        loss.backward()
+        r = fastgrad.find_nonfinite(m, loss, watcher=watcher)
+    finally:
+        watcher.remove()
+    assert r and r.loss_finite is False
+    assert r.origin is not None and r.origin.module == "2" and r.origin.module_type == "_LogOf"
+    assert "2 (_LogOf)" in r.diagnosis and "first non-finite output: 2 (_LogOf)" in str(r)
+    assert json.loads(json.dumps(r.to_dict()))["origin"]["module"] == "2"
+    # without the watcher the report has no origin and the loss-based diagnosis
+    plain = fastgrad.find_nonfinite(m, loss)
+    assert plain.origin is None and "loss is non-finite" in plain.diagnosis
