@@ -24,7 +24,7 @@ from .base import OPS, Backend, BackendError, acc_dtype, is_fast_norm_type
 
 __all__ = [
     "Backend", "BackendError", "OPS", "AUTO_ORDER", "acc_dtype", "is_fast_norm_type", "register", "get",
-    "registered", "available_backends", "set_backend", "get_default_backend", "select", "selects_builtin",
+    "registered", "available_backends", "set_backend", "get_default_backend", "select", "select_automatic", "selects_builtin",
     "auto_order", "MEASURED_ORDER", "MEASURED_LONG_ORDER", "LONG_LIST_MIN",
 ]
 
@@ -145,6 +145,12 @@ def select(op: str, tensors: Sequence[Tensor], backend: str | None = None, **par
                 "Pass backend=None (and unset FASTGRAD_BACKEND) for automatic choice with fallback."
             )
         return b
+    return select_automatic(op, tensors, **params)
+
+
+def select_automatic(op: str, tensors: Sequence[Tensor], **params) -> Backend:
+    """Automatic choice alone (step 4): the first backend of :func:`auto_order` that is available and
+    supports the call, else ``torch``. Also what a backend that gives up mid-call hands the call to."""
     dev = tensors[0].device.type if tensors else "cpu"
     for candidate in auto_order(op, dev, len(tensors)):
         b = _REGISTRY.get(candidate)

@@ -34,11 +34,6 @@ def is_no_image_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _NO_IMAGE.search(str(exc)) is not None
 
 
-def _is_compiling() -> bool:
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(fn()) if fn is not None else False
-
-
 class _ExtBackend(Backend):
     _reason: str | None
     _checked = False
@@ -176,7 +171,7 @@ class CudaBackend(_ExtBackend):
         why = self._static_reason(device)
         # The probe loads the kernels' module (JIT-compiling PTX where needed): never inside a capture or
         # while torch.compile traces. Undecided until it has run, so the static answer stands meanwhile.
-        if why is None and (torch.cuda.is_current_stream_capturing() or _is_compiling()):
+        if why is None and (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
             return None
         if why is None:
             err = self.ops.cuda_probe(device.index) if hasattr(self.ops, "cuda_probe") else ""
@@ -229,24 +224,12 @@ class CudaBackend(_ExtBackend):
                 raise BackendError(
                     f"fastgrad backend {self.name!r} cannot run {op}: {reason}. Pass backend=None (and unset "
                     "FASTGRAD_BACKEND) for automatic choice with fallback.") from exc
-            nxt = _next_backend(self.name, op, tensors, params)
+            from . import select_automatic  # (not at import: the registry imports this module)
+
+            nxt = select_automatic(op, tensors, **params)  # this device is declined now: cuda is skipped
             warnings.warn(f"fastgrad: {reason}. Using the {nxt.name} backend for {device} from now on "
                           "(python -m fastgrad.info shows why).", RuntimeWarning, stacklevel=4)
             return getattr(nxt, method)(*args, **kwargs)
-
-
-def _next_backend(name: str, op: str, tensors: Sequence[Tensor], params: dict) -> Backend:
-    """What automatic choice would pick for this call once backend ``name`` is out."""
-    from . import AUTO_ORDER, registered
-
-    reg = registered()
-    for candidate in AUTO_ORDER.get(tensors[0].device.type, ("torch",)):
-        b = reg.get(candidate)
-        if candidate == name or b is None or b.unavailable_reason() is not None:
-            continue
-        if b.supports(op, tensors, **params) is None:
-            return b
-    return reg["torch"]
 
 
 def _named_explicitly(name: str) -> bool:
