@@ -181,7 +181,7 @@ class GradientMonitor:
         self.names = [n for n, p in self.named if p.requires_grad]
         self._all_names = [n for n, _ in self.named]
         self._params = [p for _, p in self.named]
-        self._meta: list = []  # names/shapes/dtypes/numel of the all-grads case, computed once
+        self._meta: dict = {}  # names/shapes/dtypes/numel of the all-grads case, computed once
         self.every = every
         self.capacity = max(history, every or 1)
         self.per_layer = per_layer

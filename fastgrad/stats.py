@@ -82,24 +82,22 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     return _stats_of([n for n, _ in named], [p for _, p in named], backend)
 
 
-def _stats_of(names: list[str], params: list[Tensor], backend: str | None, meta: list | None = None) -> GradStats:
+def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None
+              ) -> GradStats:
     """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
-    (torch keeps a grad's shape and dtype equal to its parameter's), cached in ``meta`` across calls by a
-    caller that keeps the same parameter list (a monitor); else the Python loop."""
+    (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
+    list (a monitor) passes ``cache``, a dict that keeps them and the device copy of the numels across calls.
+    Else the Python loop."""
     grads = I.grads_of(params)
     if len(grads) == len(params) and grads:
-        if meta is None or not meta:
-            info = (list(names), [tuple(p.shape) for p in params], [p.dtype for p in params])
-            if meta is not None:
-                meta.append(info)
-        else:
-            info = meta[0]
-        cols = tensor_stats(grads, backend=backend, numel=info[3] if len(info) > 3 else None)
-        if meta is not None and len(info) == 3:
-            meta[0] = info + (cols["numel"],)
-        return GradStats(info[0], info[1], info[2], cols["norm"], cols["max_abs"], cols["nan"], cols["inf"],
-                         cols["zero"], cols["numel"], cols["total_norm"], [])
+        info = cache if cache else {"names": list(names), "shapes": [tuple(p.shape) for p in params],
+                                    "dtypes": [p.dtype for p in params], "numel": None}
+        cols = tensor_stats(grads, backend=backend, numel=info["numel"])
+        if cache is not None:
+            cache.update(info, numel=cols["numel"])
+        return GradStats(info["names"], info["shapes"], info["dtypes"], cols["norm"], cols["max_abs"], cols["nan"],
+                         cols["inf"], cols["zero"], cols["numel"], cols["total_norm"], [])
     named = list(zip(names, params))
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     no_grad = [n for n, p in named if p.grad is None]
