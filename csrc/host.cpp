@@ -232,7 +232,7 @@ PyObject* clip_norm_cpu(PyObject*, PyObject* args) {
     fl.push_back(f);
   }
   if (fl.empty()) Py_RETURN_NONE;
-  const bool acc64 = (mask & 8) != 0;
+  const bool acc64 = (mask & dtype_bit(c10::ScalarType::Double)) != 0;
   bool nonfinite = false;
   at::Tensor out;
   {
@@ -248,8 +248,8 @@ PyObject* clip_norm_cpu(PyObject*, PyObject* args) {
       *out.data_ptr<double>() = total;
     else
       *out.data_ptr<float>() = static_cast<float>(total);
-    if (mask == 1) out = out.to(at::kHalf);
-    if (mask == 2) out = out.to(at::kBFloat16);
+    if (mask == dtype_bit(c10::ScalarType::Half)) out = out.to(at::kHalf);  // all fp16
+    if (mask == dtype_bit(c10::ScalarType::BFloat16)) out = out.to(at::kBFloat16);  // all bf16
   }
   return Py_BuildValue("(NO)", THPVariable_Wrap(std::move(out)), nonfinite ? Py_True : Py_False);
   END_HANDLE_TH_ERRORS

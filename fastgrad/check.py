@@ -236,12 +236,12 @@ class Checker:
 
     def _wrap_fused_amp(self, orig):
         chk = self
+        clip = self._wrap_clip(orig)
 
         def scaler_unscale_and_clip(*args, **kwargs):
-            if chk._clip_depth:
-                return orig(*args, **kwargs)
-            chk._grads_scaled = False  # it unscales before it clips
-            return chk._wrap_clip(orig)(*args, **kwargs)
+            if not chk._clip_depth:
+                chk._grads_scaled = False  # it unscales before it clips
+            return clip(*args, **kwargs)
         return scaler_unscale_and_clip
 
     def _on_clip(self) -> None:
