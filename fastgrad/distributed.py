@@ -75,8 +75,9 @@ def is_dtensor(t) -> bool:
 def has_dtensor(tensors: Sequence[Tensor]) -> bool:
     """The check every public call pays: the type of the first tensor only (a plain tensor costs one
     ``is``). A list that mixes plain tensors and DTensors is an error in torch as well; when the DTensor is
-    not first, the backend's op raises DTensor's own error instead of :func:`prepare`'s."""
-    return bool(tensors) and type(tensors[0]) is not Tensor and is_dtensor(tensors[0])
+    not first, the backend's op raises DTensor's own error instead of :func:`prepare`'s. ``len``, not
+    ``bool``: the Dynamo of torch 2.11 cannot trace ``bool`` of a list (every compiled call broke on it)."""
+    return len(tensors) > 0 and type(tensors[0]) is not Tensor and is_dtensor(tensors[0])
 
 
 class Sharded:
