@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import runpy
@@ -99,9 +100,13 @@ class Checker:
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
-        self._patch(torch.amp.GradScaler, "scale", self._wrap_scale)
-        self._patch(torch.amp.GradScaler, "unscale_", self._wrap_unscale)
-        self._patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
+        for cls in _scaler_classes():
+            # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its
+            # own interceptor: the patched base method is never reached through it
+            for name, wrap in (("scale", self._wrap_scale), ("unscale_", self._wrap_unscale),
+                               ("step", self._wrap_scaler_step)):
+                if name in vars(cls):
+                    self._patch(cls, name, wrap)
         import fastgrad
         from fastgrad import agc as fg_agc, amp as fg_amp, clip as fg_clip
         from torch.nn.utils import clip_grad as tc
@@ -427,3 +432,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _scaler_classes() -> list[type]:
+    """torch.amp.GradScaler and every subclass known at install time (FSDP's ShardedGradScaler is imported
+    for the purpose when torch.distributed is built). A subclass the script defines later and that overrides
+    these methods without calling the base class is not seen."""
+    if torch.distributed.is_available():
+        try:
+            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")  # defines the subclass
+        except Exception:  # noqa: BLE001 - a broken distributed build must not stop the check
+            pass
+    out, todo = [], [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in out:
+            out.append(cls)
+            todo += cls.__subclasses__()
+    return out

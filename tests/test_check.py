@@ -278,6 +278,34 @@ def test_fused_amp_clip_is_clean_and_fastgrad_clip_of_scaled_grads_is_flagged(tm
     assert res.flags["clip_scaled"] == [1, 2, 3, 4] and res.exit_code == 1
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_sharded_grad_scaler_clip_before_unscale_is_flagged(tmp_path):
+    # FSDP's ShardedGradScaler overrides scale() and unscale_() without calling GradScaler's: the checker
+    # must intercept its own methods, or the clip of still-scaled gradients goes unseen (and a correct loop
+    # that unscales first would be flagged).
+    src = (SCRIPTS / "amp_clip_before_unscale.py").read_text().replace("range(20)", "range(4)")
+    pg = (f"import torch.distributed as dist\n"
+          f"from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+          f"dist.init_process_group('gloo', init_method={(tmp_path / 'pg').as_uri()!r}, rank=0, world_size=1)\n")
+    sharded = src.replace('scaler = torch.amp.GradScaler("cpu")', 'scaler = ShardedGradScaler("cpu")')
+    assert sharded != src
+    bad, good = tmp_path / "sharded_bad.py", tmp_path / "sharded_good.py"
+    bad.write_text(pg + sharded + "dist.destroy_process_group()\n")
+    good.write_text(pg + sharded.replace("    torch.nn.utils.clip_grad_norm_",
+                                         "    scaler.unscale_(opt)\n    torch.nn.utils.clip_grad_norm_")
+                    .replace("init_method=" + repr((tmp_path / "pg").as_uri()),
+                             "init_method=" + repr((tmp_path / "pg2").as_uri()))
+                    + "dist.destroy_process_group()\n")
+    res = C.run_script(str(bad), [])
+    assert not res.crashed, res.crash_text
+    assert res.flags["clip_scaled"] == [1, 2, 3, 4] and res.exit_code == 1
+    res = C.run_script(str(good), [])
+    assert not res.crashed, res.crash_text
+    assert not res.flags["clip_scaled"] and res.exit_code == 0
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    assert "fastgrad" not in getattr(ShardedGradScaler.unscale_, "__module__", "")  # interceptor removed
+
+
 def test_periodic_flush_gives_the_same_history():
     a = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=3)
     b = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=1000)
