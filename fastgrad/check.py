@@ -47,6 +47,25 @@ EXIT_CODES = {
 }
 
 
+
+def _scaler_classes() -> list[type]:
+    """torch.amp.GradScaler and every subclass known at install time (FSDP's ShardedGradScaler is imported
+    for the purpose when torch.distributed is built). A subclass the script defines later and that overrides
+    these methods without calling the base class is not seen."""
+    if torch.distributed.is_available():
+        try:
+            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")  # defines the subclass
+        except Exception:  # noqa: BLE001 - a broken distributed build must not stop the check
+            pass
+    out, todo = [], [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in out:
+            out.append(cls)
+            todo += cls.__subclasses__()
+    return out
+
+
 class _StopCheck(BaseException):
     """Raised from the optimizer post-step hook after ``--steps`` steps. A BaseException, so the script's own
     ``except Exception`` blocks do not swallow it."""
@@ -433,20 +452,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _scaler_classes() -> list[type]:
-    """torch.amp.GradScaler and every subclass known at install time (FSDP's ShardedGradScaler is imported
-    for the purpose when torch.distributed is built). A subclass the script defines later and that overrides
-    these methods without calling the base class is not seen."""
-    if torch.distributed.is_available():
-        try:
-            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")  # defines the subclass
-        except Exception:  # noqa: BLE001 - a broken distributed build must not stop the check
-            pass
-    out, todo = [], [torch.amp.GradScaler]
-    while todo:
-        cls = todo.pop(0)
-        if cls not in out:
-            out.append(cls)
-            todo += cls.__subclasses__()
-    return out
