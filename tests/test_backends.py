@@ -137,3 +137,23 @@ def test_selects_builtin_matches_select_for_cpu(monkeypatch):
             assert backends.selects_builtin("cpu", "norm", backend, p) == (chosen == "cpu"), (backend, p)
     monkeypatch.setitem(backends._REGISTRY, "cpu", _Ready("cpu"))  # replaced: not the built-in any more
     assert not backends.selects_builtin("cpu", "norm", None, 2.0)
+
+
+def test_triton_declines_cpu_tensors_when_its_interpreter_cannot_run_the_kernels(monkeypatch):
+    # (Triton 3.6's interpreter with NumPy >= 2.4 fails every kernel.) The probe's reason must reach
+    # supports(), a call naming the backend and automatic choice, which moves on to another backend.
+    import fastgrad
+    from fastgrad.backends import triton_backend as T
+
+    tb = backends.get("triton")
+    if tb.unavailable_reason() is not None or torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter on a machine without a GPU")
+    assert T.interpreter_reason() is None  # this machine's interpreter works (the suite relies on it)
+    why = "the Triton 3.6.0 interpreter cannot run fastgrad's kernels with NumPy 2.4.6 (TypeError: ...)"
+    monkeypatch.setattr(T, "_interp_reason", why)
+    assert tb.supports("norm", [torch.randn(3)], norm_type=2.0) == why
+    g = [torch.randn(5, requires_grad=True)]
+    g[0].grad = torch.randn(5)
+    with pytest.raises(backends.BackendError, match="NumPy 2.4.6"):
+        fastgrad.clip_grad_norm_(g, 1.0, backend="triton")
+    assert backends.select("norm", [g[0].grad], norm_type=2.0).name != "triton"

@@ -15,8 +15,10 @@ from fastgrad import backends
 from . import oracle
 
 triton_backend = backends.get("triton")
-if triton_backend.unavailable_reason() is not None:
-    pytest.skip(f"triton backend unavailable: {triton_backend.unavailable_reason()}", allow_module_level=True)
+_why = triton_backend.unavailable_reason() or triton_backend.supports(
+    "norm", [torch.ones(1, device="cuda" if torch.cuda.is_available() else "cpu")], norm_type=2.0)
+if _why is not None:
+    pytest.skip(f"triton backend unavailable: {_why}", allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -32,6 +32,41 @@ def _load():
     return _kernels
 
 
+_interp_reason: str | None | bool = False  # False: not probed yet
+
+
+def interpreter_reason() -> str | None:
+    """Why the Triton interpreter cannot run fastgrad's kernels on CPU tensors here (None: it can).
+
+    Known case: Triton 3.6's interpreter holds a loaded scalar as a 1-element array and converts it with
+    ``int()`` where a kernel loops ``range(0, n, BLOCK)`` over it, which NumPy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"); every kernel has such a loop. Found once per
+    process by running a tiny kernel with that pattern on CPU tensors (no GPU involved)."""
+    global _interp_reason
+    if _interp_reason is False:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _probe(tab, out):
+            n = tl.load(tab)
+            acc = 0
+            for _ in range(0, n, 2):
+                acc += 1
+            tl.store(out, acc)
+
+        out = torch.zeros(1, dtype=torch.int64)
+        try:
+            _probe[(1,)](torch.tensor([5], dtype=torch.int64), out)
+            _interp_reason = None if int(out[0]) == 3 else f"the Triton interpreter ran a probe kernel wrongly ({int(out[0])} != 3)"
+        except Exception as e:  # noqa: BLE001 - any failure means the kernels cannot run there
+            import numpy
+
+            _interp_reason = (f"the Triton {triton.__version__} interpreter cannot run fastgrad's kernels with NumPy "
+                              f"{numpy.__version__} ({type(e).__name__}: {e}); NumPy < 2.4 or a newer Triton runs them")
+    return _interp_reason
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -62,8 +97,12 @@ class TritonBackend(Backend):
         why = super().supports(op, tensors, **params)
         if why is not None:
             return why
-        if tensors and tensors[0].device.type == "cpu" and not _interpret():
-            return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+        if tensors and tensors[0].device.type == "cpu":
+            if not _interpret():
+                return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+            why = interpreter_reason()
+            if why is not None:
+                return why
         norm_type = params.get("norm_type")
         if norm_type is not None and not is_fast_norm_type(float(norm_type)):
             return f"norm_type={norm_type} has no Triton kernel (fast kernels: 1, 2, inf, any finite p > 0)"
