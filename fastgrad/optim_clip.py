@@ -80,31 +80,39 @@ def zero_write_applies(optimizer, grads: list[Tensor] | None = None) -> bool:
 
 # ---------------------------------------------------------------- the pending factor and its hooks
 class _Record:
-    """Per optimizer: the pending ``grad_scale`` with a snapshot of the gradients it belongs to, and what
-    the pre-hook replaced (restored by the post-hook). Holds no reference to the optimizer, only weak ones
-    to the gradients (a zero_grad(set_to_none=True) must still free them)."""
+    """Per optimizer: the pending ``grad_scale`` with a fingerprint of the gradients it belongs to, and what
+    the pre-hook replaced (restored by the post-hook). Holds no reference to the optimizer, and only weak
+    ones to gradients (a zero_grad(set_to_none=True) must still free them).
 
-    __slots__ = ("scale", "refs", "versions", "in_step", "applied", "prev", "__weakref__")
+    The fingerprint is the number of gradients and the identity and autograd version of the first and the
+    last: O(1) host work per clip and step whatever the model's size. A backward (accumulating or after
+    zero_grad), zero_grad itself and torch's in-place writes over the gradients all change it; a change to
+    some middle gradient alone does not."""
+
+    __slots__ = ("scale", "fingerprint", "in_step", "applied", "prev", "__weakref__")
 
     def __init__(self):
         self.scale = None
-        self.refs = self.versions = None
+        self.fingerprint = None
         self.in_step = False
         self.applied = None
         self.prev = _MISSING
 
+    @staticmethod
+    def _ends(grads: list[Tensor]) -> tuple:
+        first, last = grads[0], grads[-1]
+        return len(grads), first._version, last._version
+
     def pend(self, scale: Tensor, grads: list[Tensor]) -> None:
         self.scale = scale
-        self.refs = [weakref.ref(g) for g in grads]
-        self.versions = [g._version for g in grads]
+        self.fingerprint = (weakref.ref(grads[0]), weakref.ref(grads[-1]), self._ends(grads))
 
     def drop(self) -> None:
-        self.scale = self.refs = self.versions = None
+        self.scale = self.fingerprint = None
 
     def unchanged(self, grads: list[Tensor]) -> bool:
-        if len(grads) != len(self.refs):
-            return False
-        return all(r() is g and g._version == v for r, g, v in zip(self.refs, grads, self.versions))
+        first, last, ends = self.fingerprint
+        return bool(grads) and first() is grads[0] and last() is grads[-1] and self._ends(grads) == ends
 
 
 _RECORDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

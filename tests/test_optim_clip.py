@@ -15,6 +15,7 @@ import fastgrad
 from fastgrad import optim_clip as oc
 
 from .helpers import assert_max_error_within, bits, clone_params, grads, make_params
+from .helpers import optimizer_state as _opt_state
 
 INF, NAN = float("inf"), float("nan")
 CUDA = torch.cuda.is_available()
@@ -31,16 +32,6 @@ FUSED = {
 }
 
 
-def _opt_state(opt) -> list[torch.Tensor]:
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for k in sorted(opt.state[p]):
-                v = opt.state[p][k]
-                out.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-    return out
-
-
 def _new_grads(params, step: int, scale: float, device) -> list[torch.Tensor]:
     """Fresh non-zero gradients for ``step``, the same for every twin."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -55,6 +46,14 @@ def _set_grads(params, values) -> None:
     for p, g in zip(params, values):
         if g is not None:
             p.grad = g.clone()
+
+
+def _give_grads(step: int, scale: float, device, *param_sets) -> list[torch.Tensor]:
+    """The same fresh gradients on every set of twin parameters (copies); returns them."""
+    values = _new_grads(param_sets[0], step, scale, device)
+    for ps in param_sets:
+        _set_grads(ps, values)
+    return values
 
 
 def _twins(opt_name, dtype, device, n=2, none_every=0):
@@ -136,9 +135,7 @@ def test_against_clip_grad_norm_then_step(opt_name, dtype):
         pc = [torch.nn.Parameter(p.detach().double()) for p in pc]
         oc64 = FUSED[opt_name](pc)
         for step in range(4):
-            g = _new_grads(pa, step, 2.0, device)
-            _set_grads(pa, g)
-            _set_grads(pb, g)
+            g = _give_grads(step, 2.0, device, pa, pb)
             _set_grads(pc, [x.double() for x in g])
             ta = fastgrad.clip_optimizer_grad_norm_(oa, max_norm)
             tb = fastgrad.clip_grad_norm_(pb, max_norm)
@@ -178,17 +175,13 @@ def test_how_often_the_quotient_differs_from_the_product():
 # ---------------------------------------------------------------- consumed once, replaced, refused when stale
 def test_factor_is_consumed_by_one_step():
     (pa, oa), (pb, ob) = _twins("adam", torch.float32, "cpu")
-    g0 = _new_grads(pa, 0, 2.0, "cpu")
-    _set_grads(pa, g0)
-    _set_grads(pb, g0)
+    g0 = _give_grads(0, 2.0, "cpu", pa, pb)
     fastgrad.clip_optimizer_grad_norm_(oa, 0.5)
     _model_clip_(pb, 0.5)
     oa.step()
     ob.step()
     # second step with new gradients and no clip: unclipped on both sides (a stale factor would shrink it)
-    g1 = _new_grads(pa, 1, 2.0, "cpu")
-    _set_grads(pa, g1)
-    _set_grads(pb, g1)
+    g1 = _give_grads(1, 2.0, "cpu", pa, pb)
     oa.step()
     ob.step()
     _assert_bits_equal(pa, pb, "params")
@@ -198,9 +191,7 @@ def test_factor_is_consumed_by_one_step():
 
 def test_second_clip_before_the_step_replaces_the_first():
     (pa, oa), (pb, ob) = _twins("adamw", torch.float32, "cpu")
-    g = _new_grads(pa, 0, 2.0, "cpu")
-    _set_grads(pa, g)
-    _set_grads(pb, g)
+    g = _give_grads(0, 2.0, "cpu", pa, pb)
     fastgrad.clip_optimizer_grad_norm_(oa, 0.1)
     total = fastgrad.clip_optimizer_grad_norm_(oa, 0.7)  # replaces: the step applies the 0.7 clip only
     assert torch.equal(total, _model_clip_(pb, 0.7))
@@ -218,9 +209,7 @@ def test_skipped_step_then_new_gradients():
     _set_grads(pa, _new_grads(pa, 0, 5.0, "cpu"))
     fastgrad.clip_optimizer_grad_norm_(oa, 0.1)
     oa.zero_grad(set_to_none=True)
-    g = _new_grads(pa, 1, 2.0, "cpu")
-    _set_grads(pa, g)
-    _set_grads(pb, g)
+    g = _give_grads(1, 2.0, "cpu", pa, pb)
     fastgrad.clip_optimizer_grad_norm_(oa, 0.5)
     _model_clip_(pb, 0.5)
     oa.step()
@@ -368,9 +357,7 @@ def test_scaler_step_without_unscale_composes():
     (pa, oa), (pb, ob) = _twins("sgd", torch.float32, "cpu")
     sa, sb = _scalers(4.0)
     for step in range(2):
-        g = _new_grads(pa, step, 8.0, "cpu")
-        _set_grads(pa, g)
-        _set_grads(pb, g)
+        g = _give_grads(step, 8.0, "cpu", pa, pb)
         fastgrad.clip_optimizer_grad_norm_(oa, 3.0)
         _model_clip_(pb, 3.0)
         sa.step(oa)
@@ -533,9 +520,7 @@ def test_refusals_name_the_fix():
 def test_other_norms(bd, norm_type):
     backend, device = bd
     (pa, oa), (pb, ob) = _twins("adamw", torch.float32, device)
-    g = _new_grads(pa, 0, 2.0, device)
-    _set_grads(pa, g)
-    _set_grads(pb, g)
+    g = _give_grads(0, 2.0, device, pa, pb)
     ta = fastgrad.clip_optimizer_grad_norm_(oa, 0.3, norm_type, backend=backend)
     total = fastgrad.get_total_norm(grads(pb), norm_type, backend=backend)
     assert torch.equal(ta, total)
@@ -553,9 +538,7 @@ def test_other_norms(bd, norm_type):
 def test_cuda_matches_the_kernel_model_without_host_sync(dtype):
     (pa, oa), (pb, ob) = _twins("adamw", dtype, "cuda")
     for step in range(3):
-        g = _new_grads(pa, step, 2.0, "cuda")
-        _set_grads(pa, g)
-        _set_grads(pb, g)
+        g = _give_grads(step, 2.0, "cuda", pa, pb)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
