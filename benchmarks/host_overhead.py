@@ -6,7 +6,10 @@ the whole cost. Measured in the same run, interleaved round by round so machine 
 * ``fastgrad``: the public call as it runs now (cpu backend; the one-call C++ path when it applies);
 * ``fastgrad_ops``: the same call forced through the op-by-op path (norm op, coefficient in torch, scale
   op), i.e. the code before the one-call path, for the before/after comparison;
-* ``torch``: ``torch.nn.utils.clip_grad_norm_`` (foreach).
+* ``torch``: ``torch.nn.utils.clip_grad_norm_`` (foreach);
+* ``fastgrad_zw``: ``fastgrad.clip_optimizer_grad_norm_(opt, max_norm)`` on a fused Adam over the same
+  parameters (zero-write: the norm, then the coefficient left pending with a snapshot of the grads; each call
+  replaces the previous one, no step is taken).
 
 ``--max-norm`` large (default) means the coefficient is 1 and nothing is written; small means every
 gradient is scaled. Reports the minimum and the median per call over all rounds.
@@ -66,6 +69,8 @@ def main(argv=None) -> int:
           f"numel {args.numel}; per call, microseconds")
     for n in [int(x) for x in args.tensors.split(",") if x]:
         ps = params(n, args.numel)
+        opt = torch.optim.Adam(ps, fused=True)
+        variants["fastgrad_zw"] = lambda ps, opt=opt: fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm)
         calls = args.calls or max(3, int(20_000 / (n * 0.15 + 10)))
         times = {k: [] for k in variants}
         for fn in variants.values():

@@ -7,7 +7,15 @@ step hands the clip a fresh generator of parameters and fresh ``.grad`` tensors,
 * ``none``: no clipping (the floor);
 * ``torch`` / ``fastgrad``: ``clip_grad_norm_(model.parameters(), max_norm)``;
 * ``torch_amp``: autocast + GradScaler: ``scaler.unscale_(opt)`` then torch's ``clip_grad_norm_``;
-* ``fastgrad_amp``: autocast + GradScaler: ``fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm)``.
+* ``fastgrad_amp``: autocast + GradScaler: ``fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm)``;
+* ``fastgrad_zw``: ``fastgrad.clip_optimizer_grad_norm_(opt, max_norm)`` (zero-write: with a fused AdamW the
+  clip only reads the grads and the optimizer's step divides them by ``1 / coef``);
+* ``fastgrad_amp_zw``: as ``fastgrad_amp`` with ``zero_write=True``.
+
+The zero-write variants move work into the optimizer step (the fused kernel divides every gradient and
+stores the quotient back into ``.grad``), so compare their whole step, not only the clip region: ``opt_ms``
+times the optimizer step region separately, and ``clipped_pct`` says in how many timed steps the clip
+triggered (read after the step, outside the timed regions).
 
 The optimizer is AdamW with ``fused=True`` where torch has a fused kernel for the device, else
 ``foreach=True`` (the CSV says which). Models: a GPT-2-small-shaped decoder (12 layers, d=768, 12 heads,
@@ -41,7 +49,7 @@ if __name__ == "__main__":  # run as a script: measure this checkout's fastgrad,
 import torch.nn as nn
 import torch.nn.functional as F
 
-VARIANTS = ("none", "torch", "fastgrad", "torch_amp", "fastgrad_amp")
+VARIANTS = ("none", "torch", "fastgrad", "torch_amp", "fastgrad_amp", "fastgrad_zw", "fastgrad_amp_zw")
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -187,12 +195,13 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
 
     model, batch = build(model_name, args.size, device, args)
     opt, opt_kind = make_adamw(model.parameters(), device)
-    amp = name.endswith("_amp")
+    amp = "_amp" in name
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12) if amp else None
     clock = Clock(device)
-    steps, clips, hosts = [], [], []
+    steps, clips, hosts, opts, totals = [], [], [], [], []
     backend = args.backend or None
+    total = None
 
     for i in range(args.warmup + args.steps):
         s0 = clock.mark()
@@ -203,14 +212,18 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
         c0 = clock.mark()
         h0 = time.perf_counter()
         if name == "torch":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         elif name == "fastgrad":
-            fastgrad.clip_grad_norm_(model.parameters(), args.max_norm, backend=backend)
+            total = fastgrad.clip_grad_norm_(model.parameters(), args.max_norm, backend=backend)
         elif name == "torch_amp":
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         elif name == "fastgrad_amp":
-            fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend)
+            total = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend)
+        elif name == "fastgrad_zw":
+            total = fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm, backend=backend)
+        elif name == "fastgrad_amp_zw":
+            total = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend, zero_write=True)
         h1 = time.perf_counter()
         c1 = clock.mark()
         if amp:
@@ -224,11 +237,16 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
         if i >= args.warmup:
             steps.append(clock.ms(s0, s1))
             clips.append(clock.ms(c0, c1))
+            opts.append(clock.ms(c1, s1))
             hosts.append((h1 - h0) * 1e3)
+            totals.append(total)
     last = float(loss.detach())
     if not math.isfinite(last):
         print(f"warning: {model_name}/{name}: loss is {last}", file=sys.stderr)
-    return steps, clips, hosts, opt_kind, sum(1 for _ in model.parameters())
+    # after timing: how often the clip triggered (torch's rule: coef = max_norm / (norm + 1e-6) < 1)
+    clipped = [float(t) + 1e-6 > args.max_norm for t in totals if t is not None]
+    clipped_pct = 100.0 * sum(clipped) / len(clipped) if clipped else float("nan")
+    return steps, clips, hosts, opts, clipped_pct, opt_kind, sum(1 for _ in model.parameters())
 
 
 def pct(xs, q):
@@ -271,11 +289,11 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
     fields = ["model", "size", "variant", "optimizer", "params", "steps", "step_ms_median", "step_ms_p10",
-              "step_ms_p90", "clip_ms_median", "clip_host_ms_median", "clip_share_pct"]
+              "step_ms_p90", "clip_ms_median", "clip_host_ms_median", "clip_share_pct", "opt_ms_median", "clipped_pct"]
     rows = []
     for model_name in [m for m in args.model.split(",") if m]:
         for v in variants:
-            steps, clips, hosts, opt_kind, nparams = run_variant(v, model_name, device, args)
+            steps, clips, hosts, opts, clipped_pct, opt_kind, nparams = run_variant(v, model_name, device, args)
             med = statistics.median(steps)
             clip = statistics.median(clips) if v != "none" else 0.0
             row = {"model": model_name, "size": args.size, "variant": v, "optimizer": opt_kind,
@@ -283,11 +301,14 @@ def main(argv=None) -> int:
                    "step_ms_p10": f"{pct(steps, 0.1):.3f}", "step_ms_p90": f"{pct(steps, 0.9):.3f}",
                    "clip_ms_median": f"{clip:.3f}",
                    "clip_host_ms_median": f"{statistics.median(hosts) if v != 'none' else 0.0:.3f}",
-                   "clip_share_pct": f"{100.0 * clip / med:.1f}"}
+                   "clip_share_pct": f"{100.0 * clip / med:.1f}",
+                   "opt_ms_median": f"{statistics.median(opts):.3f}",
+                   "clipped_pct": "" if v == "none" else f"{clipped_pct:.0f}"}
             rows.append(row)
             print(f"{model_name:9s} {v:13s} step {med:9.3f} ms [p10 {row['step_ms_p10']}, p90 "
                   f"{row['step_ms_p90']}]  grad mgmt {clip:8.3f} ms ({row['clip_share_pct']}%)  "
-                  f"host {row['clip_host_ms_median']} ms  ({opt_kind} AdamW)", flush=True)
+                  f"host {row['clip_host_ms_median']} ms  opt {row['opt_ms_median']} ms  clipped "
+                  f"{row['clipped_pct'] or '-'}%  ({opt_kind} AdamW)", flush=True)
     with open(args.out, "w", newline="") as fh:
         for k, val in meta.items():
             fh.write(f"# {k}: {val}\n")

@@ -17,6 +17,7 @@ from .stats import GradStats, grad_stats
 from .report import GradientReport, gradient_report
 from .monitor import GradientMonitor
 from .nonfinite import find_nonfinite
+from .optim_clip import clip_optimizer_grad_norm_
 from .patch import patch_torch, unpatch_torch
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "clip_grad_value_",
     "multi_tensor_norm",
     "scaler_unscale_and_clip",
+    "clip_optimizer_grad_norm_",
     "adaptive_clip_grad_",
     "centralize_gradient_",
     "grad_stats",

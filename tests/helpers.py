@@ -76,6 +76,17 @@ def grads(params) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def optimizer_state(opt) -> list[Tensor]:
+    """Every state value of ``opt``, parameter by parameter in group order, keys sorted (scalars as tensors)."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k in sorted(opt.state[p]):
+                v = opt.state[p][k]
+                out.append(v if isinstance(v, Tensor) else torch.tensor(float(v)))
+    return out
+
+
 def ulp(x, dtype: torch.dtype) -> np.ndarray:
     """One unit in the last place of |x| in ``dtype`` (long double array); the smallest normal's at 0."""
     fi = torch.finfo(dtype)

@@ -16,6 +16,7 @@ from fastgrad import amp as famp
 
 from . import oracle
 from .helpers import assert_no_worse_than, bits, clone_params, grads, make_params
+from .helpers import optimizer_state as _opt_state
 
 INF, NAN = float("inf"), float("nan")
 CUDA = torch.cuda.is_available()
@@ -326,16 +327,6 @@ _OPTS = {
 def _model(device, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
-
-
-def _opt_state(opt) -> list[torch.Tensor]:
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for k in sorted(opt.state[p]):
-                v = opt.state[p][k]
-                out.append(v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-    return out
 
 
 def _train(device, opt_name, steps, overflow_at, *, fused_clip, backend=None, zero_write=False,
