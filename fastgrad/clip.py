@@ -188,6 +188,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if sh.writes:
             _scale(sh.writes, torch.clamp(max_norm / (total + 1e-6), max=1.0), backend, foreach)
         return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
+    # ---- issue 13: one device and no finiteness check: the backend's clip_norm_ primitive in one call
+    if not error_if_nonfinite and len(I.split_by_device(grads)) == 1:
+        b = I.pick("norm", grads, backend, norm_type=p)
+        return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(I.promoted_dtype(grads))
+    # ---- end issue 13
     total, _ = _norm(grads, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)

@@ -28,6 +28,60 @@ __global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, in
   }
 }
 
+// ------------------------------------------------------------------------------------------ clip
+// torch.clamp(max_norm / (total + 1e-6), max=1.0) on a 0-dim tensor of dtype A, op by op as torch evaluates
+// it (and as csrc/cpu/ops.cpp clip_coef does): add (the scalar rounded to A first), Tensor.__rtruediv__ as
+// reciprocal then multiply by max_norm rounded to A, clamp with NaN passing through. IEEE division and no
+// contraction (--fmad=false, no fast-math), as torch's own kernels compute these, so the bits are the same.
+template <typename A>
+__device__ __forceinline__ A clip_coef(A total, double max_norm) {
+  const A d = total + static_cast<A>(1e-6);
+  const A c = (static_cast<A>(1) / d) * static_cast<A>(max_norm);
+  return (c != c || c < static_cast<A>(1)) ? c : static_cast<A>(1);
+}
+
+// The total-only finish of a whole-tensor norm (row r is Seg r) with k_rows folded in, and the clip
+// coefficient. It adds the same values in the same order as k_rows followed by k_norm_finish, so *total has
+// the bits the norm op returns: thread t takes rows t, t + kThreads, ... (k_norm_finish's order); a row of one
+// chunk is that chunk's partial (what warp_row returns for it: adding the other lanes' zeros to a one-term
+// compensated sum changes nothing, and nan_max(0, x) = x for the partials, which are >= +0 or NaN), an empty
+// row is 0, and the warp computes each row of several chunks in turn with warp_row itself. One block: the
+// rows are few next to the chunks, and one launch less is what a short list needs.
+template <typename A>
+__global__ void __launch_bounds__(kThreads) k_norm_clip(const Seg* segs, int64_t nrows, int mode, double p,
+                                                       const double* part, double max_norm, A* total, A* coef) {
+  __shared__ double sh[2 * kWarps];
+  const int lane = threadIdx.x & 31;
+  double mx = 0.0;
+  Comp sum;
+  for (int64_t base = threadIdx.x - lane; base < nrows; base += kThreads) {  // warp-uniform bound
+    const int64_t r = base + lane;
+    int64_t c0 = 0, cpr = 0;
+    if (r < nrows) {
+      c0 = segs[r].first_chunk;
+      cpr = segs[r].cpr;
+    }
+    double v = cpr == 1 ? part[c0] : 0.0;
+    for (unsigned many = __ballot_sync(0xffffffffu, cpr > 1); many != 0; many &= many - 1) {
+      const int src = __ffs(static_cast<int>(many)) - 1;
+      const double rv = warp_row(part, __shfl_sync(0xffffffffu, c0, src), __shfl_sync(0xffffffffu, cpr, src), 1, 0,
+                                 mode, lane);
+      const double got = __shfl_sync(0xffffffffu, rv, 0);
+      if (lane == src) v = got;
+    }
+    if (r < nrows) {
+      if (mode == kInf) mx = nan_max(mx, v);
+      else sum.add(v);
+    }
+  }
+  const double t = mode == kInf ? block_max(mx, sh) : block_sum_comp(sum, sh);
+  if (threadIdx.x == 0) {
+    const A tot = static_cast<A>(root(mode, t, p));
+    *total = tot;
+    *coef = clip_coef<A>(tot, max_norm);
+  }
+}
+
 // ---------------------------------------------------------------------------------------- grad_stats
 template <typename A>
 struct StatsFn {
@@ -132,6 +186,30 @@ int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mo
     k_norm_finish<float><<<1, kThreads, 0, st>>>(w.rows, nrows, mode, p, static_cast<float*>(d_total),
                                                  static_cast<float*>(d_per), w.flags, nchunks, found);
   return static_cast<int>(cudaGetLastError());
+}
+
+int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
+              void* d_total, void* d_ws, Stream stream) {
+  cudaStream_t st = stream;
+  const Ws w = carve(d_ws, nchunks, nseg);
+  // The per-row area of the workspace (at least 3 doubles: nseg >= 1) is free here, rows being folded into
+  // the finish: it holds the coefficient the scale pass reads.
+  void* coef = w.rows;
+  if (nchunks > 0) {
+    if (acc64) launch_reduce<double, false>(mode, static_cast<unsigned>(nchunks), st, d_segs, nseg, p, nullptr, 0, w.part, nullptr);
+    else launch_reduce<float, false>(mode, static_cast<unsigned>(nchunks), st, d_segs, nseg, p, nullptr, 0, w.part, nullptr);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;  // read-only so far: nothing written
+  }
+  if (acc64)
+    k_norm_clip<double><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, max_norm, static_cast<double*>(d_total),
+                                                static_cast<double*>(coef));
+  else
+    k_norm_clip<float><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, max_norm, static_cast<float*>(d_total),
+                                               static_cast<float*>(coef));
+  const int err = static_cast<int>(cudaGetLastError());
+  if (err != 0) return err;  // before the only launch that writes gradients
+  return scale(d_segs, nseg, nchunks, coef, acc64 ? kF64 : kF32, stream);
 }
 
 int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm, void* d_max,
