@@ -330,11 +330,13 @@ __device__ __forceinline__ double warp_row(const double* part, int64_t c0, int64
                                            int lane) {
   if (mode == kInf) {
     double v = 0.0;
+#pragma unroll 4
     for (int64_t c = lane; c < cpr; c += kRowLanes) v = nan_max(v, part[(c0 + c) * stride + k]);
     for (int o = kRowLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
     return v;
   }
   Comp sum;  // the CPU adds chunk partials compensated too
+#pragma unroll 4  // independent loads in flight together; the adds stay in order
   for (int64_t c = lane; c < cpr; c += kRowLanes) sum.add(part[(c0 + c) * stride + k]);
   return warp_sum(sum).value();
 }
