@@ -679,3 +679,91 @@ def test_clip_norm_op_empty_tensors_only(device):
     total = ops.clip_norm_(ts, 1.0, 2.0)
     assert total.dtype == torch.float32 and total.device.type == device and float(total) == 0.0
     assert float(ops.clip_norm_(ts, 0.0, float("inf"))) == 0.0
+
+
+def _many_rows(device, kinds, seed):
+    """2,500 tensors (more rows than the CUDA finish takes in one sweep of its block), most of one chunk or
+    none, some of several chunks and a few of more chunks than a warp has lanes, shuffled."""
+    from .helpers import randn
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 5, 999, CHUNK - 1, CHUNK] * 400 + [CHUNK + 1, 3 * CHUNK + 5] * 45 + [40 * CHUNK + 3] * 3
+    sizes = [sizes[i] for i in torch.randperm(len(sizes), generator=g).tolist()]
+    ts = [randn((n,), kinds[i % len(kinds)], device, g) for i, n in enumerate(sizes)]
+    return ts, [t.clone() for t in ts]
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("p", CLIP_NORMS)
+@pytest.mark.parametrize("kind", ["mixed", "mixed64"])
+def test_clip_norm_op_many_rows_same_bits_as_the_op_sequence(device, p, kind):
+    # On CUDA this is the finish that folds k_rows in: its total must keep the norm op's bits for rows of
+    # 0, 1, several and over 32 chunks, wherever they fall in a warp and in the block's sweeps.
+    ours, ref = _many_rows(device, CLIP_DTYPES[kind], seed=50 + CLIP_NORMS.index(p))
+    norm_total = ops.norm(ours, p)[0]
+    total = ops.clip_norm_(ours, float(norm_total) / 2, p)
+    assert torch.equal(_bits(total), _bits(norm_total))
+    _assert_same_clip(ours, ref, total, _old_clip(ref, float(norm_total) / 2, p), f"{device} p={p}")
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+@pytest.mark.parametrize("p", [2.0, float("inf")])
+def test_cuda_clip_norm_past_the_fold_limit(p):
+    # Over 8,192 chunks the CUDA clip runs k_rows before its finish (csrc/cuda/reduce.cu kFoldMaxChunks):
+    # same bits as the norm op and the op sequence there too.
+    g = torch.Generator(device="cuda").manual_seed(9)
+    sizes = [2800 * CHUNK + 7, 5, 2800 * CHUNK, 0, 2800 * CHUNK + 1]
+    try:
+        ours = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in sizes]
+        ref = [t.clone() for t in ours]
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    norm_total = ops.norm(ours, p)[0]
+    total = ops.clip_norm_(ours, float(norm_total) / 2, p)
+    assert torch.equal(_bits(total), _bits(norm_total))
+    _assert_same_clip(ours, ref, total, _old_clip(ref, float(norm_total) / 2, p), f"p={p}")
+    del ours, ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+@pytest.mark.parametrize("max_norm", [0.1, 1e9], ids=["clip", "noclip"])
+def test_cuda_clip_is_three_kernels_and_no_torch_op(max_norm):
+    import fastgrad
+    from torch.profiler import ProfilerActivity, profile
+
+    from .helpers import SHAPES, make_params
+
+    params = make_params(SHAPES, torch.float32, "cuda", seed=12)
+    fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")  # warm-up: the table is cached
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")
+        torch.cuda.synchronize()
+    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(device_events) == 3, device_events  # no memcpy (cached table), no torch kernel
+    for kernel in ("k_reduce", "k_norm_clip", "k_scale"):
+        assert sum(kernel in name for name in device_events) == 1, device_events
+    host_ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert not host_ops & {"aten::clamp", "aten::reciprocal", "aten::add", "aten::mul", "aten::copy_"}, host_ops
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_clip_norm_never_syncs():
+    import fastgrad
+
+    from .helpers import SHAPES, make_params
+
+    contiguous = make_params(SHAPES, [torch.float32, torch.bfloat16], "cuda", seed=13)
+    strided = make_params(SHAPES, torch.float16, "cuda", seed=14, noncontig=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for params in (contiguous, strided, contiguous):  # first calls build tables, later ones reuse them
+            fastgrad.clip_grad_norm_(params, 0.1, backend="cuda")
+            fastgrad.clip_grad_norm_(params, 1e9, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
