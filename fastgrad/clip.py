@@ -1,8 +1,8 @@
 """Norms and clipping: drop-ins for ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``,
 ``clip_grads_with_norm_`` and ``clip_grad_value_``, plus ``multi_tensor_norm``.
 
-Public entry points only; the kernels are the backends' ``norm``, ``scale_`` and ``clip_value_`` primitives
-(``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
+Public entry points only; the kernels are the backends' ``norm``, ``clip_norm_``, ``scale_`` and ``clip_value_``
+primitives (``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
 
 * per-tensor norms are accumulated in float32 (float64 for float64) whatever the gradient dtype, and the
   clip coefficient is computed from that fp32 norm on the device (torch rounds both to the grad dtype);

@@ -229,6 +229,8 @@ int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double
   const double* rows = nullptr;
   if (nchunks > kFoldMaxChunks) {
     k_rows<<<grid_for(nseg * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nseg, mode, w.part, 1, 0, w.rows);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;
     rows = w.rows;
   }
   if (acc64)
