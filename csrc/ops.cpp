@@ -27,6 +27,10 @@ TORCH_LIBRARY(fastgrad, m) {
   m.def("amp_norm(Tensor[] tensors, Tensor inv_scale, float norm_type) -> (Tensor, Tensor)");
   // x = T(x * factor); no memory touched when factor == 1.
   m.def("scale_(Tensor(a!)[] tensors, Tensor factor) -> ()");
+  // clip_grad_norm_ on one device: total = norm(grads) (its bits), coef = min(max_norm / (total + 1e-6), 1)
+  // computed as torch computes that expression in the accumulation dtype, grads scaled as scale_ does (not
+  // touched when coef == 1). Returns the total (accumulation dtype); the coefficient never leaves the device.
+  m.def("clip_norm_(Tensor(a!)[] grads, float max_norm, float norm_type) -> Tensor");
   m.def("clip_value_(Tensor(a!)[] tensors, float clip_value) -> ()");
   m.def("agc_(Tensor[] params, Tensor(a!)[] grads, float clip_factor, float eps, float norm_type) -> ()");
   m.def("centralize_(Tensor(a!)[] grads) -> ()");

@@ -175,6 +175,10 @@ def _register_fakes() -> None:
     def _scale(tensors, factor):
         return None
 
+    @fake("clip_norm_")
+    def _clip_norm(grads, max_norm, norm_type):
+        return grads[0].new_empty((), dtype=_acc(grads), device=grads[0].device)
+
     @fake("clip_value_")
     def _clip_value(tensors, clip_value):
         return None

@@ -1,8 +1,8 @@
 """Norms and clipping: drop-ins for ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``,
 ``clip_grads_with_norm_`` and ``clip_grad_value_``, plus ``multi_tensor_norm``.
 
-Public entry points only; the kernels are the backends' ``norm``, ``scale_`` and ``clip_value_`` primitives
-(``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
+Public entry points only; the kernels are the backends' ``norm``, ``clip_norm_``, ``scale_`` and ``clip_value_``
+primitives (``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
 
 * per-tensor norms are accumulated in float32 (float64 for float64) whatever the gradient dtype, and the
   clip coefficient is computed from that fp32 norm on the device (torch rounds both to the grad dtype);
@@ -188,6 +188,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if sh.writes:
             _scale(sh.writes, torch.clamp(max_norm / (total + 1e-6), max=1.0), backend, foreach)
         return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
+    # ---- issue 13: one device and no finiteness check: the backend's clip_norm_ primitive in one call
+    if not error_if_nonfinite and len(I.split_by_device(grads)) == 1:
+        b = I.pick("norm", grads, backend, norm_type=p)
+        return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(I.promoted_dtype(grads))
+    # ---- end issue 13
     total, _ = _norm(grads, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)

@@ -316,3 +316,64 @@ def test_grads_on_several_devices():
     exp = torch.tensor([oracle.tensor_norm(g, 2.0) for g in grads(params)], dtype=torch.float64)
     torch.testing.assert_close(per.double().cpu(), exp, rtol=1e-6, atol=0)
     assert not math.isnan(float(total))
+
+
+# ---------------------------------------------------------------------- the clip_norm_ primitive (issue 13)
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.bfloat16, torch.float16], [torch.float32, torch.float64]],
+                         ids=["fp32", "16bit", "mixed64"])
+@pytest.mark.parametrize("norm_type", [2.0, INF, 0.5])
+@pytest.mark.parametrize("clipping", [True, False], ids=["clip", "noclip"])
+def test_clip_norm_primitive_same_bits_as_its_composition(bd, dtypes, norm_type, clipping):
+    """The primitive's contract on every backend: exactly what Backend.clip_norm_ (the backend's own norm,
+    torch's coefficient expression, the backend's scale_) gives, total and gradients."""
+    from fastgrad.backends import Backend, get
+
+    backend, device = bd
+    b = get(backend)
+    params = make_params(SHAPES, dtypes, device, seed=40 + FAST_NORMS.index(norm_type), noncontig=True)
+    ours, ref = grads(params), grads(clone_params(params))
+    exact = oracle.total_norm(ours, norm_type)
+    max_norm = exact / 3 if clipping else exact * 3
+    total = b.clip_norm_(ours, max_norm, norm_type)
+    ref_total = Backend.clip_norm_(b, ref, max_norm, norm_type)
+    assert total.dtype == ref_total.dtype == (torch.float64 if torch.float64 in dtypes else torch.float32)
+    assert total.dim() == 0 and total.device == ours[0].device
+    assert torch.equal(bits(total), bits(ref_total))
+    for g, r in zip(ours, ref):
+        assert torch.equal(bits(g), bits(r))
+
+
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_clip_grad_norm_is_one_primitive_call(monkeypatch, backend, error_if_nonfinite):
+    from fastgrad.backends import get
+
+    b = get(backend)
+    if b.unavailable_reason() is not None:
+        pytest.skip(b.unavailable_reason())
+    calls = []
+    for name in ("clip_norm_", "norm", "scale_"):
+        def spy(self, *args, _name=name, _orig=getattr(type(b), name), **kwargs):
+            calls.append(_name)
+            return _orig(self, *args, **kwargs)
+        monkeypatch.setattr(type(b), name, spy)
+    # non-contiguous grads: the cpu backend's one-call C++ path (_scan.clip_norm_cpu) declines them
+    params = make_params(SMALL_SHAPES, torch.float32, "cpu", seed=44, noncontig=True)
+    fastgrad.clip_grad_norm_(params, 0.1, error_if_nonfinite=error_if_nonfinite, backend=backend)
+    if error_if_nonfinite:  # checks the norm on the host before anything is written: the separate steps
+        assert calls == ["norm", "scale_"]
+    else:  # one call; the torch backend's is the default composition
+        assert calls == (["clip_norm_"] if backend == "cpu" else ["clip_norm_", "norm", "scale_"])
+
+
+def test_fused_and_checked_clip_paths_agree(bd):
+    # error_if_nonfinite=True keeps the step-by-step path (it must check before writing); on finite
+    # gradients both paths give the same bits.
+    backend, device = bd
+    params = make_params(SHAPES, [torch.float32, torch.bfloat16, torch.float16], device, seed=45, noncontig=True)
+    a, b = clone_params(params), clone_params(params)
+    ta = fastgrad.clip_grad_norm_(a, 0.2, backend=backend)
+    tb = fastgrad.clip_grad_norm_(b, 0.2, error_if_nonfinite=True, backend=backend)
+    assert torch.equal(bits(ta), bits(tb))
+    for x, y in zip(grads(a), grads(b)):
+        assert torch.equal(bits(x), bits(y))

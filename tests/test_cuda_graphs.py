@@ -152,3 +152,29 @@ def test_scaler_unscale_and_clip_capture_and_replay(backend, dtype):
         assert torch.equal(bits(total), bits(e_total))
         for a, b in zip(grads(static), grads(eager)):
             assert torch.equal(bits(a), bits(b)), f"replayed AMP path differs from eager (seed {seed})"
+
+
+def test_cuda_clip_norm_op_capture_replays_the_op_sequence():
+    # The fused op under capture: each replay must give what the step-by-step path (norm op, torch's
+    # coefficient, scale_ op) gives eagerly on the same values, clipping or not.
+    if ("cuda", "cuda") not in BACKEND_DEVICES:
+        pytest.skip("the cuda backend is not built here")
+    ops = torch.ops.fastgrad
+    static = _params(0, DTYPES)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.clip_norm_(grads(static), 1.0, 2.0)  # the first call uploads the table: asynchronously
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph, total = _capture(lambda: ops.clip_norm_(grads(static), 1.0, 2.0))
+    for seed, scale in [(1, 5.0), (2, 1e-4), (3, 5.0)]:
+        fresh = _params(seed, DTYPES, scale)
+        _load(static, fresh)
+        ref = [g.clone() for g in grads(fresh)]
+        graph.replay()
+        want, _ = ops.norm(ref, 2.0)
+        ops.scale_(ref, torch.clamp(1.0 / (want + 1e-6), max=1.0))
+        torch.cuda.synchronize()
+        assert torch.equal(bits(total), bits(want)), (seed, total, want)
+        for a, b in zip(grads(static), ref):
+            assert torch.equal(bits(a), bits(b)), f"replay differs from the op sequence (seed {seed})"

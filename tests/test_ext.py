@@ -95,6 +95,9 @@ def _opcheck_cases():
         ("amp_norm", (mixed, torch.tensor(0.25), 1.0)),
         ("scale_", (f32, torch.tensor(0.3))),
         ("scale_", (mixed, torch.tensor(1.0))),
+        ("clip_norm_", (f32, 0.5, 2.0)),
+        ("clip_norm_", (mixed, 1e9, 3.0)),  # no clipping
+        ("clip_norm_", (f32, 0.01, float("inf"))),
         ("clip_value_", (mixed, 0.5)),
         ("agc_", (params, f32, 0.01, 1e-3, 2.0)),
         ("centralize_", ([t for t in f32 if t.dim() > 1], )),
@@ -123,6 +126,17 @@ def test_torch_compile_fullgraph():
     total = compiled(ts, 0.1)
     total_ref = clip(ref, 0.1)
     assert torch.equal(total, total_ref)
+    for a, b in zip(ts, ref):
+        assert torch.equal(a, b)
+
+
+@needs_ext
+def test_torch_compile_fullgraph_clip_norm_op():
+    ts = [t.contiguous() for t in _sample()]
+    ref = [t.clone() for t in ts]
+    compiled = torch.compile(lambda xs: ops.clip_norm_(xs, 0.1, 2.0), fullgraph=True, backend="aot_eager")
+    total = compiled(ts)
+    assert torch.equal(total, ops.clip_norm_(ref, 0.1, 2.0))
     for a, b in zip(ts, ref):
         assert torch.equal(a, b)
 
@@ -540,3 +554,216 @@ def test_cuda_bindings_syntax(path, tmp_path):
     cmd += [f"-I{_cuda_include()}", f"-I{sysconfig.get_paths()['include']}", path]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------- clip_norm_ op
+# fastgrad::clip_norm_ is norm + torch's coefficient + scale_ in one op (issue 13). Its contract is "the same
+# bits as that sequence" on each device, so the sequence is the reference; torch and the oracle check the
+# sequence's semantics on the way.
+EXT_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _ext.has_cuda_kernels() else [])
+CLIP_DTYPES = {
+    "fp32": [torch.float32], "fp16": [torch.float16], "bf16": [torch.bfloat16], "fp64": [torch.float64],
+    "mixed": [torch.float32, torch.bfloat16, torch.float16],
+    "mixed64": [torch.float16, torch.float64, torch.bfloat16, torch.float32],  # accumulated in fp64
+}
+# Odd sizes, an empty tensor, chunk boundaries (CPU and CUDA both cut at CHUNK), a multi-chunk 2-D grad.
+CLIP_SHAPES = [(7,), (0,), (3, 5), (CHUNK - 1,), (CHUNK,), (1,), (CHUNK + 1,), (257, 3), (2 * CHUNK + 17,), (2, 0)]
+CLIP_NORMS = [2.0, 1.0, float("inf"), 0.5, 3.0]
+
+
+def _old_clip(ts, max_norm, p):
+    """What clip_grad_norm_ ran before clip_norm_ existed: the norm op, torch's coefficient, scale_."""
+    total, _ = ops.norm(ts, p)
+    ops.scale_(ts, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def _clip_grads(kind, device, seed, noncontig=False, shapes=CLIP_SHAPES):
+    from .helpers import clone_params, grads, make_params
+
+    params = make_params(shapes, CLIP_DTYPES[kind], device, seed=seed, noncontig=noncontig)
+    return grads(params), grads(clone_params(params))
+
+
+def _assert_same_clip(ours, ref, total, ref_total, what=""):
+    assert total.dtype == ref_total.dtype and total.device == ref_total.device and total.dim() == 0, what
+    assert torch.equal(_bits(total), _bits(ref_total)), f"{what}: total {total} vs {ref_total}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.stride() == b.stride(), f"{what}: grad {i} strides"
+        assert torch.equal(_bits(a), _bits(b)), f"{what}: grad {i} differs"
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("kind", list(CLIP_DTYPES))
+@pytest.mark.parametrize("p", CLIP_NORMS)
+@pytest.mark.parametrize("clipping", [True, False], ids=["clip", "noclip"])
+@pytest.mark.parametrize("noncontig", [False, True], ids=["contig", "noncontig"])
+def test_clip_norm_op_same_bits_as_the_op_sequence(device, kind, p, clipping, noncontig):
+    seed = 100 + 10 * list(CLIP_DTYPES).index(kind) + CLIP_NORMS.index(p)
+    ours, ref = _clip_grads(kind, device, seed, noncontig)
+    before = [g.clone() for g in ours]
+    exact = float(ops.norm(ours, p)[0])
+    max_norm = exact / 3 if clipping else exact * 3
+    total = ops.clip_norm_(ours, max_norm, p)
+    ref_total = _old_clip(ref, max_norm, p)
+    _assert_same_clip(ours, ref, total, ref_total, f"{device} {kind} p={p}")
+    assert total.dtype == (torch.float64 if kind in ("fp64", "mixed64") else torch.float32)
+    changed = [not torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, before) if a.numel()]
+    assert all(changed) if clipping else not any(changed)  # the test can see a clip that did not happen
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("p", CLIP_NORMS)
+def test_clip_norm_op_matches_torch_and_oracle(device, dtype, p):
+    from . import oracle
+    from .helpers import SHAPES, clone_params, grads, make_params
+    from .test_clip import _check_clip_result
+
+    shapes = SHAPES if p != float("inf") else [s for s in SHAPES if math.prod(s)]  # torch raises there
+    params = make_params(shapes, dtype, device, seed=7 + CLIP_NORMS.index(p), none_every=4)  # some grads None
+    orig, theirs = clone_params(params), clone_params(params)
+    max_norm = oracle.total_norm(grads(orig), p) / 3
+    total = ops.clip_norm_(grads(params), max_norm, p)
+    total_t = torch.nn.utils.clip_grad_norm_(theirs, max_norm, p)
+    _check_clip_result(params, theirs, orig, total.to(dtype), total_t, max_norm, p, dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("p", [2.0, float("inf"), 0.5])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("kind", ["fp32", "mixed64"])
+def test_clip_norm_op_nonfinite(device, p, bad, kind):
+    ours, ref = _clip_grads(kind, device, seed=31)
+    for gs in (ours, ref):
+        gs[4][CHUNK - 1] = float(bad)  # last element of a chunk
+    total = ops.clip_norm_(ours, 1.0, p)
+    ref_total = _old_clip(ref, 1.0, p)
+    _assert_same_clip(ours, ref, total, ref_total, f"{device} {bad} p={p}")
+    if bad == "nan":  # NaN norm, NaN coefficient: every element NaN, as torch does
+        assert math.isnan(float(total)) and all(torch.isnan(g).all() for g in ours)
+    else:  # inf norm: coefficient 0, the inf element becomes NaN (inf * 0), the rest 0
+        assert math.isinf(float(total)) and torch.isnan(ours[4][CHUNK - 1])
+        assert all((g[~torch.isnan(g)] == 0).all() for g in ours)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_clip_norm_op_writes_only_its_tensors(device, dtype):
+    # Views into one poisoned buffer at odd offsets (as gradient-bucket views are): the elements between and
+    # around them must keep their poison bits, and the views must be clipped exactly as the op sequence does.
+    g = torch.Generator().manual_seed(41)
+    n = 3 * CHUNK + 5000
+    flat = torch.randn(n, generator=g, dtype=torch.float64).to(device, dtype)
+    bounds = [(1, 18), (21, 21), (23, CHUNK + 30), (CHUNK + 33, 3 * CHUNK + 1000)]  # one view is empty
+    poison = torch.ones(n, dtype=torch.bool, device=device)
+    for a, b in bounds:
+        poison[a:b] = False
+    flat[poison] = float("nan")  # poison would make any norm that reads it NaN
+    flat_ref = flat.clone()
+    views = [flat[a:b] for a, b in bounds]
+    total = ops.clip_norm_(views, 0.01, 2.0)
+    ref_total = _old_clip([flat_ref[a:b] for a, b in bounds], 0.01, 2.0)
+    assert torch.isfinite(total)
+    assert torch.equal(_bits(flat), _bits(flat_ref))  # views clipped identically, poison untouched
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+def test_clip_norm_op_empty_tensors_only(device):
+    ts = [torch.empty(0, device=device), torch.empty(3, 0, device=device, dtype=torch.bfloat16)]
+    total = ops.clip_norm_(ts, 1.0, 2.0)
+    assert total.dtype == torch.float32 and total.device.type == device and float(total) == 0.0
+    assert float(ops.clip_norm_(ts, 0.0, float("inf"))) == 0.0
+
+
+def _many_rows(device, kinds, seed):
+    """2,500 tensors (more rows than the CUDA finish takes in one sweep of its block), most of one chunk or
+    none, some of several chunks and a few of more chunks than a warp has lanes, shuffled."""
+    from .helpers import randn
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 5, 999, CHUNK - 1, CHUNK] * 400 + [CHUNK + 1, 3 * CHUNK + 5] * 45 + [40 * CHUNK + 3] * 3
+    sizes = [sizes[i] for i in torch.randperm(len(sizes), generator=g).tolist()]
+    ts = [randn((n,), kinds[i % len(kinds)], device, g) for i, n in enumerate(sizes)]
+    return ts, [t.clone() for t in ts]
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("p", CLIP_NORMS)
+@pytest.mark.parametrize("kind", ["mixed", "mixed64"])
+def test_clip_norm_op_many_rows_same_bits_as_the_op_sequence(device, p, kind):
+    # On CUDA this is the finish that folds k_rows in: its total must keep the norm op's bits for rows of
+    # 0, 1, several and over 32 chunks, wherever they fall in a warp and in the block's sweeps.
+    ours, ref = _many_rows(device, CLIP_DTYPES[kind], seed=50 + CLIP_NORMS.index(p))
+    norm_total = ops.norm(ours, p)[0]
+    total = ops.clip_norm_(ours, float(norm_total) / 2, p)
+    assert torch.equal(_bits(total), _bits(norm_total))
+    _assert_same_clip(ours, ref, total, _old_clip(ref, float(norm_total) / 2, p), f"{device} p={p}")
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+@pytest.mark.parametrize("p", [2.0, float("inf")])
+def test_cuda_clip_norm_past_the_fold_limit(p):
+    # Over 8,192 chunks the CUDA clip runs k_rows before its finish (csrc/cuda/reduce.cu kFoldMaxChunks):
+    # same bits as the norm op and the op sequence there too.
+    g = torch.Generator(device="cuda").manual_seed(9)
+    sizes = [2800 * CHUNK + 7, 5, 2800 * CHUNK, 0, 2800 * CHUNK + 1]
+    try:
+        ours = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in sizes]
+        ref = [t.clone() for t in ours]
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    norm_total = ops.norm(ours, p)[0]
+    total = ops.clip_norm_(ours, float(norm_total) / 2, p)
+    assert torch.equal(_bits(total), _bits(norm_total))
+    _assert_same_clip(ours, ref, total, _old_clip(ref, float(norm_total) / 2, p), f"p={p}")
+    del ours, ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+@pytest.mark.parametrize("max_norm", [0.1, 1e9], ids=["clip", "noclip"])
+def test_cuda_clip_is_three_kernels_and_no_torch_op(max_norm):
+    import fastgrad
+    from torch.profiler import ProfilerActivity, profile
+
+    from .helpers import SHAPES, make_params
+
+    params = make_params(SHAPES, torch.float32, "cuda", seed=12)
+    fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")  # warm-up: the table is cached
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")
+        torch.cuda.synchronize()
+    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(device_events) == 3, device_events  # no memcpy (cached table), no torch kernel
+    for kernel in ("k_reduce", "k_norm_clip", "k_scale"):
+        assert sum(kernel in name for name in device_events) == 1, device_events
+    host_ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert not host_ops & {"aten::clamp", "aten::reciprocal", "aten::add", "aten::mul", "aten::copy_"}, host_ops
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_clip_norm_never_syncs():
+    import fastgrad
+
+    from .helpers import SHAPES, make_params
+
+    contiguous = make_params(SHAPES, [torch.float32, torch.bfloat16], "cuda", seed=13)
+    strided = make_params(SHAPES, torch.float16, "cuda", seed=14, noncontig=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for params in (contiguous, strided, contiguous):  # first calls build tables, later ones reuse them
+            fastgrad.clip_grad_norm_(params, 0.1, backend="cuda")
+            fastgrad.clip_grad_norm_(params, 1e9, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -472,10 +472,31 @@ double clip_coef(double total, double max_norm, bool acc64) {
   return std::isnan(c) || c < 1.0f ? c : 1.0f;
 }
 
+namespace {
+
+// fastgrad::clip_norm_ on the CPU: the same steps as the host fast path (csrc/host.cpp clip_norm_cpu) and
+// as the norm, coefficient and scale_ sequence, hence the same bits.
+Tensor clip_norm_op(TensorList grads, double max_norm, double p) {
+  check_cpu(grads, "clip_norm_");
+  auto fl = flats(grads, true);
+  const bool acc64 = any_double(fl);
+  const double raw = total_norm(fl, p, acc64);
+  const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
+  const double coef = clip_coef(total, max_norm, acc64);
+  if (coef != 1.0) {  // not clipping: nothing written, copies of non-contiguous grads not copied back
+    scale_flats(fl, coef);
+    for (auto& x : fl) finish(x);
+  }
+  return make_0d(total, acc64 ? at::kDouble : at::kFloat);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(fastgrad, CPU, m) {
   m.impl("norm", &norm_cpu);
   m.impl("amp_norm", &amp_norm_cpu);
   m.impl("scale_", &scale_cpu);
+  m.impl("clip_norm_", &clip_norm_op);
   m.impl("clip_value_", &clip_value_cpu);
   m.impl("agc_", &agc_cpu);
   m.impl("centralize_", &centralize_cpu);

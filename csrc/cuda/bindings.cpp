@@ -303,6 +303,29 @@ void scale_cuda(TensorList tensors, const Tensor& factor) {
   for (auto& x : fl) cpu::finish(x);
 }
 
+// clip_grad_norm_ in one op: read pass, finish (total and coefficient, both on the device) and the scale
+// pass, enqueued back to back with no torch op between them; the total in the accumulation dtype.
+Tensor clip_norm_cuda(TensorList grads, double max_norm, double p) {
+  check_device(grads, "clip_norm_");
+  const at::Device dev = grads[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : grads) {
+    fl.push_back(cpu::flat(t, true));
+    segs.push_back(whole(fl.back()));
+  }
+  const bool acc64 = any_double(grads);
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  Tensor total = at::empty({}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat).device(dev));
+  check(fgcuda::clip_norm(tab.ptr(), tab.nseg, tab.nchunks, mode_code(p), p, acc64, max_norm, total.data_ptr(),
+                          ws.data_ptr(), stream()),
+        "clip_norm_");
+  for (auto& x : fl) cpu::finish(x);  // non-contiguous grads were processed through a copy
+  return total;
+}
+
 void clip_value_cuda(TensorList tensors, double c) {
   check_device(tensors, "clip_value_");
   const at::Device dev = tensors[0].device();
@@ -417,6 +440,7 @@ TORCH_LIBRARY_IMPL(fastgrad, CUDA, m) {
   m.impl("norm", &norm_cuda);
   m.impl("amp_norm", &amp_norm_cuda);
   m.impl("scale_", &scale_cuda);
+  m.impl("clip_norm_", &clip_norm_cuda);
   m.impl("clip_value_", &clip_value_cuda);
   m.impl("agc_", &agc_cuda);
   m.impl("centralize_", &centralize_cuda);

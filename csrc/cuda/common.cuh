@@ -320,10 +320,28 @@ __global__ void __launch_bounds__(kThreads) k_reduce(const Seg* segs, int64_t ns
 
 // One warp per row: lane l combines the row's chunk partials l, l + 32, ... in order, then a fixed shuffle
 // tree combines the lanes. Deterministic, and a long row (65,536 partials for a 2^31-element tensor) is not
-// left to one thread's serial loop. r is uniform across a warp, so whole warps return together and the
-// full-mask shuffles are legal.
+// left to one thread's serial loop.
 constexpr int kRowLanes = 32;
 
+// The value of one row whose cpr chunk partials are part[(c0 + c) * stride + k]: max (kInf) or compensated
+// sum (other modes). Called by a whole warp (full-mask shuffles: every lane must arrive with the same row);
+// valid in lane 0. k_rows and the clip's fused finish (reduce.cu) both use it, so they agree bit for bit.
+__device__ __forceinline__ double warp_row(const double* part, int64_t c0, int64_t cpr, int stride, int k, int mode,
+                                           int lane) {
+  if (mode == kInf) {
+    double v = 0.0;
+#pragma unroll 4
+    for (int64_t c = lane; c < cpr; c += kRowLanes) v = nan_max(v, part[(c0 + c) * stride + k]);
+    for (int o = kRowLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
+    return v;
+  }
+  Comp sum;  // the CPU adds chunk partials compensated too
+#pragma unroll 4  // independent loads in flight together; the adds stay in order
+  for (int64_t c = lane; c < cpr; c += kRowLanes) sum.add(part[(c0 + c) * stride + k]);
+  return warp_sum(sum).value();
+}
+
+// r is uniform across a warp, so whole warps return together and warp_row's shuffles are legal.
 __global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, const double* part, int stride,
                        int k, double* out) {
   const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kRowLanes;
@@ -331,17 +349,8 @@ __global__ void k_rows(const Seg* segs, int64_t nseg, int64_t nrows, int mode, c
   if (r >= nrows) return;
   const Seg* s = &segs[find_row_seg(segs, nseg, r)];
   const int64_t c0 = s->first_chunk + (r - s->first_row) * s->cpr;
-  if (mode == kInf) {
-    double v = 0.0;
-    for (int64_t c = lane; c < s->cpr; c += kRowLanes) v = nan_max(v, part[(c0 + c) * stride + k]);
-    for (int o = kRowLanes / 2; o > 0; o >>= 1) v = nan_max(v, __shfl_down_sync(0xffffffffu, v, o));
-    if (lane == 0) out[r] = v;
-    return;
-  }
-  Comp sum;  // the CPU adds chunk partials compensated too
-  for (int64_t c = lane; c < s->cpr; c += kRowLanes) sum.add(part[(c0 + c) * stride + k]);
-  sum = warp_sum(sum);
-  if (lane == 0) out[r] = sum.value();
+  const double v = warp_row(part, c0, s->cpr, stride, k, mode, lane);
+  if (lane == 0) out[r] = v;
 }
 
 // Norm from its power sum. The CPU takes pow(s, 1/p) in long double; here 1/p = y + y_lo as a double-double

@@ -52,6 +52,14 @@ size_t workspace_bytes(int64_t nchunks, int64_t nrows);
 int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
          const float* d_inv, void* d_total, void* d_per, float* d_found, void* d_ws, Stream stream);
 
+// clip_grad_norm_ over a whole-tensor table (one row per Seg, as norm() builds it), in three launches: the
+// read pass, a finish that writes *d_total (accumulation dtype, the bits norm() gives) and the coefficient
+// min(max_norm / (total + 1e-6), 1) in that dtype (as torch computes the expression on a 0-dim tensor), and
+// scale() by that coefficient, which writes nothing when it is 1. The coefficient stays on the device. Lists
+// of more than 8,192 chunks (2^28 elements) get norm()'s per-row pass before the finish: four launches.
+int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
+              void* d_total, void* d_ws, Stream stream);
+
 // grad_stats: per-row L2 norm and max |x| (accumulation dtype), NaN/inf/zero counts (int64).
 int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm,
           void* d_max, int64_t* d_nan, int64_t* d_inf, int64_t* d_zero, void* d_ws, Stream stream);

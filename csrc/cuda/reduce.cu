@@ -28,6 +28,85 @@ __global__ void __launch_bounds__(kThreads) k_norm_finish(const double* rows, in
   }
 }
 
+// ------------------------------------------------------------------------------------------ clip
+// torch.clamp(max_norm / (total + 1e-6), max=1.0) on a 0-dim tensor of dtype A, op by op as torch evaluates
+// it (and as csrc/cpu/ops.cpp clip_coef does): add (the scalar rounded to A first), Tensor.__rtruediv__ as
+// reciprocal then multiply by max_norm rounded to A, clamp with NaN passing through. IEEE division and no
+// contraction (--fmad=false, no fast-math), as torch's own kernels compute these, so the bits are the same.
+template <typename A>
+__device__ __forceinline__ A clip_coef(A total, double max_norm) {
+  const A d = total + static_cast<A>(1e-6);
+  const A c = (static_cast<A>(1) / d) * static_cast<A>(max_norm);
+  return (c != c || c < static_cast<A>(1)) ? c : static_cast<A>(1);
+}
+
+// The total-only finish of a whole-tensor norm (row r is Seg r) and the clip coefficient. It adds the same
+// row values in the same order as k_norm_finish, so *total has the bits the norm op returns: thread t takes
+// rows t, t + kThreads, ... With `rows` set they come from k_rows; without, k_rows is folded in: a row of one
+// chunk is that chunk's partial (what warp_row returns for it: adding the other lanes' zeros to a one-term
+// compensated sum changes nothing, and nan_max(0, x) = x for partials, which are >= +0 or NaN), an empty row
+// is 0, and the warp computes each row of several chunks in turn with warp_row itself. Rows are taken kBatch
+// per thread at a time so that their table and partial loads are in flight together: one block walks every
+// row, and a chain of dependent loads per row would cost more than the launch it saves.
+constexpr int kBatch = 8;
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) k_norm_clip(const Seg* segs, int64_t nrows, int mode, double p,
+                                                       const double* part, const double* rows, double max_norm,
+                                                       A* total, A* coef) {
+  __shared__ double sh[2 * kWarps];
+  const int lane = threadIdx.x & 31;
+  double mx = 0.0;
+  Comp sum;
+  for (int64_t base = threadIdx.x - lane; base < nrows; base += kBatch * kThreads) {  // warp-uniform bound
+    double v[kBatch];
+    if (rows != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t r = base + j * kThreads + lane;
+        v[j] = r < nrows ? rows[r] : 0.0;
+      }
+    } else {
+      int64_t c0[kBatch], cpr[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t r = base + j * kThreads + lane;
+        c0[j] = r < nrows ? segs[r].first_chunk : 0;
+        cpr[j] = r < nrows ? segs[r].cpr : 0;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = cpr[j] == 1 ? part[c0[j]] : 0.0;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        for (unsigned many = __ballot_sync(0xffffffffu, cpr[j] > 1); many != 0; many &= many - 1) {
+          const int src = __ffs(static_cast<int>(many)) - 1;
+          const double rv = warp_row(part, __shfl_sync(0xffffffffu, c0[j], src), __shfl_sync(0xffffffffu, cpr[j], src),
+                                     1, 0, mode, lane);
+          const double got = __shfl_sync(0xffffffffu, rv, 0);
+          if (lane == src) v[j] = got;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (base + j * kThreads + lane >= nrows) break;  // rows past the end add nothing (k_norm_finish's loop)
+      if (mode == kInf) mx = nan_max(mx, v[j]);
+      else sum.add(v[j]);
+    }
+  }
+  const double t = mode == kInf ? block_max(mx, sh) : block_sum_comp(sum, sh);
+  if (threadIdx.x == 0) {
+    const A tot = static_cast<A>(root(mode, t, p));
+    *total = tot;
+    *coef = clip_coef<A>(tot, max_norm);
+  }
+}
+
+// Up to this many chunks the clip's finish combines the rows itself (the fold above). Beyond, k_rows (a warp
+// per row, all rows at once) runs first: one block walking hundreds of thousands of partials would take longer
+// than a launch, and at that size (2^28 elements and up) the read pass dwarfs one more launch.
+constexpr int64_t kFoldMaxChunks = 8192;
+
 // ---------------------------------------------------------------------------------------- grad_stats
 template <typename A>
 struct StatsFn {
@@ -132,6 +211,37 @@ int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mo
     k_norm_finish<float><<<1, kThreads, 0, st>>>(w.rows, nrows, mode, p, static_cast<float*>(d_total),
                                                  static_cast<float*>(d_per), w.flags, nchunks, found);
   return static_cast<int>(cudaGetLastError());
+}
+
+int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
+              void* d_total, void* d_ws, Stream stream) {
+  cudaStream_t st = stream;
+  const Ws w = carve(d_ws, nchunks, nseg);
+  // The per-row area of the workspace holds 3 doubles per row: the row values (when k_rows runs) and, after
+  // them, the coefficient the scale pass reads.
+  void* coef = w.rows + nseg;
+  if (nchunks > 0) {
+    if (acc64) launch_reduce<double, false>(mode, static_cast<unsigned>(nchunks), st, d_segs, nseg, p, nullptr, 0, w.part, nullptr);
+    else launch_reduce<float, false>(mode, static_cast<unsigned>(nchunks), st, d_segs, nseg, p, nullptr, 0, w.part, nullptr);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;  // read-only so far: nothing written
+  }
+  const double* rows = nullptr;
+  if (nchunks > kFoldMaxChunks) {
+    k_rows<<<grid_for(nseg * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nseg, mode, w.part, 1, 0, w.rows);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;
+    rows = w.rows;
+  }
+  if (acc64)
+    k_norm_clip<double><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
+                                                static_cast<double*>(d_total), static_cast<double*>(coef));
+  else
+    k_norm_clip<float><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
+                                               static_cast<float*>(d_total), static_cast<float*>(coef));
+  const int err = static_cast<int>(cudaGetLastError());
+  if (err != 0) return err;  // before the only launch that writes gradients
+  return scale(d_segs, nseg, nchunks, coef, acc64 ? kF64 : kF32, stream);
 }
 
 int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm, void* d_max,

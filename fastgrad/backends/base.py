@@ -130,6 +130,22 @@ class Backend:
         """
         raise NotImplementedError
 
+    # ---- clip_norm_ (issue 13): the whole norm clip as one primitive -------------------------------------
+    def clip_norm_(self, tensors: Sequence[Tensor], max_norm: float, norm_type: float, *,
+                   foreach: bool | None = None) -> Tensor:
+        """Clip by total norm in place; returns the total (0-dim, accumulation dtype, as :meth:`norm`).
+
+        ``coef = clamp(max_norm / (total + 1e-6), max=1)`` is computed on the device in the accumulation dtype,
+        op by op as torch evaluates that expression on a 0-dim tensor; the tensors are then scaled as
+        :meth:`scale_` does (no write when ``coef == 1``). No host sync. This default composes the three
+        steps, exactly as ``fastgrad.clip`` did before the primitive existed; fused backends override it with
+        the same bits in fewer launches. Selected as op ``"norm"`` (with ``norm_type``).
+        """
+        total, _ = self.norm(tensors, norm_type, foreach=foreach)
+        self.scale_(tensors, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach=foreach)
+        return total
+    # ---- end clip_norm_ --------------------------------------------------------------------------------
+
     def clip_value_(self, tensors: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
                     ) -> None:
         """In place, one pass: ``x = min(max(x, -clip_value), clip_value)``; NaN stays NaN."""

@@ -86,6 +86,12 @@ class _ExtBackend(Backend):
         self._call("scale", "scale_", tensors, {}, (tensors, factor), {"foreach": foreach},
                    lambda: self.ops.scale_(list(tensors), factor))
 
+    def clip_norm_(self, tensors, max_norm, norm_type, *, foreach=None):
+        # selected and recovered as "norm" (the op whose kernels run first; a failed launch writes nothing)
+        return self._call("norm", "clip_norm_", tensors, {"norm_type": norm_type}, (tensors, max_norm, norm_type),
+                          {"foreach": foreach},
+                          lambda: self.ops.clip_norm_(list(tensors), float(max_norm), float(norm_type)))
+
     def clip_value_(self, tensors, clip_value, *, foreach=None):
         self._call("clip_value", "clip_value_", tensors, {}, (tensors, clip_value), {"foreach": foreach},
                    lambda: self.ops.clip_value_(list(tensors), float(clip_value)))
