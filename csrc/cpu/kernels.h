@@ -157,7 +157,7 @@ struct Stats {
   double maxabs = 0.0;  // NaN when a NaN was seen
   int64_t nan = 0, inf = 0, zero = 0;
 };
-// One read of a run for grad_stats.
+// One read of a run for grad_stats; sumsq is bit for bit reduce_range(Mode::L2, ...) of the run.
 Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n);
 
 // In place x = T(x * f), product in float (double for float64 runs or when dbl is set; then rounded once).

@@ -405,14 +405,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
   });
   const size_t nt = fl.size();
   std::vector<Stats> s(nt);
-  for (size_t i = 0; i < items.size(); ++i) {
-    Stats& o = s[items[i].t];
-    const Stats& q = part[i];
-    o.sumsq += q.sumsq;
-    o.maxabs = combine(Mode::Inf, o.maxabs, q.maxabs);
-    o.nan += q.nan;
-    o.inf += q.inf;
-    o.zero += q.zero;
+  // Items of one tensor are consecutive; their sums of squares are added compensated, as total_from adds
+  // a norm's partials, so each tensor's norm has the norm op's bits.
+  for (size_t i = 0; i < items.size();) {
+    const size_t t = items[i].t;
+    Stats& o = s[t];
+    CompensatedSum sq;
+    for (; i < items.size() && static_cast<size_t>(items[i].t) == t; ++i) {
+      const Stats& q = part[i];
+      sq.add(q.sumsq);
+      o.maxabs = combine(Mode::Inf, o.maxabs, q.maxabs);
+      o.nan += q.nan;
+      o.inf += q.inf;
+      o.zero += q.zero;
+    }
+    o.sumsq = sq.value();
   }
   std::vector<double> norm(nt), mx(nt);
   Tensor nan = at::empty({static_cast<int64_t>(nt)}, at::TensorOptions().dtype(at::kLong));
