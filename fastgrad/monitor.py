@@ -241,8 +241,8 @@ class GradientMonitor:
 
     step_ = __call__
 
-    def _stats(self) -> GradStats:
-        return _stats_of(self._all_names, self._params, self.backend, self._meta)
+    def _stats(self, grads: list[Tensor] | None = None) -> GradStats:
+        return _stats_of(self._all_names, self._params, self.backend, self._meta, grads)
 
     @torch.no_grad()
     def record(self, stats: GradStats, loss=None) -> GradientReport | None:
@@ -318,12 +318,12 @@ class GradientMonitor:
         grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = self._stats() if grads and _fusable(grads) else None
+            stats = self._stats(grads) if grads and _fusable(grads) else None
             total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
             self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
             return total
-        stats = self._stats()
+        stats = self._stats(grads)
         total = stats.total_norm
         if error_if_nonfinite:
             C._check_finite(total, p)  # the one sync asked for, before anything is written

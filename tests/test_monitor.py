@@ -476,6 +476,22 @@ def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
                                                  for b in before if b is not None], rel=1e-6)
 
 
+def test_monitor_clip_collects_the_grads_once(monkeypatch):
+    # One read of the gradients and one collection of them: the statistics pass reuses the list the clip
+    # collected (a second compiled scan costs ~1 us per tensor, milliseconds on a 4,000-tensor model).
+    from fastgrad import _inputs as I
+
+    params = H.make_params([(5, 3), (9,), (4, 4)], torch.float32, "cpu", seed=8)
+    ref = fastgrad.grad_stats(params)
+    mon = fastgrad.GradientMonitor(params, every=None)
+    calls = []
+    orig = I.grads_of
+    monkeypatch.setattr(I, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
+    mon.clip_grad_norm_(1e9)
+    assert calls == [3]
+    assert torch.equal(mon.last_stats.norm, ref.norm) and torch.equal(mon.last_stats.zero, ref.zero)
+
+
 def test_monitor_clip_nonfinite_and_other_norm_types(bd):
     backend, device = bd
     params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=5)
