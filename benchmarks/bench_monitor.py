@@ -25,8 +25,8 @@ import torch
 
 import fastgrad
 
-from .timing import Timer
-from .workloads import WORKLOADS, materialize, prepare
+from fastgrad.benchmark.timing import Timer
+from fastgrad.benchmark.workloads import WORKLOADS, materialize, prepare
 
 _DEFAULT = ["gpt2-124m", "resnet50", "small-4000"]
 
