@@ -255,6 +255,63 @@ PyObject* clip_norm_cpu(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// monitor_clip_cpu(params, max_norm, error_if_nonfinite) -> (total, nonfinite, dtype_mask, norm, max_abs, nan,
+// inf, zero) or None. `total` is in the accumulation dtype (the monitor records it; Python converts the
+// returned norm to the grads' promoted dtype, which the mask gives).
+//
+// GradientMonitor.clip_grad_norm_ (L2) on the cpu backend in one call and one read: clip_norm_cpu's work with
+// the grad_stats pass (fastgrad::grad_stats' kernels) in place of the norm pass. Its per-tensor sums are the
+// norm kernel's bit for bit and are added the same way, so `total` and the clipped gradients are exactly
+// clip_norm_cpu's. The statistics columns are grad_stats' (before clipping). Every param must have a plain
+// dense CPU grad, else None (nothing done: the monitor's general path runs).
+PyObject* monitor_clip_cpu(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* seq = nullptr;
+  double max_norm = 0.0;
+  int check = 0;
+  if (!PyArg_ParseTuple(args, "Odp", &seq, &max_norm, &check)) return nullptr;
+  if (!plain_context()) Py_RETURN_NONE;
+  const Items items(seq);
+  if (!items.ok() || items.size() == 0) Py_RETURN_NONE;
+  const c10::DispatchKeySet keys = plain_cpu_keys();
+  std::vector<fastgrad::cpu::Flat> fl(static_cast<size_t>(items.size()));
+  int mask = 0;
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    if (!THPVariable_CheckExact(items[i])) Py_RETURN_NONE;
+    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
+    if (!g.defined()) Py_RETURN_NONE;
+    const int bit = dtype_bit(g.scalar_type());
+    if (bit == 0 || g.key_set() != keys || !g.is_non_overlapping_and_dense()) Py_RETURN_NONE;
+    mask |= bit;
+    fl[i].ptr = g.data_ptr();  // no tensor handles: the grads are alive for the call
+    fl[i].n = g.numel();
+    fl[i].st = g.scalar_type();
+  }
+  const bool acc64 = (mask & dtype_bit(c10::ScalarType::Double)) != 0;
+  bool nonfinite = false;
+  at::Tensor out, norm, mx, nan, inf, zero;
+  {
+    GilRelease nogil;
+    const auto st = fastgrad::cpu::tensor_stats(fl, acc64);
+    const double raw = fastgrad::cpu::stats_total(st);
+    const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
+    nonfinite = !std::isfinite(total);
+    if (!(check && nonfinite)) fastgrad::cpu::scale_flats(fl, fastgrad::cpu::clip_coef(total, max_norm, acc64));
+    nonfinite = nonfinite && check;
+    out = at::empty({}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat));
+    if (acc64)
+      *out.data_ptr<double>() = total;
+    else
+      *out.data_ptr<float>() = static_cast<float>(total);
+    std::tie(norm, mx, nan, inf, zero) = fastgrad::cpu::stats_tensors(st, acc64);
+  }
+  return Py_BuildValue("(NOiNNNNN)", THPVariable_Wrap(std::move(out)), nonfinite ? Py_True : Py_False, mask,
+                       THPVariable_Wrap(std::move(norm)), THPVariable_Wrap(std::move(mx)),
+                       THPVariable_Wrap(std::move(nan)), THPVariable_Wrap(std::move(inf)),
+                       THPVariable_Wrap(std::move(zero)));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"grads_of", grads_of, METH_O, "[p.grad for p in params if p.grad is not None], or None (not plain tensors)."},
     {"pairs_of", pairs_of, METH_O, "(params with a grad, their grads) when shapes and devices match, or None."},
@@ -262,6 +319,9 @@ PyMethodDef methods[] = {
     {"plan_key", plan_key, METH_O, "bytes of (data_ptr, numel, dtype) per tensor, or None."},
     {"clip_norm_cpu", clip_norm_cpu, METH_VARARGS,
      "clip_grad_norm_ on the cpu backend for plain dense CPU grads: (total, nonfinite), or None."},
+    {"monitor_clip_cpu", monitor_clip_cpu, METH_VARARGS,
+     "GradientMonitor.clip_grad_norm_ (L2) on the cpu backend, one read: (total, nonfinite, mask, stats), "
+     "or None."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

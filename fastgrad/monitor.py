@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
 from . import _inputs as I
-from .stats import GradStats, _named, _stats_of
+from . import _scan
+from .stats import GradStats, _named, _stats_of, _stats_of_all
 
 __all__ = ["GradientMonitor", "detect_trends"]
 
@@ -315,6 +316,15 @@ class GradientMonitor:
 
         max_norm = I.check_max_norm(max_norm)
         p = I.check_norm_type(norm_type)
+        if p == 2.0:  # CPU grads on the cpu backend: statistics, coefficient and scale in one C++ call
+            fast = _scan.monitor_clip_cpu(self._params, max_norm, error_if_nonfinite, self.backend)
+            if fast is not None:
+                total, nonfinite, mask, *cols = fast
+                if nonfinite:
+                    raise RuntimeError(C._NONFINITE_MSG.format(p))  # nothing was written
+                cols = dict(zip(("norm", "max_abs", "nan", "inf", "zero"), cols), total_norm=total)
+                self.record(_stats_of_all(self._all_names, self._params, cols, self._meta), loss)
+                return total.to(_scan.dtype_of_mask(mask, total.dtype))
         grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
