@@ -308,10 +308,13 @@ class GradientMonitor:
         on a logging step (then the report is in ``last_report`` and went to the loggers) or with
         ``error_if_nonfinite=True``. The recorded statistics are those before clipping.
 
-        The total equals ``clip_grad_norm_``'s to within float32 rounding (it is the norm of the per-tensor
-        norms; the C++ cpu kernel of ``clip_grad_norm_`` sums squares in double before its one rounding), so
-        the clipped gradients agree to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor
-        gradients: ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
+        CPU gradients on the cpu backend (every parameter with a gradient): statistics, coefficient and scale
+        run in one compiled call, and the total and the clipped gradients equal ``fastgrad.clip_grad_norm_``'s
+        bit for bit (the statistics kernel sums squares exactly as the norm kernel does). Elsewhere the total
+        is the norm of the per-tensor norms, as the torch backend's clip computes it (same bits there); where
+        a backend's clip sums all squares before one rounding, equal to its total within float32 rounding
+        and the clipped gradients to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor gradients:
+        ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
         from . import clip as C
 
         max_norm = I.check_max_norm(max_norm)
