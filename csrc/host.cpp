@@ -194,6 +194,49 @@ class GilRelease {
   PyThreadState* state_;
 };
 
+// The grads of the params `items` as flat views of their memory, with their dtype mask. No tensor handles:
+// the grads are alive for the call and processed in place. False (the caller answers None, nothing done)
+// unless every item is a plain tensor whose grad is a dense CPU tensor of the four floating dtypes; a param
+// without grad is skipped, or with `all` also answers false.
+bool cpu_grads(const Items& items, bool all, std::vector<fastgrad::cpu::Flat>* fl, int* mask) {
+  const c10::DispatchKeySet keys = plain_cpu_keys();
+  fl->reserve(static_cast<size_t>(items.size()));
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    if (!THPVariable_CheckExact(items[i])) return false;
+    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
+    if (!g.defined()) {
+      if (all) return false;
+      continue;
+    }
+    const int bit = dtype_bit(g.scalar_type());
+    if (bit == 0 || g.key_set() != keys || !g.is_non_overlapping_and_dense()) return false;
+    *mask |= bit;
+    fastgrad::cpu::Flat f;
+    f.ptr = g.data_ptr();
+    f.n = g.numel();
+    f.st = g.scalar_type();
+    fl->push_back(f);
+  }
+  return true;
+}
+
+// clip_grad_norm_ from the total norm `raw` (before rounding to the accumulation dtype): the coefficient and the
+// scale pass (skipped at a coefficient of 1; nothing written when `check` and the total is not finite, and then
+// *nonfinite is set). Returns the total as a 0-dim tensor of the accumulation dtype. Runs without the GIL.
+at::Tensor clip_by_total(const std::vector<fastgrad::cpu::Flat>& fl, double raw, double max_norm, bool check,
+                         bool acc64, bool* nonfinite) {
+  const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
+  const bool bad = !std::isfinite(total);
+  if (!(check && bad)) fastgrad::cpu::scale_flats(fl, fastgrad::cpu::clip_coef(total, max_norm, acc64));
+  *nonfinite = bad && check;
+  at::Tensor out = at::empty({}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat));
+  if (acc64)
+    *out.data_ptr<double>() = total;
+  else
+    *out.data_ptr<float>() = static_cast<float>(total);
+  return out;
+}
+
 // clip_norm_cpu(params, max_norm, norm_type, error_if_nonfinite) -> (total, nonfinite) or None.
 //
 // The whole of clip_grad_norm_ on the cpu backend in one call for the common case: plain params whose
@@ -213,45 +256,56 @@ PyObject* clip_norm_cpu(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oddp", &seq, &max_norm, &p, &check)) return nullptr;
   if (!plain_context()) Py_RETURN_NONE;
   const Items items(seq);
-  if (!items.ok()) Py_RETURN_NONE;
-  const c10::DispatchKeySet keys = plain_cpu_keys();
   std::vector<fastgrad::cpu::Flat> fl;
-  fl.reserve(static_cast<size_t>(items.size()));
   int mask = 0;
-  for (Py_ssize_t i = 0; i < items.size(); ++i) {
-    if (!THPVariable_CheckExact(items[i])) Py_RETURN_NONE;
-    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
-    if (!g.defined()) continue;
-    const int bit = dtype_bit(g.scalar_type());
-    if (bit == 0 || g.key_set() != keys || !g.is_non_overlapping_and_dense()) Py_RETURN_NONE;
-    mask |= bit;
-    fastgrad::cpu::Flat f;  // no tensor handles: the grads are alive for the call and processed in place
-    f.ptr = g.data_ptr();
-    f.n = g.numel();
-    f.st = g.scalar_type();
-    fl.push_back(f);
-  }
-  if (fl.empty()) Py_RETURN_NONE;
+  if (!items.ok() || !cpu_grads(items, false, &fl, &mask) || fl.empty()) Py_RETURN_NONE;
   const bool acc64 = (mask & dtype_bit(c10::ScalarType::Double)) != 0;
   bool nonfinite = false;
   at::Tensor out;
   {
     GilRelease nogil;
-    const double raw = fastgrad::cpu::total_norm(fl, p, acc64);
-    const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
-    nonfinite = !std::isfinite(total);
-    if (!(check && nonfinite)) fastgrad::cpu::scale_flats(fl, fastgrad::cpu::clip_coef(total, max_norm, acc64));
-    nonfinite = nonfinite && check;
-    // The 0-dim result: the accumulation dtype, then the promoted dtype as Tensor.to rounds it.
-    out = at::empty({}, at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat));
-    if (acc64)
-      *out.data_ptr<double>() = total;
-    else
-      *out.data_ptr<float>() = static_cast<float>(total);
+    out = clip_by_total(fl, fastgrad::cpu::total_norm(fl, p, acc64), max_norm, check, acc64, &nonfinite);
+    // The promoted dtype, as Tensor.to rounds the accumulation dtype's value.
     if (mask == dtype_bit(c10::ScalarType::Half)) out = out.to(at::kHalf);  // all fp16
     if (mask == dtype_bit(c10::ScalarType::BFloat16)) out = out.to(at::kBFloat16);  // all bf16
   }
   return Py_BuildValue("(NO)", THPVariable_Wrap(std::move(out)), nonfinite ? Py_True : Py_False);
+  END_HANDLE_TH_ERRORS
+}
+
+// monitor_clip_cpu(params, max_norm, error_if_nonfinite) -> (total, nonfinite, dtype_mask, norm, max_abs, nan,
+// inf, zero) or None. `total` is in the accumulation dtype (the monitor records it; Python converts the
+// returned norm to the grads' promoted dtype, which the mask gives).
+//
+// GradientMonitor.clip_grad_norm_ (L2) on the cpu backend in one call and one read: clip_norm_cpu's work with
+// the grad_stats pass (fastgrad::grad_stats' kernels) in place of the norm pass. Its per-tensor sums are the
+// norm kernel's bit for bit and are added the same way, so `total` and the clipped gradients are exactly
+// clip_norm_cpu's. The statistics columns are grad_stats' (before clipping). Every param must have a plain
+// dense CPU grad, else None (nothing done: the monitor's general path runs).
+PyObject* monitor_clip_cpu(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* seq = nullptr;
+  double max_norm = 0.0;
+  int check = 0;
+  if (!PyArg_ParseTuple(args, "Odp", &seq, &max_norm, &check)) return nullptr;
+  if (!plain_context()) Py_RETURN_NONE;
+  const Items items(seq);
+  std::vector<fastgrad::cpu::Flat> fl;
+  int mask = 0;
+  if (!items.ok() || !cpu_grads(items, true, &fl, &mask) || fl.empty()) Py_RETURN_NONE;
+  const bool acc64 = (mask & dtype_bit(c10::ScalarType::Double)) != 0;
+  bool nonfinite = false;
+  at::Tensor out, norm, mx, nan, inf, zero;
+  {
+    GilRelease nogil;
+    const auto st = fastgrad::cpu::tensor_stats(fl, acc64);
+    out = clip_by_total(fl, fastgrad::cpu::stats_total(st), max_norm, check, acc64, &nonfinite);
+    std::tie(norm, mx, nan, inf, zero) = fastgrad::cpu::stats_tensors(st, acc64);
+  }
+  return Py_BuildValue("(NOiNNNNN)", THPVariable_Wrap(std::move(out)), nonfinite ? Py_True : Py_False, mask,
+                       THPVariable_Wrap(std::move(norm)), THPVariable_Wrap(std::move(mx)),
+                       THPVariable_Wrap(std::move(nan)), THPVariable_Wrap(std::move(inf)),
+                       THPVariable_Wrap(std::move(zero)));
   END_HANDLE_TH_ERRORS
 }
 
@@ -262,6 +316,9 @@ PyMethodDef methods[] = {
     {"plan_key", plan_key, METH_O, "bytes of (data_ptr, numel, dtype) per tensor, or None."},
     {"clip_norm_cpu", clip_norm_cpu, METH_VARARGS,
      "clip_grad_norm_ on the cpu backend for plain dense CPU grads: (total, nonfinite), or None."},
+    {"monitor_clip_cpu", monitor_clip_cpu, METH_VARARGS,
+     "GradientMonitor.clip_grad_norm_ (L2) on the cpu backend, one read: (total, nonfinite, mask, stats), "
+     "or None."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -135,6 +135,30 @@ def clip_norm_cpu(params: Sequence[Tensor], max_norm: float, norm_type: float, e
     return c.clip_norm_cpu(params, max_norm, norm_type, error_if_nonfinite)
 
 
+def monitor_clip_cpu(params: Sequence[Tensor], max_norm: float, error_if_nonfinite: bool, backend: str | None):
+    """``GradientMonitor.clip_grad_norm_`` (L2) in one C++ call and one read when the cpu backend would run both
+    its statistics and its scale on plain dense CPU grads and every parameter has one: ``(total, nonfinite,
+    dtype_mask, norm, max_abs, nan, inf, zero)`` (``total`` in the accumulation dtype; ``nonfinite`` True means
+    error_if_nonfinite tripped and nothing was written), or None when the general path must run (nothing
+    done). The total and the clipped gradients are :func:`clip_norm_cpu`'s bit for bit. See csrc/host.cpp
+    ``monitor_clip_cpu``."""
+    c = helpers()
+    if c is None or not hasattr(c, "monitor_clip_cpu"):
+        return None
+    from .backends import selects_builtin  # (not at import: backends imports this module)
+
+    if not (selects_builtin("cpu", "grad_stats", backend, 2.0) and selects_builtin("cpu", "scale", backend, 2.0)):
+        return None
+    return c.monitor_clip_cpu(params, max_norm, error_if_nonfinite)
+
+
+def dtype_of_mask(mask: int, acc: torch.dtype) -> torch.dtype:
+    """The promoted dtype of a list with these dtype bits whose accumulation dtype is ``acc``: the one dtype
+    when there is one, else ``acc`` (float16 with bfloat16 or float32 promotes to float32, anything with float64
+    to float64)."""
+    return _DTYPE_OF_BIT.get(mask, acc)
+
+
 def acc_dtype_of(tensors: Checked) -> torch.dtype:
     return torch.float64 if tensors.dtype_mask & F64 else torch.float32
 

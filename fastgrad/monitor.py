@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
 from . import _inputs as I
-from .stats import GradStats, _named, _stats_of
+from . import _scan
+from .stats import GradStats, _named, _stats_of, _stats_of_all
 
 __all__ = ["GradientMonitor", "detect_trends"]
 
@@ -241,8 +242,8 @@ class GradientMonitor:
 
     step_ = __call__
 
-    def _stats(self) -> GradStats:
-        return _stats_of(self._all_names, self._params, self.backend, self._meta)
+    def _stats(self, grads: list[Tensor] | None = None) -> GradStats:
+        return _stats_of(self._all_names, self._params, self.backend, self._meta, grads)
 
     @torch.no_grad()
     def record(self, stats: GradStats, loss=None) -> GradientReport | None:
@@ -307,23 +308,35 @@ class GradientMonitor:
         on a logging step (then the report is in ``last_report`` and went to the loggers) or with
         ``error_if_nonfinite=True``. The recorded statistics are those before clipping.
 
-        The total equals ``clip_grad_norm_``'s to within float32 rounding (it is the norm of the per-tensor
-        norms; the C++ cpu kernel of ``clip_grad_norm_`` sums squares in double before its one rounding), so
-        the clipped gradients agree to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor
-        gradients: ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
+        CPU gradients on the cpu backend (every parameter with a gradient): statistics, coefficient and scale
+        run in one compiled call, and the total and the clipped gradients equal ``fastgrad.clip_grad_norm_``'s
+        bit for bit (the statistics kernel sums squares exactly as the norm kernel does). Elsewhere the total
+        is the norm of the per-tensor norms, as the torch backend's clip computes it (same bits there); where
+        a backend's clip sums all squares before one rounding, equal to its total within float32 rounding
+        and the clipped gradients to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor gradients:
+        ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
         from . import clip as C
 
         max_norm = I.check_max_norm(max_norm)
         p = I.check_norm_type(norm_type)
+        if p == 2.0:  # CPU grads on the cpu backend: statistics, coefficient and scale in one C++ call
+            fast = _scan.monitor_clip_cpu(self._params, max_norm, error_if_nonfinite, self.backend)
+            if fast is not None:
+                total, nonfinite, mask, *cols = fast
+                if nonfinite:
+                    raise RuntimeError(C._NONFINITE_MSG.format(p))  # nothing was written
+                cols = dict(zip(("norm", "max_abs", "nan", "inf", "zero"), cols), total_norm=total)
+                self.record(_stats_of_all(self._all_names, self._params, cols, self._meta), loss)
+                return total.to(_scan.dtype_of_mask(mask, total.dtype))
         grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = self._stats() if grads and _fusable(grads) else None
+            stats = self._stats(grads) if grads and _fusable(grads) else None
             total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
             self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
             return total
-        stats = self._stats()
+        stats = self._stats(grads)
         total = stats.total_norm
         if error_if_nonfinite:
             C._check_finite(total, p)  # the one sync asked for, before anything is written

@@ -82,22 +82,19 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     return _stats_of([n for n, _ in named], [p for _, p in named], backend)
 
 
-def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None
-              ) -> GradStats:
+def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
+              grads: list[Tensor] | None = None) -> GradStats:
     """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
     (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
-    list (a monitor) passes ``cache``, a dict that keeps them and the device copy of the numels across calls.
-    Else the Python loop."""
-    grads = I.grads_of(params)
+    list (a monitor) passes ``cache``, a dict that keeps them and the device copy of the numels across calls,
+    and ``grads`` when it has just collected ``I.grads_of(params)`` itself (a second scan costs ~1 us per
+    tensor). Else the Python loop."""
+    if grads is None:
+        grads = I.grads_of(params)
     if len(grads) == len(params) and grads:
-        info = cache if cache else {"names": list(names), "shapes": [tuple(p.shape) for p in params],
-                                    "dtypes": [p.dtype for p in params], "numel": None}
-        cols = tensor_stats(grads, backend=backend, numel=info["numel"])
-        if cache is not None:
-            cache.update(info, numel=cols["numel"])
-        return GradStats(info["names"], info["shapes"], info["dtypes"], cols["norm"], cols["max_abs"], cols["nan"],
-                         cols["inf"], cols["zero"], cols["numel"], cols["total_norm"], [])
+        numel = cache["numel"] if cache else None
+        return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
     named = list(zip(names, params))
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     no_grad = [n for n, p in named if p.grad is None]
@@ -112,6 +109,24 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
                      cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"], cols["total_norm"],
                      no_grad)
+
+
+def _stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None
+                  ) -> GradStats:
+    """GradStats of a step where every parameter has a gradient, from the statistics columns ``cols`` (as
+    :func:`tensor_stats` returns them; ``numel`` may be missing, for CPU gradients only). Names, shapes and
+    dtypes are the parameters' own, taken from and kept in ``cache`` (see :func:`_stats_of`)."""
+    info = cache if cache else {"names": list(names), "shapes": [tuple(p.shape) for p in params],
+                                "dtypes": [p.dtype for p in params], "numel": None}
+    numel = cols.get("numel")
+    if numel is None:
+        numel = info["numel"]
+        if numel is None:
+            numel = torch.tensor(list(map(Tensor.numel, params)), dtype=torch.int64)
+    if cache is not None:
+        cache.update(info, numel=numel)
+    return GradStats(info["names"], info["shapes"], info["dtypes"], cols["norm"], cols["max_abs"], cols["nan"],
+                     cols["inf"], cols["zero"], numel, cols["total_norm"], [])
 
 
 def tensor_stats(tensors: list[Tensor], *, backend: str | None = None, numel: Tensor | None = None

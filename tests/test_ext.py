@@ -185,6 +185,107 @@ def test_nonfinite_propagation():
     assert float(found) == 0.0
 
 
+# ------------------------------------------------------------------------------------------- grad_stats
+# Sizes around the 16 lanes, the 256-element block, and the CHUNK work items (one, several, a tail).
+_STATS_SIZES = [1, 15, 16, 17, 255, 256, 257, 16 * 17 + 5, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 256 + 9]
+
+
+def _stats_expect(ts):
+    """Exact counts and max |x| (NaN when a NaN is present) from torch."""
+    def mx(t):
+        if t.numel() == 0:
+            return 0.0
+        return math.nan if bool(t.isnan().any()) else float(t.abs().max())
+    return ([int(t.isnan().sum()) for t in ts], [int(t.isinf().sum()) for t in ts], [int((t == 0).sum()) for t in ts],
+            [mx(t) for t in ts])
+
+
+def _check_stats(ts):
+    norm, mx, nan, inf, zero = ops.grad_stats(ts)
+    _, per = ops.norm(ts, 2.0)
+    # The sum of squares is the norm kernel's, to the bit: the monitor's per-tensor norms are the norm op's.
+    assert torch.equal(_bits(norm), _bits(per))
+    e_nan, e_inf, e_zero, e_max = _stats_expect(ts)
+    assert nan.tolist() == e_nan and inf.tolist() == e_inf and zero.tolist() == e_zero
+    got = mx.tolist()
+    assert [math.isnan(v) for v in got] == [math.isnan(v) for v in e_max]
+    assert [v for v in got if not math.isnan(v)] == [v for v in e_max if not math.isnan(v)]  # max is exact
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mixed", [False, True], ids=["alone", "with_f64"])
+def test_grad_stats_kernel_sizes_and_zeros(dtype, mixed):
+    g = torch.Generator().manual_seed(17)
+    ts = [torch.randn(n, generator=g).to(dtype) for n in _STATS_SIZES]
+    for t in ts:  # zeros (and -0.0) at the lane/block edges and inside
+        for k in {0, 15, 16, 255, 256, t.numel() // 2, t.numel() - 1}:
+            if k < t.numel():
+                t[k] = -0.0 if k % 2 else 0.0
+    ts += _sample(dtype, seed=3)  # non-contiguous (dense and copied) and empty tensors
+    if mixed:  # one float64 tensor: every run accumulates in double
+        ts.append(torch.randn(300, generator=g, dtype=torch.float64))
+    _check_stats(ts)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["start", "lane_edge", "middle", "block_end", "tail", "many"])
+def test_grad_stats_kernel_nonfinite_positions(dtype, where):
+    g = torch.Generator().manual_seed(23)
+    n = CHUNK + 3 * 256 + 21  # two work items; the second ends in a partial block
+    pos = {"start": [0], "lane_edge": [15, 16], "middle": [CHUNK // 2 + 7], "block_end": [255, CHUNK - 1],
+           "tail": [n - 1], "many": None}[where]
+    for bad in (float("nan"), float("inf"), -float("inf"), "both"):
+        t = torch.randn(n, generator=g).to(dtype)
+        if pos is None:
+            mask = torch.rand(n, generator=g) < 0.05
+            t[mask] = float("nan") if bad == "both" else bad
+            if bad == "both":
+                t[torch.rand(n, generator=g) < 0.05] = -float("inf")
+        else:
+            for k in pos:
+                t[k] = float("nan") if bad == "both" else bad
+            if bad == "both":
+                t[pos[0] + 1 if pos[0] + 1 < n else pos[0] - 1] = float("inf")
+        clean = torch.randn(777, generator=g).to(dtype)
+        _check_stats([t, clean])
+        norm, mx, *_ = ops.grad_stats([t, clean])
+        assert not math.isfinite(float(norm[0])) and math.isfinite(float(norm[1]))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_grad_stats_kernel_overflowing_squares_are_not_counted_as_inf(dtype):
+    # Finite values whose squares overflow the lanes: the block total is inf, but nothing is NaN/inf.
+    big = 1e30 if dtype != torch.float64 else 1e200
+    t = torch.randn(3 * 256 + 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+    t[300] = big
+    t[-3] = -big
+    norm, mx, nan, inf, zero = ops.grad_stats([t])
+    assert nan.tolist() == [0] and inf.tolist() == [0] and math.isinf(float(norm[0]))
+    assert float(mx[0]) == float(t.abs().max())
+    _check_stats([t])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_stats_kernel_thread_count_independent(dtype):
+    g = torch.Generator().manual_seed(9)
+    ts = [torch.randn(n, generator=g).to(dtype) for n in (5 * CHUNK + 3, 1000, CHUNK, 3 * CHUNK - 17)]
+    ts[0][4 * CHUNK + 5] = float("nan")
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            outs.append([_bits(x) for x in ops.grad_stats(ts)])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    _check_stats(ts)
+
+
 @needs_ext
 def test_scale_by_one_touches_nothing():
     # A signalling NaN comes out of any multiply quiet (different bits), so identical bits prove that

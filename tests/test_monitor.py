@@ -476,6 +476,61 @@ def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
                                                  for b in before if b is not None], rel=1e-6)
 
 
+def test_monitor_clip_collects_the_grads_once(monkeypatch):
+    # General path (here: the compiled host helpers off): one collection of the gradient list, reused by the
+    # statistics pass (a second compiled scan costs ~1 us per tensor, milliseconds on 4,000 tensors).
+    from fastgrad import _inputs as I
+    from fastgrad import _scan
+
+    params = H.make_params([(5, 3), (9,), (4, 4)], torch.float32, "cpu", seed=8)
+    ref = fastgrad.grad_stats(params)
+    mon = fastgrad.GradientMonitor(params, every=None)
+    calls = []
+    orig = I.grads_of
+    monkeypatch.setattr(I, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
+    prev = _scan.set_enabled(False)
+    try:
+        mon.clip_grad_norm_(1e9)
+    finally:
+        _scan.set_enabled(prev)
+    assert calls == [3]
+    assert torch.equal(mon.last_stats.norm, ref.norm) and torch.equal(mon.last_stats.zero, ref.zero)
+
+
+_CLIP_DTYPES = [[torch.float32], [torch.bfloat16], [torch.float16], [torch.float64], [torch.float16, torch.float32],
+                [torch.bfloat16, torch.float64]]
+
+
+@pytest.mark.skipif(not fastgrad._ext.has_cpu_kernels(), reason="needs the compiled cpu kernels")
+@pytest.mark.parametrize("dtypes", _CLIP_DTYPES, ids=lambda d: "+".join(str(x)[6:] for x in d))
+@pytest.mark.parametrize("max_norm", [1e9, 0.5], ids=["no_clip", "clip"])
+def test_monitor_clip_cpu_is_clip_bit_for_bit(monkeypatch, dtypes, max_norm):
+    # CPU grads on the cpu backend: statistics, coefficient and scale in one compiled call. The total and the
+    # clipped gradients are fastgrad.clip_grad_norm_'s to the bit, the recorded statistics grad_stats' (of the
+    # gradients before clipping), and no gradient list is built in Python.
+    from fastgrad import _inputs as I
+
+    shapes = [(7,), (3, 100), (1 << 15,), ((1 << 15) + 17,), (70, 1000), (0,)]
+    params = H.make_params(shapes, dtypes, "cpu", seed=12)
+    ref, pre = H.clone_params(params), H.clone_params(params)
+    mon = fastgrad.GradientMonitor(params, every=None, backend="cpu")
+    calls = []
+    orig = I.grads_of
+    monkeypatch.setattr(I, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
+    total = mon.clip_grad_norm_(max_norm)
+    assert calls == []  # the compiled path ran
+    monkeypatch.setattr(I, "grads_of", orig)
+    exp = fastgrad.clip_grad_norm_(ref, max_norm, backend="cpu")
+    assert total.dtype == exp.dtype and torch.equal(H.bits(total), H.bits(exp))
+    assert all(torch.equal(H.bits(p.grad), H.bits(q.grad)) for p, q in zip(params, ref))
+    st, want = mon.last_stats, fastgrad.grad_stats(pre, backend="cpu")
+    for k in ("norm", "max_abs", "nan", "inf", "zero", "numel"):
+        assert torch.equal(getattr(st, k), getattr(want, k)), k
+    assert st.names == want.names and st.shapes == want.shapes and st.dtypes == want.dtypes
+    assert torch.equal(st.total_norm.to(exp.dtype), exp)
+    assert mon.history()["total_norm"] == [float(st.total_norm)]
+
+
 def test_monitor_clip_nonfinite_and_other_norm_types(bd):
     backend, device = bd
     params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=5)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace fastgrad {
@@ -157,7 +158,7 @@ struct Stats {
   double maxabs = 0.0;  // NaN when a NaN was seen
   int64_t nan = 0, inf = 0, zero = 0;
 };
-// One read of a run for grad_stats.
+// One read of a run for grad_stats; sumsq is bit for bit reduce_range(Mode::L2, ...) of the run.
 Stats stats_range(c10::ScalarType st, bool acc64, const void* ptr, int64_t n);
 
 // In place x = T(x * f), product in float (double for float64 runs or when dbl is set; then rounded once).
@@ -204,6 +205,14 @@ bool any_double(const std::vector<Flat>& fl);
 double total_norm(const std::vector<Flat>& fl, double p, bool acc64);
 // In place x = T(x * f); no memory touched when f == 1 (or f rounds to 1.0f, for non-float64 runs).
 void scale_flats(const std::vector<Flat>& fl, double f);
+// grad_stats over flat views: one Stats per tensor, its sumsq the compensated sum of its items' partials
+// exactly as the L2 norm op adds them (so stats_total equals total_norm(fl, 2, acc64) bit for bit).
+std::vector<Stats> tensor_stats(const std::vector<Flat>& fl, bool acc64);
+// The L2 norm over all tensors from their sums, added as total_norm adds them.
+double stats_total(const std::vector<Stats>& s);
+// grad_stats' outputs: per-tensor norm and max |x| (float32, or float64 when acc64), nan/inf/zero (int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_tensors(const std::vector<Stats>& s,
+                                                                                     bool acc64);
 // The clip coefficient min(max_norm / (total + 1e-6), 1) as torch computes it on a 0-dim tensor of the
 // accumulation dtype (float32 unless acc64); `total` is already rounded to that dtype.
 double clip_coef(double total, double max_norm, bool acc64);

@@ -396,6 +396,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
   check_cpu(tensors, "grad_stats");
   const auto fl = flats(tensors, false);
   const bool acc64 = any_double(fl);
+  return stats_tensors(tensor_stats(fl, acc64), acc64);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ shared with the host fast path
+std::vector<Stats> tensor_stats(const std::vector<Flat>& fl, bool acc64) {
   const auto items = split(fl);
   std::vector<Stats> part(items.size());
   for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
@@ -403,17 +410,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
     const Flat& f = fl[it.t];
     part[i] = stats_range(f.st, acc64, at_elem(f, it.begin), it.len);
   });
-  const size_t nt = fl.size();
-  std::vector<Stats> s(nt);
-  for (size_t i = 0; i < items.size(); ++i) {
-    Stats& o = s[items[i].t];
-    const Stats& q = part[i];
-    o.sumsq += q.sumsq;
-    o.maxabs = combine(Mode::Inf, o.maxabs, q.maxabs);
-    o.nan += q.nan;
-    o.inf += q.inf;
-    o.zero += q.zero;
+  std::vector<Stats> s(fl.size());
+  // Items of one tensor are consecutive; their sums of squares are added compensated, as total_from adds
+  // a norm's partials, so each tensor's sum (and norm) has the norm op's bits.
+  for (size_t i = 0; i < items.size();) {
+    const size_t t = static_cast<size_t>(items[i].t);
+    Stats& o = s[t];
+    CompensatedSum sq;
+    for (; i < items.size() && static_cast<size_t>(items[i].t) == t; ++i) {
+      const Stats& q = part[i];
+      sq.add(q.sumsq);
+      o.maxabs = combine(Mode::Inf, o.maxabs, q.maxabs);
+      o.nan += q.nan;
+      o.inf += q.inf;
+      o.zero += q.zero;
+    }
+    o.sumsq = sq.value();
   }
+  return s;
+}
+
+double stats_total(const std::vector<Stats>& s) {
+  CompensatedSum tot;  // as total_from adds the tensors' sums
+  for (const auto& x : s) tot.add(x.sumsq);
+  return std::sqrt(tot.value());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_tensors(const std::vector<Stats>& s,
+                                                                                     bool acc64) {
+  const size_t nt = s.size();
   std::vector<double> norm(nt), mx(nt);
   Tensor nan = at::empty({static_cast<int64_t>(nt)}, at::TensorOptions().dtype(at::kLong));
   Tensor inf = at::empty_like(nan), zero = at::empty_like(nan);
@@ -427,9 +452,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cpu(TensorList ten
   return {make_1d(norm, acc64), make_1d(mx, acc64), nan, inf, zero};
 }
 
-}  // namespace
-
-// ------------------------------------------------------------------ shared with the host fast path
 double total_norm(const std::vector<Flat>& fl, double p, bool acc64) {
   const Mode mode = mode_for(p);
   const auto items = split(fl);

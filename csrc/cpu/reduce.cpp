@@ -329,50 +329,221 @@ double amp_impl(const void* ptr, int64_t n, double p, double inv_d, bool* nonfin
   return r;
 }
 
+// ------------------------------------------------------------------------------------------ grad_stats
+// One read of a run: the sum of squares exactly as the L2 norm kernels above accumulate it (same lanes,
+// fold and compensated block totals, so grad_stats' per-tensor norms equal the norm op's bit for bit), max
+// |x|, and counts of zeros, NaNs and infs. Max and zero count are branch-free lane updates. NaN/inf are
+// counted only where they can be: a NaN or inf element makes its lane's square NaN/inf and a float sum of
+// squares never returns to finite, so a finite block total proves its block free of both; a non-finite
+// total (a bad element, or a square that overflowed) costs an exact count of that block, still in L1.
+
+// Exact NaN/inf counts of x[0, m).
+template <typename A, typename T>
+inline void count_bad(const T* x, int64_t m, Stats& s) {
+  for (int64_t k = 0; k < m; ++k) {
+    const A a = std::abs(to_acc<A>(x[k]));
+    s.nan += (a != a);
+    s.inf += (a == std::numeric_limits<A>::infinity());
+  }
+}
+
+// The last, partial block (m < kBlock): lanes k % kLanes as reduce_loop and block_pass add a tail; every
+// count exact. Returns its max |x| (NaN ignored: counted instead).
+template <typename A, typename T>
+inline A stats_tail(const T* x, int64_t m, CompensatedSum& total, Stats& s) {
+  A acc[kLanes] = {};
+  A mx = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const A v = to_acc<A>(x[k]);
+    const A a = std::abs(v);
+    acc[k % kLanes] += v * v;
+    mx = a > mx ? a : mx;
+    s.zero += (v == 0);
+    s.nan += (a != a);
+    s.inf += (a == std::numeric_limits<A>::infinity());
+  }
+  total.add(fold(acc));
+  return mx;
+}
+
+inline double max_or_nan(const Stats& s, double m) {
+  return s.nan ? std::numeric_limits<double>::quiet_NaN() : m;
+}
+
+// Any element type and accumulation type: each block staged as A in a buffer (the widening loop
+// vectorises whatever the conversion), then fixed lanes as reduce_loop<Mode::L2, A>.
+template <typename T, typename A>
+Stats stats_generic(const T* x, int64_t n) {
+  Stats s;
+  CompensatedSum total;
+  A mx[kLanes] = {};
+  int64_t zero[kLanes] = {};
+  A buf[kBlock];
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    const A* v = buf;
+    if constexpr (std::is_same_v<T, A>) {
+      v = x + i;  // no conversion: read in place
+    } else {
+      for (int k = 0; k < kBlock; ++k) buf[k] = to_acc<A>(x[i + k]);
+    }
+    A acc[kLanes] = {};
+    for (int j = 0; j < kBlock; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const A e = v[j + l];
+        const A a = std::abs(e);
+        acc[l] += e * e;
+        mx[l] = a > mx[l] ? a : mx[l];
+        zero[l] += (e == 0);
+      }
+    const double blk = fold(acc);
+    if (!std::isfinite(blk)) count_bad<A>(x + i, kBlock, s);
+    total.add(blk);
+  }
+  A m = i < n ? stats_tail<A>(x + i, n - i, total, s) : A(0);
+  for (int l = 0; l < kLanes; ++l) {
+    m = mx[l] > m ? mx[l] : m;
+    s.zero += zero[l];
+  }
+  s.sumsq = total.value();
+  s.maxabs = max_or_nan(s, static_cast<double>(m));
+  return s;
+}
+
+#ifdef FASTGRAD_VEC8
+// float, bf16 and fp16 runs with float lanes (every gradient but float64): the 16 lanes in two 8-wide
+// registers as block32/block_bf16, fed from memory (fp32), split into even/odd lanes on the bits (bf16, as
+// block_bf16), or from the block widened into a buffer (fp16, as reduce_loop stages it). Max and zero
+// counts live in registers across blocks; only a double per block leaves the lane loop.
+template <typename T>
+constexpr bool kStatsFast = std::is_same_v<T, float> || std::is_same_v<T, c10::Half>
+#ifdef FASTGRAD_BF16_SPLIT
+                            || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
+
+template <typename T>
+Stats stats_fast(const T* x, int64_t n) {
+  Stats s;
+  CompensatedSum total;
+  v8f mx0 = {}, mx1 = {};
+  alignas(32) float buf[kBlock];  // fp16 only
+  const int64_t full = n - n % kBlock;
+  int64_t i = 0;
+  while (i < full) {
+    // Zero counts in int32 lanes (at most 16 per lane per block), added up every 2^20 blocks.
+    const int64_t stop = std::min(full, i + (int64_t(1) << 28));
+    v8i z0 = {}, z1 = {};
+    for (; i < stop; i += kBlock) {
+      const T* xb = x + i;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        for (int k = 0; k < kBlock; ++k) buf[k] = fp16_to_f32(xb[k].x);
+      }
+      v8f a = {}, b = {};
+      for (int j = 0; j < kBlock; j += kLanes) {
+        v8f u, w;
+        if constexpr (std::is_same_v<T, float>) {
+          std::memcpy(&u, xb + j, sizeof(u));
+          std::memcpy(&w, xb + j + 8, sizeof(w));
+        } else if constexpr (std::is_same_v<T, c10::Half>) {
+          std::memcpy(&u, buf + j, sizeof(u));
+          std::memcpy(&w, buf + j + 8, sizeof(w));
+        } else {
+          v8u q;
+          std::memcpy(&q, xb + j, sizeof(q));
+          u = (v8f)(q << 16);
+          w = (v8f)(q & 0xFFFF0000u);
+        }
+        a += u * u;
+        b += w * w;
+        const v8f au = (v8f)((v8i)u & 0x7FFFFFFF), aw = (v8f)((v8i)w & 0x7FFFFFFF);
+        mx0 = au > mx0 ? au : mx0;  // NaN compares false: never enters the max
+        mx1 = aw > mx1 ? aw : mx1;
+        z0 -= (u == 0.0f);  // a true vector comparison is -1
+        z1 -= (w == 0.0f);
+      }
+      double blk;
+      FASTGRAD_FOLD8(a, b, blk);
+      if (!std::isfinite(blk)) count_bad<float>(xb, kBlock, s);
+      total.add(blk);
+    }
+    for (int l = 0; l < 8; ++l) s.zero += int64_t(z0[l]) + int64_t(z1[l]);
+  }
+  float m = i < n ? stats_tail<float>(x + i, n - i, total, s) : 0.0f;
+  for (int l = 0; l < 8; ++l) {
+    m = mx0[l] > m ? mx0[l] : m;
+    m = mx1[l] > m ? mx1[l] : m;
+  }
+  s.sumsq = total.value();
+  s.maxabs = max_or_nan(s, static_cast<double>(m));
+  return s;
+}
+
+// Double lanes (float64 runs, and every run of a list that holds one): the 16 lanes of reduce_loop<L2,
+// double> in four 4-wide registers, each block staged as double (in place for float64 data).
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
+
+template <typename T>
+Stats stats_fast64(const T* x, int64_t n) {
+  Stats s;
+  CompensatedSum total;
+  v4d mx[4] = {};
+  v4l z[4] = {};  // int64 lanes: no overflow
+  alignas(32) double buf[kBlock];
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    const double* v = buf;
+    if constexpr (std::is_same_v<T, double>) {
+      v = x + i;
+    } else {
+      for (int k = 0; k < kBlock; ++k) buf[k] = to_acc<double>(x[i + k]);
+    }
+    v4d a[4] = {};
+    for (int j = 0; j < kBlock; j += kLanes)
+      for (int r = 0; r < 4; ++r) {
+        v4d u;
+        std::memcpy(&u, v + j + 4 * r, sizeof(u));
+        a[r] += u * u;
+        const v4d au = (v4d)((v4l)u & 0x7FFFFFFFFFFFFFFFll);
+        mx[r] = au > mx[r] ? au : mx[r];
+        z[r] -= (u == 0.0);
+      }
+    // fold(): lanes l and l + 8 (registers r, r + 2), then l and l + 4, then pairwise within the register.
+    const v4d f = (a[0] + a[2]) + (a[1] + a[3]);
+    const double blk = (f[0] + f[2]) + (f[1] + f[3]);
+    if (!std::isfinite(blk)) count_bad<double>(x + i, kBlock, s);
+    total.add(blk);
+  }
+  double m = i < n ? stats_tail<double>(x + i, n - i, total, s) : 0.0;
+  for (int r = 0; r < 4; ++r)
+    for (int l = 0; l < 4; ++l) {
+      m = mx[r][l] > m ? mx[r][l] : m;
+      s.zero += z[r][l];
+    }
+  s.sumsq = total.value();
+  s.maxabs = max_or_nan(s, m);
+  return s;
+}
+#else
+template <typename T>
+constexpr bool kStatsFast = false;
+template <typename T>
+Stats stats_fast(const T*, int64_t) { return Stats{}; }
+#endif
+
 template <typename T, typename A>
 Stats stats_impl(const void* ptr, int64_t n) {
   const T* x = static_cast<const T*>(ptr);
-  Stats s;
-  MaxLanes<A> ml;
-  const A kInf = std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  while (i < n) {
-    const int64_t m = std::min<int64_t>(kBlock, n - i);
-    A acc[kLanes] = {};
-    int cnan[kLanes] = {}, cinf[kLanes] = {}, czero[kLanes] = {};
-    if (m == kBlock) {
-      for (int j = 0; j < kBlock; j += kLanes)
-        for (int l = 0; l < kLanes; ++l) {
-          A v = to_acc<A>(x[i + j + l]);
-          A a = std::abs(v);
-          acc[l] += v * v;
-          ml.mx[l] = a > ml.mx[l] ? a : ml.mx[l];
-          cnan[l] += (a != a);
-          cinf[l] += (a == kInf);
-          czero[l] += (v == 0);
-        }
-    } else {
-      for (int64_t k = 0; k < m; ++k) {
-        const int l = static_cast<int>(k % kLanes);
-        A v = to_acc<A>(x[i + k]);
-        A a = std::abs(v);
-        acc[l] += v * v;
-        ml.mx[l] = a > ml.mx[l] ? a : ml.mx[l];
-        cnan[l] += (a != a);
-        cinf[l] += (a == kInf);
-        czero[l] += (v == 0);
-      }
-    }
-    s.sumsq += fold(acc);
-    for (int l = 0; l < kLanes; ++l) {
-      s.nan += cnan[l];
-      s.inf += cinf[l];
-      s.zero += czero[l];
-    }
-    i += m;
+  if constexpr (std::is_same_v<A, float> && kStatsFast<T>) {
+    return stats_fast<T>(x, n);
+#ifdef FASTGRAD_VEC8
+  } else if constexpr (std::is_same_v<A, double>) {
+    return stats_fast64<T>(x, n);
+#endif
+  } else {
+    return stats_generic<T, A>(x, n);
   }
-  s.maxabs = s.nan ? std::numeric_limits<double>::quiet_NaN() : ml.result();
-  return s;
 }
 
 // Calls f(T{}, A{}) for the element type of st and the accumulation type.
