@@ -23,6 +23,7 @@ import triton.language as tl  # noqa: E402
 
 from fastgrad import triton_kernels as tk  # noqa: E402
 from fastgrad.triton_kernels.multi_tensor import pow_fp64  # noqa: E402
+from fastgrad.triton_kernels.norm import clip_coef  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH = backends.get("torch")
@@ -350,3 +351,149 @@ def test_over_2_pow_31_elements():
     assert float(x[-1]) == 1.0 and float(x[5]) == 0.5
     s = triton_backend.grad_stats([x])
     assert int(s["zero"][0]) == n - 4
+
+
+# ---------------------------------------------------------------------------------------------- norm clip
+def unfused_clip(ts, max_norm, norm_type):
+    """What clip_grad_norm_ did before the fused primitive: the backend's norm, torch's coefficient on the
+    0-dim total, the backend's scale (the reference the fused clip must equal bit for bit)."""
+    total, _ = triton_backend.norm(ts, norm_type)
+    triton_backend.scale_(ts, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the Triton kernels launched, in order: JITFunction.run (InterpretedFunction.run under the
+    interpreter) is what ``kernel[grid](...)`` calls, once per launch."""
+    seen = []
+    cls = type(tk.clip._scale_kernel)
+    real = cls.run
+
+    def run(self, *args, **kwargs):
+        seen.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run", run)
+    return seen
+
+
+@triton.jit
+def _coef_test_kernel(t_ptr, out_ptr, max_norm: tl.float64, eps: tl.float64, OUT: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, clip_coef(tl.load(t_ptr + offs), max_norm, eps, OUT))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [1.0, 0.3, 7.7, 1e-3, 0.0, 1e39])
+def test_clip_coefficient_is_torchs_bit_for_bit(dtype, max_norm):
+    # torch evaluates max_norm / (total + 1e-6) as reciprocal(total + 1e-6) * max_norm with both scalars
+    # rounded to the total's dtype: a plain division differs in the last bit for ~1 in 5 totals (fp32)
+    n = 4096
+    g = torch.Generator().manual_seed(18)
+    t = torch.rand(n, generator=g, dtype=torch.float64) * torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 6)
+    t[:8] = torch.tensor([0.0, INF, math.nan, 1e-6, 1.0, max_norm, 1e-45, 3e38], dtype=torch.float64)
+    t = t.to(dtype)
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    _coef_test_kernel[(1,)](t.to(DEVICE), out, max_norm, 1e-6, OUT=tl.float64 if dtype == torch.float64 else tl.float32,
+                            N=n)
+    want = torch.stack([torch.clamp(max_norm / (x + 1e-6), max=1.0) for x in t])  # 0-dim, as clip.py did
+    assert torch.equal(bits(out), bits(want))
+
+
+CLIP_SIZES = SIZES + [(191, 1), (192,), (193,)]  # two chunks, exactly and one over
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF, 0.5])
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], [torch.float16, torch.bfloat16], DTYPES],
+                         ids=["fp32", "fp64", "half", "mixed"])
+@pytest.mark.parametrize("clipping", [True, False], ids=["clip", "noclip"])
+def test_clip_norm_equals_unfused_clip_bitwise(norm_type, dtypes, clipping):
+    ts = make(CLIP_SIZES, dtypes, seed=19)
+    exact = oracle.total_norm(ts, norm_type)
+    max_norm = exact / 3 if clipping else exact * 3
+    a = [t.clone() for t in ts]
+    b = [t.clone() for t in ts]
+    total = triton_backend.clip_norm_(a, max_norm, norm_type)
+    want = unfused_clip(b, max_norm, norm_type)
+    assert total.dtype == backends.acc_dtype(ts) and total.dim() == 0
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    if not clipping:
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, ts))
+    else:  # the torch backend's composition (same maths, its own norm) agrees within the SPEC's rtol
+        c = [t.clone() for t in ts]
+        ref = TORCH.clip_norm_(c, max_norm, norm_type)
+        torch.testing.assert_close(total, ref, rtol=rtol_for(total.dtype) * 2, atol=0)
+        torch.testing.assert_close(total.double(), torch.tensor(exact, dtype=torch.float64),
+                                   rtol=rtol_for(total.dtype), atol=0)
+
+
+@pytest.mark.parametrize("poison", [math.nan, INF, -INF])
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_clip_norm_nonfinite_as_torch(poison, norm_type):
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=20)
+    ts[9][3, 32] = poison  # inside a (7, 33) tensor, at a BLOCK boundary
+    a = [t.clone() for t in ts]
+    b = [t.clone() for t in ts]
+    total = triton_backend.clip_norm_(a, 1.0, norm_type)
+    want = unfused_clip(b, 1.0, norm_type)
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    if math.isnan(poison):  # NaN total, NaN coefficient: every gradient NaN, as torch
+        assert math.isnan(float(total)) and all(torch.isnan(x).all() for x in a)
+    else:  # inf total, coefficient 0: finite values zeroed, the infinity itself becomes NaN
+        assert float(total) == INF
+        assert all(((x == 0) | torch.isnan(x)).all() for x in a) and torch.isnan(a[9][3, 32])
+
+
+def test_clip_norm_noncontiguous_and_zero_size():
+    base = make([(40, 70), (30, 20), (9, 10, 11)], [torch.float32, torch.float16], seed=21)
+    views = [base[0].t(), base[1][:, ::2], base[2].permute(2, 0, 1), base[0][:0]]
+    ref_base = [t.clone() for t in base]
+    ref = [ref_base[0].t(), ref_base[1][:, ::2], ref_base[2].permute(2, 0, 1), ref_base[0][:0]]
+    total = triton_backend.clip_norm_(views, 0.5, 2.0)
+    want = unfused_clip(ref, 0.5, 2.0)
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(base, ref_base))  # gaps of the view untouched too
+    empty = make([(0,), (3, 0)], [torch.float32], seed=22)
+    total = triton_backend.clip_norm_(empty, 1.0, INF)
+    assert float(total) == 0.0 and total.dtype == torch.float32
+
+
+def test_clip_norm_launches(launches):
+    # partials (one launch per dtype present), ONE finalize that also computes the coefficient, the scale
+    # (one per dtype): nothing else, whatever the list's length
+    ts = make(SIZES * 3, [torch.float32], seed=23)
+    triton_backend.clip_norm_(ts, 0.1, 2.0)
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "_scale_kernel"]
+    launches.clear()
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=23)
+    builds = tk.cache_stats()["builds"]
+    fastgrad_clip = __import__("fastgrad").clip_grad_norm_
+    params = [torch.nn.Parameter(torch.empty_like(t)) for t in ts]
+    for p, t in zip(params, ts):
+        p.grad = t
+    for _ in range(2):
+        fastgrad_clip(params, 0.1, backend="triton")  # the public call: no torch op computes the coefficient
+    assert launches == ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2 \
+        + ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2
+    assert tk.cache_stats()["builds"] == builds + 1  # one table for both passes and both calls
+    launches.clear()
+    triton_backend.clip_norm_(make([(0,), (2, 0)], [torch.float32], seed=24), 1.0, 2.0)
+    assert launches == ["_norm_finalize_kernel"]  # nothing to read or write: the finalize gives 0 and 1
+
+
+def test_clip_norm_custom_op_and_fake():
+    ts = make([(10,), (3, 40)], [torch.float32], seed=25)
+    a = [t.clone() for t in ts]
+    total = torch.ops.fastgrad_triton.clip_norm_(a, 0.5, 2.0)
+    b = [t.clone() for t in ts]
+    assert torch.equal(bits(total), bits(unfused_clip(b, 0.5, 2.0)))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    doubles = [t.double() for t in ts]
+    with FakeTensorMode() as mode:
+        out = torch.ops.fastgrad_triton.clip_norm_([mode.from_tensor(t) for t in doubles], 0.5, 2.0)
+        assert out.shape == () and out.dtype == torch.float64

@@ -130,6 +130,21 @@ class Backend:
         """
         raise NotImplementedError
 
+    def clip_norm_(self, grads: Sequence[Tensor], max_norm: float, norm_type: float, *,
+                   foreach: bool | None = None) -> Tensor:
+        """Norm clipping in place (SPEC section 3), the whole of ``clip_grad_norm_`` on one device:
+        ``total = norm(grads)``, ``coef = min(max_norm / (total + 1e-6), 1)`` in the accumulation dtype,
+        evaluated exactly as ``torch.clamp(max_norm / (total + 1e-6), max=1.0)`` on the 0-dim total (NaN
+        stays NaN), then ``scale_(grads, coef)`` (no write where coef is 1). Returns ``total`` (0-dim,
+        accumulation dtype).
+
+        This default composes the primitives above, so every backend has it; fused backends override it
+        to keep the coefficient inside their kernels (no torch ops, fewer launches). The public layer calls
+        it only when one backend serves both the norm and the scale of the list."""
+        total, _ = self.norm(grads, norm_type, foreach=foreach)
+        self.scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach=foreach)
+        return total
+
     def clip_value_(self, tensors: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
                     ) -> None:
         """In place, one pass: ``x = min(max(x, -clip_value), clip_value)``; NaN stays NaN."""
