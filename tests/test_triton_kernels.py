@@ -40,6 +40,9 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tk.Config, "SEG_BLOCK", 16)
     monkeypatch.setattr(tk.Config, "PART_BLOCK", 4)
     monkeypatch.setattr(tk.Config, "FLAG_BLOCK", 8)
+    # row-wise ops: rows over 64 elements split into CHUNK blocks, shorter ones packed ~96 elements a program
+    monkeypatch.setattr(tk.Config, "ROW_MAX", 64)
+    monkeypatch.setattr(tk.Config, "ROW_PACK", 96)
     tk.clear_cache()
     yield
     tk.clear_cache()
