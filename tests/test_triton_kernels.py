@@ -500,3 +500,153 @@ def test_clip_norm_custom_op_and_fake():
     with FakeTensorMode() as mode:
         out = torch.ops.fastgrad_triton.clip_norm_([mode.from_tensor(t) for t in doubles], 0.5, 2.0)
         assert out.shape == () and out.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------------------- AGC, GC rows
+# With the tiles above: column tiles of 8 and 32 (BLOCK) elements, rows up to ROW_MAX = 64 elements packed
+# ~96 elements (ROW_PACK) a program, longer rows split into 96-element (CHUNK) blocks. Row lengths 1, 2, 7,
+# 8/9 (the narrow tile's edge), 31/32/33 (BLOCK), 48/49 (two rows per program or one), 63/64/65 (packed or
+# split), a 3-chunk and a 6-chunk row, 1-D units on both sides of ROW_MAX, and many rows per program.
+ROW_SHAPES = [(5, 1), (6, 2), (9, 7), (4, 8), (4, 9), (2, 31), (1, 32), (2, 33), (5, 48), (5, 49), (3, 63),
+              (3, 64), (2, 65), (3, 200), (1, 500), (97,), (30,), (40, 7), (3, 4, 3)]
+NAN_AT = {2: (1, 3), 13: (1, 150)}  # a NaN in a packed row and in a split row
+ZERO_GRAD_ROW = (12, 0)  # a zero gradient row (split path), and a zero parameter row (packed path):
+ZERO_PARAM_ROW = (3, 2)
+
+
+def _keep_rows(p, g, clip_factor, norm_type):
+    """Oracle's "no clipping" mask per element (where the gradient must stay bit for bit)."""
+    import numpy as np
+
+    w, gn = oracle.unit_norm(p, norm_type), oracle.unit_norm(g, norm_type)
+    with np.errstate(invalid="ignore"):
+        keep = gn < np.maximum(w, 1e-3) * clip_factor
+    return np.broadcast_to(keep, tuple(g.shape))
+
+
+AGC_DTYPES = {"fp32": ([torch.float32], [torch.float32]), "fp64": ([torch.float64], [torch.float64]),
+              "half": ([torch.float16, torch.bfloat16], [torch.float16, torch.bfloat16]),
+              "mixed": ([torch.float32, torch.float64], [torch.bfloat16, torch.float32])}
+
+
+@pytest.mark.parametrize("norm_type,dtypes", [
+    pytest.param(nt, AGC_DTYPES[k], id=f"{nt}-{k}") for nt in (2.0, INF) for k in AGC_DTYPES
+] + [pytest.param(3.0, AGC_DTYPES["mixed"], id="3.0-mixed")])  # (p=3 is slow in the interpreter)
+@pytest.mark.parametrize("clip_factor", [0.01, 20.0])
+def test_agc_rows_packed_and_split(norm_type, dtypes, clip_factor):
+    from .helpers import assert_max_error_within, assert_no_worse_than
+
+    ps = make(ROW_SHAPES, dtypes[0], seed=26, scale=0.05)
+    gs = make(ROW_SHAPES, dtypes[1], seed=27)
+    for i, at in NAN_AT.items():
+        gs[i][at] = math.nan
+    gs[ZERO_GRAD_ROW[0]][ZERO_GRAD_ROW[1]] = 0.0
+    ps[ZERO_PARAM_ROW[0]][ZERO_PARAM_ROW[1]] = 0.0
+    want = [oracle.agc(p, g, clip_factor, 1e-3, norm_type) for p, g in zip(ps, gs)]
+    keep = [_keep_rows(p, g, clip_factor, norm_type) for p, g in zip(ps, gs)]
+    ref = [g.clone() for g in gs]
+    TORCH.agc_(ps, ref, clip_factor, 1e-3, norm_type)
+    ours = [g.clone() for g in gs]
+    triton_backend.agc_(ps, ours, clip_factor, 1e-3, norm_type)
+    for o, r, w, k, g in zip(ours, ref, want, keep, gs):
+        what = f"agc {tuple(g.shape)} {g.dtype}"
+        if g.dtype == torch.float64:  # no wider type to work in: SPEC's AGC rule (as tests/test_agc.py)
+            assert_max_error_within(o, r, w, g.dtype, what)
+        else:  # fp64 norms, ratio and product: rounded once, never worse than the reference + 1 ulp
+            assert_no_worse_than(o, r, w, g.dtype, what)
+        kept = torch.from_numpy(k.copy())
+        assert torch.equal(bits(o)[kept], bits(g)[kept]), f"{what}: an unclipped row was written"
+    assert torch.isnan(ours[2][1]).all() and torch.isfinite(ours[2][[0, 2]]).all()
+    assert torch.isnan(ours[13][1]).all() and torch.isfinite(ours[13][[0, 2]]).all()
+    assert (ours[ZERO_GRAD_ROW[0]][ZERO_GRAD_ROW[1]] == 0).all()
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], [torch.float16, torch.bfloat16], DTYPES],
+                         ids=["fp32", "fp64", "half", "mixed"])
+def test_gc_rows_packed_and_split(dtypes):
+    from .helpers import assert_max_error_within, assert_no_worse_than
+
+    gs = [g for g in make(ROW_SHAPES, dtypes, seed=28, scale=3.0) if g.dim() > 1]
+    gs[2][1, 3] = math.nan
+    gs[13][1, 150] = math.nan
+    want = [oracle.centralize(g) for g in gs]
+    ref = [g.clone() for g in gs]
+    TORCH.centralize_(ref)
+    ours = [g.clone() for g in gs]
+    triton_backend.centralize_(ours)
+    for o, r, w, g in zip(ours, ref, want, gs):
+        check = assert_max_error_within if g.dtype == torch.float64 else assert_no_worse_than
+        check(o, r, w, g.dtype, f"gc {tuple(g.shape)} {g.dtype}")
+    assert torch.isnan(ours[2][1]).all() and torch.isfinite(ours[2][[0, 2]]).all()
+    assert torch.isnan(ours[13][1]).all() and torch.isfinite(ours[13][[0, 2]]).all()
+
+
+def test_agc_gc_rows_noncontiguous():
+    from .helpers import randn
+
+    gen = torch.Generator().manual_seed(29)
+    shapes = [(5, 7), (3, 70), (4, 3, 3)]
+    gs = [randn(s, torch.float32, DEVICE, gen, noncontig=True) for s in shapes]  # strided: copied
+    gs.append(randn((6, 2, 5, 5), torch.float32, DEVICE, gen).to(memory_format=torch.channels_last))
+    ps = [randn(g.shape, torch.float32, DEVICE, gen, scale=0.05) for g in gs]
+    strides = [g.stride() for g in gs]
+    want = [oracle.agc(p, g, 0.01, 1e-3, 2.0) for p, g in zip(ps, gs)]
+    ref = [g.clone() for g in gs]
+    TORCH.agc_(ps, ref, 0.01, 1e-3, 2.0)
+    triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    from .helpers import assert_no_worse_than
+
+    for o, r, w, s in zip(gs, ref, want, strides):
+        assert o.stride() == s
+        assert_no_worse_than(o, r, w, torch.float32, "agc noncontig")
+    want = [oracle.centralize(g) for g in gs]
+    ref = [g.clone() for g in gs]
+    TORCH.centralize_(ref)
+    triton_backend.centralize_(gs)
+    for o, r, w in zip(gs, ref, want):
+        assert_no_worse_than(o, r, w, torch.float32, "gc noncontig")
+
+
+def test_agc_gc_launches_and_tables(launches):
+    # rows up to ROW_MAX: one launch per dtype group does everything; a split row adds its finalize and
+    # one second pass per dtype group over the split blocks only
+    short = [(9, 7), (3, 64), (40, 2), (30,)]
+    gs = make(short, [torch.float32], seed=30)
+    ps = make(short, [torch.float32], seed=31, scale=0.05)
+    triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    triton_backend.centralize_(gs[:3])
+    assert launches == ["_agc_rows_kernel", "_gc_rows_kernel"]
+    launches.clear()
+    gs = make(short + [(2, 65)], [torch.float32, torch.bfloat16], seed=30)
+    ps = make(short + [(2, 65)], [torch.float32, torch.bfloat16], seed=31, scale=0.05)
+    builds = tk.cache_stats()["builds"]
+    for _ in range(2):
+        triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    assert launches == (["_agc_rows_kernel"] * 2 + ["_agc_coef_kernel", "_scale_kernel"]) * 2
+    launches.clear()
+    for _ in range(2):
+        triton_backend.centralize_([g for g in gs if g.dim() > 1])
+    assert launches == (["_gc_rows_kernel"] * 2 + ["_gc_mean_kernel", "_gc_apply_kernel"]) * 2
+    assert tk.cache_stats()["builds"] == builds + 2  # one table per op, reused by the second call
+
+
+def test_row_plan_blocks_cover_every_row_once():
+    # every element of every unit in exactly one block; packed blocks hold whole rows of one tensor and at
+    # most max(ROW_PACK, one row) elements; split rows' blocks are consecutive and listed in split_segs
+    ts = make(ROW_SHAPES + [(0, 4), (4, 0)], DTYPES, seed=32)
+    rows = tk.multi_tensor.rows_of(ts)
+    plan = tk.multi_tensor.get_plan((ts,), rows, packed=True)
+    blk = plan.blk[:4 * plan.nblocks].view(-1, 4).cpu()
+    seg = plan.seg[:3 * plan.nsegs].view(-1, 3).cpu()
+    covered = [torch.zeros(t.numel(), dtype=torch.int64) for t in ts]
+    for t, s, e, sg in blk.tolist():
+        covered[t][s:e] += 1
+        length = int(seg[sg, 2])
+        if length > tk.Config.ROW_MAX:
+            assert e - s <= tk.Config.CHUNK and s // length == (e - 1) // length
+        else:
+            assert s % length == 0 and e % length == 0 and (e - s <= tk.Config.ROW_PACK or e - s == length)
+    assert all((c == 1).all() for c in covered)
+    split = sorted(plan.split_segs[:plan.nsplit].tolist())
+    assert split == [i for i in range(plan.nsegs) if int(seg[i, 2]) > tk.Config.ROW_MAX]
+    assert sum(g.nsplit for g in plan.groups) == sum(int(seg[i, 1]) for i in split)
