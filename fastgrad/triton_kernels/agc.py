@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .clip import _scale_kernel
 from .multi_tensor import (Config, block_info, tensor_base, copy_back, device_guard, div_rn, flat_inputs,
-                           get_plan, rows_of, segment_reduce, tl_dtype, to_dt)
+                           get_plan, row_cols, row_starts, row_tile, rows_of, segment_reduce, tl_dtype, to_dt)
 from .norm import MODE_P, _norm_step, _root, mode_of
 
 
@@ -68,21 +68,15 @@ def _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW: tl.co
     [R, CB] tiles."""
     CW: tl.constexpr = tl.float64 if DTW == tl.float64 else tl.float32
     CG: tl.constexpr = tl.float64 if DTG == tl.float64 else tl.float32
-    rr = tl.arange(0, R)
-    cc = tl.arange(0, CB)
     for r0 in range(0, nrows, R):
-        rows = r0 + rr
-        rmask = rows < nrows
-        base = rows.to(tl.int64) * length
+        base, rmask = row_starts(r0, nrows, length, R)
         aw = tl.zeros([R, CB], tl.float64)
         nw = tl.zeros([R, CB], tl.float64)
         ag = tl.zeros([R, CB], tl.float64)
         ng = tl.zeros([R, CB], tl.float64)
         bad = tl.zeros([R, CB], tl.int32)
         for c0 in range(0, length, CB):
-            cols = c0 + cc
-            m = rmask[:, None] & (cols[None, :] < length)
-            offs = base[:, None] + cols[None, :]
+            offs, m = row_tile(base, rmask, c0, length, CB)
             w = tl.load(wp + offs, mask=m, other=0.0)
             g = tl.load(gp + offs, mask=m, other=0.0)
             aw, nw, bad = _norm_step(w, aw, nw, bad, 1.0, p, CW, DTW, tl.float64, MODE, False, False)
@@ -97,9 +91,7 @@ def _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW: tl.co
         need = rmask & (coef != 1.0)
         if tl.max(need.to(tl.int32), 0) > 0:  # rows that keep their gradient are not written
             for c0 in range(0, length, CB):
-                cols = c0 + cc
-                m = need[:, None] & (cols[None, :] < length)
-                offs = base[:, None] + cols[None, :]
+                offs, m = row_tile(base, need, c0, length, CB)
                 g = tl.load(gp + offs, mask=m, other=0.0)
                 tl.store(gp + offs, to_dt(g.to(tl.float64) * coef[:, None], DTG), mask=m)
 
@@ -108,7 +100,7 @@ def _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW: tl.co
 def _agc_rows_kernel(wptr_tab, gptr_tab, blk_tab, seg_tab, part, clip_factor: tl.float64, eps: tl.float64,
                      tiny: tl.float64, p: tl.float64, pinv: tl.float64, b0, nb, row_max,
                      DTW: tl.constexpr, DTG: tl.constexpr, MODE: tl.constexpr, ALIGNED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, COLS: tl.constexpr):
     p = tl.full([], p, tl.float64)
     pinv = tl.full([], pinv, tl.float64)
     bid = b0 + tl.program_id(0)
@@ -126,17 +118,9 @@ def _agc_rows_kernel(wptr_tab, gptr_tab, blk_tab, seg_tab, part, clip_factor: tl
         tl.store(part + bid, _unit_partial(wp, n, p, DTW, CW, tl.float64, MODE, BLOCK))
         tl.store(part + nb + bid, _unit_partial(gp, n, p, DTG, CG, tl.float64, MODE, BLOCK))
     else:
-        # whole rows: tiles as wide as the rows need (narrow tiles hold more rows)
-        nrows = n // length
-        C1: tl.constexpr = 8 if BLOCK > 8 else BLOCK
-        C2: tl.constexpr = 64 if BLOCK > 64 else BLOCK
-        C3: tl.constexpr = 256 if BLOCK > 256 else BLOCK
-        if length <= C1:
-            _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW, DTG, MODE, BLOCK // C1, C1)
-        elif length <= C2:
-            _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW, DTG, MODE, BLOCK // C2, C2)
-        else:
-            _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW, DTG, MODE, BLOCK // C3, C3)
+        # whole rows, in [BLOCK // COLS, COLS] tiles. One width: a second one (short rows) doubled the row
+        # code, and ptxas took 3-5x longer on it (sm_80, fp16, p=3: 47 s against 9 s)
+        _agc_rows(wp, gp, length, n // length, clip_factor, eps, tiny, p, pinv, DTW, DTG, MODE, BLOCK // COLS, COLS)
 
 
 @triton.jit(do_not_specialize=["nsplit", "nb"])
@@ -176,7 +160,8 @@ def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: 
                 plan.ptr_tabs[0], plan.ptr_tabs[1], plan.blk, plan.seg, part,
                 *scalars, p, 1.0 / p, g.b0, nb, Config.ROW_MAX,
                 DTW=tl_dtype(g.dtypes[0]), DTG=tl_dtype(g.dtypes[1]), MODE=mode,
-                ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
+                ALIGNED=g.aligned, BLOCK=Config.BLOCK, COLS=row_cols(), num_warps=Config.NUM_WARPS,
+                enable_fp_fusion=False)
         if plan.nsplit:
             _agc_coef_kernel[(triton.cdiv(plan.nsplit, Config.SEG_BLOCK),)](
                 part, plan.seg, plan.split_segs, coef, *scalars, 1.0 / p, plan.nsplit, nb,

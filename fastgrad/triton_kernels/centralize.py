@@ -17,36 +17,29 @@ import triton.language as tl
 from torch import Tensor
 
 from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, device_guard, div_rn,
-                           flat_inputs, get_plan, rows_of, segment_reduce, tl_dtype)
+                           flat_inputs, get_plan, row_cols, row_starts, row_tile, rows_of, segment_reduce, tl_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _gc_rows(ptr, length, nrows, DT: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):
     """Centralize ``nrows`` whole rows of ``length`` elements from ``ptr``, R rows at a time."""
-    rr = tl.arange(0, R)
-    cc = tl.arange(0, CB)
     for r0 in range(0, nrows, R):
-        rows = r0 + rr
-        rmask = rows < nrows
-        base = rows.to(tl.int64) * length
+        base, rmask = row_starts(r0, nrows, length, R)
         acc = tl.zeros([R, CB], tl.float64)
         for c0 in range(0, length, CB):
-            cols = c0 + cc
-            m = rmask[:, None] & (cols[None, :] < length)
-            acc += tl.load(ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float64)
+            offs, m = row_tile(base, rmask, c0, length, CB)
+            acc += tl.load(ptr + offs, mask=m, other=0.0).to(tl.float64)
         mu = div_rn(tl.sum(acc, 1), length.to(tl.float64))
         for c0 in range(0, length, CB):
-            cols = c0 + cc
-            m = rmask[:, None] & (cols[None, :] < length)
-            offs = base[:, None] + cols[None, :]
+            offs, m = row_tile(base, rmask, c0, length, CB)
             x = tl.load(ptr + offs, mask=m, other=0.0)
             tl.store(ptr + offs, to_dt(x.to(tl.float64) - mu[:, None], DT), mask=m)
 
 
 @triton.jit(do_not_specialize=["b0", "row_max"])
 def _gc_rows_kernel(ptr_tab, blk_tab, seg_tab, part, b0, row_max, DT: tl.constexpr, ALIGNED: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, COLS: tl.constexpr):
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
     ptr = tensor_base(ptr_tab, t, DT, ALIGNED) + start
@@ -62,17 +55,9 @@ def _gc_rows_kernel(ptr_tab, blk_tab, seg_tab, part, b0, row_max, DT: tl.constex
         acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float64)
         tl.store(part + bid, tl.sum(acc, 0))
     else:
-        # whole rows: tiles as wide as the rows need (narrow tiles hold more rows)
-        nrows = n // length
-        C1: tl.constexpr = 8 if BLOCK > 8 else BLOCK
-        C2: tl.constexpr = 64 if BLOCK > 64 else BLOCK
-        C3: tl.constexpr = 256 if BLOCK > 256 else BLOCK
-        if length <= C1:
-            _gc_rows(ptr, length, nrows, DT, BLOCK // C1, C1)
-        elif length <= C2:
-            _gc_rows(ptr, length, nrows, DT, BLOCK // C2, C2)
-        else:
-            _gc_rows(ptr, length, nrows, DT, BLOCK // C3, C3)
+        # whole rows, in [BLOCK // COLS, COLS] tiles. One width: a second one (short rows) doubled the row
+        # code, and ptxas took 3-5x longer on it (sm_80, fp16, p=3: 47 s against 9 s)
+        _gc_rows(ptr, length, n // length, DT, BLOCK // COLS, COLS)
 
 
 @triton.jit(do_not_specialize=["nsplit"])
@@ -119,7 +104,8 @@ def launch_centralize_(grads: Sequence[Tensor]) -> None:
             if g.count:
                 _gc_rows_kernel[(g.count,)](
                     plan.ptr_tabs[0], plan.blk, plan.seg, part, g.b0, Config.ROW_MAX, DT=tl_dtype(g.dtypes[0]),
-                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
+                    ALIGNED=g.aligned, BLOCK=Config.BLOCK, COLS=row_cols(), num_warps=Config.NUM_WARPS,
+                enable_fp_fusion=False)
         if plan.nsplit:
             mean = torch.empty(plan.nsegs, dtype=torch.float64, device=dev)
             _gc_mean_kernel[(triton.cdiv(plan.nsplit, Config.SEG_BLOCK),)](

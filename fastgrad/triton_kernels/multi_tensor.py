@@ -72,11 +72,18 @@ class Config:
     #: so a wide tile keeps it short (a 7B model has ~200K blocks: 52 iterations, not 1,600)
     FLAG_BLOCK = 4096
     #: row-wise ops: rows up to ROW_MAX elements are reduced and written by one program, which takes whole
-    #: rows up to about ROW_PACK elements; longer rows are split into CHUNK blocks (partials + finalize).
-    #: Overrides: FASTGRAD_TRITON_ROW_MAX, FASTGRAD_TRITON_ROW_PACK.
-    ROW_MAX = int(os.environ.get("FASTGRAD_TRITON_ROW_MAX", "32768"))
+    #: rows, about ROW_PACK elements and at least one tile's worth of rows (BLOCK // ROW_COLS); longer rows
+    #: are split into CHUNK blocks (partials + finalize). A tile is BLOCK // ROW_COLS rows x ROW_COLS columns.
+    #: Overrides: FASTGRAD_TRITON_ROW_MAX, FASTGRAD_TRITON_ROW_PACK, FASTGRAD_TRITON_ROW_COLS.
+    ROW_MAX = int(os.environ.get("FASTGRAD_TRITON_ROW_MAX", "16384"))
     ROW_PACK = int(os.environ.get("FASTGRAD_TRITON_ROW_PACK", "32768"))
+    ROW_COLS = int(os.environ.get("FASTGRAD_TRITON_ROW_COLS", "128"))
     CACHE_SIZE = 256
+
+
+def row_cols() -> int:
+    """Columns of the row-wise tiles (at most BLOCK)."""
+    return min(Config.ROW_COLS, Config.BLOCK)
 
 
 def tl_dtype(dtype: torch.dtype):
@@ -248,6 +255,21 @@ def segment_reduce(part, seg_tab, segs, smask, ACC: tl.constexpr, IS_MAX: tl.con
         return tl.sum(acc, 1)
 
 
+@triton.jit
+def row_starts(r0, nrows, length, R: tl.constexpr):
+    """Row-wise kernels' [R, columns] tiles: the start offsets of rows r0..r0+R-1 of a packed block and
+    which of them exist."""
+    rows = r0 + tl.arange(0, R)
+    return rows.to(tl.int64) * length, rows < nrows
+
+
+@triton.jit
+def row_tile(base, rmask, c0, length, CB: tl.constexpr):
+    """Offsets and mask of columns [c0, c0 + CB) of the rows starting at ``base`` (see row_starts)."""
+    cols = c0 + tl.arange(0, CB)
+    return base[:, None] + cols[None, :], rmask[:, None] & (cols[None, :] < length)
+
+
 # ---------------------------------------------------------------------------------------------- plans
 class Group:
     """One dtype group's blocks: ``[b0, b0 + count)``, of which the last ``nsplit`` belong to split rows
@@ -275,13 +297,13 @@ def _pad2(x: Tensor) -> Tensor:
     return torch.cat([x, x.new_zeros(1)]) if x.numel() % 2 else x
 
 
-def _packed_blocks(r: Tensor, length: Tensor, gid: Tensor, chunk: int, row_max: int, pack: int):
+def _packed_blocks(r: Tensor, length: Tensor, gid: Tensor, chunk: int, row_max: int, pack: int, tile_rows: int):
     """Blocks of a row-wise plan (see the module docstring), per tensor ``r`` rows of ``length`` elements:
     (block tensor, start, end, first segment, the segment table's first-block and block-count columns,
     split flag per block)."""
     n = r.numel()
     split = length > row_max
-    k = (pack // length.clamp(min=1)).clamp(min=1)  # rows per packed block
+    k = (pack // length.clamp(min=1)).clamp(min=tile_rows)  # rows per packed block: fill the tiles' rows
     cpr = (length + chunk - 1) // chunk  # blocks per split row
     nbt = torch.where(split, r * cpr, torch.where(length > 0, (r + k - 1) // k, torch.zeros_like(r)))
     order = torch.sort(gid * 2 + split.long(), stable=True).indices  # group, then packed before split
@@ -414,7 +436,7 @@ def _capturing(device: torch.device) -> bool:
 def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = None, packed: bool = False) -> Plan:
     """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors); ``packed``: a
     row-wise plan with short rows packed and long rows split (module docstring)."""
-    chunk = (Config.CHUNK, Config.ROW_MAX, Config.ROW_PACK) if packed else Config.CHUNK
+    chunk = (Config.CHUNK, Config.ROW_MAX, Config.ROW_PACK, Config.BLOCK // row_cols()) if packed else Config.CHUNK
     device = lists[0][0].device
     # The key is the per-call host cost: (data_ptr, numel, dtype) of every tensor, from one C++ loop per
     # list when the compiled helpers are there (fastgrad/_scan.py), else map() over unbound methods, the
