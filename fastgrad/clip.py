@@ -99,6 +99,20 @@ def _scale(grads: list[Tensor], coef: Tensor, backend: str | None, foreach: bool
         b.scale_(group, coef.to(group[0].device), foreach=foreach)
 
 
+def _clip_one_backend(grads: list[Tensor], max_norm: float, norm_type: float, backend: str | None,
+                      foreach: bool | None) -> Tensor | None:
+    """Norm, coefficient and scale in one backend call (the ``clip_norm_`` primitive, which fused backends
+    run without torch ops between their kernels) when the grads are on one device and the same backend
+    serves the norm and the scale; else None (the caller composes the pieces)."""
+    groups = I.split_by_device(grads)
+    if len(groups) != 1:
+        return None
+    b = I.pick("norm", grads, backend, norm_type=norm_type)
+    if I.pick("scale", grads, backend) is not b:
+        return None
+    return b.clip_norm_(grads, max_norm, norm_type, foreach=foreach)
+
+
 @torch.no_grad()
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                    foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
@@ -188,16 +202,13 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if sh.writes:
             _scale(sh.writes, torch.clamp(max_norm / (total + 1e-6), max=1.0), backend, foreach)
         return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
-    # ---- issue 13: one device and no finiteness check: the backend's clip_norm_ primitive in one call
-    if not error_if_nonfinite and len(I.split_by_device(grads)) == 1:
-        b = I.pick("norm", grads, backend, norm_type=p)
-        return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(I.promoted_dtype(grads))
-    # ---- end issue 13
-    total, _ = _norm(grads, p, backend, foreach)
-    if error_if_nonfinite:
-        _check_finite(total, p)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    _scale(grads, coef, backend, foreach)
+    total = None if error_if_nonfinite else _clip_one_backend(grads, max_norm, p, backend, foreach)
+    if total is None:
+        total, _ = _norm(grads, p, backend, foreach)
+        if error_if_nonfinite:
+            _check_finite(total, p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        _scale(grads, coef, backend, foreach)
     return total.to(I.promoted_dtype(grads))
 
 

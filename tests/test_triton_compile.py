@@ -102,6 +102,27 @@ def _discover():
     return found
 
 
+class _config:
+    """Temporarily override Config attributes (the scenarios run in a worker, outside pytest's monkeypatch)."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+        self.old = {}
+
+    def __enter__(self):
+        from fastgrad.triton_kernels import Config
+
+        for k, v in self.kw.items():
+            self.old[k] = getattr(Config, k)
+            setattr(Config, k, v)
+
+    def __exit__(self, *exc):
+        from fastgrad.triton_kernels import Config
+
+        for k, v in self.old.items():
+            setattr(Config, k, v)
+
+
 def _scenarios():
     """Drive every launcher over each gradient dtype, norm mode, AMP on/off, aligned/misaligned storage,
     fp32/fp64 scale factors, same- and mixed-dtype lists: yields nothing, the recorder sees the launches."""
@@ -126,14 +147,21 @@ def _scenarios():
             flat = [make((3000,), dt, aligned), make((37,), dt, aligned)]
             # rows of 16 elements keep every row start 16-byte aligned for the row-wise ops
             rows = [make((4, 16), dt, aligned), make((40,), dt, aligned)]
+            # rows longer than ROW_MAX take the split path (partials, finalize, second pass)
+            long_rows = [make((2, 48), dt, aligned), make((40,), dt, aligned)]
             for nt in norms:
                 tk.launch_norm(flat, nt)
                 tk.launch_amp_norm(flat, torch.tensor(0.5), nt)
+                tk.launch_clip_norm_(flat, 0.5, nt)
                 tk.launch_agc_([r.clone() for r in rows], rows, 0.01, 1e-3, nt)
+                with _config(ROW_MAX=32):
+                    tk.launch_agc_([r.clone() for r in long_rows], long_rows, 0.01, 1e-3, nt)
             for fdt in (f32, f64):
                 tk.launch_scale_(flat, torch.tensor(0.5, dtype=fdt))
             tk.launch_clip_value_(flat, 0.5)
             tk.launch_centralize_(rows)
+            with _config(ROW_MAX=32):
+                tk.launch_centralize_(long_rows)
             tk.launch_grad_stats(flat)
     # mixed lists: fp64 master weights or low-precision grads next to fp32 ones
     for a, b in ((f32, f16), (f32, bf16), (f16, f64)):
@@ -313,6 +341,11 @@ def test_launcher_constexpr_combinations_are_covered(aot):
                for c in (r["constexprs"] for r in rs if r["kernel"].endswith("._norm_finalize_kernel"))}
         want = {(m, f, e) for m in "0123" for f in ("True", "False") for e in ("True", "False")}
         assert want <= fin, f"sm_{arch}: missing norm finalize variants {sorted(want - fin)}"
+        clip = {(c["MODE"], c["EXACT"])
+                for c in (r["constexprs"] for r in rs if r["kernel"].endswith("._norm_finalize_kernel")
+                          and r["constexprs"]["COEF"] == "True")}
+        want = {(m, e) for m in "0123" for e in ("True", "False")}
+        assert want <= clip, f"sm_{arch}: missing clip finalize variants {sorted(want - clip)}"
 
 
 def test_aligned_variants_use_128bit_loads(aot):
@@ -349,7 +382,7 @@ def test_fractional_p_uses_libdevice_pow(aot):
     # pow built as exp2(p * log2 a) loses bits in proportion to |p ln a| (~10 ulp on the H100 for fp64 and
     # p = 0.5); every kernel that raises to a fractional power must call CUDA's accurate pow instead
     _, results = aot
-    pow_kernels = ("._norm_partial_kernel", "._norm_finalize_kernel", "._agc_partial_kernel", "._agc_coef_kernel")
+    pow_kernels = ("._norm_partial_kernel", "._norm_finalize_kernel", "._agc_rows_kernel", "._agc_coef_kernel")
     rs = [r for r in results if r["kernel"].endswith(pow_kernels) and r["constexprs"].get("MODE") == "3"]
     assert len(rs) >= 4 * len(ARCHS)
     naive = [_label(r) for r in rs if not r["nv_pow"]]

@@ -25,6 +25,7 @@ import triton.language as tl  # noqa: E402
 
 from fastgrad import triton_kernels as tk  # noqa: E402
 from fastgrad.triton_kernels.multi_tensor import pow_fp64  # noqa: E402
+from fastgrad.triton_kernels.norm import clip_coef  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH = backends.get("torch")
@@ -41,6 +42,10 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(tk.Config, "SEG_BLOCK", 16)
     monkeypatch.setattr(tk.Config, "PART_BLOCK", 4)
     monkeypatch.setattr(tk.Config, "FLAG_BLOCK", 8)
+    # row-wise ops: rows over 64 elements split into CHUNK blocks, shorter ones packed ~96 elements a program
+    monkeypatch.setattr(tk.Config, "ROW_MAX", 64)
+    monkeypatch.setattr(tk.Config, "ROW_PACK", 96)
+    monkeypatch.setattr(tk.Config, "ROW_COLS", 8)  # tiles of 4 rows x 8 columns
     tk.clear_cache()
     yield
     tk.clear_cache()
@@ -352,3 +357,302 @@ def test_over_2_pow_31_elements():
     assert float(x[-1]) == 1.0 and float(x[5]) == 0.5
     s = triton_backend.grad_stats([x])
     assert int(s["zero"][0]) == n - 4
+
+
+# ---------------------------------------------------------------------------------------------- norm clip
+def unfused_clip(ts, max_norm, norm_type):
+    """What clip_grad_norm_ did before the fused primitive: the backend's norm, torch's coefficient on the
+    0-dim total, the backend's scale (the reference the fused clip must equal bit for bit)."""
+    total, _ = triton_backend.norm(ts, norm_type)
+    triton_backend.scale_(ts, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the Triton kernels launched, in order: JITFunction.run (InterpretedFunction.run under the
+    interpreter) is what ``kernel[grid](...)`` calls, once per launch."""
+    seen = []
+    cls = type(tk.clip._scale_kernel)
+    real = cls.run
+
+    def run(self, *args, **kwargs):
+        seen.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run", run)
+    return seen
+
+
+@triton.jit
+def _coef_test_kernel(t_ptr, out_ptr, max_norm: tl.float64, eps: tl.float64, OUT: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, clip_coef(tl.load(t_ptr + offs), max_norm, eps, OUT))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [1.0, 0.3, 7.7, 1e-3, 0.0, 1e39])
+def test_clip_coefficient_is_torchs_bit_for_bit(dtype, max_norm):
+    # torch evaluates max_norm / (total + 1e-6) as reciprocal(total + 1e-6) * max_norm with both scalars
+    # rounded to the total's dtype: a plain division differs in the last bit for ~1 in 5 totals (fp32)
+    n = 4096
+    g = torch.Generator().manual_seed(18)
+    t = torch.rand(n, generator=g, dtype=torch.float64) * torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 6)
+    t[:8] = torch.tensor([0.0, INF, math.nan, 1e-6, 1.0, max_norm, 1e-45, 3e38], dtype=torch.float64)
+    t = t.to(dtype)
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    _coef_test_kernel[(1,)](t.to(DEVICE), out, max_norm, 1e-6, OUT=tl.float64 if dtype == torch.float64 else tl.float32,
+                            N=n)
+    want = torch.stack([torch.clamp(max_norm / (x + 1e-6), max=1.0) for x in t])  # 0-dim, as clip.py did
+    assert torch.equal(bits(out), bits(want))
+
+
+CLIP_SIZES = SIZES + [(191, 1), (192,), (193,)]  # two chunks, exactly and one over
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF, 0.5])
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], [torch.float16, torch.bfloat16], DTYPES],
+                         ids=["fp32", "fp64", "half", "mixed"])
+@pytest.mark.parametrize("clipping", [True, False], ids=["clip", "noclip"])
+def test_clip_norm_equals_unfused_clip_bitwise(norm_type, dtypes, clipping):
+    ts = make(CLIP_SIZES, dtypes, seed=19)
+    exact = oracle.total_norm(ts, norm_type)
+    max_norm = exact / 3 if clipping else exact * 3
+    a = [t.clone() for t in ts]
+    b = [t.clone() for t in ts]
+    total = triton_backend.clip_norm_(a, max_norm, norm_type)
+    want = unfused_clip(b, max_norm, norm_type)
+    assert total.dtype == backends.acc_dtype(ts) and total.dim() == 0
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    if not clipping:
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, ts))
+    else:  # the torch backend's composition (same maths, its own norm) agrees within the SPEC's rtol
+        c = [t.clone() for t in ts]
+        ref = TORCH.clip_norm_(c, max_norm, norm_type)
+        torch.testing.assert_close(total, ref, rtol=rtol_for(total.dtype) * 2, atol=0)
+        torch.testing.assert_close(total.double(), torch.tensor(exact, dtype=torch.float64),
+                                   rtol=rtol_for(total.dtype), atol=0)
+
+
+@pytest.mark.parametrize("poison", [math.nan, INF, -INF])
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_clip_norm_nonfinite_as_torch(poison, norm_type):
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=20)
+    ts[9][3, 32] = poison  # inside a (7, 33) tensor, at a BLOCK boundary
+    a = [t.clone() for t in ts]
+    b = [t.clone() for t in ts]
+    total = triton_backend.clip_norm_(a, 1.0, norm_type)
+    want = unfused_clip(b, 1.0, norm_type)
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    if math.isnan(poison):  # NaN total, NaN coefficient: every gradient NaN, as torch
+        assert math.isnan(float(total)) and all(torch.isnan(x).all() for x in a)
+    else:  # inf total, coefficient 0: finite values zeroed, the infinity itself becomes NaN
+        assert float(total) == INF
+        assert all(((x == 0) | torch.isnan(x)).all() for x in a) and torch.isnan(a[9][3, 32])
+
+
+def test_clip_norm_noncontiguous_and_zero_size():
+    base = make([(40, 70), (30, 20), (9, 10, 11)], [torch.float32, torch.float16], seed=21)
+    views = [base[0].t(), base[1][:, ::2], base[2].permute(2, 0, 1), base[0][:0]]
+    ref_base = [t.clone() for t in base]
+    ref = [ref_base[0].t(), ref_base[1][:, ::2], ref_base[2].permute(2, 0, 1), ref_base[0][:0]]
+    total = triton_backend.clip_norm_(views, 0.5, 2.0)
+    want = unfused_clip(ref, 0.5, 2.0)
+    assert torch.equal(bits(total), bits(want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(base, ref_base))  # gaps of the view untouched too
+    empty = make([(0,), (3, 0)], [torch.float32], seed=22)
+    total = triton_backend.clip_norm_(empty, 1.0, INF)
+    assert float(total) == 0.0 and total.dtype == torch.float32
+
+
+def test_clip_norm_launches(launches):
+    # partials (one launch per dtype present), ONE finalize that also computes the coefficient, the scale
+    # (one per dtype): nothing else, whatever the list's length
+    ts = make(SIZES * 3, [torch.float32], seed=23)
+    triton_backend.clip_norm_(ts, 0.1, 2.0)
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "_scale_kernel"]
+    launches.clear()
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=23)
+    builds = tk.cache_stats()["builds"]
+    fastgrad_clip = __import__("fastgrad").clip_grad_norm_
+    params = [torch.nn.Parameter(torch.empty_like(t)) for t in ts]
+    for p, t in zip(params, ts):
+        p.grad = t
+    for _ in range(2):
+        fastgrad_clip(params, 0.1, backend="triton")  # the public call: no torch op computes the coefficient
+    assert launches == ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2 \
+        + ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2
+    assert tk.cache_stats()["builds"] == builds + 1  # one table for both passes and both calls
+    launches.clear()
+    triton_backend.clip_norm_(make([(0,), (2, 0)], [torch.float32], seed=24), 1.0, 2.0)
+    assert launches == ["_norm_finalize_kernel"]  # nothing to read or write: the finalize gives 0 and 1
+
+
+def test_clip_norm_custom_op_and_fake():
+    ts = make([(10,), (3, 40)], [torch.float32], seed=25)
+    a = [t.clone() for t in ts]
+    total = torch.ops.fastgrad_triton.clip_norm_(a, 0.5, 2.0)
+    b = [t.clone() for t in ts]
+    assert torch.equal(bits(total), bits(unfused_clip(b, 0.5, 2.0)))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    doubles = [t.double() for t in ts]
+    with FakeTensorMode() as mode:
+        out = torch.ops.fastgrad_triton.clip_norm_([mode.from_tensor(t) for t in doubles], 0.5, 2.0)
+        assert out.shape == () and out.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------------------- AGC, GC rows
+# With the tiles above: row tiles of 4 rows x 8 columns, rows up to ROW_MAX = 64 elements packed ~96
+# elements (ROW_PACK, at least 4 rows) a program, longer rows split into 96-element (CHUNK) blocks. Row lengths
+# 1, 2, 7, 8/9 (one column tile or two), 31/32/33 (BLOCK), 48/49 (ROW_PACK // 2), 63/64/65 (packed or split),
+# a 3-chunk and a 6-chunk row, 1-D units on both sides of ROW_MAX, many rows per program and fewer rows than
+# a tile. (tests/test_agc.py and tests/test_centralize.py run the default 16 x 128 tiles.)
+ROW_SHAPES = [(5, 1), (6, 2), (9, 7), (4, 8), (4, 9), (2, 31), (1, 32), (2, 33), (5, 48), (5, 49), (3, 63),
+              (3, 64), (2, 65), (3, 200), (1, 500), (97,), (30,), (40, 7), (3, 4, 3)]
+NAN_AT = {2: (1, 3), 13: (1, 150)}  # a NaN in a packed row and in a split row
+ZERO_GRAD_ROW = (12, 0)  # a zero gradient row (split path), and a zero parameter row (packed path):
+ZERO_PARAM_ROW = (3, 2)
+
+
+def _keep_rows(p, g, clip_factor, norm_type):
+    """Oracle's "no clipping" mask per element (where the gradient must stay bit for bit)."""
+    import numpy as np
+
+    w, gn = oracle.unit_norm(p, norm_type), oracle.unit_norm(g, norm_type)
+    with np.errstate(invalid="ignore"):
+        keep = gn < np.maximum(w, 1e-3) * clip_factor
+    return np.broadcast_to(keep, tuple(g.shape))
+
+
+AGC_DTYPES = {"fp32": ([torch.float32], [torch.float32]), "fp64": ([torch.float64], [torch.float64]),
+              "half": ([torch.float16, torch.bfloat16], [torch.float16, torch.bfloat16]),
+              "mixed": ([torch.float32, torch.float64], [torch.bfloat16, torch.float32])}
+
+
+@pytest.mark.parametrize("norm_type,dtypes", [
+    pytest.param(nt, AGC_DTYPES[k], id=f"{nt}-{k}") for nt in (2.0, INF) for k in AGC_DTYPES
+] + [pytest.param(3.0, AGC_DTYPES["mixed"], id="3.0-mixed")])  # (p=3 is slow in the interpreter)
+@pytest.mark.parametrize("clip_factor", [0.01, 20.0])
+def test_agc_rows_packed_and_split(norm_type, dtypes, clip_factor):
+    from .helpers import assert_max_error_within, assert_no_worse_than
+
+    ps = make(ROW_SHAPES, dtypes[0], seed=26, scale=0.05)
+    gs = make(ROW_SHAPES, dtypes[1], seed=27)
+    for i, at in NAN_AT.items():
+        gs[i][at] = math.nan
+    gs[ZERO_GRAD_ROW[0]][ZERO_GRAD_ROW[1]] = 0.0
+    ps[ZERO_PARAM_ROW[0]][ZERO_PARAM_ROW[1]] = 0.0
+    want = [oracle.agc(p, g, clip_factor, 1e-3, norm_type) for p, g in zip(ps, gs)]
+    keep = [_keep_rows(p, g, clip_factor, norm_type) for p, g in zip(ps, gs)]
+    ref = [g.clone() for g in gs]
+    TORCH.agc_(ps, ref, clip_factor, 1e-3, norm_type)
+    ours = [g.clone() for g in gs]
+    triton_backend.agc_(ps, ours, clip_factor, 1e-3, norm_type)
+    for o, r, w, k, g in zip(ours, ref, want, keep, gs):
+        what = f"agc {tuple(g.shape)} {g.dtype}"
+        if g.dtype == torch.float64:  # no wider type to work in: SPEC's AGC rule (as tests/test_agc.py)
+            assert_max_error_within(o, r, w, g.dtype, what)
+        else:  # fp64 norms, ratio and product: rounded once, never worse than the reference + 1 ulp
+            assert_no_worse_than(o, r, w, g.dtype, what)
+        kept = torch.from_numpy(k.copy())
+        assert torch.equal(bits(o)[kept], bits(g)[kept]), f"{what}: an unclipped row was written"
+    assert torch.isnan(ours[2][1]).all() and torch.isfinite(ours[2][[0, 2]]).all()
+    assert torch.isnan(ours[13][1]).all() and torch.isfinite(ours[13][[0, 2]]).all()
+    assert (ours[ZERO_GRAD_ROW[0]][ZERO_GRAD_ROW[1]] == 0).all()
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], [torch.float16, torch.bfloat16], DTYPES],
+                         ids=["fp32", "fp64", "half", "mixed"])
+def test_gc_rows_packed_and_split(dtypes):
+    from .helpers import assert_max_error_within, assert_no_worse_than
+
+    gs = [g for g in make(ROW_SHAPES, dtypes, seed=28, scale=3.0) if g.dim() > 1]
+    gs[2][1, 3] = math.nan
+    gs[13][1, 150] = math.nan
+    want = [oracle.centralize(g) for g in gs]
+    ref = [g.clone() for g in gs]
+    TORCH.centralize_(ref)
+    ours = [g.clone() for g in gs]
+    triton_backend.centralize_(ours)
+    for o, r, w, g in zip(ours, ref, want, gs):
+        check = assert_max_error_within if g.dtype == torch.float64 else assert_no_worse_than
+        check(o, r, w, g.dtype, f"gc {tuple(g.shape)} {g.dtype}")
+    assert torch.isnan(ours[2][1]).all() and torch.isfinite(ours[2][[0, 2]]).all()
+    assert torch.isnan(ours[13][1]).all() and torch.isfinite(ours[13][[0, 2]]).all()
+
+
+def test_agc_gc_rows_noncontiguous():
+    from .helpers import randn
+
+    gen = torch.Generator().manual_seed(29)
+    shapes = [(5, 7), (3, 70), (4, 3, 3)]
+    gs = [randn(s, torch.float32, DEVICE, gen, noncontig=True) for s in shapes]  # strided: copied
+    gs.append(randn((6, 2, 5, 5), torch.float32, DEVICE, gen).to(memory_format=torch.channels_last))
+    ps = [randn(g.shape, torch.float32, DEVICE, gen, scale=0.05) for g in gs]
+    strides = [g.stride() for g in gs]
+    want = [oracle.agc(p, g, 0.01, 1e-3, 2.0) for p, g in zip(ps, gs)]
+    ref = [g.clone() for g in gs]
+    TORCH.agc_(ps, ref, 0.01, 1e-3, 2.0)
+    triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    from .helpers import assert_no_worse_than
+
+    for o, r, w, s in zip(gs, ref, want, strides):
+        assert o.stride() == s
+        assert_no_worse_than(o, r, w, torch.float32, "agc noncontig")
+    want = [oracle.centralize(g) for g in gs]
+    ref = [g.clone() for g in gs]
+    TORCH.centralize_(ref)
+    triton_backend.centralize_(gs)
+    for o, r, w in zip(gs, ref, want):
+        assert_no_worse_than(o, r, w, torch.float32, "gc noncontig")
+
+
+def test_agc_gc_launches_and_tables(launches):
+    # rows up to ROW_MAX: one launch per dtype group does everything; a split row adds its finalize and
+    # one second pass per dtype group over the split blocks only
+    short = [(9, 7), (3, 64), (40, 2), (30,)]
+    gs = make(short, [torch.float32], seed=30)
+    ps = make(short, [torch.float32], seed=31, scale=0.05)
+    triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    triton_backend.centralize_(gs[:3])
+    assert launches == ["_agc_rows_kernel", "_gc_rows_kernel"]
+    launches.clear()
+    gs = make(short + [(2, 65)], [torch.float32, torch.bfloat16], seed=30)
+    ps = make(short + [(2, 65)], [torch.float32, torch.bfloat16], seed=31, scale=0.05)
+    builds = tk.cache_stats()["builds"]
+    for _ in range(2):
+        triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
+    assert launches == (["_agc_rows_kernel"] * 2 + ["_agc_coef_kernel", "_scale_kernel"]) * 2
+    launches.clear()
+    for _ in range(2):
+        triton_backend.centralize_([g for g in gs if g.dim() > 1])
+    assert launches == (["_gc_rows_kernel"] * 2 + ["_gc_mean_kernel", "_gc_apply_kernel"]) * 2
+    assert tk.cache_stats()["builds"] == builds + 2  # one table per op, reused by the second call
+
+
+def test_row_plan_blocks_cover_every_row_once():
+    # every element of every unit in exactly one block; packed blocks hold whole rows of one tensor and at
+    # most max(ROW_PACK, one row) elements; split rows' blocks are consecutive and listed in split_segs
+    ts = make(ROW_SHAPES + [(0, 4), (4, 0)], DTYPES, seed=32)
+    rows = tk.multi_tensor.rows_of(ts)
+    plan = tk.multi_tensor.get_plan((ts,), rows, packed=True)
+    blk = plan.blk[:4 * plan.nblocks].view(-1, 4).cpu()
+    seg = plan.seg[:3 * plan.nsegs].view(-1, 3).cpu()
+    covered = [torch.zeros(t.numel(), dtype=torch.int64) for t in ts]
+    for t, s, e, sg in blk.tolist():
+        covered[t][s:e] += 1
+        length = int(seg[sg, 2])
+        if length > tk.Config.ROW_MAX:
+            assert e - s <= tk.Config.CHUNK and s // length == (e - 1) // length
+        else:
+            rows_per_tile = tk.Config.BLOCK // tk.Config.ROW_COLS
+            assert s % length == 0 and e % length == 0
+            assert e - s <= max(tk.Config.ROW_PACK, rows_per_tile * length)
+    assert all((c == 1).all() for c in covered)
+    split = sorted(plan.split_segs[:plan.nsplit].tolist())
+    assert split == [i for i in range(plan.nsegs) if int(seg[i, 2]) > tk.Config.ROW_MAX]
+    assert sum(g.nsplit for g in plan.groups) == sum(int(seg[i, 1]) for i in split)

@@ -130,21 +130,20 @@ class Backend:
         """
         raise NotImplementedError
 
-    # ---- clip_norm_ (issue 13): the whole norm clip as one primitive -------------------------------------
-    def clip_norm_(self, tensors: Sequence[Tensor], max_norm: float, norm_type: float, *,
+    def clip_norm_(self, grads: Sequence[Tensor], max_norm: float, norm_type: float, *,
                    foreach: bool | None = None) -> Tensor:
-        """Clip by total norm in place; returns the total (0-dim, accumulation dtype, as :meth:`norm`).
+        """Norm clipping in place (SPEC section 3), the whole of ``clip_grad_norm_`` on one device:
+        ``total = norm(grads)``, ``coef = min(max_norm / (total + 1e-6), 1)`` in the accumulation dtype,
+        evaluated exactly as ``torch.clamp(max_norm / (total + 1e-6), max=1.0)`` on the 0-dim total (NaN
+        stays NaN), then ``scale_(grads, coef)`` (no write where coef is 1). Returns ``total`` (0-dim,
+        accumulation dtype).
 
-        ``coef = clamp(max_norm / (total + 1e-6), max=1)`` is computed on the device in the accumulation dtype,
-        op by op as torch evaluates that expression on a 0-dim tensor; the tensors are then scaled as
-        :meth:`scale_` does (no write when ``coef == 1``). No host sync. This default composes the three
-        steps, exactly as ``fastgrad.clip`` did before the primitive existed; fused backends override it with
-        the same bits in fewer launches. Selected as op ``"norm"`` (with ``norm_type``).
-        """
-        total, _ = self.norm(tensors, norm_type, foreach=foreach)
-        self.scale_(tensors, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach=foreach)
+        This default composes the primitives above, so every backend has it; fused backends override it
+        to keep the coefficient inside their kernels (no torch ops, fewer launches). The public layer calls
+        it only when one backend serves both the norm and the scale of the list."""
+        total, _ = self.norm(grads, norm_type, foreach=foreach)
+        self.scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach=foreach)
         return total
-    # ---- end clip_norm_ --------------------------------------------------------------------------------
 
     def clip_value_(self, tensors: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
                     ) -> None:

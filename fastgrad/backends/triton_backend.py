@@ -130,6 +130,12 @@ class TritonBackend(Backend):
         else:
             k.launch_scale_(tensors, factor)
 
+    def clip_norm_(self, grads, max_norm, norm_type, *, foreach=None):
+        k = _load()
+        if _compiling():
+            return k.clip_norm_op(list(grads), float(max_norm), float(norm_type))
+        return k.launch_clip_norm_(grads, float(max_norm), float(norm_type))
+
     def clip_value_(self, tensors, clip_value, *, foreach=None):
         k = _load()
         if _compiling():

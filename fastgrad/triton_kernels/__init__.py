@@ -18,15 +18,15 @@ from torch import Tensor
 from .agc import launch_agc_
 from .amp import launch_amp_norm
 from .centralize import launch_centralize_
-from .clip import launch_clip_value_, launch_scale_
+from .clip import launch_clip_norm_, launch_clip_value_, launch_scale_
 from .multi_tensor import Config, acc_of, cache_stats, clear_cache, release_captured
 from .norm import launch_norm
 from .stats import launch_grad_stats
 
 __all__ = [
     "Config", "cache_stats", "clear_cache", "release_captured", "launch_norm", "launch_amp_norm", "launch_scale_",
-    "launch_clip_value_", "launch_agc_", "launch_centralize_", "launch_grad_stats",
-    "norm_op", "amp_norm_op", "scale_op", "clip_value_op", "agc_op", "centralize_op", "grad_stats_op",
+    "launch_clip_norm_", "launch_clip_value_", "launch_agc_", "launch_centralize_", "launch_grad_stats",
+    "norm_op", "amp_norm_op", "scale_op", "clip_norm_op", "clip_value_op", "agc_op", "centralize_op", "grad_stats_op",
 ]
 
 _NS = "fastgrad_triton"
@@ -64,6 +64,16 @@ def scale_op(tensors: List[Tensor], factor: Tensor) -> None:
 @scale_op.register_fake
 def _(tensors, factor):
     return None
+
+
+@torch.library.custom_op(f"{_NS}::clip_norm_", mutates_args=("tensors",))
+def clip_norm_op(tensors: List[Tensor], max_norm: float, norm_type: float) -> Tensor:
+    return launch_clip_norm_(tensors, max_norm, norm_type)
+
+
+@clip_norm_op.register_fake
+def _(tensors, max_norm, norm_type):
+    return tensors[0].new_empty((), dtype=acc_of(tensors))
 
 
 @torch.library.custom_op(f"{_NS}::clip_value_", mutates_args=("tensors",))

@@ -1,4 +1,6 @@
-"""Multi-tensor in-place scale (the clip/unscale write) and clip-by-value, one pass each.
+"""Multi-tensor in-place scale (the clip/unscale write) and clip-by-value, one pass each, and the whole
+norm clip (``launch_clip_norm_``): the norm partials, one finalize program that also computes the clip
+coefficient on the device, then this scale: three launches for a single-dtype list, no torch op between.
 
 The scale factor is read from device memory by every program; when it is exactly 1 (the clip coefficient
 clamped to 1: nothing to clip) the program returns before touching gradient memory, so "not clipping"
@@ -15,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .multi_tensor import to_dt, Config, block_info, tensor_base, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
+from .norm import norm_passes
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -70,9 +73,8 @@ def _clip_value_kernel(ptr_tab, blk_tab, clip_value: tl.float64, b0,
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
-    flat, copies = flat_inputs(tensors)
-    plan = get_plan((flat,))
+def scale_passes(flat: Sequence[Tensor], plan, factor: Tensor) -> None:
+    """The scale launches (one per dtype group) over ``plan``, the table of ``flat``."""
     f64 = factor.dtype == torch.float64
     with device_guard(flat[0].device):
         for g in plan.groups:
@@ -83,7 +85,25 @@ def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
                 plan.ptr_tabs[0], plan.blk, factor, g.b0,
                 DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32, PER_SEG=False,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
+
+
+def launch_scale_(tensors: Sequence[Tensor], factor: Tensor) -> None:
+    flat, copies = flat_inputs(tensors)
+    scale_passes(flat, get_plan((flat,)), factor)
     copy_back(copies)
+
+
+def launch_clip_norm_(tensors: Sequence[Tensor], max_norm: float, norm_type: float) -> Tensor:
+    """Clip ``tensors`` in place to total ``norm_type``-norm ``max_norm``; returns the total norm (0-dim,
+    accumulation dtype). The coefficient ``min(max_norm / (total + 1e-6), 1)`` is computed by the norm's
+    finalize program exactly as torch computes it on the total (norm.clip_coef), so the result is bitwise
+    the unfused norm + torch.clamp + scale; a coefficient of 1 writes nothing. One table serves both passes."""
+    flat, copies = flat_inputs(tensors)
+    plan = get_plan((flat,))
+    total, _, _, coef = norm_passes(flat, plan, norm_type, per_tensor=False, max_norm=max_norm)
+    scale_passes(flat, plan, coef)
+    copy_back(copies)
+    return total
 
 
 def launch_clip_value_(tensors: Sequence[Tensor], clip_value: float) -> None:

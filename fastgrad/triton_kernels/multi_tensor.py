@@ -10,6 +10,13 @@ and grads) as work for a 1-D grid:
 * a segment table, one row ``(first block, number of blocks, length)`` per segment, in input order, which
   the finalize kernels use to reduce the per-block partials of a segment in a fixed order.
 
+Row-wise plans (AGC, GC: ``get_plan(..., rows, packed=True)``) shape the blocks by row length instead:
+rows of at most ``Config.ROW_MAX`` elements are *packed*, several whole rows of one tensor per block (about
+``Config.ROW_PACK`` elements), so one program reduces and writes each of its rows in one launch; longer rows
+are *split* into ``CHUNK`` blocks whose partials a finalize reduces, as for norms. Within a dtype group the
+packed blocks come first, then the split ones (``Group.nsplit``), and ``Plan.split_segs`` lists the split
+segments, so the finalize and the second pass run over the long rows only.
+
 Blocks are ordered by dtype group (the tuple of the K dtypes), so each group is one contiguous range of
 the grid and is launched once with its dtypes as compile-time constants: a pass over a list is one launch
 per dtype present (usually one), whatever the list's length. Plans are built once on the host with
@@ -64,7 +71,19 @@ class Config:
     #: overflow flags per iteration of the AMP finalize: its loop is one program's serial chain of loads,
     #: so a wide tile keeps it short (a 7B model has ~200K blocks: 52 iterations, not 1,600)
     FLAG_BLOCK = 4096
+    #: row-wise ops: rows up to ROW_MAX elements are reduced and written by one program, which takes whole
+    #: rows, about ROW_PACK elements and at least one tile's worth of rows (BLOCK // ROW_COLS); longer rows
+    #: are split into CHUNK blocks (partials + finalize). A tile is BLOCK // ROW_COLS rows x ROW_COLS columns.
+    #: Overrides: FASTGRAD_TRITON_ROW_MAX, FASTGRAD_TRITON_ROW_PACK, FASTGRAD_TRITON_ROW_COLS.
+    ROW_MAX = int(os.environ.get("FASTGRAD_TRITON_ROW_MAX", "16384"))
+    ROW_PACK = int(os.environ.get("FASTGRAD_TRITON_ROW_PACK", "32768"))
+    ROW_COLS = int(os.environ.get("FASTGRAD_TRITON_ROW_COLS", "128"))
     CACHE_SIZE = 256
+
+
+def row_cols() -> int:
+    """Columns of the row-wise tiles (at most BLOCK)."""
+    return min(Config.ROW_COLS, Config.BLOCK)
 
 
 def tl_dtype(dtype: torch.dtype):
@@ -236,21 +255,41 @@ def segment_reduce(part, seg_tab, segs, smask, ACC: tl.constexpr, IS_MAX: tl.con
         return tl.sum(acc, 1)
 
 
+@triton.jit
+def row_starts(r0, nrows, length, R: tl.constexpr):
+    """Row-wise kernels' [R, columns] tiles: the start offsets of rows r0..r0+R-1 of a packed block and
+    which of them exist."""
+    rows = r0 + tl.arange(0, R)
+    return rows.to(tl.int64) * length, rows < nrows
+
+
+@triton.jit
+def row_tile(base, rmask, c0, length, CB: tl.constexpr):
+    """Offsets and mask of columns [c0, c0 + CB) of the rows starting at ``base`` (see row_starts)."""
+    cols = c0 + tl.arange(0, CB)
+    return base[:, None] + cols[None, :], rmask[:, None] & (cols[None, :] < length)
+
+
 # ---------------------------------------------------------------------------------------------- plans
 class Group:
-    __slots__ = ("dtypes", "b0", "count", "aligned")
+    """One dtype group's blocks: ``[b0, b0 + count)``, of which the last ``nsplit`` belong to split rows
+    (row-wise plans; 0 otherwise)."""
 
-    def __init__(self, dtypes, b0, count, aligned):
+    __slots__ = ("dtypes", "b0", "count", "aligned", "nsplit")
+
+    def __init__(self, dtypes, b0, count, aligned, nsplit=0):
         self.dtypes = dtypes
         self.b0 = b0
         self.count = count
         self.aligned = aligned
+        self.nsplit = nsplit
 
 
 class Plan:
     """Device tables for one list (or K parallel lists); see the module docstring."""
 
-    __slots__ = ("ptr_tabs", "blk", "seg", "groups", "nblocks", "nsegs", "ntensors", "_keep")
+    __slots__ = ("ptr_tabs", "blk", "seg", "split_segs", "nsplit", "groups", "nblocks", "nsegs", "ntensors",
+                 "_keep")
 
 
 def _pad2(x: Tensor) -> Tensor:
@@ -258,8 +297,43 @@ def _pad2(x: Tensor) -> Tensor:
     return torch.cat([x, x.new_zeros(1)]) if x.numel() % 2 else x
 
 
+def _packed_blocks(r: Tensor, length: Tensor, gid: Tensor, chunk: int, row_max: int, pack: int, tile_rows: int):
+    """Blocks of a row-wise plan (see the module docstring), per tensor ``r`` rows of ``length`` elements:
+    (block tensor, start, end, first segment, the segment table's first-block and block-count columns,
+    split flag per block)."""
+    n = r.numel()
+    split = length > row_max
+    k = (pack // length.clamp(min=1)).clamp(min=tile_rows)  # rows per packed block: fill the tiles' rows
+    cpr = (length + chunk - 1) // chunk  # blocks per split row
+    nbt = torch.where(split, r * cpr, torch.where(length > 0, (r + k - 1) // k, torch.zeros_like(r)))
+    order = torch.sort(gid * 2 + split.long(), stable=True).indices  # group, then packed before split
+    nb_ord = nbt[order]
+    nblocks = int(nb_ord.sum())
+    t_first = torch.zeros(n, dtype=torch.int64)
+    t_first[order] = torch.cumsum(nb_ord, 0) - nb_ord
+    b_tensor = torch.repeat_interleave(order, nb_ord)
+    j = torch.arange(nblocks) - t_first[b_tensor]  # block index within its tensor
+    sp = split[b_tensor]
+    lb, kb, cb = length[b_tensor], k[b_tensor], cpr[b_tensor].clamp(min=1)
+    row0 = torch.where(sp, j // cb, j * kb)
+    c = torch.where(sp, j % cb, torch.zeros_like(j))
+    b_start = row0 * lb + c * chunk
+    b_end = torch.where(sp, torch.minimum(b_start + chunk, (row0 + 1) * lb),
+                        torch.minimum((j + 1) * kb, r[b_tensor]) * lb)
+    first_seg = torch.cumsum(r, 0) - r
+    block_seg = first_seg[b_tensor] + row0
+    # segment table: first block and count of each split row (what the finalize reads); packed rows
+    # are reduced in place and get 0 blocks there
+    seg_tensor = torch.repeat_interleave(torch.arange(n), r)
+    seg_row = torch.arange(int(r.sum())) - first_seg[seg_tensor]
+    seg_split = split[seg_tensor]
+    seg_first = torch.where(seg_split, t_first[seg_tensor] + seg_row * cpr[seg_tensor], torch.zeros_like(seg_row))
+    seg_nb = torch.where(seg_split, cpr[seg_tensor], torch.zeros_like(seg_row))
+    return b_tensor, b_start, b_end, block_seg, seg_first, seg_nb, sp, seg_split
+
+
 def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk: int,
-           device: torch.device) -> Plan:
+           device: torch.device, packed: tuple[int, int] | None = None) -> Plan:
     n = len(lists[0])
     numel = torch.tensor([t.numel() for t in lists[0]], dtype=torch.int64)
     r = torch.ones(n, dtype=torch.int64) if rows is None else torch.tensor(rows, dtype=torch.int64)
@@ -273,20 +347,27 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
     nsegs = int(r.sum())
     seg_tensor = torch.repeat_interleave(torch.arange(n), r)
     seg_len = seg_len_t[seg_tensor]
-    first_seg = torch.cumsum(r, 0) - r
-    seg_base = (torch.arange(nsegs) - first_seg[seg_tensor]) * seg_len
-    seg_nb = (seg_len + chunk - 1) // chunk
+    split_segs = torch.zeros(0, dtype=torch.int64)
+    if packed is not None:
+        b_tensor, b_start, b_end, block_seg, seg_first, seg_nb, b_split, seg_split = _packed_blocks(
+            r, seg_len_t, gid, chunk, *packed)
+        nblocks = b_tensor.numel()
+        split_segs = torch.nonzero(seg_split).reshape(-1)
+    else:
+        first_seg = torch.cumsum(r, 0) - r
+        seg_base = (torch.arange(nsegs) - first_seg[seg_tensor]) * seg_len
+        seg_nb = (seg_len + chunk - 1) // chunk
 
-    seg_order = torch.sort(gid[seg_tensor], stable=True).indices
-    nb_ord = seg_nb[seg_order]
-    nblocks = int(nb_ord.sum())
-    seg_first = torch.zeros(nsegs, dtype=torch.int64)
-    seg_first[seg_order] = torch.cumsum(nb_ord, 0) - nb_ord
-    block_seg = torch.repeat_interleave(seg_order, nb_ord)
-    k = torch.arange(nblocks) - seg_first[block_seg]
-    b_start = seg_base[block_seg] + k * chunk
-    b_end = torch.minimum(b_start + chunk, seg_base[block_seg] + seg_len[block_seg])
-    b_tensor = seg_tensor[block_seg]
+        seg_order = torch.sort(gid[seg_tensor], stable=True).indices
+        nb_ord = seg_nb[seg_order]
+        nblocks = int(nb_ord.sum())
+        seg_first = torch.zeros(nsegs, dtype=torch.int64)
+        seg_first[seg_order] = torch.cumsum(nb_ord, 0) - nb_ord
+        block_seg = torch.repeat_interleave(seg_order, nb_ord)
+        k = torch.arange(nblocks) - seg_first[block_seg]
+        b_start = seg_base[block_seg] + k * chunk
+        b_end = torch.minimum(b_start + chunk, seg_base[block_seg] + seg_len[block_seg])
+        b_tensor = seg_tensor[block_seg]
 
     blk = torch.stack([b_tensor, b_start, b_end, block_seg], 1).reshape(-1)
     seg = torch.stack([seg_first, seg_nb, seg_len], 1).reshape(-1)
@@ -294,6 +375,9 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
 
     # per-group block ranges and alignment (checked here, hinted in the kernels)
     counts = torch.bincount(gid[b_tensor], minlength=len(gid_of)).tolist() if nblocks else [0] * len(gid_of)
+    nsplit = [0] * len(gid_of)
+    if packed is not None and nblocks:
+        nsplit = torch.bincount(gid[b_tensor][b_split], minlength=len(gid_of)).tolist()
     groups = []
     b0 = 0
     rows_l = [1] * n if rows is None else list(rows)
@@ -310,10 +394,10 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
                 if lst[i].data_ptr() % 16 or (rows_l[i] > 1 and (lens[i] * es) % 16):
                     aligned = False
                     break
-        groups.append(Group(key, b0, counts[g], aligned))
+        groups.append(Group(key, b0, counts[g], aligned, nsplit[g]))
         b0 += counts[g]
 
-    sections = [_pad2(p) for p in ptrs] + [_pad2(blk), _pad2(seg)]
+    sections = [_pad2(p) for p in ptrs] + [_pad2(blk), _pad2(seg), _pad2(split_segs)]
     host = torch.cat(sections)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -329,6 +413,8 @@ def _build(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None, chunk:
     plan.ptr_tabs = views[:len(lists)]
     plan.blk = views[len(lists)]
     plan.seg = views[len(lists) + 1]
+    plan.split_segs = views[len(lists) + 2]
+    plan.nsplit = split_segs.numel()
     plan.groups = groups
     plan.nblocks = nblocks
     plan.nsegs = nsegs
@@ -347,9 +433,10 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = None) -> Plan:
-    """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors)."""
-    chunk = Config.CHUNK
+def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = None, packed: bool = False) -> Plan:
+    """The cached plan for ``lists`` (K lists of same-shaped, flat-addressable tensors); ``packed``: a
+    row-wise plan with short rows packed and long rows split (module docstring)."""
+    chunk = (Config.CHUNK, Config.ROW_MAX, Config.ROW_PACK, Config.BLOCK // row_cols()) if packed else Config.CHUNK
     device = lists[0][0].device
     # The key is the per-call host cost: (data_ptr, numel, dtype) of every tensor, from one C++ loop per
     # list when the compiled helpers are there (fastgrad/_scan.py), else map() over unbound methods, the
@@ -380,7 +467,7 @@ def get_plan(lists: Sequence[Sequence[Tensor]], rows: Sequence[int] | None = Non
             "Call the same fastgrad function once on the same tensors before capturing (a warm-up, which "
             "also compiles the kernels): building a table copies it from pinned host memory, which a "
             "captured graph would re-read at every replay.")
-    plan = _build(lists, rows, chunk, device)
+    plan = _build(lists, rows, Config.CHUNK, device, chunk[1:] if packed else None)
     _stats["builds"] += 1
     _CACHE[key] = plan
     if len(_CACHE) > Config.CACHE_SIZE:

@@ -4,7 +4,9 @@ Pass 1 (one launch per dtype group): each program reduces its block to one parti
 dtype: sum x^2 (p=2), sum |x| (p=1), max |x| with NaN propagating (p=inf) or sum |x|^p (any p > 0), and,
 for the AMP path, a "non-finite seen" flag of the stored values from the same read.
 Pass 2 (one program): reduces each tensor's partials in a fixed order (per-tensor norms), the per-tensor
-sums into the total, and the flags into found_inf. No atomics, so results are bitwise reproducible.
+sums into the total, and the flags into found_inf. No atomics, so results are bitwise reproducible. For
+clipping (``COEF``) the same program also computes the clip coefficient from the total, so a clip is
+partials, this finalize and the conditional scale (``clip.launch_clip_norm_``) with no torch op between.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import (to_dt, INF, Config, acc_of, block_info, tensor_base, device_guard, get_plan,
+from .multi_tensor import (to_dt, INF, Config, acc_of, block_info, tensor_base, device_guard, div_rn, get_plan,
                            nan_sticky, pow_fp64, segment_reduce, sqrt_rn, tl_dtype, flat_inputs)
 
 MODE_L2, MODE_L1, MODE_INF, MODE_P = 0, 1, 2, 3
@@ -98,10 +100,21 @@ def _root(s, pinv, MODE: tl.constexpr):
         return s
 
 
+@triton.jit
+def clip_coef(total, max_norm, eps, OUT: tl.constexpr):
+    """``torch.clamp(max_norm / (total + eps), max=1.0)`` as torch evaluates it on a 0-dim ``OUT`` tensor,
+    bit for bit: the Python scalars rounded to OUT, ``total + eps``, then ``max_norm / t``, which torch runs
+    as ``reciprocal(t) * max_norm`` (Tensor.__rdiv__), each step rounded to OUT; the clamp keeps NaN."""
+    d = total + tl.full([], eps, OUT)
+    c = div_rn(tl.full([], 1.0, OUT), d) * tl.full([], max_norm, OUT)
+    return tl.where(c > 1.0, tl.full([], 1.0, OUT), c)
+
+
 @triton.jit(do_not_specialize=["nsegs", "nblocks"])
-def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, pinv: tl.float64, nsegs,
-                          nblocks,
+def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, coef_out, pinv: tl.float64,
+                          max_norm: tl.float64, eps: tl.float64, nsegs, nblocks,
                           ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
+                          PER: tl.constexpr, COEF: tl.constexpr,
                           SEG_BLOCK: tl.constexpr, PART_BLOCK: tl.constexpr, EXACT: tl.constexpr,
                           FLAG_BLOCK: tl.constexpr):
     pinv = tl.full([], pinv, tl.float64)
@@ -113,7 +126,8 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         segs = s0 + tl.arange(0, SEG_BLOCK)
         smask = segs < nsegs
         v = segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK)
-        tl.store(per_out + segs, _root(v, pinv, MODE).to(OUT), mask=smask)
+        if PER:
+            tl.store(per_out + segs, _root(v, pinv, MODE).to(OUT), mask=smask)
         # the total is reduced from the per-tensor sums (not roots): same value, one rounding fewer
         if MODE == 2:
             tot = tl.maximum(tot, tl.where(v == v, v, 0.0))
@@ -146,7 +160,10 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         total = tl.where((plain == plain) & (tl.abs(plain) < INF), total, plain)
     else:
         total = tl.sum(totp, 0)
-    tl.store(total_out, _root(total, pinv, MODE).to(OUT))
+    total = _root(total, pinv, MODE).to(OUT)
+    tl.store(total_out, total)
+    if COEF:
+        tl.store(coef_out, clip_coef(total, max_norm, eps, OUT))
     if FLAG:
         anybad = tl.zeros([FLAG_BLOCK], tl.int32)
         for b in range(0, nblocks, FLAG_BLOCK):
@@ -155,25 +172,28 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, p
         tl.store(found_out, (tl.max(anybad, 0) > 0).to(tl.float32))
 
 
-# ---------------------------------------------------------------------------------------------- launcher
-def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor | None = None
-                ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(total, per-tensor norms, found_inf or None). ``inv_scale``: the AMP pass (norm of the unscaled
-    values and the finiteness flag of the stored ones)."""
-    flat, _ = flat_inputs(tensors)
-    plan = get_plan((flat,))
+# ---------------------------------------------------------------------------------------------- launchers
+def norm_passes(flat: Sequence[Tensor], plan, norm_type: float, inv_scale: Tensor | None = None,
+                per_tensor: bool = True, max_norm: float | None = None
+                ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The partial launches and the finalize over ``plan`` (the table of ``flat``): (total, per-tensor
+    norms or None, found_inf or None, clip coefficient or None). ``inv_scale``: the AMP pass (norm of the
+    unscaled values and the finiteness flag of the stored ones); ``max_norm``: the finalize also writes
+    the clip coefficient (accumulation dtype)."""
     dev = flat[0].device
     acc = acc_of(flat)
     mode = mode_of(norm_type)
     amp = inv_scale is not None
+    clip = max_norm is not None
     nb = max(plan.nblocks, 1)
     # partials and finalize work in fp64 whatever the data: the extra precision is free in a
     # memory-bound pass and keeps us at least as accurate as torch's CPU reductions (double accumulators)
     part = torch.empty(nb, dtype=torch.float64, device=dev)
     flags = torch.empty(nb, dtype=torch.int32, device=dev) if amp else part
     total = torch.empty((), dtype=acc, device=dev)
-    per = torch.empty(plan.ntensors, dtype=acc, device=dev)
+    per = torch.empty(plan.ntensors, dtype=acc, device=dev) if per_tensor else total
     found = torch.empty((), dtype=torch.float32, device=dev) if amp else total
+    coef = torch.empty((), dtype=acc, device=dev) if clip else total
     p = float(norm_type) if mode == MODE_P else 1.0
     with device_guard(dev):
         for g in plan.groups:
@@ -186,8 +206,18 @@ def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor |
                 MODE=mode, HAS_SCALE=amp, FLAG=amp, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
                 num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _norm_finalize_kernel[(1,)](
-            part, flags, plan.seg, total, per, found, 1.0 / p, plan.nsegs, plan.nblocks,
-            ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, SEG_BLOCK=Config.SEG_BLOCK,
-            PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64, FLAG_BLOCK=Config.FLAG_BLOCK,
-            num_warps=4, enable_fp_fusion=False)
-    return total, per, (found if amp else None)
+            part, flags, plan.seg, total, per, found, coef, 1.0 / p, float(max_norm) if clip else 0.0, 1e-6,
+            plan.nsegs, plan.nblocks,
+            ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, PER=per_tensor, COEF=clip,
+            SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64,
+            FLAG_BLOCK=Config.FLAG_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return total, (per if per_tensor else None), (found if amp else None), (coef if clip else None)
+
+
+def launch_norm(tensors: Sequence[Tensor], norm_type: float, inv_scale: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(total, per-tensor norms, found_inf or None). ``inv_scale``: the AMP pass (norm of the unscaled
+    values and the finiteness flag of the stored ones)."""
+    flat, _ = flat_inputs(tensors)
+    total, per, found, _ = norm_passes(flat, get_plan((flat,)), norm_type, inv_scale)
+    return total, per, found
