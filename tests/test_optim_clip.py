@@ -92,6 +92,10 @@ def test_bit_exact_against_the_kernels_arithmetic(bd, opt_name, max_norm):
     optimizer stepped after writing g / (1/coef) into the grads; the norm equals clip_grad_norm_'s."""
     backend, device = bd
     (pa, oa), (pb, ob), (pc, _) = _twins(opt_name, torch.float32, device, n=3, none_every=4)
+    if not getattr(oa, "_step_supports_amp_scaling", False):
+        # torch 2.11's fused Adagrad takes no grad_scale: the clip must (and does) write instead
+        assert not oc.zero_write_applies(oa)
+        pytest.skip(f"torch {torch.__version__}'s fused {opt_name} does not take a grad_scale")
     for step in range(4):
         g = _new_grads(pa, step, 2.0, device)
         for ps in (pa, pb, pc):
