@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import _inputs as I
 from . import distributed as D
-from .backends import acc_dtype
+from .backends import acc_dtype, clip_coef
 from .backends.torch_backend import combine_norms
 from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
@@ -341,7 +341,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
     _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
 
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coef(total, max_norm)
     # Unscale and clip in one multiply. With the usual power-of-two scales inv_scale * coef is exact, so
     # this equals torch's (g * inv_scale) * coef bit for bit in fp32.
     factor = inv_scale.to(first, dtype) * coef
@@ -376,6 +376,6 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
     _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
     if groups:
         dev = groups[0][0].device
-        coef = torch.clamp(max_norm / (total.to(dev) + 1e-6), max=1.0)
+        coef = clip_coef(total.to(dev), max_norm)
         _scale_groups(groups, inv_scale.to(dev, total.dtype) * coef, backend)
     return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)

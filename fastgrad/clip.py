@@ -24,7 +24,7 @@ from torch import Tensor
 from . import _inputs as I
 from . import _scan
 from . import distributed as D
-from .backends import BackendError, acc_dtype
+from .backends import BackendError, acc_dtype, clip_coef
 from .backends.torch_backend import combine_norms
 # torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
 from .patch import TORCH as _torch_utils
@@ -163,7 +163,7 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
     if not isinstance(total_norm, Tensor):
         total_norm = torch.tensor(float(total_norm), device=grads[0].device)
     dtype = torch.float64 if total_norm.dtype == torch.float64 else acc_dtype(grads)
-    coef = torch.clamp(max_norm / (total_norm.to(dtype) + 1e-6), max=1.0)
+    coef = clip_coef(total_norm.to(dtype), max_norm)
     _scale(grads, coef, backend, foreach)
     return None
 
@@ -200,14 +200,14 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if error_if_nonfinite:
             _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
         if sh.writes:
-            _scale(sh.writes, torch.clamp(max_norm / (total + 1e-6), max=1.0), backend, foreach)
+            _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
         return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
     total = None if error_if_nonfinite else _clip_one_backend(grads, max_norm, p, backend, foreach)
     if total is None:
         total, _ = _norm(grads, p, backend, foreach)
         if error_if_nonfinite:
             _check_finite(total, p)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coef(total, max_norm)
         _scale(grads, coef, backend, foreach)
     return total.to(I.promoted_dtype(grads))
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
 from . import _inputs as I
 from . import _scan
+from .backends import clip_coef
 from .stats import GradStats, _named, _stats_of, _stats_of_all
 
 __all__ = ["GradientMonitor", "detect_trends"]
@@ -340,7 +341,7 @@ class GradientMonitor:
         total = stats.total_norm
         if error_if_nonfinite:
             C._check_finite(total, p)  # the one sync asked for, before anything is written
-        C._scale(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), self.backend, foreach)
+        C._scale(grads, clip_coef(total, max_norm), self.backend, foreach)
         self.record(stats, loss)
         return total.to(I.promoted_dtype(grads))
 

@@ -49,6 +49,14 @@ def acc_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def clip_coef(total: Tensor, max_norm: float) -> Tensor:
+    """The clip coefficient ``min(max_norm / (total + 1e-6), 1)`` exactly as ``torch.nn.utils.clip_grad_norm_``
+    evaluates it on the 0-dim total, in the total's dtype (NaN stays NaN). Every torch-op path uses this one
+    expression; the fused kernels that compute it on the device reproduce its order (reciprocal, multiply,
+    clamp) and are tested bit for bit against it."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 def is_fast_norm_type(norm_type: float) -> bool:
     """Norm orders the fused kernels implement: 1, 2, inf and any finite p > 0."""
     return norm_type == float("inf") or (0.0 < norm_type < float("inf"))
@@ -142,7 +150,7 @@ class Backend:
         to keep the coefficient inside their kernels (no torch ops, fewer launches). The public layer calls
         it only when one backend serves both the norm and the scale of the list."""
         total, _ = self.norm(grads, norm_type, foreach=foreach)
-        self.scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach=foreach)
+        self.scale_(grads, clip_coef(total, max_norm), foreach=foreach)
         return total
 
     def clip_value_(self, tensors: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
