@@ -52,8 +52,13 @@ inline O round_trip(O v) {
 
 template <typename A>
 inline double fold(A* acc) {
-  for (int w = kLanes / 2; w > 0; w /= 2)
+  // Unrolled explicitly: GCC kept these loops rolled, and on thousands of one-element tensors the fold's
+  // loop control was a third of the norm's instructions (callgrind). Same additions, same order.
+#pragma GCC unroll 8
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+#pragma GCC unroll 8
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
   return static_cast<double>(acc[0]);
 }
 
