@@ -233,18 +233,27 @@ __device__ __forceinline__ double team_reduce(double v, bool is_max, int S, doub
   return __shfl_sync(0xffffffffu, v, 0, S);
 }
 
-template <int M, typename A>
-__device__ __forceinline__ double thread_value(const ReduceFn<M, A, false>& fn) {
-  return M == kInf ? static_cast<double>(fn.mx) : fn.acc.value();
-}
+// k_reduce's per-element step (ReduceFn), with the p-norm's pow called rather than inlined: the row pass
+// visits elements at several places per dtype, and inlined pow there made this file take minutes to build
+// (3x reduce.cu). Same operations, so the same bits as ReduceFn.
+template <typename A>
+__device__ __noinline__ A pow_called(A a, A p) { return pow_term(a, p); }
 
 template <int M, typename A>
-__device__ __forceinline__ ReduceFn<M, A, false> reducer(double p) {
-  ReduceFn<M, A, false> fn;
-  fn.p = static_cast<A>(p);
-  fn.inv = 1.0f;
-  return fn;
-}
+struct RowFn : ReduceFn<M, A, false> {
+  __device__ __forceinline__ explicit RowFn(double p) {
+    this->p = static_cast<A>(p);
+    this->inv = 1.0f;
+  }
+  template <typename T>
+  __device__ __forceinline__ void operator()(T x) {
+    if constexpr (M == kP) this->acc.add(pow_called(fabs(static_cast<A>(to_float(x))), this->p));
+    else ReduceFn<M, A, false>::operator()(x);
+  }
+  __device__ __forceinline__ double value() const {
+    return M == kInf ? static_cast<double>(this->mx) : this->acc.value();
+  }
+};
 
 // Block of a Seg in a row plan: the last Seg whose first_chunk <= b (Segs without blocks share their
 // first_chunk with the next one and lose to it).
@@ -276,10 +285,10 @@ __global__ void __launch_bounds__(kThreads) k_row_pass(const Seg* segs, int64_t 
     double r[2] = {0.0, 0.0};
 #pragma unroll 1  // one inlined copy of visit for both tensors
     for (int k = GC ? 1 : 0; k < 2; ++k) {
-      auto fn = reducer<M, A>(p);
+      RowFn<M, A> fn(p);
       void* base = k == 0 ? const_cast<void*>(L.s->ptr2) : L.s->ptr;
       with_type(k == 0 ? L.s->dtype2 : L.s->dtype, base, L.offset, [&](auto* q) { visit(q, L.n, fn); });
-      r[k] = M == kInf ? block_max(thread_value(fn), sh) : block_sum(thread_value(fn), sh);
+      r[k] = M == kInf ? block_max(fn.value(), sh) : block_sum(fn.value(), sh);
     }
     if (threadIdx.x == 0) {
       if (GC) {
@@ -306,16 +315,16 @@ __global__ void __launch_bounds__(kThreads) k_row_pass(const Seg* segs, int64_t 
     with_type(s->dtype, s->ptr, off, [&](auto* q) { hold_row(q, n, l, S, valid, h); });  // loads in flight...
     double wsum = 0.0;
     if (!GC) {  // ...while the parameter row streams through
-      auto fw = reducer<M, A>(p);
+      RowFn<M, A> fw(p);
       if (valid)
         with_type(s->dtype2, const_cast<void*>(s->ptr2), off, [&](auto* q) { visit_team(q, n, l, S, fw); });
-      wsum = team_reduce(thread_value(fw), M == kInf, S, sh);
+      wsum = team_reduce(fw.value(), M == kInf, S, sh);
     }
     with_type(s->dtype, s->ptr, off, [&](auto* q) {
       using T = typename std::remove_pointer<decltype(q)>::type;
-      auto fg = reducer<M, A>(p);
+      RowFn<M, A> fg(p);
       visit_held(q, n, l, S, valid, h, fg);
-      const double gsum = team_reduce(thread_value(fg), M == kInf, S, sh);
+      const double gsum = team_reduce(fg.value(), M == kInf, S, sh);
       if (GC) {
         const double mean = gsum / static_cast<double>(n);
         if (valid)
