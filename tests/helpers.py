@@ -259,3 +259,40 @@ def cuda_kernels_run(fn) -> list[str]:
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def zero_and_nan_rows(params) -> list[int]:
+    """In every 2-D gradient of more than 2 rows: row 1 zeroed, one NaN in row 2. Returns their indices."""
+    picked = []
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.grad is not None and p.grad.dim() > 1 and p.grad.shape[0] > 2:
+                p.grad[1].zero_()
+                p.grad[2, -1] = float("nan")
+                picked.append(i)
+    return picked
+
+
+def assert_zero_and_nan_rows(params, orig, picked) -> None:
+    """A zeroed row keeps its bits; NaN fills its own row and no other."""
+    for i in picked:
+        g, o = params[i].grad, orig[i].grad
+        assert torch.equal(bits(g[1]), bits(o[1])), f"grad {i}: a zero row was changed"
+        assert torch.isnan(g[2]).all(), f"grad {i}: NaN did not fill its row"
+        assert not torch.isnan(g[0]).any() and not torch.isnan(g[3:]).any(), f"grad {i}: NaN left its row"
+
+
+def assert_repeatable_without_host_sync(params, op, runs: int = 4) -> None:
+    """``op(copy of params)`` ``runs`` times gives bitwise identical gradients; every call after the first
+    (which may build and upload a kernel table) runs under set_sync_debug_mode("error")."""
+    outs = []
+    for i in range(runs):
+        mine = clone_params(params)
+        if i:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            op(mine)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        outs.append([bits(g) for g in grads(mine)])
+    assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)

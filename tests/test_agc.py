@@ -10,7 +10,8 @@ from fastgrad import _ext
 
 from . import oracle
 from .helpers import (DTYPE_IDS, DTYPES, assert_max_error_within, bits, clone_params, cuda_kernels_run, cuda_row_shapes,
-                      grads, make_params, mix_row_scales, params_in_poisoned_buffer)
+                      assert_repeatable_without_host_sync, assert_zero_and_nan_rows, grads, make_params, mix_row_scales,
+                      params_in_poisoned_buffer, zero_and_nan_rows)
 
 AGC_SHAPES = [(7,), (1,), (5, 3), (17, 33), (8, 3, 3, 3), (0,), (3, 0), (2, 1025), (1, 4097), ()]
 
@@ -139,17 +140,9 @@ def test_cuda_agc_every_row_class(dtype, norm_type):
 def test_cuda_agc_nan_and_zero_rows(dtype):
     shapes = cuda_row_shapes(dtype)
     params = make_params(shapes, dtype, "cuda", seed=42)
-    with torch.no_grad():
-        for p in params:
-            if p.grad.dim() > 1 and p.grad.shape[0] > 2:
-                p.grad[1].zero_()  # stays zero
-                p.grad[2, -1] = float("nan")  # NaN fills its own row only
+    picked = zero_and_nan_rows(params)
     orig = _check_agc(params, 0.01, 2.0, "nan/zero rows")
-    for p, o in zip(params, orig):
-        if p.grad.dim() > 1 and p.grad.shape[0] > 2:
-            assert torch.equal(bits(p.grad[1]), bits(o.grad[1]))
-            assert torch.isnan(p.grad[2]).all()
-            assert not torch.isnan(p.grad[0]).any() and not torch.isnan(p.grad[3:]).any()
+    assert_zero_and_nan_rows(params, orig, picked)
 
 
 @cuda_only
@@ -183,17 +176,7 @@ def test_cuda_agc_deterministic_without_host_sync():
     params = make_params(cuda_row_shapes(torch.bfloat16) + cuda_row_shapes(torch.float32),
                          [torch.bfloat16, torch.float32], "cuda", seed=45)
     mix_row_scales(params)
-    outs = []
-    for i in range(4):
-        mine = clone_params(params)
-        if i:  # the first call builds the table (an async copy); later calls reuse it
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            fastgrad.adaptive_clip_grad_(mine, 0.1, backend="cuda")
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        outs.append([bits(g) for g in grads(mine)])
-    assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)
+    assert_repeatable_without_host_sync(params, lambda ps: fastgrad.adaptive_clip_grad_(ps, 0.1, backend="cuda"))
 
 
 @cuda_only

@@ -10,7 +10,8 @@ from fastgrad import _ext
 
 from . import oracle
 from .helpers import (DTYPE_IDS, DTYPES, assert_max_error_within, bits, clone_params, cuda_kernels_run, cuda_row_shapes,
-                      grads, make_params, params_in_poisoned_buffer)
+                      assert_repeatable_without_host_sync, assert_zero_and_nan_rows, grads, make_params,
+                      params_in_poisoned_buffer, zero_and_nan_rows)
 
 GC_SHAPES = [(7,), (5, 3), (17, 33), (8, 3, 3, 3), (3, 0), (0, 4), (2, 1025), (1, 4097), (4, 2, 5)]
 
@@ -98,17 +99,9 @@ def test_cuda_gc_every_row_class(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_gc_nan_and_zero_rows(dtype):
     params = make_params(cuda_row_shapes(dtype), dtype, "cuda", seed=52)
-    with torch.no_grad():
-        for p in params:
-            if p.grad.dim() > 1 and p.grad.shape[0] > 2:
-                p.grad[1].zero_()
-                p.grad[2, -1] = float("nan")
+    picked = zero_and_nan_rows(params)
     orig = _check_gc(params, "nan/zero rows")
-    for p, o in zip(params, orig):
-        if p.grad.dim() > 1 and p.grad.shape[0] > 2:
-            assert torch.equal(bits(p.grad[1]), bits(o.grad[1])), "a zero row stays zero"
-            assert torch.isnan(p.grad[2]).all()
-            assert not torch.isnan(p.grad[0]).any() and not torch.isnan(p.grad[3:]).any()
+    assert_zero_and_nan_rows(params, orig, picked)
 
 
 @cuda_only
@@ -139,17 +132,7 @@ def test_cuda_gc_mixed_dtypes(noncontig):
 def test_cuda_gc_deterministic_without_host_sync():
     params = make_params(cuda_row_shapes(torch.float16) + cuda_row_shapes(torch.float32),
                          [torch.float16, torch.float32], "cuda", seed=55)
-    outs = []
-    for i in range(4):
-        mine = clone_params(params)
-        if i:  # the first call builds the table (an async copy); later calls reuse it
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            fastgrad.centralize_gradient_(mine, backend="cuda")
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        outs.append([bits(g) for g in grads(mine)])
-    assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)
+    assert_repeatable_without_host_sync(params, lambda ps: fastgrad.centralize_gradient_(ps, backend="cuda"))
 
 
 @cuda_only
