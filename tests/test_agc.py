@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -190,3 +194,24 @@ def test_cuda_agc_launches(n, launches):
     names = cuda_kernels_run(lambda: fastgrad.adaptive_clip_grad_(params, 0.01, backend="cuda"))
     assert len(names) == launches, names
     assert sum("k_row_pass" in x for x in names) == 1, names
+
+
+# The row plan is host code: tests/cuda/rowplan_check.cpp checks it (class order, register capacity at every
+# row's own start address, each row or chunk taken by exactly one block as the kernels map blocks to rows)
+# against apply.cu built by nvcc, on any machine with nvcc; it runs without a GPU. PTX only: no ptxas time.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cuda_row_plan_host_check(tmp_path):
+    nvcc = shutil.which("nvcc")
+    cuda = os.path.join(ROOT, "csrc", "cuda")
+    obj, exe = str(tmp_path / "apply.o"), str(tmp_path / "rowplan_check")
+    for cmd in ([nvcc, "-std=c++17", "-O1", "--fmad=false", "-gencode", "arch=compute_80,code=compute_80", "-c",
+                 os.path.join(cuda, "apply.cu"), "-o", obj],
+                [nvcc, "-std=c++17", "-O1", f"-I{cuda}", os.path.join(ROOT, "tests", "cuda", "rowplan_check.cpp"), obj,
+                 "-o", exe]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
+    res = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-4000:] + res.stderr[-2000:]

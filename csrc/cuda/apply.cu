@@ -398,12 +398,16 @@ int clamp(const Seg* d_segs, int64_t nseg, int64_t nchunks, double c, Stream str
 }
 
 int64_t plan_rows(Seg* segs, int64_t nseg, RowPlan* rp) {
-  // Windows (see Windows<T>) a row of the Seg can span: the row's own count when every row starts at the
-  // same offset in its 16-byte window (row bytes a multiple of 16), else the worst case over offsets.
+  // Most windows (see Windows<T>) a row of the Seg spans. Row r starts (mis0 + r * len) mod e elements into
+  // a 16-byte window (the pointer is element-aligned), a sequence of period at most e: its first e rows
+  // show every start offset the Seg has.
   auto windows = [](const Seg& s) {
     const int64_t size = elem_size(s.dtype), e = 16 / size;
-    const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(s.ptr) & 15) / static_cast<uintptr_t>(size));
-    return (s.len * size) % 16 == 0 ? (s.len + mis + e - 1) / e : (s.len + 2 * e - 2) / e;
+    const int64_t mis0 = static_cast<int64_t>((reinterpret_cast<uintptr_t>(s.ptr) & 15) / static_cast<uintptr_t>(size));
+    int64_t most = 0;
+    for (int64_t r = 0; r < std::min<int64_t>(s.rows, e); ++r)
+      most = std::max(most, (s.len + (mis0 + r * s.len) % e + e - 1) / e);
+    return most;
   };
   auto packed = [&](const Seg& s) { return s.len == 0 || s.rows == 0 || windows(s) <= int64_t(kThreads) * kHold; };
   Seg* split = std::stable_partition(segs, segs + nseg, packed);
