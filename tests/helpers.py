@@ -187,3 +187,112 @@ def bits(t: Tensor) -> Tensor:
 
 def is_nan(x) -> bool:
     return math.isnan(float(x))
+
+
+# ------------------------------------------------------------------- per-row ops (AGC, GC) on the cuda backend
+# Row classes of the cuda backend's row plan (csrc/cuda/apply.cu, plan_rows): a row spanning at most 8
+# 16-byte windows per lane is held in registers by a team of 1, 2, 4, ..., 32 lanes (up to 4 KB), up to
+# 2048 windows (32 KB) by a whole block; longer rows are split into 32768-element chunks. Row starts off a
+# 16-byte boundary span one window more.
+CUDA_TEAM_BYTES = 4096
+CUDA_BLOCK_ROW_BYTES = 32768
+CUDA_CHUNK = 1 << 15
+
+
+def cuda_row_lengths(dtype: torch.dtype) -> list[int]:
+    """Row lengths (elements) on both sides of every class boundary for ``dtype``, and a row of several
+    chunks."""
+    size = torch.empty((), dtype=dtype).element_size()
+    e = 16 // size
+    team, block = CUDA_TEAM_BYTES // size, CUDA_BLOCK_ROW_BYTES // size
+    return sorted({1, 2, e - 1, 31, 32, 33, 8 * e, 8 * e + 1, team - 1, team, team + 1, block - e, block - 1, block,
+                   block + 1, block + e, 3 * CUDA_CHUNK + 5})
+
+
+def cuda_row_shapes(dtype: torch.dtype) -> list[tuple]:
+    """2-D shapes with rows of every class (many rows for the shortest, so that blocks pack several passes
+    of teams and end part-full), and a few 1-D ones (a whole tensor is one unit)."""
+    shapes = []
+    for n in cuda_row_lengths(dtype):
+        rows = 2500 if n <= 2 else (37 if n <= 64 else (5 if n * torch.empty((), dtype=dtype).element_size()
+                                                              <= CUDA_BLOCK_ROW_BYTES else 2))
+        shapes.append((rows, n))
+    return shapes + [(1,), (33,), (CUDA_CHUNK + 3,)]
+
+
+def mix_row_scales(params, small: float = 1e-3) -> None:
+    """Scales every other dim-0 row of each 2-D gradient by ``small``, so that with a moderate clip factor
+    some AGC units keep their gradient and others clip."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None and p.grad.dim() > 1:
+                p.grad[::2].mul_(small)
+
+
+def params_in_poisoned_buffer(shapes, dtype, device, seed: int, offset: int, gap: int = 5):
+    """Parameters whose gradients are views into one NaN-filled buffer, starting ``offset`` elements in (row
+    starts off 16-byte boundaries, as gradient-bucket views are) with ``gap`` NaN elements between them.
+    Returns (params, buffer, guard mask): a kernel that reads a guard element gets NaN, one that writes one
+    changes its bits."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [math.prod(s) for s in shapes]
+    buf = torch.full((offset + sum(n + gap for n in sizes),), float("nan"), dtype=dtype, device=device)
+    guard = torch.ones(buf.numel(), dtype=torch.bool, device=device)
+    params, pos = [], offset
+    for s, n in zip(shapes, sizes):
+        p = torch.nn.Parameter(randn(s, dtype, device, gen))
+        g = buf[pos:pos + n].view(s)
+        g.copy_(randn(s, dtype, device, gen))
+        guard[pos:pos + n] = False
+        p.grad = g
+        params.append(p)
+        pos += n + gap
+    return params, buf, guard
+
+
+def cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels (and copies) that ``fn()`` runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def zero_and_nan_rows(params) -> list[int]:
+    """In every 2-D gradient of more than 2 rows: row 1 zeroed, one NaN in row 2. Returns their indices."""
+    picked = []
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.grad is not None and p.grad.dim() > 1 and p.grad.shape[0] > 2:
+                p.grad[1].zero_()
+                p.grad[2, -1] = float("nan")
+                picked.append(i)
+    return picked
+
+
+def assert_zero_and_nan_rows(params, orig, picked) -> None:
+    """A zeroed row keeps its bits; NaN fills its own row and no other."""
+    for i in picked:
+        g, o = params[i].grad, orig[i].grad
+        assert torch.equal(bits(g[1]), bits(o[1])), f"grad {i}: a zero row was changed"
+        assert torch.isnan(g[2]).all(), f"grad {i}: NaN did not fill its row"
+        assert not torch.isnan(g[0]).any() and not torch.isnan(g[3:]).any(), f"grad {i}: NaN left its row"
+
+
+def assert_repeatable_without_host_sync(params, op, runs: int = 4) -> None:
+    """``op(copy of params)`` ``runs`` times gives bitwise identical gradients; every call after the first
+    (which may build and upload a kernel table) runs under set_sync_debug_mode("error")."""
+    outs = []
+    for i in range(runs):
+        mine = clone_params(params)
+        if i:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            op(mine)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        outs.append([bits(g) for g in grads(mine)])
+    assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 
 import fastgrad
+from fastgrad import _ext
 
 from . import oracle
-from .helpers import DTYPE_IDS, DTYPES, assert_max_error_within, bits, clone_params, grads, make_params
+from .helpers import (DTYPE_IDS, DTYPES, assert_max_error_within, bits, clone_params, cuda_kernels_run, cuda_row_shapes,
+                      assert_repeatable_without_host_sync, assert_zero_and_nan_rows, grads, make_params, mix_row_scales,
+                      params_in_poisoned_buffer, zero_and_nan_rows)
 
 AGC_SHAPES = [(7,), (1,), (5, 3), (17, 33), (8, 3, 3, 3), (0,), (3, 0), (2, 1025), (1, 4097), ()]
 
@@ -88,3 +95,123 @@ def test_agc_deterministic(bd):
         fastgrad.adaptive_clip_grad_(mine, backend=backend)
         outs.append([bits(g) for g in grads(mine)])
     assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)
+
+
+# ------------------------------------------------------------------------------- cuda backend row plan
+# The cuda kernels take every unit that fits a block in one launch (held in registers, written from them) and
+# split longer ones (partials, a finalize, an apply): tests/helpers.py cuda_row_lengths names the classes.
+cuda_only = pytest.mark.skipif(not (torch.cuda.is_available() and _ext.has_cuda_kernels()),
+                               reason="needs a CUDA GPU and fastgrad's CUDA kernels")
+
+
+def _check_agc(params, clip_factor, norm_type, what):
+    """fastgrad's cuda AGC against timm on the same device and the float64 oracle; units that keep their
+    gradient must not be written (bits unchanged). Returns the gradients before the call."""
+    orig = clone_params(params)
+    timm = clone_params(params)
+    fastgrad.adaptive_clip_grad_(params, clip_factor, 1e-3, norm_type, backend="cuda")
+    timm_agc_(timm, clip_factor, 1e-3, norm_type)
+    for p, t, o in zip(params, timm, orig):
+        expect = oracle.agc(o, o.grad, clip_factor, 1e-3, norm_type)
+        name = f"{what} {tuple(o.shape)} {o.dtype}"
+        assert_max_error_within(p.grad, t.grad, expect, o.dtype, name)
+        kept = torch.as_tensor(expect == oracle.ld(o.grad.cpu())).reshape(o.shape)
+        if o.grad.dim() > 1:
+            kept_rows = kept.reshape(o.shape[0], -1).all(dim=1)
+            assert torch.equal(bits(p.grad[kept_rows.to(p.grad.device)]), bits(o.grad[kept_rows.to(o.grad.device)])), name
+    return orig
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 3.0])
+def test_cuda_agc_every_row_class(dtype, norm_type):
+    params = make_params(cuda_row_shapes(dtype), dtype, "cuda", seed=41)
+    with torch.no_grad():  # timm's fp16 L1 norm of a 98,309-element row of N(0, 1) values would overflow
+        for p in params:
+            p.mul_(0.1)
+            p.grad.mul_(0.1)
+    mix_row_scales(params)  # clip factor 0.1: the scaled rows keep, the others clip
+    orig = _check_agc(params, 0.1, norm_type, "row classes")
+    changed = [not torch.equal(bits(p.grad), bits(o.grad)) for p, o in zip(params, orig)]
+    assert all(changed), "every tensor has rows that clip"
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_agc_nan_and_zero_rows(dtype):
+    shapes = cuda_row_shapes(dtype)
+    params = make_params(shapes, dtype, "cuda", seed=42)
+    picked = zero_and_nan_rows(params)
+    orig = _check_agc(params, 0.01, 2.0, "nan/zero rows")
+    assert_zero_and_nan_rows(params, orig, picked)
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=["fp32", "fp16", "fp64"])
+@pytest.mark.parametrize("offset", [1, 3])
+def test_cuda_agc_views_in_poisoned_buffer(dtype, offset):
+    params, buf, guard = params_in_poisoned_buffer(cuda_row_shapes(dtype), dtype, "cuda", seed=43, offset=offset)
+    mix_row_scales(params)
+    before = buf.clone()
+    _check_agc(params, 0.1, 2.0, f"offset {offset}")
+    assert torch.equal(bits(buf[guard]), bits(before[guard])), "an element outside the gradients was written"
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("noncontig", [False, True], ids=["contig", "noncontig"])
+def test_cuda_agc_mixed_dtypes(noncontig):
+    shapes = cuda_row_shapes(torch.float32) + cuda_row_shapes(torch.bfloat16)
+    for dts in ([torch.float32, torch.bfloat16, torch.float16], [torch.float16, torch.float64, torch.bfloat16, torch.float32]):
+        params = make_params(shapes, dts, "cuda", seed=44, noncontig=noncontig)
+        mix_row_scales(params)
+        strides = [p.grad.stride() for p in params]
+        _check_agc(params, 0.1, 2.0, f"mixed {dts}")
+        assert [p.grad.stride() for p in params] == strides
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_cuda_agc_deterministic_without_host_sync():
+    params = make_params(cuda_row_shapes(torch.bfloat16) + cuda_row_shapes(torch.float32),
+                         [torch.bfloat16, torch.float32], "cuda", seed=45)
+    mix_row_scales(params)
+    assert_repeatable_without_host_sync(params, lambda ps: fastgrad.adaptive_clip_grad_(ps, 0.1, backend="cuda"))
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, launches", [(8192, 1), (8196, 3)], ids=["packed", "split"])
+def test_cuda_agc_launches(n, launches):
+    # fp32 rows of 8192 elements (32 KB, 16-byte aligned) fit a block: one kernel does everything; one more
+    # window and the row is split: row pass, finalize, apply. Short rows ride along in the same launch.
+    params = make_params([(3, n), (40, 33), (7,)], torch.float32, "cuda", seed=46)
+    fastgrad.adaptive_clip_grad_(params, 0.01, backend="cuda")  # warm-up: the table is cached
+    names = cuda_kernels_run(lambda: fastgrad.adaptive_clip_grad_(params, 0.01, backend="cuda"))
+    assert len(names) == launches, names
+    assert sum("k_row_pass" in x for x in names) == 1, names
+
+
+# The row plan is host code: tests/cuda/rowplan_check.cpp checks it (class order, register capacity at every
+# row's own start address, each row or chunk taken by exactly one block as the kernels map blocks to rows)
+# against apply.cu built by nvcc, on any machine with nvcc; it runs without a GPU. PTX only: no ptxas time.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cuda_row_plan_host_check(tmp_path):
+    nvcc = shutil.which("nvcc")
+    cuda = os.path.join(ROOT, "csrc", "cuda")
+    obj, exe = str(tmp_path / "apply.o"), str(tmp_path / "rowplan_check")
+    for cmd in ([nvcc, "-std=c++17", "-O1", "--fmad=false", "-gencode", "arch=compute_80,code=compute_80", "-c",
+                 os.path.join(cuda, "apply.cu"), "-o", obj],
+                [nvcc, "-std=c++17", "-O1", f"-I{cuda}", os.path.join(ROOT, "tests", "cuda", "rowplan_check.cpp"), obj,
+                 "-o", exe]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
+    res = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-4000:] + res.stderr[-2000:]

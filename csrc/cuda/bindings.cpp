@@ -77,6 +77,7 @@ void check_scalar(const Tensor& s, const char* op, const char* name) {
 struct Table {
   Tensor dev;
   int64_t nseg = 0, nchunks = 0, nrows = 0;
+  fgcuda::RowPlan rp;  // row-planned tables (AGC, GC) only; then nchunks/nrows are its blocks and split rows
   const fgcuda::Seg* ptr() const { return reinterpret_cast<const fgcuda::Seg*>(dev.data_ptr()); }
 };
 
@@ -185,7 +186,12 @@ class TableCache {
     std::vector<fgcuda::Seg> planned(segs);
     Table t;
     t.nseg = static_cast<int64_t>(planned.size());
-    t.nchunks = fgcuda::plan(planned.data(), t.nseg, &t.nrows);
+    if (!planned.empty() && planned[0].team == fgcuda::kPlanRows) {  // the per-row ops' tables (row_seg)
+      t.nchunks = fgcuda::plan_rows(planned.data(), t.nseg, &t.rp);
+      t.nrows = t.rp.nsplit_rows;
+    } else {
+      t.nchunks = fgcuda::plan(planned.data(), t.nseg, &t.nrows);
+    }
     const int64_t bytes = t.nseg * static_cast<int64_t>(sizeof(fgcuda::Seg));
     // Pinned staging + async copy: no host sync; the caching host allocator keeps the buffer until the
     // copy has run.
@@ -229,6 +235,12 @@ Tensor workspace(const Table& t, const at::Device& device) {
 
 fgcuda::Seg whole(const Flat& f) {
   return {f.ptr, nullptr, 1, f.n, 0, 0, 0, dtype_code(f.st), 0};
+}
+
+// A Seg of `rows` dim-0 rows for AGC (`w` the parameter) or GC (w null); kPlanRows asks for a row plan.
+fgcuda::Seg row_seg(const Flat& g, const Flat* w, int64_t rows, int64_t len) {
+  return {g.ptr, w ? w->ptr : nullptr, rows, len, 0, 0, 0, dtype_code(g.st), w ? dtype_code(w->st) : 0,
+          fgcuda::kPlanRows, 0};
 }
 
 bool any_double(TensorList ts) {
@@ -359,13 +371,12 @@ void agc_cuda(TensorList params, TensorList grads, double clip_factor, double ep
     fg.push_back(cpu::flat_rows(grads[i], true));
     const int64_t rows = grads[i].dim() <= 1 ? 1 : grads[i].size(0);
     const int64_t len = rows > 0 ? grads[i].numel() / rows : 0;
-    segs.push_back({fg.back().ptr, fw.back().ptr, rows, len, 0, 0, 0, dtype_code(fg.back().st), dtype_code(fw.back().st)});
+    segs.push_back(row_seg(fg.back(), &fw.back(), rows, len));
   }
   const bool acc64 = any_double(grads) || any_double(params);
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
-  check(fgcuda::agc(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, mode_code(p), p, acc64, clip_factor, eps,
-                    ws.data_ptr(), stream()),
+  check(fgcuda::agc(tab.ptr(), tab.nseg, tab.rp, mode_code(p), p, acc64, clip_factor, eps, ws.data_ptr(), stream()),
         "agc_");
   for (auto& x : fg) cpu::finish(x);
 }
@@ -381,12 +392,12 @@ void centralize_cuda(TensorList grads) {
     fg.push_back(cpu::flat_rows(g, true));
     const int64_t rows = g.size(0);
     const int64_t len = rows > 0 ? g.numel() / rows : 0;
-    segs.push_back({fg.back().ptr, nullptr, rows, len, 0, 0, 0, dtype_code(fg.back().st), 0});
+    segs.push_back(row_seg(fg.back(), nullptr, rows, len));
   }
   if (segs.empty()) return;
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
-  check(fgcuda::centralize(tab.ptr(), tab.nseg, tab.nchunks, tab.nrows, ws.data_ptr(), stream()), "centralize_");
+  check(fgcuda::centralize(tab.ptr(), tab.nseg, tab.rp, ws.data_ptr(), stream()), "centralize_");
   for (auto& x : fg) cpu::finish(x);
 }
 

@@ -33,17 +33,37 @@ struct Seg {
   int64_t first_row;    // filled by plan()
   int32_t dtype;
   int32_t dtype2;
+  // Row plans only (plan_rows; zero elsewhere). Before planning, kPlanRows in `team` asks the table
+  // builder for a row plan (and keeps row-plan tables apart from whole-tensor ones in its cache).
+  int32_t team;  // lanes per row: 1..32 (sub-warp teams) or 256 (the block) for packed rows; 0: split rows
+  int32_t rpb;   // rows per block of a packed Seg
+};
+
+constexpr int32_t kPlanRows = -1;
+
+// A row plan (AGC, GC): blocks [0, npacked) take whole rows (several per block when short: `team` lanes
+// per row, `rpb` rows per block), each read once into registers, reduced, and written from the registers;
+// blocks [npacked, nblocks) are kChunk-element pieces of rows too long for one block ("split rows"). plan_rows
+// reorders the Segs so those of split rows come last (from `split_seg0` on); for them `cpr` and `first_chunk`
+// are as in plan() and `first_row` counts split rows only (nsplit_rows in all), the index of their
+// per-row workspace.
+struct RowPlan {
+  int64_t nblocks = 0, npacked = 0, nsplit_rows = 0, split_seg0 = 0;
 };
 
 // Host side: fills cpr/first_chunk/first_row; returns the number of chunks, *total_rows the rows.
 int64_t plan(Seg* segs, int64_t nseg, int64_t* total_rows);
+
+// Host side: the row plan described at RowPlan (reorders segs); returns rp->nblocks.
+int64_t plan_rows(Seg* segs, int64_t nseg, RowPlan* rp);
 
 // Bytes of device workspace the launchers below need.
 size_t workspace_bytes(int64_t nchunks, int64_t nrows);
 
 // All launchers return a cudaError_t value (0 on success), enqueue on `stream` and never synchronise. A
 // launcher of several kernels returns at the first launch that fails, and every launcher's first launch
-// only reads: a GPU without a kernel image for this build leaves the gradients untouched.
+// only reads (agc/centralize: see there): a GPU without a kernel image for this build leaves the gradients
+// untouched.
 // `acc64`: accumulate in double (some tensor is float64) instead of float.
 
 // (total, per-row) p-norms. total/per are of the accumulation dtype (float or double). When d_inv is
@@ -72,15 +92,19 @@ int scale(const Seg* d_segs, int64_t nseg, int64_t nchunks, const void* d_factor
 // x = min(max(x, -c), c), NaN kept.
 int clamp(const Seg* d_segs, int64_t nseg, int64_t nchunks, double c, Stream stream);
 
-// AGC over rows (segs[i].ptr the gradient, segs[i].ptr2 the parameter).
-int agc(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mode, double p, int acc64,
-        double clip_factor, double eps, void* d_ws, Stream stream);
+// AGC over a row-planned table (segs[i].ptr the gradient, segs[i].ptr2 the parameter); workspace of
+// workspace_bytes(rp.nblocks, rp.nsplit_rows). One launch when no row is split, else three: the row pass
+// (packed rows done, split rows' partials), their coefficients, and their scaling. All three kernels live in
+// one module (apply.cu): when the first launches, the others have code for this GPU too.
+int agc(const Seg* d_segs, int64_t nseg, const RowPlan& rp, int mode, double p, int acc64, double clip_factor,
+        double eps, void* d_ws, Stream stream);
 
 // 0 when this build carries code the current device can run (SASS for its arch, or PTX the driver can
 // JIT), else the cudaError_t a launch would fail with. Loads the kernels' modules; enqueues nothing.
 int probe();
 
-// Gradient centralisation over rows: x = T(x - mean(row)), mean accumulated in double.
-int centralize(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, void* d_ws, Stream stream);
+// Gradient centralisation over a row-planned table: x = T(x - mean(row)), mean accumulated in double;
+// launches as agc().
+int centralize(const Seg* d_segs, int64_t nseg, const RowPlan& rp, void* d_ws, Stream stream);
 
 }  // namespace fgcuda
