@@ -31,6 +31,11 @@ TORCH_LIBRARY(fastgrad, m) {
   // computed as torch computes that expression in the accumulation dtype, grads scaled as scale_ does (not
   // touched when coef == 1). Returns the total (accumulation dtype); the coefficient never leaves the device.
   m.def("clip_norm_(Tensor(a!)[] grads, float max_norm, float norm_type) -> Tensor");
+  // scaler_unscale_and_clip on one device: (total, found_inf) = amp_norm(grads, inv_scale) (its bits), factor =
+  // inv_scale * coef in the accumulation dtype, coef computed as clip_norm_ computes it, then (if write) grads
+  // scaled as scale_ does (not touched when factor == 1). Returns (total, found_inf, factor).
+  m.def("amp_clip_(Tensor(a!)[] grads, Tensor inv_scale, float max_norm, float norm_type, bool write) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("clip_value_(Tensor(a!)[] tensors, float clip_value) -> ()");
   m.def("agc_(Tensor[] params, Tensor(a!)[] grads, float clip_factor, float eps, float norm_type) -> ()");
   m.def("centralize_(Tensor(a!)[] grads) -> ()");

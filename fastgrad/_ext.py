@@ -179,6 +179,12 @@ def _register_fakes() -> None:
     def _clip_norm(grads, max_norm, norm_type):
         return grads[0].new_empty((), dtype=_acc(grads), device=grads[0].device)
 
+    @fake("amp_clip_")
+    def _amp_clip(grads, inv_scale, max_norm, norm_type, write):
+        acc, dev = _acc(grads), grads[0].device
+        return (grads[0].new_empty((), dtype=acc, device=dev), grads[0].new_empty((), dtype=torch.float32, device=dev),
+                grads[0].new_empty((), dtype=acc, device=dev))
+
     @fake("clip_value_")
     def _clip_value(tensors, clip_value):
         return None

@@ -4,7 +4,9 @@ torch's way moves 5N bytes for N bytes of gradients (unscale reads and writes, t
 and writes). Here, per device, one read pass (the backend's ``amp_norm``) yields both the finiteness of the
 scaled gradients and the norm of the unscaled ones; the clip coefficient and ``inv_scale`` are multiplied on
 the device into one factor, and one write pass (``scale_``) applies it, skipped on the device when the factor
-is 1. The scaler's per-optimizer state is left exactly as ``scaler.unscale_`` leaves it, so ``scaler.step``
+is 1. On one device (no ShardedGradScaler, no ``error_if_nonfinite``) the three steps are one backend call,
+``amp_clip_``, which the fused backends run as kernels with the factor kept on the device. The scaler's
+per-optimizer state is left exactly as ``scaler.unscale_`` leaves it, so ``scaler.step``
 and ``scaler.update`` need no change.
 
 ``zero_write=True`` removes the write pass too, for optimizers that unscale inside their own step (torch's
@@ -334,6 +336,10 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         return torch.tensor(0.0)
 
     groups = I.split_by_device(grads)
+    if len(groups) == 1 and not sharded and not error_if_nonfinite:
+        fused = _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend)
+        if fused is not None:
+            return fused
     parts = device_amp_norms(groups, inv_scale, p, backend)
     first = grads[0].device
     dtype = acc_dtype(grads)
@@ -350,6 +356,27 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         optimizer.grad_scale = factor.reciprocal()
     else:
         _scale_groups(groups, factor, backend)
+    return total.to(I.promoted_dtype(grads))
+
+
+def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend
+                          ) -> Tensor | None:
+    """One device, a plain GradScaler, no finiteness check (issue 13): the read pass, the factor and the write
+    in ONE backend call (``amp_clip_``), which fused backends run as a few kernels with no torch op between
+    them. None (nothing done) when different backends would serve the read and the write; the caller then
+    composes the pieces. The scaler state is set as the composed path sets it."""
+    b = I.pick("amp_norm", grads, backend, norm_type=p)
+    if I.pick("scale", grads, backend) is not b:
+        return None
+    # decided before the read pass (host-side checks only), so the primitive knows whether to write
+    hand_over = zero_write and zero_write_applies(scaler, optimizer, grads)
+    dev = grads[0].device
+    total, found, factor = b.amp_clip_(grads, inv_scale.to(dev, non_blocking=True), max_norm, p, not hand_over)
+    state["found_inf_per_device"] = {dev: found.reshape(())}
+    state["stage"] = OptState.UNSCALED
+    if hand_over:
+        # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
+        optimizer.grad_scale = factor.reciprocal()
     return total.to(I.promoted_dtype(grads))
 
 

@@ -566,6 +566,147 @@ def test_sharded_scaler_without_grads(process_group, monkeypatch):
     assert list(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == [torch.device("cpu")]
 
 
+# ---------------------------------------------------------------- the amp_clip_ primitive (issue 13)
+def _old_amp(b, gs, inv, max_norm, p, write=True):
+    """What scaler_unscale_and_clip ran per device before amp_clip_ existed: the backend's amp_norm, torch's
+    clip coefficient on the 0-dim total, inv_scale * coef as a torch multiply, the backend's scale_ (the
+    reference the primitive must equal bit for bit on every backend)."""
+    total, found = b.amp_norm(gs, inv, p)
+    factor = inv.to(total.dtype) * torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if write:
+        b.scale_(gs, factor)
+    return total, found, factor
+
+
+def _inv(scale, device):
+    return torch.tensor(scale, device=device).double().reciprocal().float()  # as GradScaler.unscale_
+
+
+AMP_DTYPES = {"fp32": [torch.float32], "bf16+fp32": [torch.bfloat16, torch.float32],
+              "fp64": [torch.float64], "mixed64": [torch.float32, torch.float64, torch.bfloat16]}
+AMP_SHAPES = [(7,), (3, 5), (1,), (0,), (17, 33), (4, 3, 3, 3), (1025,), (2, 0, 3), (257, 3)]
+
+
+@pytest.mark.parametrize("kind", list(AMP_DTYPES))
+@pytest.mark.parametrize("scale", [1024.0, 3000.0, 1.0], ids=["pow2", "non-pow2", "one"])
+@pytest.mark.parametrize("overflow,clipping", [(None, True), (None, False), (INF, True), (NAN, True)],
+                         ids=["clip", "noclip", "inf", "nan"])  # an overflow's factor is 0 or NaN whatever max_norm
+def test_amp_clip_primitive_same_bits_as_the_composition(bd, kind, scale, overflow, clipping):
+    """Backend.amp_clip_ on every backend: total, found_inf, factor and the written grads exactly as the
+    composition it replaced; with write=False the same three results and not one bit of a grad changed.
+    Half the cases have non-contiguous grads (alternating over dtype sets, scales and overflows, so each of
+    those meets both layouts)."""
+    from fastgrad.backends import get
+
+    backend, device = bd
+    b = get(backend)
+    seed = 300 + list(AMP_DTYPES).index(kind)
+    noncontig = (seed + [1024.0, 3000.0, 1.0].index(scale) + (overflow is None) + clipping) % 2 == 1
+    params = make_params(AMP_SHAPES, AMP_DTYPES[kind], device, seed=seed, scale=scale, noncontig=noncontig)
+    if overflow is not None:
+        params[4].grad[16, 32] = overflow  # the last element of a multi-block grad
+    unscaled = oracle.total_norm([oracle.f64(g) / scale for g in grads(params)], 2.0)
+    max_norm = unscaled / 3 if clipping else unscaled * 3
+    inv = _inv(scale, device)
+    acc = torch.float64 if torch.float64 in AMP_DTYPES[kind] else torch.float32
+    for write in (True, False):
+        ours, ref = grads(clone_params(params)), grads(clone_params(params))
+        before = [g.clone() for g in ours]
+        out = b.amp_clip_(ours, inv, max_norm, 2.0, write)
+        want = _old_amp(b, ref, inv, max_norm, 2.0, write)
+        for x, y, name in zip(out, want, ("total", "found_inf", "factor")):
+            assert x.dim() == 0 and x.device == ours[0].device and x.dtype == y.dtype, name
+            assert torch.equal(bits(x), bits(y)), f"{name}: {x} vs {y} (write={write})"
+        assert out[0].dtype == out[2].dtype == acc and out[1].dtype == torch.float32
+        assert float(out[1]) == (0.0 if overflow is None else 1.0)
+        for i, (g, r, g0) in enumerate(zip(ours, ref, before)):
+            assert g.stride() == r.stride()
+            assert torch.equal(bits(g), bits(r)), f"grad {i} (write={write})"
+            if not write:
+                assert torch.equal(bits(g), bits(g0)), f"grad {i} written with write=False"
+        if write and overflow is None:  # the test sees a write that did not happen (or should not have)
+            assert torch.equal(bits(ours[0]), bits(before[0])) == (scale == 1.0 and not clipping)
+
+
+def test_amp_clip_primitive_empty_tensors_only(bd):
+    from fastgrad.backends import get
+
+    backend, device = bd
+    b = get(backend)
+    ts = [torch.empty(0, device=device), torch.empty(3, 0, device=device, dtype=torch.bfloat16)]
+    inv = _inv(3000.0, device)
+    for max_norm in (1.0, 1e-9):
+        out = b.amp_clip_(ts, inv, max_norm, 2.0)
+        want = _old_amp(b, [t.clone() for t in ts], inv, max_norm, 2.0)
+        assert float(out[0]) == 0.0 and float(out[1]) == 0.0
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(out, want))
+
+
+@pytest.mark.parametrize("mode", ["write", "zero_write", "error_if_nonfinite"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_public_call_is_one_primitive_call(monkeypatch, backend, mode):
+    """One device, a plain GradScaler: scaler_unscale_and_clip is ONE amp_clip_ call (the torch backend's is
+    the default composition); error_if_nonfinite checks the norm on the host before writing: separate steps."""
+    from fastgrad.backends import get
+
+    b = get(backend)
+    if b.unavailable_reason() is not None:
+        pytest.skip(b.unavailable_reason())
+    calls = []
+    for name in ("amp_clip_", "amp_norm", "scale_"):
+        def spy(self, *args, _name=name, _orig=getattr(type(b), name), **kwargs):
+            calls.append(_name)
+            return _orig(self, *args, **kwargs)
+        monkeypatch.setattr(type(b), name, spy)
+    params = make_params([(17, 5), (5,), (3, 4, 2)], torch.float32, "cpu", seed=70, scale=1024.0, noncontig=True)
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    scaler = _scaler("cpu")
+    fastgrad.scaler_unscale_and_clip(scaler, opt, 0.01, error_if_nonfinite=mode == "error_if_nonfinite",
+                                     zero_write=mode == "zero_write", backend=backend)
+    if mode == "error_if_nonfinite":
+        assert calls == ["amp_norm", "scale_"]
+    elif backend == "cpu":
+        assert calls == ["amp_clip_"]
+    else:
+        assert calls == ["amp_clip_", "amp_norm"] + (["scale_"] if mode == "write" else [])
+    assert hasattr(opt, "grad_scale") == (mode == "zero_write")
+
+
+@pytest.mark.parametrize("overflow", [None, INF, NAN], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clip", "noclip"])
+@pytest.mark.parametrize("zero_write", [False, True], ids=["write", "zero_write"])
+def test_public_call_same_bits_and_state_as_the_composition(bd, overflow, max_norm, zero_write):
+    """The fused path of scaler_unscale_and_clip against the per-device composition it replaced, run by hand
+    on a twin: returned total, gradients (or the factor handed to a fused optimizer) and scaler state."""
+    from fastgrad.backends import get
+
+    backend, device = bd
+    b = get(backend)
+    scale = 3000.0  # not a power of two: inv_scale * coef is rounded
+    p1 = make_params([(17, 5), (5,), (3, 4, 2), (300,)], [torch.float32, torch.bfloat16], device, seed=71,
+                     scale=scale)
+    p2 = clone_params(p1)
+    if overflow is not None:
+        p1[0].grad[2, 3] = p2[0].grad[2, 3] = overflow
+    o1 = torch.optim.Adam(p1, lr=0.1, fused=True) if zero_write else torch.optim.SGD(p1, lr=0.1)
+    s1 = _scaler(device, scale)
+    applies = zero_write and famp.zero_write_applies(s1, o1)
+    total = fastgrad.scaler_unscale_and_clip(s1, o1, max_norm, zero_write=zero_write, backend=backend)
+    want, found, factor = _old_amp(b, grads(p2), _inv(scale, device), max_norm, 2.0, write=not applies)
+    assert torch.equal(bits(total), bits(want))
+    for g, r in zip(grads(p1), grads(p2)):
+        assert torch.equal(bits(g), bits(r))
+    state = s1._per_optimizer_states[id(o1)]
+    assert state["stage"] is OptState.UNSCALED
+    flags = state["found_inf_per_device"]
+    assert list(flags) == [p1[0].device] and flags[p1[0].device].shape == ()
+    assert torch.equal(bits(flags[p1[0].device]), bits(found))
+    if applies:
+        assert torch.equal(bits(o1.grad_scale), bits(factor.reciprocal()))
+    else:
+        assert not hasattr(o1, "grad_scale")
+
+
 # ---------------------------------------------------------------- GPU only
 @needs_cuda
 def test_no_host_sync_on_cuda():
@@ -586,6 +727,36 @@ def test_no_host_sync_on_cuda():
         scaler.update()
         if hasattr(opt, "grad_scale"):
             del opt.grad_scale
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_amp_clip_primitive_no_host_sync_on_cuda(backend):
+    """The fused primitive (issue 13) on CUDA tensors: no sync, writing or not, clipping or not, strided grads
+    (a copy each call) included, and the same bits as the composition it replaced."""
+    from fastgrad.backends import get
+
+    b = get(backend)
+    if b.unavailable_reason() is not None or b.supports("amp_norm", [torch.ones(1, device="cuda")], norm_type=2.0):
+        pytest.skip(f"the {backend} backend does not serve CUDA tensors here")
+    lists = [grads(make_params([(256, 33), (33,), (4, 4, 4)], [torch.float32, torch.bfloat16], "cuda", seed=s,
+                               scale=3000.0, noncontig=s == 2)) for s in (1, 2)]
+    inv = _inv(3000.0, "cuda")
+    for gs in lists:
+        b.amp_clip_(gs, inv, 1.0, 2.0)  # warm-up: kernel compilation, table upload
+    torch.cuda.synchronize()
+    for gs in lists:
+        for write in (True, False):
+            for max_norm in (1e-3, 1e9):
+                ref = [g.clone() for g in gs]
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = b.amp_clip_(gs, inv, max_norm, 2.0, write)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                want = _old_amp(b, ref, inv, max_norm, 2.0, write)
+                assert all(torch.equal(bits(x), bits(y)) for x, y in zip(out, want))
+                assert all(torch.equal(bits(x), bits(y)) for x, y in zip(gs, ref))
 
 
 @needs_cuda

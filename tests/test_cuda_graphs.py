@@ -178,3 +178,36 @@ def test_cuda_clip_norm_op_capture_replays_the_op_sequence():
         assert torch.equal(bits(total), bits(want)), (seed, total, want)
         for a, b in zip(grads(static), ref):
             assert torch.equal(bits(a), bits(b)), f"replay differs from the op sequence (seed {seed})"
+
+
+@backend_param
+@pytest.mark.parametrize("write", [True, False], ids=["write", "no-write"])
+def test_amp_clip_primitive_capture_replays_the_composition(backend, write):
+    # The fused AMP primitive (issue 13) under capture: each replay must give what the composition it replaced
+    # (amp_norm, torch's coefficient times inv_scale, scale_) gives eagerly on the same values, for grads that
+    # clip, that do not, and that overflow; the inv_scale tensor is read at replay time.
+    from fastgrad.backends import get
+
+    b = get(backend)
+    static = _params(0, DTYPES[:2])
+    inv = torch.tensor(1 / 3000.0, device="cuda")
+    graph, (total, found, factor) = _capture(lambda: b.amp_clip_(grads(static), inv, 1.0, 2.0, write))
+    for seed, scale, overflow, new_inv in [(1, 5e3, False, 1 / 3000.0), (2, 1e-1, False, 1 / 1024.0),
+                                           (3, 5e3, True, 1 / 3000.0)]:
+        fresh = _params(seed, DTYPES[:2], scale)
+        if overflow:
+            fresh[1].grad[3, 7] = float("nan")
+        _load(static, fresh)
+        inv.fill_(new_inv)
+        ref = [g.clone() for g in grads(fresh)]
+        graph.replay()
+        want_total, want_found = b.amp_norm(ref, inv, 2.0)
+        want_factor = inv.to(want_total.dtype) * torch.clamp(1.0 / (want_total + 1e-6), max=1.0)
+        if write:
+            b.scale_(ref, want_factor)
+        torch.cuda.synchronize()
+        for got, want in ((total, want_total), (found, want_found), (factor, want_factor)):
+            assert torch.equal(bits(got), bits(want)), (seed, got, want)
+        assert float(found) == float(overflow)
+        for a, r in zip(grads(static), ref):
+            assert torch.equal(bits(a), bits(r)), f"replay differs from the composition (seed {seed})"

@@ -98,6 +98,9 @@ def _opcheck_cases():
         ("clip_norm_", (f32, 0.5, 2.0)),
         ("clip_norm_", (mixed, 1e9, 3.0)),  # no clipping
         ("clip_norm_", (f32, 0.01, float("inf"))),
+        ("amp_clip_", (f32, torch.tensor(1 / 3000.0), 0.5, 2.0, True)),
+        ("amp_clip_", (mixed, torch.tensor(0.25), 1e9, 3.0, True)),  # no clipping: the factor is inv_scale
+        ("amp_clip_", (mixed, torch.tensor(0.25), 0.01, float("inf"), False)),
         ("clip_value_", (mixed, 0.5)),
         ("agc_", (params, f32, 0.01, 1e-3, 2.0)),
         ("centralize_", ([t for t in f32 if t.dim() > 1], )),
@@ -866,5 +869,174 @@ def test_cuda_clip_norm_never_syncs():
         for params in (contiguous, strided, contiguous):  # first calls build tables, later ones reuse them
             fastgrad.clip_grad_norm_(params, 0.1, backend="cuda")
             fastgrad.clip_grad_norm_(params, 1e9, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# ------------------------------------------------------------------------------------- amp_clip_ op
+# fastgrad::amp_clip_ is amp_norm + torch's coefficient + the multiply by inv_scale + scale_ in one op (issue
+# 13): the same bits as that sequence on each device, which is the reference here.
+def _old_amp_clip(ts, inv, max_norm, p, write=True):
+    total, found = ops.amp_norm(ts, inv, p)
+    factor = inv.to(total.dtype) * torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if write:
+        ops.scale_(ts, factor)
+    return total, found, factor
+
+
+def _assert_same_amp(ours, ref, got, want, what=""):
+    for x, y, name in zip(got, want, ("total", "found_inf", "factor")):
+        assert x.dtype == y.dtype and x.device == y.device and x.dim() == 0, f"{what}: {name}"
+        assert torch.equal(_bits(x), _bits(y)), f"{what}: {name} {x} vs {y}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.stride() == b.stride() and torch.equal(_bits(a), _bits(b)), f"{what}: grad {i} differs"
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp64", "mixed", "mixed64"])
+@pytest.mark.parametrize("p", [2.0, 1.0, float("inf"), 0.5])
+@pytest.mark.parametrize("case", ["clip", "noclip", "inf", "nan"])
+@pytest.mark.parametrize("noncontig", [False, True], ids=["contig", "noncontig"])
+def test_amp_clip_op_same_bits_as_the_op_sequence(device, kind, p, case, noncontig):
+    seed = 200 + 10 * list(CLIP_DTYPES).index(kind) + CLIP_NORMS.index(p)
+    scale = 3000.0  # not a power of two: T(x * inv) and inv * coef both round
+    ours, ref = _clip_grads(kind, device, seed, noncontig)
+    for gs in (ours, ref):
+        for g in gs:
+            g.mul_(scale)
+        if case in ("inf", "nan"):
+            gs[4][CHUNK - 1] = float(case)  # the last element of a chunk
+    inv = torch.tensor(scale, device=device).double().reciprocal().float()
+    unscaled = float(ops.amp_norm(ours, inv, p)[0])
+    max_norm = 1.0 if case in ("inf", "nan") else unscaled / 3 if case == "clip" else unscaled * 3
+    before = [g.clone() for g in ours]
+    for write in (False, True):  # write=False first: it leaves the (possibly strided) grads as they were
+        got = ops.amp_clip_(ours, inv, max_norm, p, write)
+        want = _old_amp_clip(ref, inv, max_norm, p, write)
+        _assert_same_amp(ours, ref, got, want, f"{device} {kind} p={p} {case} write={write}")
+        assert float(got[1]) == (1.0 if case in ("inf", "nan") else 0.0)
+        changed = [not torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, before) if a.numel()]
+        assert all(changed) if write else not any(changed)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_amp_clip_op_writes_only_its_tensors(device, dtype):
+    # views into one poisoned buffer at odd offsets: the gaps keep their poison bits
+    g = torch.Generator().manual_seed(42)
+    n = 3 * CHUNK + 5000
+    flat = (torch.randn(n, generator=g, dtype=torch.float64) * 3000).to(device, dtype)
+    bounds = [(1, 18), (21, 21), (23, CHUNK + 30), (CHUNK + 33, 3 * CHUNK + 1000)]
+    poison = torch.ones(n, dtype=torch.bool, device=device)
+    for a, b in bounds:
+        poison[a:b] = False
+    flat[poison] = float("nan")
+    flat_ref = flat.clone()
+    inv = torch.tensor(1 / 3000.0, device=device)
+    got = ops.amp_clip_([flat[a:b] for a, b in bounds], inv, 0.01, 2.0, True)
+    want = _old_amp_clip([flat_ref[a:b] for a, b in bounds], inv, 0.01, 2.0)
+    assert float(got[1]) == 0.0 and torch.isfinite(got[0])
+    assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(got, want))
+    assert torch.equal(_bits(flat), _bits(flat_ref))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", EXT_DEVICES)
+@pytest.mark.parametrize("p", [2.0, float("inf")])
+@pytest.mark.parametrize("kind", ["mixed", "mixed64"])
+def test_amp_clip_op_many_rows_same_bits_as_the_op_sequence(device, p, kind):
+    # On CUDA: the finish that folds k_rows in, with the AMP flags, for rows of 0, 1, several and > 32 chunks.
+    ours, ref = _many_rows(device, CLIP_DTYPES[kind], seed=60 + CLIP_NORMS.index(p))
+    k = next(i for i, t in enumerate(ours) if t.numel() > 3)
+    ours[k][3] = ref[k][3] = float("inf")
+    inv = torch.tensor(1 / 3000.0, device=device)
+    amp_total = ops.amp_norm(ours, inv, p)[0]
+    got = ops.amp_clip_(ours, inv, 1.0, p, True)
+    assert torch.equal(_bits(got[0]), _bits(amp_total)) and float(got[1]) == 1.0
+    _assert_same_amp(ours, ref, got, _old_amp_clip(ref, inv, 1.0, p), f"{device} p={p}")
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_amp_clip_past_the_fold_limit():
+    # Over 8,192 chunks: k_rows before the finish (csrc/cuda/reduce.cu kFoldMaxChunks), AMP flags included.
+    g = torch.Generator(device="cuda").manual_seed(10)
+    sizes = [2800 * CHUNK + 7, 5, 2800 * CHUNK, 0, 2800 * CHUNK + 1]
+    try:
+        ours = [(torch.randn(n, device="cuda", generator=g) * 3000).to(torch.bfloat16) for n in sizes]
+        ref = [t.clone() for t in ours]
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    inv = torch.tensor(1 / 3000.0, device="cuda")
+    for overflow in (False, True):
+        if overflow:
+            ours[2][-1] = ref[2][-1] = float("nan")
+        amp_total = ops.amp_norm(ours, inv, 2.0)[0]
+        max_norm = 1.0 if overflow else float(amp_total) / 2
+        got = ops.amp_clip_(ours, inv, max_norm, 2.0, True)
+        assert torch.equal(_bits(got[0]), _bits(amp_total)) and float(got[1]) == float(overflow)
+        _assert_same_amp(ours, ref, got, _old_amp_clip(ref, inv, max_norm, 2.0), f"overflow={overflow}")
+    del ours, ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+@pytest.mark.parametrize("max_norm", [0.1, 1e9], ids=["clip", "noclip"])
+def test_cuda_amp_clip_is_three_kernels_and_no_torch_op(max_norm):
+    import fastgrad
+    from torch.profiler import ProfilerActivity, profile
+
+    from .helpers import SHAPES, make_params
+
+    params = make_params(SHAPES, [torch.float32, torch.bfloat16], "cuda", seed=15, scale=1024.0)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    scaler.scale(torch.ones((), device="cuda"))
+    inv = scaler._scale.double().reciprocal().float()
+    g = [p.grad for p in params]
+    for write, kernels in ((True, ("k_reduce", "k_norm_clip", "k_scale")), (False, ("k_reduce", "k_norm_clip"))):
+        ops.amp_clip_(g, inv, max_norm, 2.0, write)  # warm-up: the table is cached
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ops.amp_clip_(g, inv, max_norm, 2.0, write)
+            torch.cuda.synchronize()
+        device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(device_events) == len(kernels), device_events  # no memcpy (cached table), no torch kernel
+        for kernel in kernels:
+            assert sum(kernel in name for name in device_events) == 1, device_events
+    # the public call: those three kernels, and no torch op computes the coefficient or the factor (the only
+    # torch ops left are unscale_'s own reciprocal of the scale)
+    fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm, backend="cuda")
+    scaler._per_optimizer_states.clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm, backend="cuda")
+        torch.cuda.synchronize()
+    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for kernel in ("k_reduce", "k_norm_clip", "k_scale"):
+        assert sum(kernel in name for name in device_events) == 1, device_events
+    assert not any("k_norm_finish" in name or "k_rows" in name for name in device_events), device_events
+    host_ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert not host_ops & {"aten::clamp", "aten::mul", "aten::add"}, host_ops
+
+
+@pytest.mark.cuda
+@needs_cuda_ext
+def test_cuda_amp_clip_never_syncs():
+    from .helpers import SHAPES, make_params
+
+    contiguous = make_params(SHAPES, [torch.float32, torch.bfloat16], "cuda", seed=16, scale=1024.0)
+    strided = make_params(SHAPES, torch.float32, "cuda", seed=17, scale=1024.0, noncontig=True)
+    inv = torch.tensor(1 / 1024.0, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for params in (contiguous, strided, contiguous):  # first calls build tables, later ones reuse them
+            g = [p.grad for p in params]
+            for write in (True, False):
+                ops.amp_clip_(g, inv, 0.1, 2.0, write)
+                ops.amp_clip_(g, inv, 1e9, 2.0, write)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -505,6 +505,85 @@ def test_clip_norm_custom_op_and_fake():
         assert out.shape == () and out.dtype == torch.float64
 
 
+# ---------------------------------------------------------------------------------------------- AMP clip
+def unfused_amp_clip(ts, inv, max_norm, norm_type, write=True):
+    """What scaler_unscale_and_clip ran before amp_clip_: amp_norm, torch's coefficient and the multiply by
+    inv_scale as torch ops, scale_ (the reference the fused primitive must equal bit for bit)."""
+    total, found = triton_backend.amp_norm(ts, inv, norm_type)
+    factor = inv.to(total.dtype) * torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if write:
+        triton_backend.scale_(ts, factor)
+    return total, found, factor
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF, 1.0])
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.bfloat16, torch.float32], DTYPES[1:]],
+                         ids=["fp32", "bf16+fp32", "mixed64"])  # fp64-only lists: tests/test_amp.py
+@pytest.mark.parametrize("clipping", [True, False], ids=["clip", "noclip"])
+def test_amp_clip_equals_unfused_bitwise(norm_type, dtypes, clipping):
+    # tiny tiles: grads cross BLOCK and CHUNK, the finalize loops over several SEG/PART/FLAG blocks; a scale
+    # that is not a power of two, so inv_scale * coef is rounded
+    ts = [t * 3000.0 for t in make(CLIP_SIZES, dtypes, seed=26)]
+    if norm_type != 2.0:  # overflow cases: an inf (L1) or a NaN (max) in the second chunk of a grad
+        ts[-2][150] = INF if norm_type == 1.0 else math.nan
+    inv = torch.tensor(3000.0, device=DEVICE).double().reciprocal().float()
+    exact = oracle.total_norm([t.double() / 3000.0 for t in ts], norm_type)
+    max_norm = exact / 3 if clipping else exact * 3
+    for write in (True, False):
+        a, b = [t.clone() for t in ts], [t.clone() for t in ts]
+        got = triton_backend.amp_clip_(a, inv, max_norm, norm_type, write)
+        want = unfused_amp_clip(b, inv, max_norm, norm_type, write)
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(got, want)), (got, want)
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, ts)) == (not write)
+
+
+def test_amp_clip_launches(launches):
+    # partials (one per dtype), ONE finalize computing total, found_inf and the factor, the scale (one per
+    # dtype); no scale with write=False; the public call is exactly that, with one table for all of it
+    inv = torch.tensor(1.0 / 1024.0, device=DEVICE)
+    ts = make(SIZES * 3, [torch.float32], seed=27)
+    triton_backend.amp_clip_(ts, inv, 0.1, 2.0)
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "_scale_kernel"]
+    launches.clear()
+    triton_backend.amp_clip_(ts, inv, 0.1, 2.0, False)
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel"]
+    launches.clear()
+    ts = make(SIZES, [torch.float32, torch.bfloat16], seed=28, scale=1024.0)
+    params = [torch.nn.Parameter(torch.empty_like(t)) for t in ts]
+    for p, t in zip(params, ts):
+        p.grad = t
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=1024.0)
+    builds = tk.cache_stats()["builds"]
+    for _ in range(2):
+        scaler.scale(torch.ones((), device=DEVICE))  # initialises the scale on the first pass
+        __import__("fastgrad").scaler_unscale_and_clip(scaler, opt, 0.1, backend="triton")
+        scaler._per_optimizer_states.clear()  # as update() does: the next call is a fresh step
+    assert launches == (["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2) * 2
+    assert tk.cache_stats()["builds"] == builds + 1
+    launches.clear()
+    triton_backend.amp_clip_(make([(0,), (2, 0)], [torch.float32], seed=29), inv, 1.0, 2.0)
+    assert launches == ["_norm_finalize_kernel"]  # nothing to read or write
+
+
+def test_amp_clip_custom_op_and_fake():
+    ts = make([(10,), (3, 40)], [torch.float32, torch.bfloat16], seed=30, scale=3000.0)
+    inv = torch.tensor(3000.0, device=DEVICE).double().reciprocal().float()
+    a, b = [t.clone() for t in ts], [t.clone() for t in ts]
+    got = torch.ops.fastgrad_triton.amp_clip_(a, inv, 0.5, 2.0, True)
+    want = unfused_amp_clip(b, inv, 0.5, 2.0)
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(got, want))
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    doubles = [t.double() for t in ts]
+    with FakeTensorMode() as mode:
+        out = torch.ops.fastgrad_triton.amp_clip_([mode.from_tensor(t) for t in doubles], mode.from_tensor(inv),
+                                                  0.5, 2.0, False)
+        assert [(o.shape, o.dtype) for o in out] == [((), torch.float64), ((), torch.float32), ((), torch.float64)]
+
+
 # ---------------------------------------------------------------------------------------------- AGC, GC rows
 # With the tiles above: row tiles of 4 rows x 8 columns, rows up to ROW_MAX = 64 elements packed ~96
 # elements (ROW_PACK, at least 4 rows) a program, longer rows split into 96-element (CHUNK) blocks. Row lengths

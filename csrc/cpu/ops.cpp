@@ -145,15 +145,10 @@ std::tuple<Tensor, Tensor> norm_cpu(TensorList tensors, double p) {
   return norms_from(fl, items, norm_partials(fl, items, mode, p, acc64), mode, p, acc64);
 }
 
-std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_scale, double p) {
-  check_cpu(tensors, "amp_norm");
-  TORCH_CHECK(inv_scale.device().is_cpu() && inv_scale.numel() == 1,
-              "fastgrad::amp_norm: inv_scale must be a one-element CPU tensor");
-  const double inv = inv_scale.item<double>();  // CPU memory: no device sync involved
-  const auto fl = flats(tensors, false);
-  const bool acc64 = any_double(fl);
-  const Mode mode = mode_for(p);
-  const auto items = split(fl);
+// The AMP read pass over flat views: one partial per work item of the norm of T(x * inv), and whether any
+// stored element is NaN/inf. Shared by amp_norm and amp_clip_, so both give the same total.
+std::vector<double> amp_partials(const std::vector<Flat>& fl, const std::vector<Item>& items, Mode mode, double p,
+                                 bool acc64, double inv, bool* found_out) {
   std::vector<double> part(items.size());
   std::vector<char> bad(items.size(), 0);
   for_items(static_cast<int64_t>(items.size()), total_numel(fl), [&](int64_t i) {
@@ -165,6 +160,25 @@ std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_sc
   });
   bool found = false;
   for (char b : bad) found = found || b;
+  *found_out = found;
+  return part;
+}
+
+double amp_inv(const Tensor& inv_scale, const char* op) {
+  TORCH_CHECK(inv_scale.device().is_cpu() && inv_scale.numel() == 1,
+              "fastgrad::", op, ": inv_scale must be a one-element CPU tensor");
+  return inv_scale.item<double>();  // CPU memory: no device sync involved
+}
+
+std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_scale, double p) {
+  check_cpu(tensors, "amp_norm");
+  const double inv = amp_inv(inv_scale, "amp_norm");
+  const auto fl = flats(tensors, false);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  bool found = false;
+  const auto part = amp_partials(fl, items, mode, p, acc64, inv, &found);
   Tensor total = std::get<0>(norms_from(fl, items, part, mode, p, acc64));
   return {total, make_0d(found ? 1.0 : 0.0, at::kFloat)};
 }
@@ -512,6 +526,31 @@ Tensor clip_norm_op(TensorList grads, double max_norm, double p) {
   return make_0d(total, acc64 ? at::kDouble : at::kFloat);
 }
 
+// fastgrad::amp_clip_ on the CPU: amp_norm's read pass and total, clip_coef, the factor inv * coef rounded to
+// the accumulation dtype (as torch multiplies two 0-dim tensors of it), then scale_'s write: the bits of
+// amp_norm, the coefficient, the multiply and scale_ run one after the other.
+std::tuple<Tensor, Tensor, Tensor> amp_clip_op(TensorList grads, const Tensor& inv_scale, double max_norm, double p,
+                                               bool write) {
+  check_cpu(grads, "amp_clip_");
+  const double inv = amp_inv(inv_scale, "amp_clip_");
+  auto fl = flats(grads, write);
+  const bool acc64 = any_double(fl);
+  const Mode mode = mode_for(p);
+  const auto items = split(fl);
+  bool found = false;
+  const auto part = amp_partials(fl, items, mode, p, acc64, inv, &found);
+  const double raw = total_from(fl.size(), items, part, mode, p, nullptr);
+  const double total = acc64 ? raw : static_cast<double>(static_cast<float>(raw));
+  const double coef = clip_coef(total, max_norm, acc64);
+  const double factor = acc64 ? inv * coef : static_cast<double>(static_cast<float>(inv) * static_cast<float>(coef));
+  if (write && factor != 1.0) {  // a factor of 1: nothing written, copies of non-contiguous grads not copied back
+    scale_flats(fl, factor);
+    for (auto& x : fl) finish(x);
+  }
+  const at::ScalarType acc = acc64 ? at::kDouble : at::kFloat;
+  return {make_0d(total, acc), make_0d(found ? 1.0 : 0.0, at::kFloat), make_0d(factor, acc)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastgrad, CPU, m) {
@@ -519,6 +558,7 @@ TORCH_LIBRARY_IMPL(fastgrad, CPU, m) {
   m.impl("amp_norm", &amp_norm_cpu);
   m.impl("scale_", &scale_cpu);
   m.impl("clip_norm_", &clip_norm_op);
+  m.impl("amp_clip_", &amp_clip_op);
   m.impl("clip_value_", &clip_value_cpu);
   m.impl("agc_", &agc_cpu);
   m.impl("centralize_", &centralize_cpu);

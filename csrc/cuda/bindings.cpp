@@ -338,6 +338,35 @@ Tensor clip_norm_cuda(TensorList grads, double max_norm, double p) {
   return total;
 }
 
+// scaler_unscale_and_clip on one device in one op: the AMP read pass, a finish that computes the total, found_inf
+// and the factor inv_scale * coef on the device, and (if `write`) the scale pass, back to back with no torch op.
+std::tuple<Tensor, Tensor, Tensor> amp_clip_cuda(TensorList grads, const Tensor& inv_scale, double max_norm, double p,
+                                                 bool write) {
+  check_scalar(inv_scale, "amp_clip_", "inv_scale");
+  check_device(grads, "amp_clip_");
+  const at::Device dev = grads[0].device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<Flat> fl;
+  std::vector<fgcuda::Seg> segs;
+  for (const auto& t : grads) {
+    fl.push_back(cpu::flat(t, write));
+    segs.push_back(whole(fl.back()));
+  }
+  const bool acc64 = any_double(grads);
+  Table tab = upload(segs, dev);
+  Tensor ws = workspace(tab, dev);
+  Tensor inv = inv_scale.to(dev, at::kFloat).contiguous();
+  const auto opts = at::TensorOptions().dtype(acc64 ? at::kDouble : at::kFloat).device(dev);
+  Tensor total = at::empty({}, opts), factor = at::empty({}, opts);
+  Tensor found = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(dev));
+  check(fgcuda::amp_clip(tab.ptr(), tab.nseg, tab.nchunks, mode_code(p), p, acc64, inv.data_ptr<float>(), max_norm,
+                         write ? 1 : 0, total.data_ptr(), found.data_ptr<float>(), factor.data_ptr(), ws.data_ptr(),
+                         stream()),
+        "amp_clip_");
+  for (auto& x : fl) cpu::finish(x);  // non-contiguous grads were processed through a copy (when writing)
+  return {total, found, factor};
+}
+
 void clip_value_cuda(TensorList tensors, double c) {
   check_device(tensors, "clip_value_");
   const at::Device dev = tensors[0].device();
@@ -452,6 +481,7 @@ TORCH_LIBRARY_IMPL(fastgrad, CUDA, m) {
   m.impl("amp_norm", &amp_norm_cuda);
   m.impl("scale_", &scale_cuda);
   m.impl("clip_norm_", &clip_norm_cuda);
+  m.impl("amp_clip_", &amp_clip_cuda);
   m.impl("clip_value_", &clip_value_cuda);
   m.impl("agc_", &agc_cuda);
   m.impl("centralize_", &centralize_cuda);

@@ -80,6 +80,13 @@ int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mo
 int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
               void* d_total, void* d_ws, Stream stream);
 
+// scaler_unscale_and_clip over a whole-tensor table: norm()'s AMP read pass (values T(x * *d_inv), overflow
+// flags of the stored values), clip_norm()'s finish, which also writes *d_found (float 1.0/0.0) and, instead of
+// the coefficient, the factor *d_inv * coef rounded to the accumulation dtype into *d_factor, then, if `write`,
+// scale() by the factor (nothing written when it is 1). *d_total has the bits norm() gives with d_inv.
+int amp_clip(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, const float* d_inv,
+             double max_norm, int write, void* d_total, float* d_found, void* d_factor, void* d_ws, Stream stream);
+
 // grad_stats: per-row L2 norm and max |x| (accumulation dtype), NaN/inf/zero counts (int64).
 int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm,
           void* d_max, int64_t* d_nan, int64_t* d_inf, int64_t* d_zero, void* d_ws, Stream stream);

@@ -50,10 +50,15 @@ __device__ __forceinline__ A clip_coef(A total, double max_norm) {
 // row, and a chain of dependent loads per row would cost more than the launch it saves.
 constexpr int kBatch = 8;
 
-template <typename A>
+//
+// AMP (the fused unscale + clip, amp_clip below): the partials are of the unscaled values, *found is the OR of
+// the per-chunk overflow flags as k_norm_finish computes it, and *coef receives the factor inv * coef rounded to
+// A (as torch multiplies the 0-dim inv_scale, converted to A, by the coefficient).
+template <typename A, bool AMP>
 __global__ void __launch_bounds__(kThreads) k_norm_clip(const Seg* segs, int64_t nrows, int mode, double p,
                                                        const double* part, const double* rows, double max_norm,
-                                                       A* total, A* coef) {
+                                                       A* total, A* coef, const int* flags, int64_t nchunks,
+                                                       const float* inv, float* found) {
   __shared__ double sh[2 * kWarps];
   const int lane = threadIdx.x & 31;
   double mx = 0.0;
@@ -95,10 +100,17 @@ __global__ void __launch_bounds__(kThreads) k_norm_clip(const Seg* segs, int64_t
     }
   }
   const double t = mode == kInf ? block_max(mx, sh) : block_sum_comp(sum, sh);
+  int bad = 0;
+  if (AMP) {
+    for (int64_t c = threadIdx.x; c < nchunks; c += kThreads) bad |= flags[c];
+    bad = __syncthreads_or(bad);
+  }
   if (threadIdx.x == 0) {
     const A tot = static_cast<A>(root(mode, t, p));
     *total = tot;
-    *coef = clip_coef<A>(tot, max_norm);
+    const A c = clip_coef<A>(tot, max_norm);
+    *coef = AMP ? static_cast<A>(*inv) * c : c;
+    if (AMP) *found = bad ? 1.0f : 0.0f;
   }
 }
 
@@ -213,6 +225,34 @@ int norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int mo
   return static_cast<int>(cudaGetLastError());
 }
 
+namespace {
+
+// What clip_norm and amp_clip run after their read pass (its partials in w.part, its flags in w.flags for AMP):
+// k_rows past the fold limit, then the finish, which writes *d_total and the factor *d_coef (and *d_found).
+// Returns the first launch error.
+template <bool AMP>
+int clip_finish(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
+                const Ws& w, void* d_total, void* d_coef, const float* d_inv, float* d_found, cudaStream_t st) {
+  const double* rows = nullptr;
+  if (nchunks > kFoldMaxChunks) {
+    k_rows<<<grid_for(nseg * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nseg, mode, w.part, 1, 0, w.rows);
+    const int err = static_cast<int>(cudaGetLastError());
+    if (err != 0) return err;
+    rows = w.rows;
+  }
+  if (acc64)
+    k_norm_clip<double, AMP><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
+                                                     static_cast<double*>(d_total), static_cast<double*>(d_coef),
+                                                     w.flags, nchunks, d_inv, d_found);
+  else
+    k_norm_clip<float, AMP><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
+                                                    static_cast<float*>(d_total), static_cast<float*>(d_coef),
+                                                    w.flags, nchunks, d_inv, d_found);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
 int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, double max_norm,
               void* d_total, void* d_ws, Stream stream) {
   cudaStream_t st = stream;
@@ -226,22 +266,22 @@ int clip_norm(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double
     const int err = static_cast<int>(cudaGetLastError());
     if (err != 0) return err;  // read-only so far: nothing written
   }
-  const double* rows = nullptr;
-  if (nchunks > kFoldMaxChunks) {
-    k_rows<<<grid_for(nseg * kRowLanes, 256), 256, 0, st>>>(d_segs, nseg, nseg, mode, w.part, 1, 0, w.rows);
-    const int err = static_cast<int>(cudaGetLastError());
-    if (err != 0) return err;
-    rows = w.rows;
-  }
-  if (acc64)
-    k_norm_clip<double><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
-                                                static_cast<double*>(d_total), static_cast<double*>(coef));
-  else
-    k_norm_clip<float><<<1, kThreads, 0, st>>>(d_segs, nseg, mode, p, w.part, rows, max_norm,
-                                               static_cast<float*>(d_total), static_cast<float*>(coef));
-  const int err = static_cast<int>(cudaGetLastError());
+  const int err = clip_finish<false>(d_segs, nseg, nchunks, mode, p, acc64, max_norm, w, d_total, coef, nullptr,
+                                     nullptr, st);
   if (err != 0) return err;  // before the only launch that writes gradients
   return scale(d_segs, nseg, nchunks, coef, acc64 ? kF64 : kF32, stream);
+}
+
+int amp_clip(const Seg* d_segs, int64_t nseg, int64_t nchunks, int mode, double p, int acc64, const float* d_inv,
+             double max_norm, int write, void* d_total, float* d_found, void* d_factor, void* d_ws, Stream stream) {
+  cudaStream_t st = stream;
+  const Ws w = carve(d_ws, nchunks, nseg);
+  // The AMP read pass alone (no rows: nrows 0), from amp.cu where its kernels are compiled.
+  int err = row_reduce_amp(d_segs, nseg, nchunks, 0, mode, p, acc64, d_inv, w.part, w.flags, nullptr, st);
+  if (err != 0) return err;  // read-only so far: nothing written
+  err = clip_finish<true>(d_segs, nseg, nchunks, mode, p, acc64, max_norm, w, d_total, d_factor, d_inv, d_found, st);
+  if (err != 0 || !write) return err;  // before the only launch that writes gradients
+  return scale(d_segs, nseg, nchunks, d_factor, acc64 ? kF64 : kF32, stream);
 }
 
 int stats(const Seg* d_segs, int64_t nseg, int64_t nchunks, int64_t nrows, int acc64, void* d_norm, void* d_max,

@@ -153,6 +153,28 @@ class Backend:
         self.scale_(grads, clip_coef(total, max_norm), foreach=foreach)
         return total
 
+    def amp_clip_(self, grads: Sequence[Tensor], inv_scale: Tensor, max_norm: float, norm_type: float,
+                  write: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused AMP unscale + norm clip (SPEC section 4) on one device, in place.
+
+        ``(total, found_inf) = amp_norm(grads, inv_scale, norm_type)``, then ``factor = inv_scale * coef`` in
+        the accumulation dtype, where ``coef`` is :func:`clip_coef` of the total (inv_scale converted to that
+        dtype first, the product rounded once, as torch multiplies two 0-dim tensors), then, if ``write``,
+        ``scale_(grads, factor)`` (no write where the factor is 1). ``write=False`` only computes: the
+        caller hands ``factor`` to an optimizer that unscales inside its step. Returns ``(total, found_inf,
+        factor)`` (total and factor 0-dim in the accumulation dtype, found_inf 0-dim float32 1.0/0.0), all on
+        the tensors' device; ``inv_scale`` is a 0-dim float32 tensor there. No host sync.
+
+        This default composes the primitives exactly as ``fastgrad.amp`` did before the primitive existed;
+        fused backends override it with the same bits in fewer launches and no torch op between them.
+        Selected as op ``"amp_norm"`` (with ``norm_type``); the public layer calls it only when the same
+        backend serves ``amp_norm`` and ``scale`` of the list."""
+        total, found = self.amp_norm(grads, inv_scale, norm_type)
+        factor = inv_scale.to(total.dtype) * clip_coef(total, max_norm)
+        if write:
+            self.scale_(grads, factor)
+        return total, found, factor
+
     def clip_value_(self, tensors: Sequence[Tensor], clip_value: float, *, foreach: bool | None = None
                     ) -> None:
         """In place, one pass: ``x = min(max(x, -clip_value), clip_value)``; NaN stays NaN."""

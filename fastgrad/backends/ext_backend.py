@@ -92,6 +92,13 @@ class _ExtBackend(Backend):
                           {"foreach": foreach},
                           lambda: self.ops.clip_norm_(list(tensors), float(max_norm), float(norm_type)))
 
+    def amp_clip_(self, grads, inv_scale, max_norm, norm_type, write=True):
+        # selected and recovered as "amp_norm" (its read pass runs first; a failed launch writes nothing)
+        return self._call("amp_norm", "amp_clip_", grads, {"norm_type": norm_type},
+                          (grads, inv_scale, max_norm, norm_type, write), {},
+                          lambda: self.ops.amp_clip_(list(grads), inv_scale, float(max_norm), float(norm_type),
+                                                     bool(write)))
+
     def clip_value_(self, tensors, clip_value, *, foreach=None):
         self._call("clip_value", "clip_value_", tensors, {}, (tensors, clip_value), {"foreach": foreach},
                    lambda: self.ops.clip_value_(list(tensors), float(clip_value)))

@@ -136,6 +136,12 @@ class TritonBackend(Backend):
             return k.clip_norm_op(list(grads), float(max_norm), float(norm_type))
         return k.launch_clip_norm_(grads, float(max_norm), float(norm_type))
 
+    def amp_clip_(self, grads, inv_scale, max_norm, norm_type, write=True):
+        k = _load()
+        if _compiling():
+            return k.amp_clip_op(list(grads), inv_scale, float(max_norm), float(norm_type), bool(write))
+        return k.launch_amp_clip_(grads, inv_scale, float(max_norm), float(norm_type), bool(write))
+
     def clip_value_(self, tensors, clip_value, *, foreach=None):
         k = _load()
         if _compiling():

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .agc import launch_agc_
-from .amp import launch_amp_norm
+from .amp import launch_amp_clip_, launch_amp_norm
 from .centralize import launch_centralize_
 from .clip import launch_clip_norm_, launch_clip_value_, launch_scale_
 from .multi_tensor import Config, acc_of, cache_stats, clear_cache, release_captured
@@ -24,9 +24,10 @@ from .norm import launch_norm
 from .stats import launch_grad_stats
 
 __all__ = [
-    "Config", "cache_stats", "clear_cache", "release_captured", "launch_norm", "launch_amp_norm", "launch_scale_",
-    "launch_clip_norm_", "launch_clip_value_", "launch_agc_", "launch_centralize_", "launch_grad_stats",
-    "norm_op", "amp_norm_op", "scale_op", "clip_norm_op", "clip_value_op", "agc_op", "centralize_op", "grad_stats_op",
+    "Config", "cache_stats", "clear_cache", "release_captured", "launch_norm", "launch_amp_norm", "launch_amp_clip_",
+    "launch_scale_", "launch_clip_norm_", "launch_clip_value_", "launch_agc_", "launch_centralize_",
+    "launch_grad_stats", "norm_op", "amp_norm_op", "scale_op", "clip_norm_op", "amp_clip_op", "clip_value_op",
+    "agc_op", "centralize_op", "grad_stats_op",
 ]
 
 _NS = "fastgrad_triton"
@@ -74,6 +75,19 @@ def clip_norm_op(tensors: List[Tensor], max_norm: float, norm_type: float) -> Te
 @clip_norm_op.register_fake
 def _(tensors, max_norm, norm_type):
     return tensors[0].new_empty((), dtype=acc_of(tensors))
+
+
+@torch.library.custom_op(f"{_NS}::amp_clip_", mutates_args=("tensors",))
+def amp_clip_op(tensors: List[Tensor], inv_scale: Tensor, max_norm: float, norm_type: float, write: bool
+                ) -> Tuple[Tensor, Tensor, Tensor]:
+    return launch_amp_clip_(tensors, inv_scale, max_norm, norm_type, write)
+
+
+@amp_clip_op.register_fake
+def _(tensors, inv_scale, max_norm, norm_type, write):
+    acc = acc_of(tensors)
+    t = tensors[0]
+    return t.new_empty((), dtype=acc), t.new_empty((), dtype=torch.float32), t.new_empty((), dtype=acc)
 
 
 @torch.library.custom_op(f"{_NS}::clip_value_", mutates_args=("tensors",))

@@ -111,7 +111,7 @@ def clip_coef(total, max_norm, eps, OUT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["nsegs", "nblocks"])
-def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, coef_out, pinv: tl.float64,
+def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, coef_out, inv_ptr, pinv: tl.float64,
                           max_norm: tl.float64, eps: tl.float64, nsegs, nblocks,
                           ACC: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, FLAG: tl.constexpr,
                           PER: tl.constexpr, COEF: tl.constexpr,
@@ -163,7 +163,12 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, c
     total = _root(total, pinv, MODE).to(OUT)
     tl.store(total_out, total)
     if COEF:
-        tl.store(coef_out, clip_coef(total, max_norm, eps, OUT))
+        coef = clip_coef(total, max_norm, eps, OUT)
+        if FLAG:
+            # AMP: the factor inv_scale * coef, inv_scale (fp32) converted to OUT first and the product
+            # rounded once, as torch multiplies the two 0-dim tensors
+            coef = tl.load(inv_ptr).to(OUT) * coef
+        tl.store(coef_out, coef)
     if FLAG:
         anybad = tl.zeros([FLAG_BLOCK], tl.int32)
         for b in range(0, nblocks, FLAG_BLOCK):
@@ -179,7 +184,7 @@ def norm_passes(flat: Sequence[Tensor], plan, norm_type: float, inv_scale: Tenso
     """The partial launches and the finalize over ``plan`` (the table of ``flat``): (total, per-tensor
     norms or None, found_inf or None, clip coefficient or None). ``inv_scale``: the AMP pass (norm of the
     unscaled values and the finiteness flag of the stored ones); ``max_norm``: the finalize also writes
-    the clip coefficient (accumulation dtype)."""
+    the clip coefficient (accumulation dtype), times ``inv_scale`` when that is given (the AMP factor)."""
     dev = flat[0].device
     acc = acc_of(flat)
     mode = mode_of(norm_type)
@@ -206,7 +211,7 @@ def norm_passes(flat: Sequence[Tensor], plan, norm_type: float, inv_scale: Tenso
                 MODE=mode, HAS_SCALE=amp, FLAG=amp, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
                 num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
         _norm_finalize_kernel[(1,)](
-            part, flags, plan.seg, total, per, found, coef, 1.0 / p, float(max_norm) if clip else 0.0, 1e-6,
+            part, flags, plan.seg, total, per, found, coef, inv_scale if amp else part, 1.0 / p, float(max_norm) if clip else 0.0, 1e-6,
             plan.nsegs, plan.nblocks,
             ACC=tl.float64, OUT=tl_dtype(acc), MODE=mode, FLAG=amp, PER=per_tensor, COEF=clip,
             SEG_BLOCK=Config.SEG_BLOCK, PART_BLOCK=Config.PART_BLOCK, EXACT=acc == torch.float64,
