@@ -522,6 +522,11 @@ Stats stats_fast(const T* x, int64_t n) {
     v8f lo0 = a + inf, lo1 = lo0;
     FASTGRAD_NO_UNROLL
     for (int j = 0; j < kBlock; j += kLanes) {
+      // 4 KiB ahead (one line per 16 elements; past the run's end a prefetch is harmless): with the extra
+      // work per element the out-of-order window reaches less far ahead than the norm loop's, and on
+      // gradients bigger than the caches this pass read memory ~10% slower than the norm without it (one
+      // thread, 64 MiB, the 2-core EPYC VM); with it, no slower.
+      __builtin_prefetch(reinterpret_cast<const char*>(xb + j) + 4096);
       v8f u, w;
       lanes16(xb, buf, j, u, w);
       const v8f su = u * u, sw = w * w;
