@@ -198,6 +198,7 @@ class GradientMonitor:
         self.last_stats: GradStats | None = None
         self._bufs: dict[str, Tensor] | None = None
         self._index_cache: dict[tuple[str, ...], Tensor | None] = {}
+        self._index_last: tuple[list[str], tuple] | None = None  # (names list object, its _layer_index answer)
         self._flushed = 0  # last step copied into the host history
         self._logged = 0  # last step whose trends were reported
         self._h_steps, self._h_norm, self._h_loss, self._h_nonfinite = array("q"), array("d"), array("d"), array("d")
@@ -223,6 +224,11 @@ class GradientMonitor:
     def _layer_index(self, names: list[str], dev) -> tuple[Tensor | None, Tensor | None]:
         """(positions in stats, destination columns) as cached device index tensors; (None, None) when the
         stats cover exactly the tracked parameters in order (the usual case: a plain copy)."""
+        # Every step of a monitor's own statistics passes the same names list (its cached one): a hit on it
+        # skips hashing a tuple of all names (~80 us at 4,000 parameters, ~0.5% of such a clip).
+        last = self._index_last
+        if last is not None and last[0] is names:
+            return last[1]
         key = tuple(names)
         if key not in self._index_cache:
             if list(names) == self.names:
@@ -234,7 +240,9 @@ class GradientMonitor:
                 dst = torch.tensor([j for _, j in pairs], dtype=torch.int64).to(dev, non_blocking=True)
                 self._index_cache[key] = (src, dst)
         v = self._index_cache[key]
-        return (None, None) if v is None else v
+        out = (None, None) if v is None else v
+        self._index_last = (names, out)
+        return out
 
     @torch.no_grad()
     def __call__(self, loss=None) -> GradientReport | None:

@@ -8,7 +8,7 @@ import torch
 import fastgrad
 
 from . import oracle
-from .helpers import DTYPE_IDS, DTYPES, assert_no_worse_than, make_params
+from .helpers import DTYPE_IDS, DTYPES, assert_no_worse_than, bits, make_params
 
 STAT_SHAPES = [(7,), (5, 3), (0,), (17, 33), (8, 3, 3, 3), (1025,), (3, 4097)]
 
@@ -72,3 +72,63 @@ def test_grad_stats_no_grads():
 def test_grad_stats_rejects_junk():
     with pytest.raises(TypeError, match="grad_stats takes"):
         fastgrad.grad_stats([1, 2])
+
+
+def _hard_stats_cases(dtype):
+    """Gradients built against the shortcuts of the CPU kernel (csrc/cpu/reduce.cpp, stats_fast): it scans a
+    256-element block exactly for max |g| only when the block's largest square ties or beats the largest one
+    before it, counts zeros only where a square is 0, and NaN/Inf only where the block's sum is not finite.
+    Sizes span many blocks, a ragged tail and more than one 32K-element work item."""
+    gen = torch.Generator().manual_seed(7)
+    tiny = dtype != torch.float16  # fp16 has no values whose float square underflows
+    for n in (1, 40, 300, 256 * 40 + 77, 32768 + 300):
+        r = torch.randn(n, generator=gen, dtype=torch.float64)
+        yield "rising", torch.linspace(0.01, 9.0, n, dtype=torch.float64)  # a new max in every block
+        yield "falling", torch.linspace(9.0, 0.01, n, dtype=torch.float64)
+        t = r.clone()
+        t[-1] = -11.0  # the max last, negative, in the tail
+        yield "max-last", t
+        t = r.abs()
+        t[n // 2] = float(t.max()) * 1.001  # a max that beats the others' squares by little
+        yield "close-max", t
+        t = r.clone()
+        t[:: max(1, n // 9)] = 0.0
+        t[n // 3:n // 3 + 300] = -0.0  # a run of negative zeros across a block boundary
+        yield "zeros", t
+        yield "all-zero", torch.zeros(n, dtype=torch.float64)
+        if tiny:
+            yield "tiny", r * 1e-30  # every square underflows to 0: ties everywhere, no zeros
+            t = torch.full((n,), 1e-30, dtype=torch.float64)
+            t[n // 2:] = 1.3e-30
+            t[:: max(1, n // 5)] = 0.0
+            yield "tiny-rising", t
+            yield "huge", r * 1e20  # squares overflow: sum inf, no NaN/Inf counted, max exact
+        t = r.clone()
+        t[n // 2] = float("inf")
+        t[0] = 0.0
+        yield "inf", t
+        t = r.clone()
+        t[n // 3] = float("nan")
+        t[n - 1] = -float("inf")
+        t[n // 4] = 0.0
+        yield "nan-inf", t
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_stats_cpu_max_and_counts_exact_on_hard_inputs(dtype):
+    for name, x in _hard_stats_cases(dtype):
+        g = x.to(dtype)
+        p = torch.nn.Parameter(torch.empty_like(g))
+        p.grad = g
+        st = fastgrad.grad_stats([p], backend="cpu")
+        a = g.double().abs()
+        exp_max = float("nan") if torch.isnan(a).any() else float(a.max())
+        got_max = float(st.max_abs[0])
+        assert got_max == exp_max or (exp_max != exp_max and got_max != got_max), (name, g.numel(), got_max, exp_max)
+        assert int(st.zero[0]) == int((g == 0).sum()), (name, g.numel())
+        assert int(st.nan[0]) == int(torch.isnan(g).sum()), (name, g.numel())
+        assert int(st.inf[0]) == int(torch.isinf(g).sum()), (name, g.numel())
+        # The sum of squares is the norm kernel's, bit for bit (also where it overflows or is NaN).
+        ref = fastgrad.multi_tensor_norm([g], backend="cpu")
+        assert bits(st.norm[0].reshape(1)).equal(bits(ref.reshape(1).to(st.norm.dtype))) or (
+            bool(torch.isnan(st.norm[0])) and bool(torch.isnan(ref))), (name, g.numel())
