@@ -227,9 +227,8 @@ namespace cpu {
 
 template <typename F>
 void for_items(int64_t n, int64_t total_elems, const F& fn) {
-  // Below ~half a MB of fp32 the thread wake-up costs more than it saves. An item's fixed cost (a call,
-  // dispatch, a partial) is worth ~256 elements, so thousands of tiny tensors are worth splitting too.
-  if (n <= 1 || total_elems + n * 256 < (int64_t(1) << 17)) {
+  // Below ~half a MB of fp32 the thread wake-up costs more than it saves.
+  if (n <= 1 || total_elems < (int64_t(1) << 17)) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }

@@ -101,10 +101,16 @@ double total_from(size_t nt, const std::vector<Item>& items, const std::vector<d
     // Items of one tensor are consecutive: sum them, then the tensors, both compensated.
     CompensatedSum tot;
     for (size_t i = 0; i < items.size();) {
-      CompensatedSum s;
       const size_t t = items[i].t;
-      for (; i < items.size() && items[i].t == t; ++i) s.add(part[i]);
-      sums[t] = s.value();
+      if (i + 1 == items.size() || items[i + 1].t != t) {
+        // A one-item tensor (most of a long list of small ones): a CompensatedSum of one value is 0.0 + x
+        // exactly (-0 becomes +0; inf/NaN pass), without its branchy add.
+        sums[t] = 0.0 + part[i++];
+      } else {
+        CompensatedSum s;
+        for (; i < items.size() && items[i].t == t; ++i) s.add(part[i]);
+        sums[t] = s.value();
+      }
       tot.add(sums[t]);
     }
     if (per != nullptr) {
