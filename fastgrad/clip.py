@@ -168,7 +168,6 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
     return None
 
 
-@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
     """Clip the gradients' total norm in place, like ``torch.nn.utils.clip_grad_norm_``; returns the total
@@ -184,11 +183,20 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
     if process_group is None:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
+        # (before no_grad: that C++ call records nothing for autograd, and entering no_grad costs ~2.5 us,
+        # a tenth of the whole call on a 148-tensor model)
         fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
         if fast is not None:
             if fast[1]:
                 raise RuntimeError(_NONFINITE_MSG.format(p))
             return fast[0]
+    with torch.no_grad():
+        return _clip_grad_norm_general(params, max_norm, p, error_if_nonfinite, foreach, backend, process_group)
+
+
+def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
+                            foreach: bool | None, backend: str | None, process_group) -> Tensor:
+    """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
     grads = I.grads_of(params)
     if not grads and process_group is None:
         return torch.tensor(0.0)
