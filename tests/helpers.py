@@ -250,15 +250,23 @@ def params_in_poisoned_buffer(shapes, dtype, device, seed: int, offset: int, gap
     return params, buf, guard
 
 
-def cuda_kernels_run(fn) -> list[str]:
-    """Names of the CUDA kernels (and copies) that ``fn()`` runs, from torch.profiler."""
+def cuda_profile(fn) -> tuple[list[str], set[str]]:
+    """``fn()`` under torch.profiler: the names of the CUDA kernels (and copies) it runs, in order, and the
+    aten ops it calls on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = prof.events()
+    return ([e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA],
+            {e.name for e in events if e.name.startswith("aten::")})
+
+
+def cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels (and copies) that ``fn()`` runs, from torch.profiler."""
+    return cuda_profile(fn)[0]
 
 
 def zero_and_nan_rows(params) -> list[int]:

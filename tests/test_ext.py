@@ -837,21 +837,15 @@ def test_cuda_clip_norm_past_the_fold_limit(p):
 @pytest.mark.parametrize("max_norm", [0.1, 1e9], ids=["clip", "noclip"])
 def test_cuda_clip_is_three_kernels_and_no_torch_op(max_norm):
     import fastgrad
-    from torch.profiler import ProfilerActivity, profile
 
-    from .helpers import SHAPES, make_params
+    from .helpers import SHAPES, cuda_profile, make_params
 
     params = make_params(SHAPES, torch.float32, "cuda", seed=12)
     fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")  # warm-up: the table is cached
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fastgrad.clip_grad_norm_(params, max_norm, backend="cuda")
-        torch.cuda.synchronize()
-    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_events, host_ops = cuda_profile(lambda: fastgrad.clip_grad_norm_(params, max_norm, backend="cuda"))
     assert len(device_events) == 3, device_events  # no memcpy (cached table), no torch kernel
     for kernel in ("k_reduce", "k_norm_clip", "k_scale"):
         assert sum(kernel in name for name in device_events) == 1, device_events
-    host_ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
     assert not host_ops & {"aten::clamp", "aten::reciprocal", "aten::add", "aten::mul", "aten::copy_"}, host_ops
 
 
@@ -987,9 +981,8 @@ def test_cuda_amp_clip_past_the_fold_limit():
 @pytest.mark.parametrize("max_norm", [0.1, 1e9], ids=["clip", "noclip"])
 def test_cuda_amp_clip_is_three_kernels_and_no_torch_op(max_norm):
     import fastgrad
-    from torch.profiler import ProfilerActivity, profile
 
-    from .helpers import SHAPES, make_params
+    from .helpers import SHAPES, cuda_profile, make_params
 
     params = make_params(SHAPES, [torch.float32, torch.bfloat16], "cuda", seed=15, scale=1024.0)
     opt = torch.optim.SGD(params, lr=0.1)
@@ -999,11 +992,7 @@ def test_cuda_amp_clip_is_three_kernels_and_no_torch_op(max_norm):
     g = [p.grad for p in params]
     for write, kernels in ((True, ("k_reduce", "k_norm_clip", "k_scale")), (False, ("k_reduce", "k_norm_clip"))):
         ops.amp_clip_(g, inv, max_norm, 2.0, write)  # warm-up: the table is cached
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ops.amp_clip_(g, inv, max_norm, 2.0, write)
-            torch.cuda.synchronize()
-        device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device_events, _ = cuda_profile(lambda: ops.amp_clip_(g, inv, max_norm, 2.0, write))
         assert len(device_events) == len(kernels), device_events  # no memcpy (cached table), no torch kernel
         for kernel in kernels:
             assert sum(kernel in name for name in device_events) == 1, device_events
@@ -1011,15 +1000,11 @@ def test_cuda_amp_clip_is_three_kernels_and_no_torch_op(max_norm):
     # torch ops left are unscale_'s own reciprocal of the scale)
     fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm, backend="cuda")
     scaler._per_optimizer_states.clear()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm, backend="cuda")
-        torch.cuda.synchronize()
-    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_events, host_ops = cuda_profile(lambda: fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm,
+                                                                                    backend="cuda"))
     for kernel in ("k_reduce", "k_norm_clip", "k_scale"):
         assert sum(kernel in name for name in device_events) == 1, device_events
     assert not any("k_norm_finish" in name or "k_rows" in name for name in device_events), device_events
-    host_ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
     assert not host_ops & {"aten::clamp", "aten::mul", "aten::add"}, host_ops
 
 

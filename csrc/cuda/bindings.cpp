@@ -237,6 +237,19 @@ fgcuda::Seg whole(const Flat& f) {
   return {f.ptr, nullptr, 1, f.n, 0, 0, 0, dtype_code(f.st), 0};
 }
 
+// The flat views of `ts` into *fl (with `write`, non-contiguous tensors go through a copy that cpu::finish
+// writes back) and one whole-tensor Seg per tensor: the table of every op that treats tensors as a whole.
+std::vector<fgcuda::Seg> whole_segs(TensorList ts, bool write, std::vector<Flat>* fl) {
+  std::vector<fgcuda::Seg> segs;
+  fl->reserve(ts.size());
+  segs.reserve(ts.size());
+  for (const auto& t : ts) {
+    fl->push_back(cpu::flat(t, write));
+    segs.push_back(whole(fl->back()));
+  }
+  return segs;
+}
+
 // A Seg of `rows` dim-0 rows for AGC (`w` the parameter) or GC (w null); kPlanRows asks for a row plan.
 fgcuda::Seg row_seg(const Flat& g, const Flat* w, int64_t rows, int64_t len) {
   return {g.ptr, w ? w->ptr : nullptr, rows, len, 0, 0, 0, dtype_code(g.st), w ? dtype_code(w->st) : 0,
@@ -256,11 +269,7 @@ std::tuple<Tensor, Tensor> norm_impl(TensorList tensors, const Tensor* inv, doub
   const at::Device dev = tensors[0].device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : tensors) {
-    fl.push_back(cpu::flat(t, false));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(tensors, false, &fl);
   const bool acc64 = any_double(tensors);
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
@@ -303,11 +312,7 @@ void scale_cuda(TensorList tensors, const Tensor& factor) {
   c10::cuda::CUDAGuard guard(dev);
   Tensor f = factor.to(dev, factor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : tensors) {
-    fl.push_back(cpu::flat(t, true));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(tensors, true, &fl);
   Table tab = upload(segs, dev);
   check(fgcuda::scale(tab.ptr(), tab.nseg, tab.nchunks, f.data_ptr(),
                       f.scalar_type() == at::kDouble ? fgcuda::kF64 : fgcuda::kF32, stream()),
@@ -322,11 +327,7 @@ Tensor clip_norm_cuda(TensorList grads, double max_norm, double p) {
   const at::Device dev = grads[0].device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : grads) {
-    fl.push_back(cpu::flat(t, true));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(grads, true, &fl);
   const bool acc64 = any_double(grads);
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
@@ -347,11 +348,7 @@ std::tuple<Tensor, Tensor, Tensor> amp_clip_cuda(TensorList grads, const Tensor&
   const at::Device dev = grads[0].device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : grads) {
-    fl.push_back(cpu::flat(t, write));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(grads, write, &fl);
   const bool acc64 = any_double(grads);
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
@@ -372,11 +369,7 @@ void clip_value_cuda(TensorList tensors, double c) {
   const at::Device dev = tensors[0].device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : tensors) {
-    fl.push_back(cpu::flat(t, true));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(tensors, true, &fl);
   Table tab = upload(segs, dev);
   check(fgcuda::clamp(tab.ptr(), tab.nseg, tab.nchunks, c, stream()), "clip_value_");
   for (auto& x : fl) cpu::finish(x);
@@ -435,11 +428,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> grad_stats_cuda(TensorList te
   const at::Device dev = tensors[0].device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
-  std::vector<fgcuda::Seg> segs;
-  for (const auto& t : tensors) {
-    fl.push_back(cpu::flat(t, false));
-    segs.push_back(whole(fl.back()));
-  }
+  std::vector<fgcuda::Seg> segs = whole_segs(tensors, false, &fl);
   const bool acc64 = any_double(tensors);
   Table tab = upload(segs, dev);
   Tensor ws = workspace(tab, dev);
