@@ -82,7 +82,8 @@ PyObject* grads_of(PyObject*, PyObject* seq) {
     // that only applies to an undefined grad, a tenth of this call's work on 4,000 tiny tensors. An
     // undefined grad still goes through Tensor::grad(), for that warning.
     const at::Tensor& t = THPVariable_Unpack(items[i]);
-    const at::Tensor& g = t.unsafeGetTensorImpl()->grad().defined() ? t.unsafeGetTensorImpl()->grad() : t.grad();
+    const at::Tensor& own = t.unsafeGetTensorImpl()->grad();
+    const at::Tensor& g = own.defined() ? own : t.grad();
     if (!g.defined()) continue;
     PyObject* w = THPVariable_Wrap(g);  // the grad's existing Python object, new reference
     if (w == nullptr || PyList_Append(out, w) < 0) {
@@ -211,7 +212,8 @@ bool cpu_grads(const Items& items, bool all, std::vector<fastgrad::cpu::Flat>* f
     // that only applies to an undefined grad, a tenth of this call's work on 4,000 tiny tensors. An
     // undefined grad still goes through Tensor::grad(), for that warning.
     const at::Tensor& t = THPVariable_Unpack(items[i]);
-    const at::Tensor& g = t.unsafeGetTensorImpl()->grad().defined() ? t.unsafeGetTensorImpl()->grad() : t.grad();
+    const at::Tensor& own = t.unsafeGetTensorImpl()->grad();
+    const at::Tensor& g = own.defined() ? own : t.grad();
     if (!g.defined()) {
       if (all) return false;
       continue;

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import _inputs as I
 from . import distributed as D
-from .backends import acc_dtype, clip_coef
+from .backends import acc_dtype, amp_factor
 from .backends.torch_backend import combine_norms
 from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
@@ -347,10 +347,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
     _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
 
-    coef = clip_coef(total, max_norm)
-    # Unscale and clip in one multiply. With the usual power-of-two scales inv_scale * coef is exact, so
-    # this equals torch's (g * inv_scale) * coef bit for bit in fp32.
-    factor = inv_scale.to(first, dtype) * coef
+    factor = amp_factor(total, max_norm, inv_scale)  # unscale and clip in one multiply
     if zero_write and zero_write_applies(scaler, optimizer, grads):
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
         optimizer.grad_scale = factor.reciprocal()
@@ -372,8 +369,7 @@ def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, 
     hand_over = zero_write and zero_write_applies(scaler, optimizer, grads)
     dev = grads[0].device
     total, found, factor = b.amp_clip_(grads, inv_scale.to(dev, non_blocking=True), max_norm, p, not hand_over)
-    state["found_inf_per_device"] = {dev: found.reshape(())}
-    state["stage"] = OptState.UNSCALED
+    _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale, backend)
     if hand_over:
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
         optimizer.grad_scale = factor.reciprocal()
@@ -403,6 +399,5 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
     _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
     if groups:
         dev = groups[0][0].device
-        coef = clip_coef(total.to(dev), max_norm)
-        _scale_groups(groups, inv_scale.to(dev, total.dtype) * coef, backend)
+        _scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)
     return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)

@@ -20,10 +20,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import OPS, Backend, BackendError, acc_dtype, clip_coef, is_fast_norm_type
+from .base import OPS, Backend, BackendError, acc_dtype, amp_factor, clip_coef, is_fast_norm_type
 
 __all__ = [
-    "Backend", "BackendError", "OPS", "AUTO_ORDER", "acc_dtype", "clip_coef", "is_fast_norm_type", "register", "get",
+    "Backend", "BackendError", "OPS", "AUTO_ORDER", "acc_dtype", "amp_factor", "clip_coef", "is_fast_norm_type", "register", "get",
     "registered", "available_backends", "set_backend", "get_default_backend", "select", "select_automatic", "selects_builtin",
     "auto_order", "MEASURED_ORDER", "MEASURED_LONG_ORDER", "LONG_LIST_MIN",
 ]

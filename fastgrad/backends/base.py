@@ -57,6 +57,15 @@ def clip_coef(total: Tensor, max_norm: float) -> Tensor:
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
+def amp_factor(total: Tensor, max_norm: float, inv_scale: Tensor) -> Tensor:
+    """Unscale and clip folded into one factor, ``inv_scale * clip_coef(total, max_norm)``, on the total's
+    device in its dtype (inv_scale converted first, the product rounded once, as torch multiplies two 0-dim
+    tensors). With the usual power-of-two scales the product is exact, so ``g * factor`` equals torch's
+    ``(g * inv_scale) * coef`` bit for bit in fp32. Every torch-op AMP path uses this expression; the fused
+    kernels reproduce it and are tested bit for bit against it."""
+    return inv_scale.to(total.device, total.dtype) * clip_coef(total, max_norm)
+
+
 def is_fast_norm_type(norm_type: float) -> bool:
     """Norm orders the fused kernels implement: 1, 2, inf and any finite p > 0."""
     return norm_type == float("inf") or (0.0 < norm_type < float("inf"))
@@ -170,7 +179,7 @@ class Backend:
         Selected as op ``"amp_norm"`` (with ``norm_type``); the public layer calls it only when the same
         backend serves ``amp_norm`` and ``scale`` of the list."""
         total, found = self.amp_norm(grads, inv_scale, norm_type)
-        factor = inv_scale.to(total.dtype) * clip_coef(total, max_norm)
+        factor = amp_factor(total, max_norm, inv_scale)
         if write:
             self.scale_(grads, factor)
         return total, found, factor
