@@ -40,12 +40,12 @@ def parser() -> argparse.ArgumentParser:
                         "and 128 MiB on the CPU, 24 with --quick)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed rounds per (workload, op) before it stops with its interval still "
-                        "wide (default 4; 2 with --quick); settled cases stop sooner")
+                        "wide (default 10; 5 with --quick); most cases settle and stop long before")
     p.add_argument("--min-rounds", "--min-reps", dest="min_rounds", type=int, default=None,
                    help="rounds before any stop (default 8; 6 with --quick: the fewest that give a 95%% "
                         "interval)")
     p.add_argument("--max-rounds", "--max-reps", dest="max_rounds", type=int, default=None,
-                   help="most rounds per case (default 200; 40 with --quick; ten times that for host-*)")
+                   help="most rounds per case (default 400; 100 with --quick; ten times that for host-*)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on the CPU: 1, for fastgrad and torch alike: on a shared "
                         "machine more threads than free cores make timings erratic; 0: torch's own choice)")
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
         compile=use_compile,
         compile_workloads=None if args.compile_workloads == "all" else _csv(args.compile_workloads),
-        budget_s=args.budget if args.budget is not None else (2.0 if quick else 4.0),
+        budget_s=args.budget if args.budget is not None else (5.0 if quick else 10.0),
         min_rounds=args.min_rounds if args.min_rounds is not None else (6 if quick else 8),
-        max_rounds=args.max_rounds if args.max_rounds is not None else (40 if quick else 200),
+        max_rounds=args.max_rounds if args.max_rounds is not None else (100 if quick else 400),
         warmup=1 if quick else 2,
         seed=args.seed,
         busy_before=busy,
