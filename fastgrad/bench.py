@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                         "and 128 MiB on the CPU, 24 with --quick)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed rounds per (workload, op) before it stops with its interval still "
-                        "wide (default 10; 5 with --quick); most cases settle and stop long before")
+                        "wide (default 20; 10 with --quick); most cases settle and stop long before")
     p.add_argument("--min-rounds", "--min-reps", dest="min_rounds", type=int, default=None,
                    help="rounds before any stop (default 8; 6 with --quick: the fewest that give a 95%% "
                         "interval)")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
         compile=use_compile,
         compile_workloads=None if args.compile_workloads == "all" else _csv(args.compile_workloads),
-        budget_s=args.budget if args.budget is not None else (5.0 if quick else 10.0),
+        budget_s=args.budget if args.budget is not None else (10.0 if quick else 20.0),
         min_rounds=args.min_rounds if args.min_rounds is not None else (6 if quick else 8),
         max_rounds=args.max_rounds if args.max_rounds is not None else (100 if quick else 400),
         warmup=1 if quick else 2,
