@@ -355,7 +355,7 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
                  fontsize=9)
     # Fixed margins in inches instead of tight_layout, which costs seconds of text measuring.
     fig.subplots_adjust(left=0.8 / width_in, right=1 - 0.75 / width_in, bottom=1.5 / height_in,
-                        top=1 - 0.8 / height_in, wspace=0.45, hspace=0.9)
+                        top=1 - (0.45 + 0.17 * (title.count("\n") + 2)) / height_in, wspace=0.45, hspace=0.9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
