@@ -3,8 +3,8 @@
 Answers "is fastgrad's automatic choice faster than torch eager (and torch.compile where run) for this
 workload and op?" with a speedup, its confidence interval and a verdict per (workload, op); other backends
 follow in a reference table. Writes ``results.csv`` (plain CSV), ``results.md``, ``meta.json``,
-``speedup.png`` and ``pct_floor.png`` under ``--out`` (default ``bench_results/``). The workloads, timing and report code live in
-``fastgrad.benchmark``.
+``speedup.png`` and ``pct_floor.png`` under ``--out`` (default ``bench_results/``). The workloads, timing
+and report code live in ``fastgrad.benchmark``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastgrad.bench", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads and short timing (about 90 s on a 2-core CPU at load 1)")
+                   help="24 MiB workloads and fewer rounds: 2.2-2.4 min on a 2-core CPU at load 13-19, about a "
+                        "minute at load 1 (estimated from its CPU time)")
     p.add_argument("--workloads", default="all", help="comma list or 'all' (see --list)")
     p.add_argument("--ops", default="all", help="comma list or 'all' (see --list)")
     p.add_argument("--backends", default="all", help="fastgrad backends, comma list or 'all' usable on the device")

@@ -5,7 +5,8 @@ The floor of a memory-bound op is the bytes it must move over the rate the devic
 counted from N (gradient bytes) and P (parameter bytes), split by the kind of pass that moves them: bytes of
 read-only passes (a norm, statistics) are priced at a measured read-only stream, bytes of passes that read
 and write gradients in place (scaling, clipping by value, centralizing) at a measured read+write pass (the
-faster of a copy and an in-place multiply by one; its rate counts the read and the write). An op's "% of its floor" is then its floor time over its measured time.
+faster of a copy and an in-place multiply by one; its rate counts the read and the write). An op's "% of
+its floor" is then its floor time over its measured time.
 
 Every op is set up once per workload by :class:`OpState`, which fixes its arguments from the actual
 gradients (e.g. ``max_norm`` half the true norm for "clip triggered", ten times it for "not triggered"), so

@@ -394,7 +394,8 @@ def plot_floor(res: Result, path: Path) -> str | None:
     _panels(res, path, impls, lambda r: r["pct_floor"], ylabel="% of the op's memory floor", log=False,
             ref=100.0, ref_label="floor", title=(
                 f"Share of each op's memory floor (100% = its bytes at the measured rates: read-only stream "
-                f"{m['read_gbps']:.1f} GB/s for read passes,\nread+write pass {m['rw_gbps']:.1f} GB/s for read+write passes)"),
+                f"{m['read_gbps']:.1f} GB/s for read passes,\nread+write pass {m['rw_gbps']:.1f} GB/s for "
+                "read+write passes)"),
             tick_fmt=lambda y, _: f"{y:g}%", hatch_of=lambda r: r["in_cache"] or r["pct_floor"] > 100,
             hatch_label="fits in the CPU cache (can pass 100%), or over 100% by timing noise")
     return None

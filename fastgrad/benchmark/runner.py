@@ -24,7 +24,6 @@ import importlib.util
 import os
 import platform
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,10 +257,6 @@ def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: W.Wo
             "vs_compile": nan, "vs_compile_lo": nan, "vs_compile_hi": nan, "compile_verdict": "",
             "compile_verdict_why": "", "floor_read_mb": nan, "floor_rw_mb": nan, "floor_ms": nan,
             "pct_floor": nan, "in_cache": False, "note": ""}
-
-
-def headline_ms(r: dict, host: bool) -> float:
-    return r["host_ms"] if host else r["median_ms"]
 
 
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
