@@ -394,3 +394,17 @@ def test_rounds_keep_the_fastest_of_back_to_back_calls():
     slow = t.rounds([lambda: time.sleep(timing.INNER_BELOW_S * 1.5)], pairs=[], min_rounds=1, max_rounds=1,
                     budget_s=0, inner=None)
     assert slow.inner == 1
+
+
+def test_rounds_stop_when_a_pair_loses_its_baseline():
+    calls = collections.Counter()
+
+    def ok():
+        calls["ok"] += 1
+
+    def boom():
+        raise RuntimeError("baseline broken")
+
+    t = timing.Timer("cpu", warmup=1)
+    rr = t.rounds([boom, ok], pairs=[(0, 1)], min_rounds=3, max_rounds=10_000, budget_s=60)
+    assert rr.stopped == "failed" and rr.n_rounds == 3 and calls["ok"] == 1 + 3

@@ -149,7 +149,7 @@ class Rounds:
     host_ms: list[list[float | None]]
     errors: list[BaseException | None]
     n_rounds: int
-    #: why the rounds stopped: "settled", "budget", "max_rounds"
+    #: why the rounds stopped: "settled", "budget", "max_rounds", "failed" (every pair lost a side)
     stopped: str
     #: calls per function per round (the round kept the fastest)
     inner: int = 1
@@ -278,9 +278,12 @@ class Timer:
             if r < min_rounds:
                 continue
             series = hst if host else dev
-            if pairs and all(errors[b] is None and errors[c] is None
-                             and settled(paired_ratio(series[b], series[c], confidence), band)
-                             for b, c in pairs):
+            live_pairs = [(b, c) for b, c in pairs if errors[b] is None and errors[c] is None]
+            if pairs and not live_pairs:
+                stopped = "failed"  # nothing left to judge: no point spending the budget
+                break
+            if live_pairs and all(settled(paired_ratio(series[b], series[c], confidence), band)
+                                  for b, c in live_pairs):
                 stopped = "settled"
                 break
             if time.perf_counter() - t0 >= budget_s:
