@@ -1,8 +1,10 @@
 """``python -m fastgrad.bench``: benchmark fastgrad against torch on this machine's device.
 
-Prints a table with a legend and writes ``results.csv``, ``results.md``, ``meta.json``, ``speedup.png`` and
-``pct_copy.png`` under ``--out`` (default ``bench_results/``). The workloads, timing and report code live in
-``fastgrad.benchmark``.
+Answers "is fastgrad's automatic choice faster than torch eager (and torch.compile where run) for this
+workload and op?" with a speedup, its confidence interval and a verdict per (workload, op); other backends
+follow in a reference table. Writes ``results.csv`` (plain CSV), ``results.md``, ``meta.json``,
+``speedup.png`` and ``pct_floor.png`` under ``--out`` (default ``bench_results/``). The workloads, timing
+and report code live in ``fastgrad.benchmark``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastgrad.bench", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--quick", action="store_true",
-                   help="small workloads and short timing (about a minute on a 2-core CPU)")
+                   help="24 MiB workloads and fewer rounds: 2.2-2.4 min on a 2-core CPU at load 13-19, about a "
+                        "minute at load 1 (estimated from its CPU time)")
     p.add_argument("--workloads", default="all", help="comma list or 'all' (see --list)")
     p.add_argument("--ops", default="all", help="comma list or 'all' (see --list)")
     p.add_argument("--backends", default="all", help="fastgrad backends, comma list or 'all' usable on the device")
@@ -37,12 +40,16 @@ def parser() -> argparse.ArgumentParser:
                    help="cap on gradient MiB per workload; larger ones are scaled down (default: from memory, "
                         "and 128 MiB on the CPU, 24 with --quick)")
     p.add_argument("--budget", type=float, default=None,
-                   help="target seconds of timing per case (default 1.0; 0.15 with --quick)")
-    p.add_argument("--min-reps", type=int, default=None)
-    p.add_argument("--max-reps", type=int, default=None)
+                   help="seconds of timed rounds per (workload, op) before it stops with its interval still "
+                        "wide (default 20; 10 with --quick); most cases settle and stop long before")
+    p.add_argument("--min-rounds", "--min-reps", dest="min_rounds", type=int, default=None,
+                   help="rounds before any stop (default 8; 6 with --quick: the fewest that give a 95%% "
+                        "interval)")
+    p.add_argument("--max-rounds", "--max-reps", dest="max_rounds", type=int, default=None,
+                   help="most rounds per case (default 400; 100 with --quick; ten times that for host-*)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice). On a busy shared machine 1 avoids OpenMP "
-                        "oversubscription, which makes multi-threaded timings erratic")
+                   help="torch CPU threads (default on the CPU: 1, for fastgrad and torch alike: on a shared "
+                        "machine more threads than free cores make timings erratic; 0: torch's own choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_results", help="results folder (created)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -89,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -99,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--device cuda: no CUDA device is available")
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
     workloads = list(W.DEFAULT_WORKLOADS) if args.workloads == "all" else _csv(args.workloads)
     ops = list(O.OPS) if args.ops == "all" else _csv(args.ops)
     for name in workloads:
@@ -109,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown op {name!r}; known: {', '.join(O.OPS)}")
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     quick = args.quick
+    busy = runner.busy_warning("before")
+    if busy:
+        # Once, on its own line, before the progress bar starts.
+        print(f"warning: {busy}", file=sys.stderr, flush=True)
     cfg = runner.Config(
         device=device, workloads=workloads, ops=ops,
         backends=None if args.backends == "all" else _csv(args.backends),
@@ -116,21 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
         compile=use_compile,
         compile_workloads=None if args.compile_workloads == "all" else _csv(args.compile_workloads),
-        budget_s=args.budget if args.budget is not None else (0.15 if quick else 1.0),
-        min_reps=args.min_reps if args.min_reps is not None else (3 if quick else 5),
-        max_reps=args.max_reps if args.max_reps is not None else (10 if quick else 50),
+        budget_s=args.budget if args.budget is not None else (10.0 if quick else 20.0),
+        min_rounds=args.min_rounds if args.min_rounds is not None else (6 if quick else 8),
+        max_rounds=args.max_rounds if args.max_rounds is not None else (100 if quick else 400),
         warmup=1 if quick else 2,
         seed=args.seed,
+        busy_before=busy,
         command="python -m fastgrad.bench" + "".join(" " + shlex.quote(a) for a in
                                                      (sys.argv[1:] if argv is None else argv)),
     )
-    usable, _ = runner.usable_backends(device)
-    chosen = usable if cfg.backends is None else [b for b in usable if b in cfg.backends]
-    per_case = 1 + len(chosen)
-    total = 0
-    for w in workloads:
-        c = per_case + (1 if use_compile and (cfg.compile_workloads is None or w in cfg.compile_workloads) else 0)
-        total += c * len(runner.ops_for(w, ops))
+    total = sum(len(runner.ops_for(w, ops)) for w in workloads)
     out = Path(args.out)
     step, close = _progress(total, not args.no_progress)
     try:
@@ -144,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report.console_table(res))
     print()
     print("wrote: " + ", ".join(str(p) for p in paths.values()))
-    for n in res.notes:
-        # The busy-machine warnings again, last, where they are seen after a long table.
-        if n.startswith("machine busy"):
-            print(f"warning: {n}", file=sys.stderr)
+    if not busy:
+        after = next((n for n in res.notes if n.startswith("machine busy after")), None)
+        if after:
+            print(f"warning: {after}", file=sys.stderr)
     return 0
 
 

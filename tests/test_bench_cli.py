@@ -10,6 +10,7 @@ import pytest
 
 from fastgrad import bench
 from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import report
 from fastgrad.benchmark import workloads as W
 from fastgrad.benchmark.runner import usable_backends
 
@@ -48,29 +49,41 @@ def test_scaling_keeps_tensor_count_and_inner_dims():
 def test_cli_tiny(tmp_path, capsys):
     out = tmp_path / "res"
     rc = bench.main(["--quick", "--workloads", "tiny", "--out", str(out), "--no-progress", "--device", "cpu",
-                     "--budget", "0", "--min-reps", "1", "--max-reps", "1"])
+                     "--budget", "0", "--min-rounds", "6", "--max-rounds", "6"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "tiny" in printed and "torch eager" in printed
-    lines = (out / "results.csv").read_text().splitlines()
-    meta_lines = [line for line in lines if line.startswith("#")]
-    assert any(line.startswith("# command: python -m fastgrad.bench --quick --workloads tiny") for line in meta_lines)
-    for key in ("device", "date", "torch", "triton", "cuda"):
-        assert any(line.startswith(f"# {key}: ") for line in meta_lines), key
-    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert "tiny" in printed and "fastgrad auto vs torch eager:" in printed
+    # results.csv is plain CSV: the header on the first line, no comment lines, read as is by csv.reader
+    text = (out / "results.csv").read_text()
+    assert not any(line.startswith("#") for line in text.splitlines())
+    with open(out / "results.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == report.COLUMNS
+    assert all(len(row) == len(report.COLUMNS) for row in table[1:])
+    rows = [dict(zip(table[0], row)) for row in table[1:]]
     backends, _ = usable_backends(__import__("torch").device("cpu"))
-    impls = {"torch eager"} | {f"fastgrad:{b}" for b in backends}
+    # the automatic choice on the CPU is the C++ backend when built; every other usable backend is a reference
+    auto = "cpu" if "cpu" in backends else "torch"
+    impls = {"torch eager", "fastgrad auto"} | {f"fastgrad:{b}" for b in backends if b != auto}
     assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in O.OPS for i in impls}
     for r in rows:
-        assert r["note"] == "", r
-        assert float(r["median_ms"]) > 0 and math.isfinite(float(r["gbps"]))
+        assert not r["note"].startswith("failed"), r
+        assert float(r["median_ms"]) > 0 and int(r["rounds"]) >= 1
+        assert math.isfinite(float(r["pct_floor"])) and float(r["floor_ms"]) > 0
+        if r["role"] == "auto":
+            assert r["backend"] == auto
         if r["impl"] != "torch eager":
-            assert float(r["x_eager"]) > 0
+            assert float(r["speedup"]) > 0 and float(r["speedup_lo"]) <= float(r["speedup_hi"])
+            assert r["verdict"] in ("faster", "slower", "within noise")
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["command"].startswith("python -m fastgrad.bench --quick --workloads tiny")
+    for key in ("device", "date", "torch", "triton", "cuda", "git_commit", "load_average", "read_gbps", "rw_gbps"):
+        assert key in meta, key
+    assert meta["device_type"] == "cpu" and meta["cpu_threads"] == 1  # one thread on the CPU by default
     md = (out / "results.md").read_text()
-    assert "## All results" in md and "python -m fastgrad.bench" in md
-    assert json.loads((out / "meta.json").read_text())["device_type"] == "cpu"
+    assert "## Is fastgrad faster here?" in md and "python -m fastgrad.bench" in md and "SPEC" not in md
     pytest.importorskip("matplotlib")
-    assert (out / "speedup.png").stat().st_size > 1000
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "pct_floor.png").stat().st_size > 1000
 
 
 def test_cli_rejects_unknown_names(tmp_path):
@@ -111,4 +124,4 @@ def test_cli_runs_from_an_installed_copy_in_another_directory(tmp_path):
     assert "Legend:" in proc.stdout
     meta = json.loads((cwd / "res" / "meta.json").read_text())
     assert meta["git_commit"] == "unknown (installed package)"  # really the copy, not the checkout
-    assert "## All results" in (cwd / "res" / "results.md").read_text()
+    assert "## All rows" in (cwd / "res" / "results.md").read_text()

@@ -1,10 +1,17 @@
-"""The benchmarked operations: for each, the SPEC section 9 byte floor, the fastgrad call, and the torch
-baseline a user runs today (eager, and the same function under ``torch.compile``).
+"""The benchmarked operations: for each, its memory floor, the fastgrad call, and the torch baseline a user
+runs today (eager, and the same function under ``torch.compile``).
 
-Every op is set up once per workload by :func:`setup`, which fixes its arguments from the actual gradients
-(e.g. ``max_norm`` half the true norm for "clip triggered", ten times it for "not triggered"), so each call
-does the intended work. Ops that write gradients are timed from a restored copy of the original gradients
-(restoring is not timed), so every repetition sees the same data.
+The floor of a memory-bound op is the bytes it must move over the rate the device moves them at. Bytes are
+counted from N (gradient bytes) and P (parameter bytes), split by the kind of pass that moves them: bytes of
+read-only passes (a norm, statistics) are priced at a measured read-only stream, bytes of passes that read
+and write gradients in place (scaling, clipping by value, centralizing) at a measured read+write pass (the
+faster of a copy and an in-place multiply by one; its rate counts the read and the write). An op's "% of
+its floor" is then its floor time over its measured time.
+
+Every op is set up once per workload by :class:`OpState`, which fixes its arguments from the actual
+gradients (e.g. ``max_norm`` half the true norm for "clip triggered", ten times it for "not triggered"), so
+each call does the intended work. Ops that write gradients are timed from a restored copy of the original
+gradients (restoring is not timed), so every repetition sees the same data.
 """
 
 from __future__ import annotations
@@ -25,24 +32,46 @@ AGC_CLIP_FACTOR, AGC_EPS = 0.01, 1e-3
 class OpSpec:
     name: str
     title: str
-    #: SPEC section 9 floor in bytes, from (grad bytes N, param bytes P)
-    floor: Callable[[int, int], int]
+    #: bytes of read-only passes, from (grad bytes N, param bytes P)
+    read_bytes: Callable[[int, int], int]
+    #: bytes of read+write passes (a pass over N bytes in place counts 2N: N read, N written)
+    rw_bytes: Callable[[int, int], int]
+    #: the floor's bytes model in words, for the legend
+    floor_text: str
     #: whether the op writes gradients (then each repetition starts from restored gradients)
     mutates: bool
     #: what the speedup is measured against
     baseline: str
+    #: the backend primitive whose automatic choice serves the op (see fastgrad.backends.auto_order)
+    primitive: str
+
+    def floor_bytes(self, n: int, p: int) -> int:
+        return self.read_bytes(n, p) + self.rw_bytes(n, p)
+
+    def floor_s(self, n: int, p: int, read_gbps: float, rw_gbps: float) -> float:
+        """Seconds the op needs at least: its read bytes at the read-stream rate plus its read+write bytes at
+        the read+write rate."""
+        return self.read_bytes(n, p) / (read_gbps * 1e9) + self.rw_bytes(n, p) / (rw_gbps * 1e9)
 
 
 OPS: dict[str, OpSpec] = {o.name: o for o in (
-    OpSpec("norm", "total norm", lambda n, p: n, False, "torch.nn.utils.get_total_norm"),
-    OpSpec("clip", "clip_grad_norm_, not triggered", lambda n, p: n, True, "torch.nn.utils.clip_grad_norm_"),
-    OpSpec("clip_trig", "clip_grad_norm_, triggered", lambda n, p: 3 * n, True, "torch.nn.utils.clip_grad_norm_"),
-    OpSpec("clip_value", "clip_grad_value_", lambda n, p: 2 * n, True, "torch.nn.utils.clip_grad_value_"),
-    OpSpec("amp_clip", "fused unscale + inf check + clip", lambda n, p: 3 * n, True,
-           "scaler.unscale_ + clip_grad_norm_"),
-    OpSpec("agc", "adaptive gradient clipping", lambda n, p: p + 2 * n, True, "timm-style per-parameter loop"),
-    OpSpec("gc", "gradient centralization", lambda n, p: 2 * n, True, "per-parameter loop (official GC)"),
-    OpSpec("grad_stats", "grad_stats", lambda n, p: n, False, "per-parameter torch loop"),
+    OpSpec("norm", "total norm", lambda n, p: n, lambda n, p: 0, "read N", False,
+           "torch.nn.utils.get_total_norm", "norm"),
+    OpSpec("clip", "clip_grad_norm_, not triggered", lambda n, p: n, lambda n, p: 0,
+           "read N (the norm; nothing is scaled)", True, "torch.nn.utils.clip_grad_norm_", "norm"),
+    OpSpec("clip_trig", "clip_grad_norm_, triggered", lambda n, p: n, lambda n, p: 2 * n,
+           "read N, then read+write N (scale in place)", True, "torch.nn.utils.clip_grad_norm_", "norm"),
+    OpSpec("clip_value", "clip_grad_value_", lambda n, p: 0, lambda n, p: 2 * n, "read+write N", True,
+           "torch.nn.utils.clip_grad_value_", "clip_value"),
+    OpSpec("amp_clip", "fused unscale + inf check + clip", lambda n, p: n, lambda n, p: 2 * n,
+           "read N (unscaled norm + inf check), then read+write N (unscale and clip in one pass)", True,
+           "scaler.unscale_ + clip_grad_norm_", "amp_norm"),
+    OpSpec("agc", "adaptive gradient clipping", lambda n, p: p, lambda n, p: 2 * n,
+           "read P (parameter norms), read+write N", True, "timm-style per-parameter loop", "agc"),
+    OpSpec("gc", "gradient centralization", lambda n, p: 0, lambda n, p: 2 * n,
+           "read+write N (row means from the cache)", True, "per-parameter loop (official GC)", "centralize"),
+    OpSpec("grad_stats", "grad_stats", lambda n, p: n, lambda n, p: 0, "read N", False,
+           "per-parameter torch loop", "grad_stats"),
 )}
 
 

@@ -1,13 +1,18 @@
 """Runs the benchmark matrix (workload x op x implementation) and returns rows plus run metadata.
 
 Implementations per (workload, op): ``torch eager`` (the baseline), ``torch.compile`` of the same torch
-function (CUDA only: on the CPU it needs a C++ toolchain and minutes of compile time per case), and
-``fastgrad:<backend>`` for every fastgrad backend usable on the device. The Triton backend is never
-benchmarked on the CPU: there it runs through the Triton interpreter, a testing tool.
+function (CUDA only by default: on the CPU it needs a C++ toolchain and minutes of compile time per case),
+``fastgrad auto`` (the call with ``backend=None``: what a user gets, the backend fastgrad picks
+automatically) and, for reference, ``fastgrad:<backend>`` for every other fastgrad backend usable on the
+device. The Triton backend is never benchmarked on the CPU: there it runs through the Triton interpreter, a
+testing tool.
 
-The implementations of one (workload, op) are timed interleaved (``Timer.measure_interleaved``); each row
-gets its spread and an unstable mark. The ``host-*`` workloads run ``clip_grad_norm_`` over thousands of
-one-element or 148 tiny tensors, where the figure that matters is the host time per call.
+The implementations of one (workload, op) are timed in interleaved rounds (``Timer.rounds``): the headline
+is fastgrad auto's speedup over torch eager (and over torch.compile where run), the median of the per-round
+ratios with a confidence interval and a verdict; rounds continue until those are settled or the case's
+time budget is spent. Reference backends run in the first rounds only. The ``host-*`` workloads run
+``clip_grad_norm_`` over thousands of one-element or 148 tiny tensors, where the figure that matters is the
+host time per call.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import importlib
+import importlib.util
 import os
 import platform
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +35,13 @@ from fastgrad import backends as _backends
 
 from . import ops as O
 from . import workloads as W
-from .timing import UNSTABLE_SPREAD, Timer, copy_bandwidth
+from .timing import (BAND, CONFIDENCE, Ratio, Timer, copy_bandwidth, inplace_bandwidth, paired_ratio,
+                     read_bandwidth, verdict)
 
-EAGER, COMPILE = "torch eager", "torch.compile"
+EAGER, COMPILE, AUTO = "torch eager", "torch.compile", "fastgrad auto"
+#: Row roles: the baseline, the torch.compile baseline, fastgrad's automatic choice (the headline), and
+#: the other fastgrad backends (shown for reference: a user gets them only by naming them).
+BASELINE, COMPILED, AUTOMATIC, REFERENCE = "baseline", "compile", "auto", "reference"
 
 
 @dataclass
@@ -45,12 +54,21 @@ class Config:
     max_bytes: int | None = None  # None: derived from the device's memory (and time on the CPU)
     compile: bool = False
     compile_workloads: list[str] | None = None  # None: every benchmarked workload
-    budget_s: float = 1.0
-    min_reps: int = 3
-    max_reps: int = 50
+    #: seconds of timed rounds per (workload, op) before it stops unsettled
+    budget_s: float = 2.0
+    min_rounds: int = 8
+    max_rounds: int = 200
+    #: rounds the reference backends run in (None: min_rounds)
+    ref_rounds: int | None = None
     warmup: int = 2
     seed: int = 0
     command: str = ""
+    confidence: float = CONFIDENCE
+    band: float = BAND
+    #: calls per implementation per round, the round keeping the fastest (None: 3 for short calls, else 1)
+    inner: int | None = None
+    #: a warning about the machine's load, already shown to the user (recorded in the notes)
+    busy_before: str | None = None
 
 
 @dataclass
@@ -100,6 +118,21 @@ def _mem_available() -> int:
     return 8 * 2**30
 
 
+def last_level_cache_bytes() -> int:
+    """Size of the CPU's largest cache (Linux sysfs; 0 when unknown): workloads smaller than it can run
+    from the cache between repetitions, faster than memory."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    best = 0
+    try:
+        for d in base.glob("index*"):
+            size = (d / "size").read_text().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        return 0
+    return best
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -131,12 +164,15 @@ def _git_commit() -> str:
 
 
 def metadata(cfg: Config, backends: list[str], why_not: dict[str, str]) -> dict:
-    try:
-        import triton
+    triton_v = "not installed"
+    if importlib.util.find_spec("triton") is not None:
+        # The version without importing triton (an import costs seconds and is not needed on the CPU).
+        try:
+            from importlib.metadata import version
 
-        triton_v = triton.__version__
-    except Exception:  # noqa: BLE001 - any import failure means "no triton"
-        triton_v = "not installed"
+            triton_v = version("triton")
+        except Exception:  # noqa: BLE001 - any metadata failure means "unknown"
+            triton_v = "installed (version unknown)"
     return {
         "device": device_name(cfg.device),
         "device_type": cfg.device.type,
@@ -155,6 +191,11 @@ def metadata(cfg: Config, backends: list[str], why_not: dict[str, str]) -> dict:
         "cpu_threads": torch.get_num_threads(),
         # A busy machine slows everything down unevenly: keep the load next to the numbers.
         "load_average": _load_average(),
+        "confidence": cfg.confidence,
+        "noise_band": cfg.band,
+        "min_rounds": cfg.min_rounds,
+        "max_rounds": cfg.max_rounds,
+        "budget_s_per_case": cfg.budget_s,
     }
 
 
@@ -188,26 +229,41 @@ def busy_warning(when: str) -> str | None:
     load, cores = os.getloadavg()[0], cpu_count()
     if load <= cores:
         return None
-    return (f"machine busy {when} the run: load average {load:.2f} over {cores} cores; timings are slowed and "
-            "noisy (see the spread column), compare ratios within one (workload, op) only")
+    return (f"machine busy {when} the run: load average {load:.2f} over {cores} cores; times are slowed "
+            "and noisy, so the intervals are wider and more rows may read 'within noise'")
 
 
-def _row(wname: str, op: str, impl: str, backend: str | None, w: W.Workload, floor: int) -> dict:
-    return {"workload": wname, "op": op, "impl": impl, "backend": backend or "", "tensors": w.n_tensors,
-            "grad_mb": w.grad_bytes / 2**20, "floor_mb": floor / 2**20, "median_ms": float("nan"),
-            "min_ms": float("nan"), "host_ms": float("nan"), "reps": 0, "spread_pct": float("nan"),
-            "host_spread_pct": float("nan"), "unstable": False, "gbps": float("nan"), "pct_copy": float("nan"),
-            "x_eager": float("nan"), "x_compile": float("nan"), "note": ""}
+def auto_backend(op: str, st: O.OpState) -> str:
+    """The backend fastgrad's automatic choice runs ``op``'s main primitive with on this workload."""
+    spec = O.OPS[op]
+    by_dev: dict[str, list[torch.Tensor]] = {}
+    for g in st.grads:
+        by_dev.setdefault(str(g.device), []).append(g)
+    names = []
+    for grads in by_dev.values():
+        try:
+            names.append(_backends.select_automatic(spec.primitive, grads, norm_type=2.0).name)
+        except Exception:  # noqa: BLE001 - only a label; the timed call itself reports real failures
+            names.append("?")
+    return ",".join(dict.fromkeys(names))
 
 
-def headline_ms(r: dict, host: bool) -> float:
-    return r["host_ms"] if host else r["median_ms"]
+def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: W.Workload) -> dict:
+    nan = float("nan")
+    return {"workload": wname, "op": op, "impl": impl, "role": role, "backend": backend or "",
+            "tensors": w.n_tensors, "grad_mb": w.grad_bytes / 2**20, "median_ms": nan, "min_ms": nan,
+            "host_ms": nan, "rounds": 0, "inner": 0, "spread_pct": nan,
+            "speedup": nan, "speedup_lo": nan, "speedup_hi": nan, "verdict": "", "verdict_why": "",
+            "vs_compile": nan, "vs_compile_lo": nan, "vs_compile_hi": nan, "compile_verdict": "",
+            "compile_verdict_why": "", "floor_read_mb": nan, "floor_rw_mb": nan, "floor_ms": nan,
+            "pct_floor": nan, "in_cache": False, "note": ""}
 
 
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
         on_workload: Callable[[Result], None] | None = None) -> Result:
     """Benchmark every requested (workload, op, implementation); ``progress`` is called once per case and
-    ``on_workload`` with the results so far after each workload (to save partial results)."""
+    ``on_workload`` with the results so far after each workload (to save partial results). Prints nothing:
+    the caller shows the busy-machine warning (``cfg.busy_before``), once."""
     device = cfg.device
     usable, why_not = usable_backends(device)
     if cfg.backends is not None:
@@ -218,19 +274,39 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
     meta = metadata(cfg, usable, why_not)
     notes: list[str] = []
     meta["cores"] = cpu_count()
-    warn = busy_warning("before")
-    if warn:
-        notes.append(warn)
-        print(f"warning: {warn}", file=sys.stderr, flush=True)
-    timer = Timer(device, warmup=cfg.warmup, min_reps=cfg.min_reps, max_reps=cfg.max_reps,
-                  budget_s=cfg.budget_s)
-    copy_bytes = (1 << 30 if device.type == "cuda" else 256 << 20) if not cfg.quick else (
-        256 << 20 if device.type == "cuda" else 64 << 20)
-    meta["copy_gbps"] = copy_bandwidth(timer, copy_bytes)
-    meta["copy_bytes"] = copy_bytes
+    if cfg.busy_before:
+        notes.append(cfg.busy_before)
+    # "fastgrad auto" must be the automatic choice: FASTGRAD_BACKEND would override it for the whole run.
+    env_backend = os.environ.pop("FASTGRAD_BACKEND", None)
+    if env_backend is not None:
+        notes.append(f"FASTGRAD_BACKEND={env_backend} was ignored for this run: 'fastgrad auto' times the "
+                     "automatic choice")
+    try:
+        return _run(cfg, progress, on_workload, usable, meta, notes)
+    finally:
+        if env_backend is not None:
+            os.environ["FASTGRAD_BACKEND"] = env_backend
+
+
+def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, notes: list[str]) -> Result:
+    device = cfg.device
+    timer = Timer(device, warmup=cfg.warmup, min_reps=5, max_reps=20, budget_s=0.5)
+    # The floors' rates, on buffers well past the last-level cache (the GPU's L2 is flushed before every
+    # repetition anyway): a read-only stream, and read+write passes (a copy, an in-place multiply).
+    llc = last_level_cache_bytes() if device.type == "cpu" else 0
+    if device.type == "cuda":
+        stream_bytes = (256 << 20) if cfg.quick else (1 << 30)
+    else:
+        stream_bytes = max(4 * llc, (64 << 20) if cfg.quick else (256 << 20))
+    meta["read_gbps"] = read_bandwidth(timer, stream_bytes)
+    meta["copy_gbps"] = copy_bandwidth(timer, stream_bytes)
+    meta["inplace_gbps"] = inplace_bandwidth(timer, stream_bytes)
+    # The read+write floor: the faster of the two ways memory does a read+write pass.
+    meta["rw_gbps"] = max(meta["copy_gbps"], meta["inplace_gbps"])
+    meta["stream_bytes"] = stream_bytes
+    meta["cache_bytes"] = llc
     max_bytes = cfg.max_bytes if cfg.max_bytes is not None else default_max_bytes(device, cfg.quick)
     meta["max_workload_bytes"] = max_bytes
-    meta["unstable_spread_pct"] = 100 * UNSTABLE_SPREAD
     if cfg.compile:
         # Module-level name on purpose: a function-local `import torch._dynamo` would make `torch` local
         # to this whole function (GPU finding 9: UnboundLocalError at torch.cuda.empty_cache()).
@@ -260,8 +336,9 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
             st.save()
         use_compile = cfg.compile and (cfg.compile_workloads is None or wname in cfg.compile_workloads)
         for op in ops:
-            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, p_bytes, meta["copy_gbps"],
-                                  progress))
+            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, p_bytes, meta, llc))
+            if progress:
+                progress(f"{wname} {op}")
         del params, st, w
         gc.collect()
         if device.type == "cuda":
@@ -272,59 +349,86 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
             on_workload(res)
     warn = busy_warning("after")
     if warn:
-        notes.append(warn)  # printed by the CLI under the table
+        notes.append(warn)
     meta["load_average_after"] = _load_average()
     return res
 
 
+def _ratio_fields(r: Ratio, prefix: str) -> dict:
+    return {prefix: r.median, prefix + "_lo": r.lo, prefix + "_hi": r.hi}
+
+
 def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, usable: list[str],
-              use_compile: bool, p_bytes: int, copy_gbps: float,
-              progress: Callable[[str], None] | None) -> list[dict]:
-    """Every implementation of one (workload, op), timed interleaved; rows with speedups and marks."""
+              use_compile: bool, p_bytes: int, meta: dict, llc: int) -> list[dict]:
+    """Every implementation of one (workload, op), timed in interleaved rounds; rows with ratios, verdicts
+    and the % of the op's floor."""
     spec = O.OPS[op]
     reset = st.restore if spec.mutates else None
-    impls: list[tuple[str, str | None, Callable[[], Callable[[], object]]]] = [
-        (EAGER, None, lambda: O.torch_fn(op, st))]
+    auto = auto_backend(op, st)
+    impls: list[tuple[str, str, str | None, Callable[[], Callable[[], object]]]] = [
+        (EAGER, BASELINE, None, lambda: O.torch_fn(op, st))]
     if use_compile:
-        impls.append((COMPILE, None, lambda: _compiled(O.torch_fn(op, st))))
+        impls.append((COMPILE, COMPILED, None, lambda: _compiled(O.torch_fn(op, st))))
+    impls.append((AUTO, AUTOMATIC, auto, lambda: O.fastgrad_fn(op, st, None)))
     for b in usable:
-        impls.append((f"fastgrad:{b}", b, lambda b=b: O.fastgrad_fn(op, st, b)))
-    floor = spec.floor(w.grad_bytes, p_bytes)
-    rows = [_row(w.name, op, impl, backend, w, floor) for impl, backend, _ in impls]
+        if b not in auto.split(","):  # the automatic row already times the backend it picks
+            impls.append((f"fastgrad:{b}", REFERENCE, b, lambda b=b: O.fastgrad_fn(op, st, b)))
+    rows = [_row(w.name, op, impl, role, backend, w) for impl, role, backend, _ in impls]
     fns: list[Callable[[], object]] = []
-    idx: list[int] = []
-    for k, (_, _, make) in enumerate(impls):
+    idx: list[int] = []  # rows[idx[j]] is timed by fns[j]
+    for k, (_, _, _, make) in enumerate(impls):
         try:
             fns.append(make())
             idx.append(k)
         except Exception as exc:  # noqa: BLE001 - a failing case is reported, the run goes on
             rows[k]["note"] = _failed(exc)
-    # Host-overhead calls take microseconds: allow more repetitions, still within the time budget.
-    max_reps = cfg.max_reps * 10 if w.host else None
-    for k, m in zip(idx, timer.measure_interleaved(fns, reset, max_reps=max_reps)):
-        r = rows[k]
-        if isinstance(m, BaseException):
-            r["note"] = _failed(m)
-            continue
-        r.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, reps=m.reps,
-                 spread_pct=100 * m.spread, host_spread_pct=100 * m.host_spread)
-        sp = m.host_spread if w.host else m.spread
-        # No spread to judge (one repetition) counts as unstable too: nothing shows the figure is steady.
-        r["unstable"] = not (sp <= UNSTABLE_SPREAD)
-        if not w.host:
-            gbps = floor / (m.median_ms * 1e-3) / 1e9
-            r.update(gbps=gbps, pct_copy=100 * gbps / copy_gbps)
+    pos = {impls[k][1] if impls[k][1] != REFERENCE else impls[k][0]: j for j, k in enumerate(idx)}
+    pairs = []
+    if AUTOMATIC in pos:
+        pairs += [(pos[b], pos[AUTOMATIC]) for b in (BASELINE, COMPILED) if b in pos]
+    refs = tuple(j for j, k in enumerate(idx) if impls[k][1] == REFERENCE)
+    # Host-overhead calls take microseconds: many more rounds fit the same budget.
+    max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
+    rr = timer.rounds(fns, reset, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
+                      budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
+                      confidence=cfg.confidence, inner=cfg.inner)
     st.restore()
-    if progress:
-        for impl, _, _ in impls:
-            progress(f"{w.name} {op} {impl}")
-    base = {r["impl"]: headline_ms(r, w.host) for r in rows}
-    for r in rows:
-        t = headline_ms(r, w.host)
-        if r["impl"] != EAGER:
-            r["x_eager"] = base[EAGER] / t
-        if COMPILE in base and r["impl"] not in (EAGER, COMPILE):
-            r["x_compile"] = base[COMPILE] / t
+    series = rr.host_ms if w.host else rr.dev_ms
+    # Bytes the op touches (the gradients, and the parameters for AGC): under twice the last-level cache,
+    # part of them can still be in the cache from the previous repetition (or the restore before it).
+    reads_params = spec.read_bytes(0, 1) > 0
+    touched = w.grad_bytes + (p_bytes if reads_params else 0)
+    in_cache = 0 < touched <= 2 * llc
+    for j, k in enumerate(idx):
+        r = rows[k]
+        if rr.errors[j] is not None:
+            r["note"] = _failed(rr.errors[j])
+            continue
+        m = rr.measurement(j)
+        if m is None:
+            continue
+        r.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, rounds=m.reps, inner=rr.inner,
+                 spread_pct=100 * (m.host_spread if w.host else m.spread))
+        if not w.host:
+            floor_s = spec.floor_s(w.grad_bytes, p_bytes, meta["read_gbps"], meta["rw_gbps"])
+            pct = 100 * floor_s / (m.median_ms * 1e-3)
+            r.update(floor_read_mb=spec.read_bytes(w.grad_bytes, p_bytes) / 2**20,
+                     floor_rw_mb=spec.rw_bytes(w.grad_bytes, p_bytes) / 2**20, floor_ms=1e3 * floor_s,
+                     pct_floor=pct, in_cache=in_cache)
+        b = pos.get(BASELINE)
+        if b is not None and j != b and rr.errors[b] is None:
+            ratio = paired_ratio(series[b], series[j], cfg.confidence)
+            v, why = verdict(ratio, cfg.band)
+            r.update(_ratio_fields(ratio, "speedup"), verdict=v, verdict_why=why)
+        c = pos.get(COMPILED)
+        if r["role"] == AUTOMATIC and c is not None and rr.errors[c] is None:
+            ratio = paired_ratio(series[c], series[j], cfg.confidence)
+            v, why = verdict(ratio, cfg.band)
+            r.update(_ratio_fields(ratio, "vs_compile"), compile_verdict=v, compile_verdict_why=why)
+        if r["role"] == AUTOMATIC and rr.stopped in ("budget", "max_rounds") and not r["note"]:
+            # Its verdict is the one to re-check: the interval was still near a threshold when timing ended.
+            r["note"] = (f"unsettled after {rr.n_rounds} rounds "
+                         f"({'time budget' if rr.stopped == 'budget' else 'round limit'})")
     return rows
 
 
