@@ -62,7 +62,8 @@ _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def guard_for(optimizer) -> "StepGuard | None":
     """The StepGuard attached to ``optimizer``, or None: how a monitor or checker finds the skip counters of
     an optimizer it is handed (``guard_for(opt).counters()`` / ``.state()``)."""
-    return _GUARDS.get(optimizer)
+    ref = _GUARDS.get(optimizer)
+    return ref() if ref is not None else None
 
 
 class GuardError(RuntimeError):
@@ -134,7 +135,7 @@ class StepGuard:
             raise ValueError("StepGuard cannot guard LBFGS: its step(closure) re-evaluates the gradients, so a "
                              "decision made on the clip's gradients does not hold for the step; clip inside the "
                              "closure with fastgrad.clip_grad_norm_ instead")
-        if _GUARDS.get(optimizer) is not None:
+        if guard_for(optimizer) is not None:
             raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
         if mode not in MODES:
             raise ValueError(f"StepGuard mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -195,7 +196,7 @@ class StepGuard:
         self.zero_write = zero_write
         self.process_group = process_group
         self.backend = backend
-        self._opt_ref = weakref.ref(optimizer)
+        self._optimizer = optimizer
         self._pending: _Pending | None = None
         self._undo = None  # what the pre-hook must undo in the post-hook
         self._device: torch.device | None = None
@@ -224,21 +225,21 @@ class StepGuard:
                 g._post_step(opt)
 
         self._hooks = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
-        _GUARDS[optimizer] = self
+        _GUARDS[optimizer] = weakref.ref(self)  # the guard holds the optimizer, not the other way
 
     # ------------------------------------------------------------------ public
     def remove(self) -> None:
         """Detach from the optimizer (its hooks and the registry entry); a pending decision is dropped."""
         for h in self._hooks:
             h.remove()
-        opt = self._opt_ref()
-        if opt is not None and _GUARDS.get(opt) is self:
+        opt = self._optimizer
+        if guard_for(opt) is self:
             del _GUARDS[opt]
         self._pending = None
 
     @property
     def optimizer(self):
-        return self._opt_ref()
+        return self._optimizer
 
     @torch.no_grad()
     def clip_(self, scaler=None) -> Tensor:
@@ -256,7 +257,7 @@ class StepGuard:
         with an event, so never waiting; on the CPU a plain read), and the non-fused paths described in the
         module docstring.
         """
-        opt = self._opt_ref()
+        opt = self._optimizer
         if opt is None:
             raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
         self._check_consecutive()
@@ -403,7 +404,7 @@ class StepGuard:
             coef = clip_coef(total, self.max_norm)
             if self.skip_factor is None:
                 return coef, ~finite, None
-            spike = total > self.skip_factor * self.max_norm
+            spike = finite & (total > self.skip_factor * self.max_norm)
             return coef, spike | ~finite, spike
         if self.mode == "zclip":
             return self._zclip(total, finite)
