@@ -54,6 +54,8 @@ __all__ = ["StepGuard", "GuardError", "guard_for"]
 MODES = ("norm", "zclip", "autoclip", "adagc")
 
 #: Counter slots of ``StepGuard.counters`` (one device tensor, float64 where the device has it).
+_FOLD = 64  # steps between two folds of the per-step records into the counters
+
 COUNTERS = ("steps", "clipped", "skipped", "consecutive_skipped", "nonfinite", "spikes")
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -202,15 +204,11 @@ class StepGuard:
         self._device: torch.device | None = None
         self._stats: dict[str, Tensor] = {}
         self._counts: Tensor | None = None
+        self._records: list = []  # per step since the last fold: (total, factor, inv_scale, bad, spike)
+        self._last = None  # the last folded step: (total, post-clip norm, coef, clipped, skipped)
         self._host_counts = None  # (host copy of the counters, cuda event) for the lazy consecutive check
         self._calls = 0
-        #: 0-dim device tensors of the last clip_ (None before the first): pre-clip norm, post-clip norm,
-        #: coefficient (adagc: post/pre), whether it clipped, whether the step is skipped.
-        self.total_norm: Tensor | None = None
-        self.clipped_norm: Tensor | None = None
-        self.coef: Tensor | None = None
-        self.clipped: Tensor | None = None
-        self.skipped: Tensor | None = None
+        self._one = None
 
         ref = weakref.ref(self)
 
@@ -251,8 +249,9 @@ class StepGuard:
         ``fastgrad.scaler_unscale_and_clip`` does: its ``found_inf_per_device`` holds the OVERFLOW flag only,
         so ``scaler.update()`` backs the scale off on an overflow and not on a spike skip.
 
-        On a skipped step the gradients are left as backward left them (the coefficient becomes 1), so
-        ``fastgrad.find_nonfinite`` can still name the culprit. No host sync, except: ``max_consecutive_skips``
+        On a skipped step the gradients are still clipped by the step's coefficient, as ``clip_grad_norm_``
+        would (a NaN norm makes them NaN); call ``fastgrad.find_nonfinite`` before ``clip_`` to name the
+        culprit. No host sync, except: ``max_consecutive_skips``
         reads the counter copy made at the previous call (on CUDA only once that copy has landed, checked
         with an event, so never waiting; on the CPU a plain read), and the non-fused paths described in the
         module docstring.
@@ -288,12 +287,22 @@ class StepGuard:
         per_tensor = self.mode == "adagc"
         p = self.norm_type
         inv_scale = None
+        state = None
         if use_scaler:
             state = _optimizer_state(scaler, opt, False)
             _check_ready(scaler, state)
             if I.has_dtype(grads, torch.float16):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             inv_scale = _inv_scale(scaler)
+        fused = _fused_torch_optimizer(opt)
+        # decided on the host before the read pass (checks of types and attributes only)
+        hand_over = (fused and self.zero_write and not sharded and not per_tensor and
+                     (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
+        if self.mode == "norm" and not sharded:
+            out = self._clip_one_call(opt, grads, inv_scale, scaler, state, hand_over, fused)
+            if out is not None:
+                return out
+        if use_scaler:
             groups = I.split_by_device(grads)
             if per_tensor:
                 total, per, found = self._amp_norms_per_tensor(grads, inv_scale)
@@ -315,38 +324,66 @@ class StepGuard:
         if per_tensor:
             index = self._param_index(params, grads)
             coefs, bad, clipped_norm, spike = self._adagc(total, per, index)
-            coef = None
-        else:
-            coef, bad, spike = self._rule(total)
-            clipped_norm = total * coef
-            coefs = None
-        nonfinite = ~torch.isfinite(total)
-        one = torch.ones((), dtype=total.dtype, device=total.device)
-
-        fused = _fused_torch_optimizer(opt)
-        hand_over = None
-        if coefs is not None:
-            coefs = torch.where(bad, one, coefs)
             if inv_scale is not None:
                 coefs = coefs * inv_scale.to(coefs.device, coefs.dtype)
             self._scale_per_tensor(writes, coefs)
-            eff = clipped_norm / total
+            coef = clipped_norm / total
+            factor = None
         else:
-            eff = torch.where(bad, one, coef)
-            factor = eff if inv_scale is None else inv_scale.to(eff.device, eff.dtype) * eff
-            if fused and self.zero_write and not sharded and (
-                    _amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)):
-                hand_over = factor.reciprocal()
-            elif writes:
+            coef, bad, spike = self._rule(total)
+            factor = coef if inv_scale is None else inv_scale.to(coef.device, coef.dtype) * coef
+            if not hand_over and writes:
                 _scale(writes, factor, self.backend, None)
-        clipped = (eff < 1) & ~bad
-        self._book(total, torch.where(bad, total, clipped_norm), eff, clipped, bad, nonfinite, spike)
-        if fused or grads:
-            self._pending = _Pending(bad, hand_over, grads if grads else [total])
-        if not grads:  # a rank owning no shard: nothing to fingerprint, nothing to check at the step
-            self._pending.record.fingerprint = None
+        bad = bad.to(torch.float32)
+        self._record(total, coef, None, bad, spike)
+        self._pend(bad, factor.reciprocal() if hand_over else None, grads, fused)
         out = total.to(I.promoted_dtype(grads)) if grads else total
         return D.wrap_like(out, sh) if sh is not None else out
+
+    def _clip_one_call(self, opt, grads, inv_scale, scaler, state, hand_over, fused) -> Tensor | None:
+        """mode="norm" on one device: the read pass, the non-finite flag, the coefficient and the write in ONE
+        backend call (the fused AMP primitive, with an unscale factor of exactly 1 when there is no scaler:
+        ``g * 1`` is ``g``, so the norm and the clip are clip_grad_norm_'s bit for bit), and no torch op
+        after it unless ``skip_factor`` is set. None when two backends would serve the read and the write."""
+        p = self.norm_type
+        if len(I.split_by_device(grads)) != 1:
+            return None
+        b = I.pick("amp_norm", grads, self.backend, norm_type=p)
+        if I.pick("scale", grads, self.backend) is not b:
+            return None
+        dev = grads[0].device
+        if self._one is None or self._one.device != dev:
+            self._one = torch.ones((), dtype=torch.float32, device=dev)
+        inv = self._one if inv_scale is None else inv_scale.to(dev, non_blocking=True)
+        total, found, factor = b.amp_clip_(grads, inv, self.max_norm, p, not hand_over)
+        if state is not None:
+            _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale,
+                              self.backend)
+        self._ensure_state(total, 0)
+        spike = None
+        bad = found
+        if self.skip_factor is not None:
+            spike = (total > self.skip_factor * self.max_norm).to(torch.float32)
+            bad = torch.maximum(found, spike)
+        self._record(total, factor, None if inv_scale is None else inv, bad, spike)
+        self._pend(bad, factor.reciprocal() if hand_over else None, grads, fused)
+        return total.to(I.promoted_dtype(grads))
+
+    def _pend(self, bad: Tensor, scale: Tensor | None, grads: list, fused: bool) -> None:
+        self._pending = _Pending(bad, scale, grads if grads else [bad])
+        if not grads:  # a rank owning no shard: nothing to fingerprint, nothing to check at the step
+            self._pending.record.fingerprint = None
+        if self.max_consecutive_skips is not None:
+            self._fold()
+            cons = self._counts[3:4]
+            if cons.device.type == "cuda":
+                host = torch.empty(1, dtype=cons.dtype, pin_memory=True)
+                host.copy_(cons, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                self._host_counts = (host, ev)
+            else:
+                self._host_counts = (cons, None)
 
     def last_step_skipped(self) -> bool:
         """Whether the last ``clip_`` decided to skip its step. SYNCS (reads one device value); for a
@@ -356,6 +393,7 @@ class StepGuard:
     def counters(self) -> Tensor | None:
         """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``), or None before the first
         clip_. Reading it (``.tolist()``) is one transfer."""
+        self._fold()
         return self._counts
 
     def state(self) -> dict:
@@ -365,6 +403,7 @@ class StepGuard:
         ``spike_steps``). Syncs, once."""
         if self._counts is None:
             return {}
+        self._fold()
         dt = self._counts.dtype
         vals = torch.cat([torch.stack([self.total_norm.to(dt), self.clipped_norm.to(dt), self.coef.to(dt),
                                        self.clipped.to(dt), self.skipped.to(dt)]), self._counts]).tolist()
@@ -382,6 +421,7 @@ class StepGuard:
         dev = total.device
         if self._counts is not None and self._device == dev:
             return
+        self._fold()
         self._device = dev
         cdt = torch.float32 if dev.type == "mps" else torch.float64
         self._counts = torch.zeros(len(COUNTERS), dtype=cdt, device=dev)
@@ -518,29 +558,74 @@ class StepGuard:
             g.mul_(c.to(g.device) if g.device != c.device else c)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _book(self, total, post, eff, clipped, bad, nonfinite, spike) -> None:
-        c = self._counts
-        dt = c.dtype
-        b = bad.to(dt)
-        spk = spike.to(dt) if spike is not None else torch.zeros((), dtype=dt, device=c.device)
-        inc = torch.stack([torch.ones((), dtype=dt, device=c.device), clipped.to(dt), b,
-                           torch.zeros((), dtype=dt, device=c.device), nonfinite.to(dt), spk])
-        new = c + inc
-        new[3] = (c[3] + 1) * b
-        self._counts = new
-        self.total_norm, self.clipped_norm, self.coef = total, post, eff
-        self.clipped, self.skipped = clipped, bad
+    def _record(self, total, factor, inv, bad, spike) -> None:
+        """Per step only a list append: the counters are folded from these records on the device when asked
+        for, every ``_FOLD`` steps, or every step with ``max_consecutive_skips``."""
+        self._records.append((total, factor, inv, bad, spike))
         self._calls += 1
-        if self.max_consecutive_skips is not None:
-            cons = new[3:4]
-            if cons.device.type == "cuda":
-                host = torch.empty(1, dtype=dt, pin_memory=True)
-                host.copy_(cons, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                self._host_counts = (host, ev)
-            else:
-                self._host_counts = (cons, None)
+        if len(self._records) >= _FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        recs, self._records = self._records, []
+        if not recs:
+            return
+        c = self._counts
+        dt, dev = c.dtype, c.device
+        n = len(recs)
+        T = torch.stack([r[0].to(dev, dt) for r in recs])
+        coef = torch.stack([r[1].to(dev, dt) for r in recs])
+        if any(r[2] is not None for r in recs):  # factor = inv_scale * coef: divide the unscale back out
+            coef = coef / torch.stack([r[2].to(dev, dt) if r[2] is not None else self._counts.new_ones(())
+                                       for r in recs])
+        B = torch.stack([r[3].to(dev, dt) for r in recs]) > 0
+        if any(r[4] is not None for r in recs):
+            S = torch.stack([r[4].to(dev, dt) if r[4] is not None else c.new_zeros(()) for r in recs])
+            spikes = ((S > 0) & torch.isfinite(T)).sum()  # a non-finite norm counts as non-finite only
+        else:
+            spikes = c.new_zeros(())
+        clipped = (coef < 1) & ~B
+        good = ~B
+        last_good = torch.where(good, torch.arange(n, device=dev), -1).max()
+        cons = torch.where(last_good < 0, c[3] + n, (n - 1 - last_good).to(dt))
+        inc = torch.stack([c.new_full((), n), clipped.sum().to(dt), B.sum().to(dt), c.new_zeros(()),
+                           (~torch.isfinite(T)).sum().to(dt), spikes.to(dt)])
+        new = c + inc
+        new[3] = cons
+        self._counts = new
+        self._last = (T[-1], T[-1] * coef[-1], coef[-1], clipped[-1], B[-1])
+
+    @property
+    def total_norm(self) -> Tensor | None:
+        """The last step's total norm before clipping (0-dim device tensor; no sync)."""
+        if self._records:
+            return self._records[-1][0]
+        return self._last[0] if self._last is not None else None
+
+    @property
+    def skipped(self) -> Tensor | None:
+        """Whether the last step is (was) skipped, as a 0-dim device bool tensor (no sync)."""
+        if self._records:
+            return self._records[-1][3] > 0
+        return self._last[4] if self._last is not None else None
+
+    @property
+    def clipped_norm(self) -> Tensor | None:
+        """The last step's norm after clipping (device tensor; folds the records, no sync)."""
+        self._fold()
+        return self._last[1] if self._last is not None else None
+
+    @property
+    def coef(self) -> Tensor | None:
+        """The last step's clip coefficient (AdaGC: post/pre norm ratio; device tensor, no sync)."""
+        self._fold()
+        return self._last[2] if self._last is not None else None
+
+    @property
+    def clipped(self) -> Tensor | None:
+        """Whether the last step was clipped (and not skipped): device bool tensor, no sync."""
+        self._fold()
+        return self._last[3] if self._last is not None else None
 
     def _check_consecutive(self) -> None:
         if self.max_consecutive_skips is None or self._host_counts is None:
@@ -633,6 +718,7 @@ class StepGuard:
     def _snapshot(self, opt, bad: Tensor):
         """Clones of every parameter with a gradient and of its state tensors, or None when a sync-free
         restore cannot be exact (state not created yet, or on another device than the flag)."""
+        bad = bad > 0
         dev = bad.device
         tensors, others, keys = [], [], {}
         for group in opt.param_groups:
