@@ -9,6 +9,7 @@ unguarded vs guarded vs a clean run; (b) the guard's cost against the unguarded 
   clean            no faults, fastgrad.clip_grad_norm_(params, 1.0)
   unguarded        faults injected, fastgrad.clip_grad_norm_(params, 1.0)
   unguarded-spikes only the spikes injected (the NaN batches would end the unguarded run first)
+  unclipped-spikes only the spikes injected, no clip at all (what a spike does to AdamW by itself)
   guarded          faults injected, StepGuard(opt, 1.0, skip_factor=10)  (skips NaN and > 10x max_norm)
   guarded-zclip    faults injected, StepGuard(opt, mode="zclip", skip_factor=10)
 A NaN batch puts a NaN into one embedding output (every gradient that depends on it goes NaN); a spike batch
@@ -85,7 +86,7 @@ def train(run, data, steps):
     nan, spike = _faults(steps)
     if run == "clean":
         nan, spike = set(), set()
-    elif run == "unguarded-spikes":
+    elif run in ("unguarded-spikes", "unclipped-spikes"):
         nan = set()
     guard = None
     if run == "guarded":
@@ -99,20 +100,22 @@ def train(run, data, steps):
         logits = model(batch[:, :-1], poison=step in nan)
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         (loss * (100.0 if step in spike else 1.0)).backward()
-        if guard is None:
+        if run == "unclipped-spikes":
+            pass
+        elif guard is None:
             fastgrad.clip_grad_norm_(params, 1.0)
         else:
             guard.clip_()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     info = guard.state() if guard is not None else {}
     return losses, info
 
 
 def part_train(steps):
     data = _markov_data(steps)
-    runs = ["clean", "unguarded", "unguarded-spikes", "guarded", "guarded-zclip"]
+    runs = ["clean", "unguarded", "unguarded-spikes", "unclipped-spikes", "guarded", "guarded-zclip"]
     curves, infos = {}, {}
     for r in runs:
         t0 = time.perf_counter()
@@ -169,8 +172,19 @@ def _timed(fn, restore):
 def part_cost(reps):
     torch.manual_seed(0)
     rows = []
+    for size, dims in (("tiny", dict(d=64, layers=2)), ("medium", dict(d=256, layers=6))):
+        rows += _cost_rows(reps if size == "tiny" else max(reps // 5, 20), size, dims)
+    with open(os.path.join(OUT, "cost.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
+def _cost_rows(reps, size, dims):
+    rows = []
     for fused in (True, False):
-        model = TinyLM()
+        model = TinyLM(**dims)
         params = list(model.parameters())
         batch = _markov_data(1)[0]
         loss = nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
@@ -210,16 +224,12 @@ def part_cost(reps):
             times["clip+step"][1].append(_timed(step_b, restore))
         for what, (a, b) in times.items():
             ma, mb = statistics.median(a), statistics.median(b)
-            rows.append(dict(optimizer="AdamW fused" if fused else "AdamW foreach", what=what,
-                             tensors=len(params), unguarded_median_us=round(ma, 1),
+            rows.append(dict(model=size, optimizer="AdamW fused" if fused else "AdamW foreach", what=what,
+                             tensors=len(params), elements=sum(p.numel() for p in params), unguarded_median_us=round(ma, 1),
                              guarded_median_us=round(mb, 1), ratio_median=round(mb / ma, 3),
                              unguarded_best_us=round(min(a), 1), guarded_best_us=round(min(b), 1),
                              ratio_best=round(min(b) / min(a), 3)))
             print(rows[-1])
-    with open(os.path.join(OUT, "cost.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     return rows
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import _scan
 from . import distributed as D
 from .amp import _check_ready, _inv_scale, _known_unscale, _optimizer_state, _record_read_pass, \
     device_amp_norms, combine_device_totals, optimizer_params
@@ -209,6 +210,7 @@ class StepGuard:
         self._host_counts = None  # (host copy of the counters, cuda event) for the lazy consecutive check
         self._calls = 0
         self._one = None
+        self._flags = None
 
         ref = weakref.ref(self)
 
@@ -299,7 +301,7 @@ class StepGuard:
         hand_over = (fused and self.zero_write and not sharded and not per_tensor and
                      (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
         if self.mode == "norm" and not sharded:
-            out = self._clip_one_call(opt, grads, inv_scale, scaler, state, hand_over, fused)
+            out = self._clip_one_call(opt, params, grads, inv_scale, scaler, state, hand_over, fused)
             if out is not None:
                 return out
         if use_scaler:
@@ -340,12 +342,31 @@ class StepGuard:
         out = total.to(I.promoted_dtype(grads)) if grads else total
         return D.wrap_like(out, sh) if sh is not None else out
 
-    def _clip_one_call(self, opt, grads, inv_scale, scaler, state, hand_over, fused) -> Tensor | None:
+    def _clip_one_call(self, opt, params, grads, inv_scale, scaler, state, hand_over, fused) -> Tensor | None:
         """mode="norm" on one device: the read pass, the non-finite flag, the coefficient and the write in ONE
         backend call (the fused AMP primitive, with an unscale factor of exactly 1 when there is no scaler:
         ``g * 1`` is ``g``, so the norm and the clip are clip_grad_norm_'s bit for bit), and no torch op
-        after it unless ``skip_factor`` is set. None when two backends would serve the read and the write."""
+        after it unless ``skip_factor`` is set. None when two backends would serve the read and the write.
+
+        CPU gradients that are written (no scaler, no hand-over): clip_grad_norm_'s own one-call C++ path
+        with its finiteness check, which on a non-finite norm writes nothing and says so (CPU memory: no
+        device to wait for). The flag is then one of two cached constant tensors."""
         p = self.norm_type
+        if inv_scale is None and not hand_over and grads[0].device.type == "cpu":
+            fast = _scan.clip_norm_cpu(params, self.max_norm, p, True, self.backend)
+            if fast is not None:
+                total, nonfinite = fast
+                self._ensure_state(total, 0)
+                if self._flags is None:
+                    self._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
+                bad = self._flags[bool(nonfinite)]
+                spike = None
+                if self.skip_factor is not None:
+                    spike = (total > self.skip_factor * self.max_norm).to(torch.float32)
+                    bad = torch.maximum(bad, spike)
+                self._record(total, None, None, bad, spike)
+                self._pend(bad, None, grads, fused)
+                return total
         if len(I.split_by_device(grads)) != 1:
             return None
         b = I.pick("amp_norm", grads, self.backend, norm_type=p)
@@ -574,7 +595,12 @@ class StepGuard:
         dt, dev = c.dtype, c.device
         n = len(recs)
         T = torch.stack([r[0].to(dev, dt) for r in recs])
-        coef = torch.stack([r[1].to(dev, dt) for r in recs])
+        if any(r[1] is None for r in recs):  # the one-call CPU path keeps no coefficient: clip_grad_norm_'s
+            T32 = torch.stack([r[0].to(dev, torch.float32) for r in recs])
+            derived = clip_coef(T32, self.max_norm).to(dt)
+            coef = torch.stack([r[1].to(dev, dt) if r[1] is not None else derived[i] for i, r in enumerate(recs)])
+        else:
+            coef = torch.stack([r[1].to(dev, dt) for r in recs])
         if any(r[2] is not None for r in recs):  # factor = inv_scale * coef: divide the unscale back out
             coef = coef / torch.stack([r[2].to(dev, dt) if r[2] is not None else self._counts.new_ones(())
                                        for r in recs])
@@ -642,7 +668,6 @@ class StepGuard:
                 "gradients that went non-finite). Nothing was modified by this call.")
 
     # ------------------------------------------------------------------ the step hooks
-    @torch.no_grad()
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._undo is not None:  # a previous step raised before its post-hook ran
             self._post_step(opt)
@@ -660,12 +685,12 @@ class StepGuard:
         if _fused_torch_optimizer(opt):
             self._undo = ("fused", self._hand_to_fused(opt, pend))
         elif self.non_fused == "restore":
-            snap = self._snapshot(opt, pend.bad)
+            with torch.no_grad():
+                snap = self._snapshot(opt, pend.bad)
             self._undo = ("restore", snap) if snap is not None else self._hide_if_bad(opt, pend.bad)
         else:
             self._undo = self._hide_if_bad(opt, pend.bad)
 
-    @torch.no_grad()
     def _post_step(self, opt) -> None:
         undo, self._undo = self._undo, None
         if undo is None:
@@ -682,7 +707,8 @@ class StepGuard:
             for q, g in data:
                 q.grad = g
         elif kind == "restore":
-            self._merge(opt, *data)
+            with torch.no_grad():
+                self._merge(opt, *data)
 
     def _hand_to_fused(self, opt, pend: _Pending) -> list:
         """found_inf (and the zero-write grad_scale) for torch's fused kernels, combined with what a

@@ -52,7 +52,7 @@ def _set_grads(params, step, scale=1.0, poison=None):
     NaN or an inf into one element of the second tensor."""
     gen = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.18 * scale).to(p.dtype)
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.18 * scale).to(p.device, p.dtype)
     if poison is not None:
         params[1].grad.view(-1)[3] = poison
 
@@ -521,6 +521,7 @@ def _rank_worker(rank: int, world: int, out_dir: str) -> None:
             st = guard.state()
             assert st["skipped_steps"] == 1 and st["nonfinite_steps"] == 1, st
             dist.barrier()
+        _dtensor_scenario(rank, world)
         open(os.path.join(out_dir, f"ok.{rank}"), "w").close()
     except BaseException:
         with open(os.path.join(out_dir, f"fail.{rank}"), "w") as f:
@@ -528,6 +529,40 @@ def _rank_worker(rank: int, world: int, out_dir: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _dtensor_scenario(rank: int, world: int) -> None:
+    """DTensor parameters and gradients (Shard(0) on a 1-D mesh, uneven sizes): the poisoned local shard on
+    the last rank makes every rank skip (sync and restore paths)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for non_fused in ("sync", "restore"):
+        gen = torch.Generator().manual_seed(11)
+        fulls = [torch.randn(n, 3, generator=gen) for n in (2 * world + 1, world, 5)]
+        ps = [torch.nn.Parameter(distribute_tensor(f, mesh, [Shard(0)])) for f in fulls]
+        opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+        guard = StepGuard(opt, 1.0, non_fused=non_fused)
+        for step in range(4):
+            g2 = torch.Generator().manual_seed(50 + step)
+            for p, f in zip(ps, fulls):
+                p.grad = distribute_tensor(torch.randn(f.shape, generator=g2), mesh, [Shard(0)])
+            if step == 2 and rank == world - 1:
+                ps[0].grad._local_tensor.view(-1)[0] = NAN  # this rank's shard only
+            before = [bits(p._local_tensor).clone() for p in ps] + \
+                [bits(t._local_tensor if hasattr(t, "_local_tensor") else t).clone() for t in _opt_state(opt)]
+            total = guard.clip_()
+            opt.step()
+            after = [bits(p._local_tensor).clone() for p in ps] + \
+                [bits(t._local_tensor if hasattr(t, "_local_tensor") else t).clone() for t in _opt_state(opt)]
+            same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+            if step == 2:
+                assert same and math.isnan(float(total.full_tensor())), (rank, non_fused)
+            elif step > 0:
+                assert not same, (rank, non_fused, step)
+        assert guard.state()["skipped_steps"] == 1
+        dist.barrier()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -560,3 +595,54 @@ def test_ranks_skip_together(world):
         assert sorted(f for f in os.listdir(out) if f.startswith("ok.")) == [f"ok.{r}" for r in range(world)]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- CUDA (runs where a GPU is present)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+def test_cuda_fused_skip_without_sync(mode):
+    """Fused AdamW on CUDA: NaN and spike steps skipped bit-exactly, with torch's sync debug mode set to
+    raise on any synchronizing call during clip_ + step."""
+    ps = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode in ("zclip", "adagc"):
+        kw["warmup_steps"] = 2
+    guard = StepGuard(opt, mode=mode, skip_factor=10.0, **kw)
+    for step in range(4):  # past the warm-ups; creates the state
+        _set_grads(ps, step)
+        guard.clip_()
+        opt.step()
+    snap = _snapshot(ps, opt)
+    for step, bad in [(4, dict(poison=NAN)), (5, dict(scale=1000.0))]:
+        _set_grads(ps, step, **bad)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            guard.clip_()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert _same(_snapshot(ps, opt), snap), (mode, step)
+    assert guard.state()["skipped_steps"] == 2
+
+
+@needs_cuda
+def test_cuda_healthy_steps_match_unguarded():
+    a = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    b = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    oa = torch.optim.AdamW(a, lr=1e-2, fused=True)
+    ob = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    guard = StepGuard(oa, 1.0)
+    for step in range(3):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        t1 = guard.clip_()
+        t2 = fastgrad.clip_optimizer_grad_norm_(ob, 1.0)
+        oa.step()
+        ob.step()
+        assert torch.equal(bits(t1), bits(t2))
+        assert _same(_snapshot(a, oa), _snapshot(b, ob))
