@@ -241,7 +241,6 @@ class StepGuard:
     def optimizer(self):
         return self._optimizer
 
-    @torch.no_grad()
     def clip_(self, scaler=None) -> Tensor:
         """Clip the optimizer's gradients by the mode's rule and decide whether its next step is skipped.
 
@@ -301,9 +300,19 @@ class StepGuard:
         hand_over = (fused and self.zero_write and not sharded and not per_tensor and
                      (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
         if self.mode == "norm" and not sharded:
+            # (outside no_grad, as clip_grad_norm_'s one-call path: these calls record nothing for autograd)
             out = self._clip_one_call(opt, params, grads, inv_scale, scaler, state, hand_over, fused)
             if out is not None:
                 return out
+        with torch.no_grad():
+            return self._clip_general(opt, params, grads, inv_scale, scaler, state, hand_over, fused, sharded,
+                                      use_scaler, per_tensor)
+
+    def _clip_general(self, opt, params, grads, inv_scale, scaler, state, hand_over, fused, sharded, use_scaler,
+                      per_tensor) -> Tensor:
+        """Every mode, any layout: norms (per tensor for AdaGC) through clip.py's dispatch, the mode's rule
+        in device ops, then the write or the hand-over."""
+        p = self.norm_type
         if use_scaler:
             groups = I.split_by_device(grads)
             if per_tensor:
@@ -594,19 +603,22 @@ class StepGuard:
         c = self._counts
         dt, dev = c.dtype, c.device
         n = len(recs)
-        T = torch.stack([r[0].to(dev, dt) for r in recs])
-        if any(r[1] is None for r in recs):  # the one-call CPU path keeps no coefficient: clip_grad_norm_'s
-            T32 = torch.stack([r[0].to(dev, torch.float32) for r in recs])
-            derived = clip_coef(T32, self.max_norm).to(dt)
-            coef = torch.stack([r[1].to(dev, dt) if r[1] is not None else derived[i] for i, r in enumerate(recs)])
+        # (torch.stack promotes mixed dtypes; one conversion per stacked vector, not per record)
+        T = torch.stack([r[0] for r in recs]).to(dev, dt)
+        factors = [r[1] for r in recs]
+        if all(f is None for f in factors):  # the one-call CPU path keeps no coefficient: clip_grad_norm_'s
+            coef = clip_coef(T.to(torch.float32), self.max_norm).to(dt)
+        elif any(f is None for f in factors):
+            derived = clip_coef(T.to(torch.float32), self.max_norm).to(dt).unbind(0)
+            coef = torch.stack([f.to(dev, dt) if f is not None else d for f, d in zip(factors, derived)])
         else:
-            coef = torch.stack([r[1].to(dev, dt) for r in recs])
+            coef = torch.stack(factors).to(dev, dt)
         if any(r[2] is not None for r in recs):  # factor = inv_scale * coef: divide the unscale back out
-            coef = coef / torch.stack([r[2].to(dev, dt) if r[2] is not None else self._counts.new_ones(())
-                                       for r in recs])
-        B = torch.stack([r[3].to(dev, dt) for r in recs]) > 0
+            coef = coef / torch.stack([r[2] if r[2] is not None else self._one_like(r[1]) for r in recs]).to(dev, dt)
+        B = torch.stack([r[3] for r in recs]).to(dev) > 0
         if any(r[4] is not None for r in recs):
-            S = torch.stack([r[4].to(dev, dt) if r[4] is not None else c.new_zeros(()) for r in recs])
+            S = torch.stack([r[4].to(torch.float32) if r[4] is not None else B.new_zeros((), dtype=torch.float32)
+                             for r in recs]).to(dev)
             spikes = ((S > 0) & torch.isfinite(T)).sum()  # a non-finite norm counts as non-finite only
         else:
             spikes = c.new_zeros(())
@@ -620,6 +632,10 @@ class StepGuard:
         new[3] = cons
         self._counts = new
         self._last = (T[-1], T[-1] * coef[-1], coef[-1], clipped[-1], B[-1])
+
+    @staticmethod
+    def _one_like(t: Tensor) -> Tensor:
+        return torch.ones((), dtype=torch.float32, device=t.device)
 
     @property
     def total_norm(self) -> Tensor | None:
