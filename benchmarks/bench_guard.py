@@ -135,31 +135,49 @@ def part_train(steps):
             i = infos[r]
             w.writerow([r, f"{tail[r]:.6f}", i.get("skipped_steps", ""), i.get("nonfinite_steps", ""),
                         i.get("spike_steps", "")])
+    plot(curves, steps)
+    return tail
+
+
+def plot(curves, steps):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        nan, spike = _faults(steps)
-        fig, ax = plt.subplots(figsize=(9, 5))
-        for r in runs:
-            ys = [v if math.isfinite(v) else float("nan") for v in curves[r]]
-            ax.plot(range(steps), ys, label=r, lw=1.2, ls="--" if r.startswith("guarded") else "-")
-        for s in nan:
-            ax.axvline(s, color="red", alpha=0.3, lw=0.8)
-        for s in spike:
-            ax.axvline(s, color="orange", alpha=0.3, lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel("step (red: NaN batch, orange: 100x spike)")
-        ax.set_ylabel("training loss")
-        ax.set_title("TinyLM on CPU, AdamW: injected NaN batches and 100x gradient spikes")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(OUT, "train.png"), dpi=110)
     except ImportError:
         print("matplotlib not installed: no plot")
-    return tail
+        return
+    nan, spike = _faults(steps)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r, ys in curves.items():
+        line, = ax.plot(range(steps), ys, label=r, lw=1.2, ls="--" if r.startswith("guarded") else "-")
+        # a NaN loss is not drawn: mark where a run died (NaN from there to the end; a poisoned batch alone
+        # has a NaN loss for its own step in every run)
+        alive = [s for s, v in enumerate(ys) if math.isfinite(v)]
+        dead = alive[-1] + 1 if alive and alive[-1] + 1 < len(ys) else None
+        if dead is not None:
+            ax.plot([dead], [max(v for v in ys if math.isfinite(v))], "x", ms=10, color=line.get_color())
+            ax.annotate(f"{r}: loss NaN from step {dead} on", (dead, ys[dead - 1]), xytext=(dead + 10, 3.6),
+                        color=line.get_color(), arrowprops=dict(arrowstyle="->", color=line.get_color()))
+    for s in nan:
+        ax.axvline(s, color="red", alpha=0.3, lw=0.8)
+    for s in spike:
+        ax.axvline(s, color="orange", alpha=0.3, lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (red: NaN batch, orange: 100x spike)")
+    ax.set_ylabel("training loss")
+    ax.set_title("TinyLM on CPU, AdamW: injected NaN batches and 100x gradient spikes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, "train.png"), dpi=110)
+
+
+def replot():
+    with open(os.path.join(OUT, "train.csv")) as f:
+        rows = list(csv.DictReader(f))
+    runs = [k for k in rows[0] if k != "step"]
+    plot({r: [float(row[r]) for row in rows] for r in runs}, len(rows))
 
 
 def _timed(fn, restore):
@@ -235,7 +253,8 @@ def _cost_rows(reps, size, dims):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["train", "cost", "both"], default="both")
+    ap.add_argument("--part", choices=["train", "cost", "both", "plot"], default="both",
+                    help="plot: redraw train.png from train.csv")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
@@ -245,6 +264,8 @@ def main():
     load = os.getloadavg()
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} torch {torch.__version__} "
           f"{platform.processor() or platform.machine()} threads={args.threads} load={load}")
+    if args.part == "plot":
+        return replot()
     if args.part in ("train", "both"):
         part_train(args.steps)
     if args.part in ("cost", "both"):
