@@ -243,7 +243,8 @@ def _cost_rows(reps, size, dims):
         for what, (a, b) in times.items():
             ma, mb = statistics.median(a), statistics.median(b)
             rows.append(dict(model=size, optimizer="AdamW fused" if fused else "AdamW foreach", what=what,
-                             tensors=len(params), elements=sum(p.numel() for p in params), unguarded_median_us=round(ma, 1),
+                             tensors=len(params), elements=sum(p.numel() for p in params),
+                             unguarded_median_us=round(ma, 1),
                              guarded_median_us=round(mb, 1), ratio_median=round(mb / ma, 3),
                              unguarded_best_us=round(min(a), 1), guarded_best_us=round(min(b), 1),
                              ratio_best=round(min(b) / min(a), 3)))

@@ -208,7 +208,6 @@ class StepGuard:
         self._records: list = []  # per step since the last fold: (total, factor, inv_scale, bad, spike)
         self._last = None  # the last folded step: (total, post-clip norm, coef, clipped, skipped)
         self._host_counts = None  # (host copy of the counters, cuda event) for the lazy consecutive check
-        self._calls = 0
         self._one = None
         self._flags = None
 
@@ -592,7 +591,6 @@ class StepGuard:
         """Per step only a list append: the counters are folded from these records on the device when asked
         for, every ``_FOLD`` steps, or every step with ``max_consecutive_skips``."""
         self._records.append((total, factor, inv, bad, spike))
-        self._calls += 1
         if len(self._records) >= _FOLD:
             self._fold()
 

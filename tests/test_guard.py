@@ -646,3 +646,46 @@ def test_cuda_healthy_steps_match_unguarded():
         ob.step()
         assert torch.equal(bits(t1), bits(t2))
         assert _same(_snapshot(a, oa), _snapshot(b, ob))
+
+
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+def test_modes_under_a_gradscaler_see_the_unscaled_norms(mode):
+    """With a GradScaler (power-of-two scale), every mode clips the unscaled gradients as it would without
+    one, and an overflow is skipped and backs the scale off."""
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode in ("zclip", "adagc"):
+        kw["warmup_steps"] = 3
+    a, b = _params(), _params()
+    ga = StepGuard(torch.optim.SGD(a, lr=0.1), mode=mode, **kw)
+    gb = StepGuard(torch.optim.SGD(b, lr=0.1), mode=mode, **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for step in range(8):
+        _set_grads(a, step, scale=1.0 + step % 3)
+        _scaled(b, scaler, step, scale=1.0 + step % 3)
+        ta = ga.clip_()
+        tb = gb.clip_(scaler)
+        assert float(tb) == pytest.approx(float(ta), rel=1e-6)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.grad, x.grad, rtol=1e-6, atol=0)
+        ga.optimizer.step()
+        scaler.step(gb.optimizer)
+        scaler.update()
+    _scaled(b, scaler, 9, poison=INF)
+    before = _snapshot(b, gb.optimizer)
+    gb.clip_(scaler)
+    scaler.step(gb.optimizer)
+    scaler.update()
+    assert _same(_snapshot(b, gb.optimizer), before) and scaler.get_scale() == 512.0
+    assert gb.state()["nonfinite_steps"] == 1
+
+
+def test_remove_detaches_the_hooks():
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    g = StepGuard(opt, 1.0)
+    _set_grads(ps, 0, poison=NAN)
+    g.clip_()
+    g.remove()
+    opt.step()  # no guard: the NaN goes through, as it would without one
+    assert any(torch.isnan(p).any() for p in ps)
+    assert not hasattr(opt, "found_inf")
