@@ -42,7 +42,7 @@ from torch import Tensor
 from . import _inputs as I
 from . import _scan
 from . import distributed as D
-from .amp import _check_ready, _inv_scale, _known_unscale, _optimizer_state, _record_read_pass, \
+from .amp import _check_ready, _inv_scale, _is_sharded, _known_unscale, _optimizer_state, _record_read_pass, \
     device_amp_norms, combine_device_totals, optimizer_params
 from .amp import zero_write_applies as _amp_zero_write_applies
 from .backends import acc_dtype, clip_coef
@@ -269,10 +269,12 @@ class StepGuard:
                             "(nothing was modified)")
         sharded = self.process_group is not None or D.has_dtensor(grads)
         use_scaler = scaler is not None and scaler.is_enabled()
-        if use_scaler and sharded:
+        if use_scaler and sharded and (self.mode == "adagc" or _is_sharded(scaler)):
             raise NotImplementedError("StepGuard.clip_(scaler) with sharded (DTensor or process_group) gradients "
-                                      "is not supported yet; call fastgrad.scaler_unscale_and_clip first and "
-                                      "then guard.clip_() (nothing was modified)")
+                                      "supports torch's plain GradScaler and the total-norm modes; for "
+                                      f"{'mode=adagc' if self.mode == 'adagc' else 'a ShardedGradScaler'} call "
+                                      "fastgrad.scaler_unscale_and_clip first, then guard.clip_() (nothing was "
+                                      "modified)")
         if not grads and not sharded:
             if use_scaler:  # unscale_ records an empty flag set; so do we
                 state = _optimizer_state(scaler, opt, False)
@@ -312,7 +314,24 @@ class StepGuard:
         """Every mode, any layout: norms (per tensor for AdaGC) through clip.py's dispatch, the mode's rule
         in device ops, then the write or the hand-over."""
         p = self.norm_type
-        if use_scaler:
+        if use_scaler and sharded:
+            # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
+            # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
+            sh = D.prepare(grads, self.process_group)
+            backend = self.backend
+
+            def local_amp(ts):
+                groups = I.split_by_device(ts)
+                parts = device_amp_norms(groups, inv_scale, p, backend)
+                total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
+                return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
+
+            total, _, flag = D.reduced_amp_norm(sh, p, local_amp)
+            groups = I.split_by_device(sh.writes)
+            found = {g[0].device: flag.to(g[0].device).reshape(()) for g in groups}
+            _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, self.backend)
+            writes, per = sh.writes, None
+        elif use_scaler:
             groups = I.split_by_device(grads)
             if per_tensor:
                 total, per, found = self._amp_norms_per_tensor(grads, inv_scale)

@@ -522,6 +522,7 @@ def _rank_worker(rank: int, world: int, out_dir: str) -> None:
             assert st["skipped_steps"] == 1 and st["nonfinite_steps"] == 1, st
             dist.barrier()
         _dtensor_scenario(rank, world)
+        _scaler_scenario(rank, world)
         open(os.path.join(out_dir, f"ok.{rank}"), "w").close()
     except BaseException:
         with open(os.path.join(out_dir, f"fail.{rank}"), "w") as f:
@@ -529,6 +530,41 @@ def _rank_worker(rank: int, world: int, out_dir: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _scaler_scenario(rank: int, world: int) -> None:
+    """process_group shards under a GradScaler: an inf in rank 1's scaled shard skips the step on every rank
+    and backs the scale off on every rank; a spike (skip_factor) skips everywhere and keeps the scale."""
+    for fused in (True, False):
+        gen = torch.Generator().manual_seed(3)
+        shards = [torch.nn.Parameter(torch.randn(4 + rank + k, generator=gen)) for k in range(3)]
+        opt = torch.optim.AdamW(shards, lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        guard = StepGuard(opt, 1.0, skip_factor=50.0, process_group=dist.group.WORLD)
+        for step in range(5):
+            g2 = torch.Generator().manual_seed(200 * step + rank)
+            s = scaler.scale(torch.ones(()))
+            for p in shards:
+                p.grad = torch.randn(p.shape, generator=g2) * 0.1 * s
+            if step == 2 and rank == 1:
+                shards[0].grad[0] = INF
+            if step == 3:  # every rank's shards spike
+                for p in shards:
+                    p.grad = p.grad * 1000.0
+            before = [bits(q.detach()).clone() for q in shards] + [bits(t).clone() for t in _opt_state(opt)]
+            guard.clip_(scaler)
+            scaler.step(opt)
+            scaler.update()
+            after = [bits(q.detach()).clone() for q in shards] + [bits(t).clone() for t in _opt_state(opt)]
+            same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+            if step in (2, 3):
+                assert same, (rank, fused, step)
+            elif step > 0:
+                assert not same, (rank, fused, step)
+            assert scaler.get_scale() == (1024.0 if step < 2 else 512.0), (rank, fused, step)
+        st = guard.state()
+        assert st["skipped_steps"] == 2 and st["nonfinite_steps"] == 1 and st["spike_steps"] == 1, st
+        dist.barrier()
 
 
 def _dtensor_scenario(rank: int, world: int) -> None:
