@@ -240,6 +240,27 @@ class StepGuard:
     def optimizer(self):
         return self._optimizer
 
+    def state_dict(self) -> dict:
+        """The guard's statistics (the mode's EMAs / history / per-tensor gammas) and counters, for a
+        checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
+        self._fold()
+        return {"mode": self.mode, "options": dict(self.options),
+                "stats": {k: v.clone() for k, v in self._stats.items()},
+                "counts": None if self._counts is None else self._counts.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients)."""
+        if state.get("mode") != self.mode:
+            raise ValueError(f"state_dict is for mode={state.get('mode')!r}, this guard is mode={self.mode!r}")
+        if state.get("options") != self.options:
+            raise ValueError(f"state_dict was made with options {state.get('options')}, this guard has "
+                             f"{self.options}")
+        self._records = []
+        self._last = None
+        self._stats = {k: v.clone() for k, v in state["stats"].items()}
+        self._counts = None if state["counts"] is None else state["counts"].clone()
+        self._device = None if self._counts is None else self._counts.device
+
     def clip_(self, scaler=None) -> Tensor:
         """Clip the optimizer's gradients by the mode's rule and decide whether its next step is skipped.
 
@@ -470,6 +491,11 @@ class StepGuard:
         if self._counts is not None and self._device == dev:
             return
         self._fold()
+        if self._counts is not None and self._stats_fit(n_params):  # loaded or moved: keep, on this device
+            self._counts = self._counts.to(dev)
+            self._stats = {k: v.to(dev) for k, v in self._stats.items()}
+            self._device = dev
+            return
         self._device = dev
         cdt = torch.float32 if dev.type == "mps" else torch.float64
         self._counts = torch.zeros(len(COUNTERS), dtype=cdt, device=dev)
@@ -484,6 +510,13 @@ class StepGuard:
                                ring=torch.full((o["history_size"],), math.nan, dtype=dt, device=dev))
         elif self.mode == "adagc":
             self._stats = dict(n=z(), gamma=torch.full((n_params,), math.inf, dtype=dt, device=dev))
+
+    def _stats_fit(self, n_params: int) -> bool:
+        if self.mode == "norm":
+            return True
+        if self.mode == "adagc":
+            return "gamma" in self._stats and (n_params == 0 or self._stats["gamma"].numel() == n_params)
+        return bool(self._stats)
 
     def _rule(self, total: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """(coefficient, bad, spike-or-None) for the total-norm modes, all on the total's device."""

@@ -725,3 +725,31 @@ def test_remove_detaches_the_hooks():
     opt.step()  # no guard: the NaN goes through, as it would without one
     assert any(torch.isnan(p).any() for p in ps)
     assert not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("mode", ["zclip", "autoclip", "adagc"])
+def test_state_dict_resumes_the_statistics(mode):
+    """A guard rebuilt from state_dict() continues exactly as the original (checkpoint / resume)."""
+    kw = {"warmup_steps": 3} if mode in ("zclip", "adagc") else {"history_size": 5}
+    a, b = _params(), _params()
+    ga = StepGuard(torch.optim.SGD(a, lr=0.1), mode=mode, **kw)
+    for step in range(6):
+        _set_grads(a, step, scale=1.0 + step % 3)
+        ga.clip_()
+        ga.optimizer.step()
+    gb = StepGuard(torch.optim.SGD(b, lr=0.1), mode=mode, **kw)
+    gb.optimizer.load_state_dict(ga.optimizer.state_dict())
+    for x, y in zip(a, b):
+        y.data.copy_(x.data)
+    gb.load_state_dict(ga.state_dict())
+    for step in range(6, 10):
+        _set_grads(a, step, scale=1.0 + 3 * (step == 8))
+        _set_grads(b, step, scale=1.0 + 3 * (step == 8))
+        assert torch.equal(bits(ga.clip_()), bits(gb.clip_()))
+        for x, y in zip(a, b):
+            assert torch.equal(bits(x.grad), bits(y.grad))
+        ga.optimizer.step()
+        gb.optimizer.step()
+    assert ga.state() == gb.state()
+    with pytest.raises(ValueError, match="mode"):
+        StepGuard(torch.optim.SGD(_params(), lr=0.1), 1.0).load_state_dict(ga.state_dict())
