@@ -270,9 +270,9 @@ class StepGuard:
         ``fastgrad.scaler_unscale_and_clip`` does: its ``found_inf_per_device`` holds the OVERFLOW flag only,
         so ``scaler.update()`` backs the scale off on an overflow and not on a spike skip.
 
-        On a skipped step the gradients are still clipped by the step's coefficient, as ``clip_grad_norm_``
-        would (a NaN norm makes them NaN); call ``fastgrad.find_nonfinite`` before ``clip_`` to name the
-        culprit. No host sync, except: ``max_consecutive_skips``
+        On a skipped step the gradients are clipped by the step's coefficient as ``clip_grad_norm_`` would (a
+        NaN norm makes them NaN), except on the CPU write path of mode "norm", which leaves them untouched;
+        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except: ``max_consecutive_skips``
         reads the counter copy made at the previous call (on CUDA only once that copy has landed, checked
         with an event, so never waiting; on the CPU a plain read), and the non-fused paths described in the
         module docstring.
