@@ -4,6 +4,7 @@ unguarded vs guarded vs a clean run; (b) the guard's cost against the unguarded 
     python -m benchmarks.bench_guard                    # both parts, results under benchmarks/results/guard-cpu/
     python -m benchmarks.bench_guard --part train --steps 400
     python -m benchmarks.bench_guard --part cost --reps 400
+    python -m benchmarks.bench_guard --part modes --reps 300   # guard.clip_ per mode vs clip_grad_norm_
 
 (a) Runs (same seed, same data order, AdamW lr 3e-3, clip max_norm 1.0):
   clean            no faults, fastgrad.clip_grad_norm_(params, 1.0)
@@ -252,9 +253,53 @@ def _cost_rows(reps, size, dims):
     return rows
 
 
+def part_modes(reps):
+    """guard.clip_() per mode against the unguarded clip_grad_norm_ (foreach AdamW, so every mode writes),
+    interleaved, gradients restored before each repetition. Writes modes.csv."""
+    rows = []
+    for size, dims in (("tiny", dict(d=64, layers=2)), ("medium", dict(d=256, layers=6))):
+        torch.manual_seed(0)
+        model = TinyLM(**dims)
+        params = list(model.parameters())
+        batch = _markov_data(1)[0]
+        loss = nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        loss.backward()
+        saved = [p.grad.clone() for p in params]
+
+        def restore():
+            for p, g in zip(params, saved):
+                p.grad.copy_(g)
+
+        fns = {"clip_grad_norm_": lambda: fastgrad.clip_grad_norm_(params, 1.0)}
+        for mode in ("norm", "zclip", "autoclip", "adagc"):
+            opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+            kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+            fns[mode] = fastgrad.StepGuard(opt, mode=mode, **kw).clip_
+        for f in fns.values():
+            for _ in range(30):  # past the warm-ups (25 zclip steps)
+                _timed(f, restore)
+        n = reps if size == "tiny" else max(reps // 5, 20)
+        times = {k: [] for k in fns}
+        for _ in range(n):
+            for k, f in fns.items():
+                times[k].append(_timed(f, restore))
+        base_med, base_best = statistics.median(times["clip_grad_norm_"]), min(times["clip_grad_norm_"])
+        for k, t in times.items():
+            rows.append(dict(model=size, tensors=len(params), elements=sum(p.numel() for p in params), op=k,
+                             median_us=round(statistics.median(t), 1), best_us=round(min(t), 1),
+                             ratio_median=round(statistics.median(t) / base_med, 3),
+                             ratio_best=round(min(t) / base_best, 3)))
+            print(rows[-1])
+    with open(os.path.join(OUT, "modes.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["train", "cost", "both", "plot"], default="both",
+    ap.add_argument("--part", choices=["train", "cost", "both", "plot", "modes"], default="both",
                     help="plot: redraw train.png from train.csv")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--reps", type=int, default=300)
@@ -267,6 +312,10 @@ def main():
           f"{platform.processor() or platform.machine()} threads={args.threads} load={load}")
     if args.part == "plot":
         return replot()
+    if args.part == "modes":
+        part_modes(args.reps)
+        print(f"load after: {os.getloadavg()}")
+        return
     if args.part in ("train", "both"):
         part_train(args.steps)
     if args.part in ("cost", "both"):
