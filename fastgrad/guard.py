@@ -634,9 +634,11 @@ class StepGuard:
     def _scale_per_tensor(writes: list[Tensor], coefs: Tensor) -> None:
         if not writes:
             return
-        cs = coefs.to(writes[0].device).unbind(0)
-        for g, c in zip(writes, cs):
-            g.mul_(c.to(g.device) if g.device != c.device else c)
+        if len({g.device for g in writes}) == 1:  # one foreach call (same bits as one mul_ per tensor)
+            torch._foreach_mul_(writes, list(coefs.to(writes[0].device).unbind(0)))
+            return
+        for g, c in zip(writes, coefs.unbind(0)):
+            g.mul_(c.to(g.device))
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, total, factor, inv, bad, spike) -> None:
