@@ -18,6 +18,7 @@ from .report import GradientReport, gradient_report
 from .monitor import GradientMonitor
 from .nonfinite import find_nonfinite
 from .optim_clip import clip_optimizer_grad_norm_
+from .guard import GuardError, StepGuard
 from .patch import patch_torch, unpatch_torch
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "multi_tensor_norm",
     "scaler_unscale_and_clip",
     "clip_optimizer_grad_norm_",
+    "StepGuard",
+    "GuardError",
     "adaptive_clip_grad_",
     "centralize_gradient_",
     "grad_stats",

@@ -1,0 +1,755 @@
+"""StepGuard (fastgrad/guard.py): a bad step never reaches the weights or the optimizer state.
+
+References: twin runs of the same optimizer that (a) never take the bad step and clip the healthy ones with
+the unguarded clip (fastgrad.clip_optimizer_grad_norm_ for torch's fused optimizers, fastgrad.clip_grad_norm_
+otherwise), compared bit for bit; (b) plain float64 Python implementations of the ZClip, AutoClip and AdaGC
+formulas, written here from the papers, on recorded norm sequences."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastgrad
+from fastgrad import StepGuard
+from fastgrad.guard import COUNTERS, GuardError, guard_for
+
+from .helpers import bits
+from .helpers import optimizer_state as _opt_state
+
+INF, NAN = float("inf"), float("nan")
+SHAPES = [(17, 33), (7,), (1,), (129,), (3, 4, 5)]
+
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-fused-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+    "sgd-fused-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    "adagrad-fused": lambda ps: torch.optim.Adagrad(ps, lr=0.05, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam-forloop": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    "sgd-foreach-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+}
+FUSED = {k for k in OPTIMIZERS if "fused" in k}
+
+
+def _params(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in SHAPES]
+
+
+def _set_grads(params, step, scale=1.0, poison=None):
+    """Fresh non-zero gradients for ``step`` (norm ~ 5 * scale), the same for every twin; ``poison`` puts a
+    NaN or an inf into one element of the second tensor."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.18 * scale).to(p.device, p.dtype)
+    if poison is not None:
+        params[1].grad.view(-1)[3] = poison
+
+
+def _snapshot(params, opt):
+    return [bits(p.detach()).clone() for p in params] + [bits(t).clone() for t in _opt_state(opt)]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@contextmanager
+def no_host_reads():
+    """Any read of tensor data on the host raises while active (CPU stand-in for 'no device sync')."""
+    names = ["item", "__bool__", "tolist", "__float__", "__int__", "__index__", "numpy"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host read: Tensor.{name}")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+# ---------------------------------------------------------------- twins: skip == never took the step
+BAD = {"nan": dict(poison=NAN), "inf": dict(poison=INF), "spike": dict(scale=100.0)}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("non_fused", ["sync", "restore"])
+def test_bad_step_is_never_taken(name, bad, non_fused):
+    if name in FUSED and non_fused == "restore":
+        pytest.skip("non_fused does not apply to fused optimizers")
+    make = OPTIMIZERS[name]
+    ps_g, ps_r = _params(), _params()
+    opt_g, opt_r = make(ps_g), make(ps_r)
+    guard = StepGuard(opt_g, 1.0, skip_factor=10.0, non_fused=non_fused)
+    bad_steps = {2, 4, 5}
+    for step in range(7):
+        kw = BAD[bad] if step in bad_steps else {}
+        _set_grads(ps_g, step, **kw)
+        total = guard.clip_()
+        opt_g.step()
+        opt_g.zero_grad()
+        if step not in bad_steps:  # the reference never sees the bad steps
+            _set_grads(ps_r, step)
+            if name in FUSED:
+                ref_total = fastgrad.clip_optimizer_grad_norm_(opt_r, 1.0)
+            else:
+                ref_total = fastgrad.clip_grad_norm_(ps_r, 1.0)
+            opt_r.step()
+            opt_r.zero_grad()
+            assert torch.equal(bits(total), bits(ref_total))
+        assert _same(_snapshot(ps_g, opt_g), _snapshot(ps_r, opt_r)), (name, bad, step)
+        st = guard.state()
+        assert st["skipped"] == (step in bad_steps)
+        assert st["consecutive_skipped"] == {4: 1, 5: 2, 2: 1}.get(step, 0)
+    st = guard.state()
+    assert st["steps"] == 7 and st["skipped_steps"] == 3
+    assert st["clipped_steps"] == 4  # every healthy step has norm ~5 > 1
+    assert st["nonfinite_steps"] == (3 if bad != "spike" else 0)
+    assert st["spike_steps"] == (3 if bad == "spike" else 0)
+
+
+def test_first_step_skipped_leaves_no_state_on_the_sync_paths():
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+    guard = StepGuard(opt, 1.0, non_fused="restore")  # no state yet: falls back to one flag read
+    before = [p.detach().clone() for p in ps]
+    _set_grads(ps, 0, poison=NAN)
+    guard.clip_()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ps)) and len(opt.state) == 0
+    assert all(p.grad is not None for p in ps)  # the hidden gradients are given back, unclipped
+    assert torch.isnan(ps[1].grad).any()
+
+
+NO_READ = dict(OPTIMIZERS, **{
+    # (torch's non-fused Adam/RMSprop on the CPU read their own step counter with .item(): not ours to test)
+    "sgd-forloop-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=False)})
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adam-fused-amsgrad", "sgd-fused-momentum", "adagrad-fused",
+                                  "sgd-foreach-nesterov", "sgd-forloop-momentum"])
+def test_no_host_read_on_the_skip_path(name):
+    """Fused optimizers, and the restore path once the state exists: clip_ + step read nothing on the host."""
+    ps = _params()
+    opt = NO_READ[name](ps)
+    guard = StepGuard(opt, 1.0, skip_factor=10.0, non_fused="restore")
+    _set_grads(ps, 0)
+    guard.clip_()
+    opt.step()  # creates the state (outside the check)
+    snap = _snapshot(ps, opt)
+    for step, kw in [(1, dict(poison=NAN)), (2, dict(scale=100.0))]:
+        _set_grads(ps, step, **kw)
+        with no_host_reads():
+            guard.clip_()
+            opt.step()
+        assert _same(_snapshot(ps, opt), snap)
+    _set_grads(ps, 3)
+    with no_host_reads():
+        guard.clip_()
+        opt.step()
+    assert not _same(_snapshot(ps, opt), snap)
+
+
+def test_no_host_read_check_can_fail():
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+    guard = StepGuard(opt, 1.0, non_fused="sync")
+    _set_grads(ps, 0)
+    with pytest.raises(AssertionError, match="host read"):
+        with no_host_reads():
+            guard.clip_()
+            opt.step()
+
+
+def test_healthy_norm_mode_is_the_unguarded_clip_bitwise():
+    """Gradients written by the guard (non-fused) equal fastgrad.clip_grad_norm_'s bit for bit, odd sizes,
+    mixed dtypes, a None grad."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(33, 17), (5,), (0,), (1023,), (2, 3)]
+    dts = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float64]
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(shapes, dts)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    extra_a, extra_b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    for x, y in zip(a, b):
+        x.grad = torch.randn(x.shape, generator=gen).to(x.dtype) * 3
+        y.grad = x.grad.clone()
+    guard = StepGuard(torch.optim.SGD(a + [extra_a], lr=0.1), 0.5)
+    t1 = guard.clip_()
+    t2 = fastgrad.clip_grad_norm_(b + [extra_b], 0.5)
+    assert torch.equal(bits(t1), bits(t2))
+    for x, y in zip(a, b):
+        assert torch.equal(bits(x.grad), bits(y.grad))
+
+
+# ---------------------------------------------------------------- GradScaler
+def _scaled(params, scaler, step, **kw):
+    _set_grads(params, step, **kw)
+    s = scaler.scale(torch.ones(()))  # the current scale (initialised on first use)
+    for p in params:
+        p.grad = p.grad * s.to(p.dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_scaler_overflow_backs_off_spike_does_not(fused):
+    ps_g, ps_r = _params(), _params()
+    opt_g = torch.optim.AdamW(ps_g, lr=1e-2, fused=fused)
+    opt_r = torch.optim.AdamW(ps_r, lr=1e-2, fused=fused)
+    sc_g = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    sc_r = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    guard = StepGuard(opt_g, 1.0, skip_factor=10.0)
+    plan = {1: dict(poison=INF), 3: dict(scale=100.0)}
+    for step in range(5):
+        _scaled(ps_g, sc_g, step, **plan.get(step, {}))
+        guard.clip_(sc_g)
+        sc_g.step(opt_g)
+        sc_g.update()
+        # reference: the overflow step is one torch skips too (scale halves); the spike step is never taken
+        if step != 3:
+            _scaled(ps_r, sc_r, step, **plan.get(step, {}))
+            fastgrad.scaler_unscale_and_clip(sc_r, opt_r, 1.0, zero_write=fused)
+            sc_r.step(opt_r)
+            sc_r.update()
+        else:
+            assert sc_g.get_scale() == 2 * sc_r.get_scale()  # growth_interval=1: a non-overflow step grows
+            sc_r.update(sc_g.get_scale())
+        assert _same(_snapshot(ps_g, opt_g), _snapshot(ps_r, opt_r)), step
+        assert sc_g.get_scale() == sc_r.get_scale()
+    st = guard.state()
+    assert st["skipped_steps"] == 2 and st["spike_steps"] == 1 and st["nonfinite_steps"] == 1
+
+
+# ---------------------------------------------------------------- errors, counters, stale decisions
+def test_bad_arguments_raise_before_anything():
+    ps = _params()
+    opt = torch.optim.SGD(ps, lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        StepGuard(ps, 1.0)
+    with pytest.raises(TypeError, match="GradScaler"):
+        StepGuard(torch.amp.GradScaler("cpu"), 1.0)
+    with pytest.raises(ValueError, match="LBFGS"):
+        StepGuard(torch.optim.LBFGS(ps), 1.0)
+    with pytest.raises(ValueError, match="mode"):
+        StepGuard(opt, 1.0, mode="zscore")
+    with pytest.raises(ValueError, match="needs max_norm"):
+        StepGuard(opt)
+    with pytest.raises(TypeError, match="does not take percentile"):
+        StepGuard(opt, mode="zclip", percentile=5)
+    with pytest.raises(ValueError, match="norm_type must be 2"):
+        StepGuard(opt, mode="zclip", norm_type=1.0)
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        StepGuard(opt, 1.0, max_consecutive_skips=0)
+    with pytest.raises(ValueError, match="non_fused"):
+        StepGuard(opt, 1.0, non_fused="maybe")
+    g = StepGuard(opt, 1.0)
+    with pytest.raises(ValueError, match="already has a StepGuard"):
+        StepGuard(opt, 1.0)
+    assert guard_for(opt) is g
+    g.remove()
+    assert guard_for(opt) is None
+    # sparse gradients: refused, nothing written
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4).to_sparse()
+    g2 = StepGuard(torch.optim.SGD([p], lr=0.1), 1.0)
+    with pytest.raises(TypeError, match="dense real floating"):
+        g2.clip_()
+    assert torch.equal(p.grad.to_dense(), torch.ones(4))
+
+
+def test_gradients_changed_after_clip_refuse_the_step():
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    guard = StepGuard(opt, 1.0)
+    _set_grads(ps, 0)
+    guard.clip_()
+    before = _snapshot(ps, opt)
+    _set_grads(ps, 1)  # new gradient tensors (a backward after zero_grad)
+    with pytest.raises(RuntimeError, match="gradients changed after the clip"):
+        opt.step()
+    assert _same(_snapshot(ps, opt), before) or len(opt.state) == 0
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+def test_max_consecutive_skips_raises():
+    ps = _params()
+    opt = torch.optim.SGD(ps, lr=0.1)
+    guard = StepGuard(opt, 1.0, max_consecutive_skips=3)
+    for step in range(3):
+        _set_grads(ps, step, poison=NAN)
+        guard.clip_()
+        opt.step()
+    _set_grads(ps, 3)
+    g_before = ps[0].grad.clone()
+    with pytest.raises(GuardError, match="skipped 3 steps in a row"):
+        guard.clip_()
+    assert torch.equal(ps[0].grad, g_before)  # nothing written by the refused call
+    # a healthy step in between resets the run
+    guard2 = StepGuard(torch.optim.SGD(_params(), lr=0.1), 1.0, max_consecutive_skips=2)
+    q = guard2.optimizer.param_groups[0]["params"]
+    for step, kw in enumerate([dict(poison=NAN), {}, dict(poison=NAN), {}]):
+        _set_grads(q, step, **kw)
+        guard2.clip_()
+        guard2.optimizer.step()
+    assert guard2.state()["consecutive_skipped"] == 0
+
+
+def test_state_is_one_transfer_and_last_step_skipped():
+    ps = _params()
+    opt = torch.optim.SGD(ps, lr=0.1)
+    guard = StepGuard(opt, 100.0)
+    _set_grads(ps, 0)
+    total = guard.clip_()
+    assert not guard.last_step_skipped()
+    st = guard.state()
+    assert st["total_norm"] == pytest.approx(float(total)) and st["coef"] == 1.0 and not st["clipped"]
+    assert st["clipped_norm"] == pytest.approx(float(total))
+    assert guard.counters().shape == (len(COUNTERS),)
+    opt.step()
+    _set_grads(ps, 1, poison=INF)
+    guard.clip_()
+    assert guard.last_step_skipped() and guard.skipped.dtype == torch.bool
+
+
+# ---------------------------------------------------------------- adaptive modes vs float64 references
+def _drive(guard, param, norms):
+    """Feed ``norms`` as the gradient norm of one float64 parameter; return the coefficients applied."""
+    direction = torch.randn(param.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    direction /= direction.norm()
+    coefs = []
+    for n in norms:
+        param.grad = direction * n if math.isfinite(n) else direction * 1.0 + n
+        g0 = param.grad.clone()
+        guard.clip_()
+        guard.optimizer.step()
+        coefs.append(float(param.grad.norm() / g0.norm()) if math.isfinite(n) else NAN)
+    return coefs
+
+
+def _norm_sequence(seed, n=80):
+    gen = torch.Generator().manual_seed(seed)
+    base = (1.0 + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)).tolist()
+    for i in (5, 31, 37):  # spikes, one inside the warm-up
+        base[i] *= 10.0
+    for i in (12, 33):
+        base[i] = NAN
+    base[34] = INF
+    return base
+
+
+def _zclip_ref(norms, alpha=0.97, z=2.5, warm=25, eps=1e-6, max_norm=None, factor=1.0):
+    buf, mean, var, out = [], None, None, []
+    for g in norms:
+        if not math.isfinite(g):
+            out.append(NAN)  # skipped: statistics untouched
+            continue
+        if mean is None:
+            limit = max_norm if max_norm is not None else INF
+            buf.append(g)
+            if len(buf) == warm:
+                mean = sum(buf) / warm
+                var = sum((x - mean) ** 2 for x in buf) / warm
+        else:
+            std = math.sqrt(var)
+            zs = (g - mean) / (std + eps)
+            thr = None
+            if zs > z:
+                thr = (mean + z * std / (zs / z)) * factor
+            limit = thr if thr is not None else g
+            if max_norm is not None:
+                limit = min(limit, max_norm)
+            x = thr if thr is not None else g
+            mean = alpha * mean + (1 - alpha) * x
+            var = alpha * var + (1 - alpha) * (x - mean) ** 2
+        out.append(limit / (g + 1e-6) if g > limit else 1.0)
+    return out
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.5])
+def test_zclip_matches_reference(max_norm):
+    norms = _norm_sequence(1)
+    p = torch.nn.Parameter(torch.zeros(37, dtype=torch.float64))
+    guard = StepGuard(torch.optim.SGD([p], lr=0.0), max_norm, mode="zclip")
+    got = _drive(guard, p, norms)
+    want = _zclip_ref(norms, max_norm=max_norm)
+    assert sum(1 for w in want if math.isfinite(w) and w < 1) >= 2  # the sequence does clip
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), i
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _autoclip_ref(norms, q=10.0, history=None):
+    hist, out = [], []
+    for g in norms:
+        if not math.isfinite(g):
+            out.append(NAN)
+            continue
+        hist.append(g)
+        if history is not None:
+            hist = hist[-history:]
+        thr = _percentile(hist, q)
+        out.append(min(thr / (g + 1e-6), 1.0))
+    return out
+
+
+@pytest.mark.parametrize("q,history", [(10.0, 1000), (50.0, 7)])
+def test_autoclip_matches_reference(q, history):
+    norms = _norm_sequence(2, n=40)
+    p = torch.nn.Parameter(torch.zeros(11, dtype=torch.float64))
+    guard = StepGuard(torch.optim.SGD([p], lr=0.0), mode="autoclip", percentile=q, history_size=history)
+    got = _drive(guard, p, norms)
+    want = _autoclip_ref(norms, q, history)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), i
+
+
+def _adagc_ref(seq, lam_abs=1.0, lam_rel=1.05, beta=0.98, warm=100, eps=1e-8):
+    """seq: per step, a list of per-tensor norms. Returns per step the per-tensor coefficients."""
+    gamma, n, out = None, 0, []
+    for per in seq:
+        total = math.sqrt(sum(x * x for x in per))
+        if not math.isfinite(total):
+            out.append(None)
+            continue
+        if gamma is None:
+            gamma = [INF] * len(per)
+        if n < warm:
+            h = [min(lam_abs / (total + eps), 1.0)] * len(per)
+            gamma = [min(gm, hi * x) for gm, hi, x in zip(gamma, h, per)]
+        else:
+            h = [min(lam_rel * gm / (x + eps), 1.0) for gm, x in zip(gamma, per)]
+            gamma = [beta * gm + (1 - beta) * hi * x for gm, hi, x in zip(gamma, h, per)]
+        n += 1
+        out.append(h)
+    return out
+
+
+def test_adagc_matches_reference():
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(13,), (4, 5), (1,)]
+    ps = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    dirs = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    dirs = [d / d.norm() for d in dirs]
+    steps = 40
+    seq = [[float(0.3 * (k + 1) * (1 + 0.1 * torch.randn((), generator=gen, dtype=torch.float64)))
+            for k in range(3)] for _ in range(steps)]
+    seq[15][1] *= 20  # a one-tensor spike after warm-up
+    seq[3][0] *= 20   # one inside the warm-up
+    seq[20][2] = NAN
+    guard = StepGuard(torch.optim.SGD(ps, lr=0.0), mode="adagc", warmup_steps=8)
+    want = _adagc_ref(seq, warm=8)
+    for t, per in enumerate(seq):
+        for p, d, x in zip(ps, dirs, per):
+            p.grad = d * x if math.isfinite(x) else d + x
+        g0 = [p.grad.clone() for p in ps]
+        guard.clip_()
+        guard.optimizer.step()
+        if want[t] is None:
+            assert guard.last_step_skipped()
+            continue
+        got = [float(p.grad.norm() / g.norm()) for p, g in zip(ps, g0)]
+        assert got == pytest.approx(want[t], rel=1e-9), t
+    assert want[15][1] < 0.1  # the spike tensor was clipped hard
+
+
+def test_adagc_spike_skip_and_zclip_skip_factor():
+    p = torch.nn.Parameter(torch.zeros(9, dtype=torch.float64))
+    guard = StepGuard(torch.optim.SGD([p], lr=0.0), mode="zclip", skip_factor=5.0, warmup_steps=5)
+    norms = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 8.0, 1.0]
+    _drive(guard, p, norms)
+    st = guard.state()
+    assert st["spike_steps"] == 1 and st["skipped_steps"] == 1
+
+
+# ---------------------------------------------------------------- ranks: one poisoned shard, every rank skips
+WALL_LIMIT_S = 120
+
+
+def _rank_worker(rank: int, world: int, out_dir: str) -> None:
+    import traceback
+
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+        for fused in (True, False):
+            gen = torch.Generator().manual_seed(7)
+            # this rank's disjoint shards of three tensors (sizes differ per rank)
+            shards = [torch.nn.Parameter(torch.randn(5 + rank + k, generator=gen)) for k in range(3)]
+            opt = torch.optim.AdamW(shards, lr=1e-2, fused=fused) if fused else \
+                torch.optim.AdamW(shards, lr=1e-2, foreach=True)
+            guard = StepGuard(opt, 1.0, process_group=dist.group.WORLD, non_fused="restore")
+            for step in range(4):
+                g2 = torch.Generator().manual_seed(100 * step + rank)
+                for s in shards:
+                    s.grad = torch.randn(s.shape, generator=g2)
+                if step == 2 and rank == world - 1:
+                    shards[1].grad[0] = NAN
+                before = [s.detach().clone() for s in shards] + [t.clone() for t in _opt_state(opt)]
+                total = guard.clip_()
+                opt.step()
+                after = [s.detach().clone() for s in shards] + [t.clone() for t in _opt_state(opt)]
+                same = len(before) == len(after) and all(torch.equal(bits(a), bits(b))
+                                                         for a, b in zip(before, after))
+                if step == 2:
+                    assert same and math.isnan(float(total)), (rank, fused)
+                elif step > 0:
+                    assert not same, (rank, fused, step)
+            st = guard.state()
+            assert st["skipped_steps"] == 1 and st["nonfinite_steps"] == 1, st
+            dist.barrier()
+        _dtensor_scenario(rank, world)
+        _scaler_scenario(rank, world)
+        open(os.path.join(out_dir, f"ok.{rank}"), "w").close()
+    except BaseException:
+        with open(os.path.join(out_dir, f"fail.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _scaler_scenario(rank: int, world: int) -> None:
+    """process_group shards under a GradScaler: an inf in rank 1's scaled shard skips the step on every rank
+    and backs the scale off on every rank; a spike (skip_factor) skips everywhere and keeps the scale."""
+    for fused in (True, False):
+        gen = torch.Generator().manual_seed(3)
+        shards = [torch.nn.Parameter(torch.randn(4 + rank + k, generator=gen)) for k in range(3)]
+        opt = torch.optim.AdamW(shards, lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        guard = StepGuard(opt, 1.0, skip_factor=50.0, process_group=dist.group.WORLD)
+        for step in range(5):
+            g2 = torch.Generator().manual_seed(200 * step + rank)
+            s = scaler.scale(torch.ones(()))
+            for p in shards:
+                p.grad = torch.randn(p.shape, generator=g2) * 0.1 * s
+            if step == 2 and rank == 1:
+                shards[0].grad[0] = INF
+            if step == 3:  # every rank's shards spike
+                for p in shards:
+                    p.grad = p.grad * 1000.0
+            before = [bits(q.detach()).clone() for q in shards] + [bits(t).clone() for t in _opt_state(opt)]
+            guard.clip_(scaler)
+            scaler.step(opt)
+            scaler.update()
+            after = [bits(q.detach()).clone() for q in shards] + [bits(t).clone() for t in _opt_state(opt)]
+            same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+            if step in (2, 3):
+                assert same, (rank, fused, step)
+            elif step > 0:
+                assert not same, (rank, fused, step)
+            assert scaler.get_scale() == (1024.0 if step < 2 else 512.0), (rank, fused, step)
+        st = guard.state()
+        assert st["skipped_steps"] == 2 and st["nonfinite_steps"] == 1 and st["spike_steps"] == 1, st
+        dist.barrier()
+
+
+def _dtensor_scenario(rank: int, world: int) -> None:
+    """DTensor parameters and gradients (Shard(0) on a 1-D mesh, uneven sizes, empty shards on the last of 4
+    ranks): the poisoned local shard on rank 1 makes every rank skip (sync and restore paths)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for non_fused in ("sync", "restore"):
+        gen = torch.Generator().manual_seed(11)
+        fulls = [torch.randn(n, 3, generator=gen) for n in (2 * world + 1, world, 5)]
+        ps = [torch.nn.Parameter(distribute_tensor(f, mesh, [Shard(0)])) for f in fulls]
+        opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+        guard = StepGuard(opt, 1.0, non_fused=non_fused)
+        for step in range(4):
+            g2 = torch.Generator().manual_seed(50 + step)
+            for p, f in zip(ps, fulls):
+                p.grad = distribute_tensor(torch.randn(f.shape, generator=g2), mesh, [Shard(0)])
+            if step == 2 and rank == 1:  # (with 4 ranks the last one holds empty shards: a case of its own)
+                ps[0].grad._local_tensor.view(-1)[0] = NAN  # this rank's shard only
+            before = [bits(p._local_tensor).clone() for p in ps] + \
+                [bits(t._local_tensor if hasattr(t, "_local_tensor") else t).clone() for t in _opt_state(opt)]
+            total = guard.clip_()
+            opt.step()
+            after = [bits(p._local_tensor).clone() for p in ps] + \
+                [bits(t._local_tensor if hasattr(t, "_local_tensor") else t).clone() for t in _opt_state(opt)]
+            same = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+            if step == 2:
+                assert same and math.isnan(float(total.full_tensor())), (rank, non_fused)
+            elif step > 0:
+                assert not same, (rank, non_fused, step)
+        assert guard.state()["skipped_steps"] == 1
+        dist.barrier()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_skip_together(world):
+    import torch.multiprocessing as mp
+
+    out = tempfile.mkdtemp(prefix="fastgrad-guard-")
+    try:
+        ctx = mp.start_processes(_rank_worker, args=(world, out), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + WALL_LIMIT_S
+        err = ""
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    err = "timeout"
+                    break
+        except Exception as exc:
+            err = str(exc)
+        finally:
+            for pr in ctx.processes:
+                if pr.is_alive():
+                    pr.kill()
+                    pr.join()
+        fails = sorted(f for f in os.listdir(out) if f.startswith("fail."))
+        if fails:
+            with open(os.path.join(out, fails[0])) as f:
+                pytest.fail(f.read())
+        assert not err, err
+        assert sorted(f for f in os.listdir(out) if f.startswith("ok.")) == [f"ok.{r}" for r in range(world)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- CUDA (runs where a GPU is present)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+def test_cuda_fused_skip_without_sync(mode):
+    """Fused AdamW on CUDA: NaN and spike steps skipped bit-exactly, with torch's sync debug mode set to
+    raise on any synchronizing call during clip_ + step."""
+    ps = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode in ("zclip", "adagc"):
+        kw["warmup_steps"] = 2
+    guard = StepGuard(opt, mode=mode, skip_factor=10.0, **kw)
+    for step in range(4):  # past the warm-ups; creates the state
+        _set_grads(ps, step)
+        guard.clip_()
+        opt.step()
+    snap = _snapshot(ps, opt)
+    for step, bad in [(4, dict(poison=NAN)), (5, dict(scale=1000.0))]:
+        _set_grads(ps, step, **bad)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            guard.clip_()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert _same(_snapshot(ps, opt), snap), (mode, step)
+    assert guard.state()["skipped_steps"] == 2
+
+
+@needs_cuda
+def test_cuda_healthy_steps_match_unguarded():
+    a = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    b = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    oa = torch.optim.AdamW(a, lr=1e-2, fused=True)
+    ob = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    guard = StepGuard(oa, 1.0)
+    for step in range(3):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        t1 = guard.clip_()
+        t2 = fastgrad.clip_optimizer_grad_norm_(ob, 1.0)
+        oa.step()
+        ob.step()
+        assert torch.equal(bits(t1), bits(t2))
+        assert _same(_snapshot(a, oa), _snapshot(b, ob))
+
+
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+def test_modes_under_a_gradscaler_see_the_unscaled_norms(mode):
+    """With a GradScaler (power-of-two scale), every mode clips the unscaled gradients as it would without
+    one, and an overflow is skipped and backs the scale off."""
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode in ("zclip", "adagc"):
+        kw["warmup_steps"] = 3
+    a, b = _params(), _params()
+    ga = StepGuard(torch.optim.SGD(a, lr=0.1), mode=mode, **kw)
+    gb = StepGuard(torch.optim.SGD(b, lr=0.1), mode=mode, **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for step in range(8):
+        _set_grads(a, step, scale=1.0 + step % 3)
+        _scaled(b, scaler, step, scale=1.0 + step % 3)
+        ta = ga.clip_()
+        tb = gb.clip_(scaler)
+        assert float(tb) == pytest.approx(float(ta), rel=1e-6)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y.grad, x.grad, rtol=1e-6, atol=0)
+        ga.optimizer.step()
+        scaler.step(gb.optimizer)
+        scaler.update()
+    _scaled(b, scaler, 9, poison=INF)
+    before = _snapshot(b, gb.optimizer)
+    gb.clip_(scaler)
+    scaler.step(gb.optimizer)
+    scaler.update()
+    assert _same(_snapshot(b, gb.optimizer), before) and scaler.get_scale() == 512.0
+    assert gb.state()["nonfinite_steps"] == 1
+
+
+def test_remove_detaches_the_hooks():
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    g = StepGuard(opt, 1.0)
+    _set_grads(ps, 0, poison=NAN)
+    g.clip_()
+    g.remove()
+    opt.step()  # no guard: the NaN goes through, as it would without one
+    assert any(torch.isnan(p).any() for p in ps)
+    assert not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("mode", ["zclip", "autoclip", "adagc"])
+def test_state_dict_resumes_the_statistics(mode):
+    """A guard rebuilt from state_dict() continues exactly as the original (checkpoint / resume)."""
+    kw = {"warmup_steps": 3} if mode in ("zclip", "adagc") else {"history_size": 5}
+    a, b = _params(), _params()
+    ga = StepGuard(torch.optim.SGD(a, lr=0.1), mode=mode, **kw)
+    for step in range(6):
+        _set_grads(a, step, scale=1.0 + step % 3)
+        ga.clip_()
+        ga.optimizer.step()
+    gb = StepGuard(torch.optim.SGD(b, lr=0.1), mode=mode, **kw)
+    gb.optimizer.load_state_dict(ga.optimizer.state_dict())
+    for x, y in zip(a, b):
+        y.data.copy_(x.data)
+    gb.load_state_dict(ga.state_dict())
+    for step in range(6, 10):
+        _set_grads(a, step, scale=1.0 + 3 * (step == 8))
+        _set_grads(b, step, scale=1.0 + 3 * (step == 8))
+        assert torch.equal(bits(ga.clip_()), bits(gb.clip_()))
+        for x, y in zip(a, b):
+            assert torch.equal(bits(x.grad), bits(y.grad))
+        ga.optimizer.step()
+        gb.optimizer.step()
+    assert ga.state() == gb.state()
+    with pytest.raises(ValueError, match="mode"):
+        StepGuard(torch.optim.SGD(_params(), lr=0.1), 1.0).load_state_dict(ga.state_dict())
