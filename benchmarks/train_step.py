@@ -11,6 +11,10 @@ step hands the clip a fresh generator of parameters and fresh ``.grad`` tensors,
 * ``fastgrad_zw``: ``fastgrad.clip_optimizer_grad_norm_(opt, max_norm)`` (zero-write: with a fused AdamW the
   clip only reads the grads and the optimizer's step divides them by ``1 / coef``);
 * ``fastgrad_amp_zw``: as ``fastgrad_amp`` with ``zero_write=True``.
+* ``fastgrad_guard`` / ``fastgrad_amp_guard``: ``fastgrad.StepGuard(opt, max_norm, skip_factor=10)``,
+  ``guard.clip_()`` (``guard.clip_(scaler)``) before the step: the guarded clip, whose bad-step flag reaches a
+  fused AdamW as ``found_inf`` (compare with ``fastgrad_zw`` / ``fastgrad_amp_zw``, which hand over the
+  coefficient the same way without a guard).
 
 The zero-write variants move work into the optimizer step (the fused kernel divides every gradient and
 stores the quotient back into ``.grad``), so compare their whole step, not only the clip region: ``opt_ms``
@@ -49,7 +53,8 @@ if __name__ == "__main__":  # run as a script: measure this checkout's fastgrad,
 import torch.nn as nn
 import torch.nn.functional as F
 
-VARIANTS = ("none", "torch", "fastgrad", "torch_amp", "fastgrad_amp", "fastgrad_zw", "fastgrad_amp_zw")
+VARIANTS = ("none", "torch", "fastgrad", "torch_amp", "fastgrad_amp", "fastgrad_zw", "fastgrad_amp_zw",
+            "fastgrad_guard", "fastgrad_amp_guard")
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -202,6 +207,7 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
     steps, clips, hosts, opts, totals = [], [], [], [], []
     backend = args.backend or None
     total = None
+    guard = fastgrad.StepGuard(opt, args.max_norm, skip_factor=10.0) if name.endswith("_guard") else None
 
     for i in range(args.warmup + args.steps):
         s0 = clock.mark()
@@ -224,6 +230,8 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
             total = fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm, backend=backend)
         elif name == "fastgrad_amp_zw":
             total = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend, zero_write=True)
+        elif guard is not None:
+            total = guard.clip_(scaler)
         h1 = time.perf_counter()
         c1 = clock.mark()
         if amp:

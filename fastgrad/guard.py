@@ -107,7 +107,7 @@ class StepGuard:
             (Kumar et al. 2025, arXiv 2504.02507), "autoclip" (Seetharaman et al. 2020, arXiv 2007.14469),
             "adagc" (Wang et al. 2025, arXiv 2502.11034).
         skip_factor: also skip a finite step whose norm exceeds ``skip_factor`` times the mode's reference
-            (norm: max_norm; zclip: the EMA mean; autoclip: the percentile threshold; adagc: any tensor's
+            (norm: the run's own level, warm-up mean then EMA; zclip: the EMA mean; autoclip: the percentile threshold; adagc: any tensor's
             EMA). None (default): only non-finite steps are skipped; spikes are clipped by the mode's rule.
         max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
             at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None: never.
@@ -117,6 +117,8 @@ class StepGuard:
         process_group: the gradients are this rank's disjoint shards (as ``clip_grad_norm_``); DTensor
             gradients need nothing. The decision then comes from the global norm on every rank.
         alpha, z_thresh, warmup_steps, eps, clip_factor: ZClip (defaults 0.97, 2.5, 25, 1e-6, 1.0).
+        alpha, warmup_steps (mode "norm" with skip_factor): the spike reference, the mean of the first
+            warmup_steps finite norms then their EMA (defaults 0.97, 25).
         percentile, history_size: AutoClip (defaults 10, 1000).
         lambda_rel, beta, warmup_steps, eps: AdaGC (defaults 1.05, 0.98, 100, 1e-8).
     """
@@ -169,16 +171,17 @@ class StepGuard:
         given = {k: v for k, v in dict(alpha=alpha, z_thresh=z_thresh, warmup_steps=warmup_steps, eps=eps,
                                        clip_factor=clip_factor, percentile=percentile, history_size=history_size,
                                        lambda_rel=lambda_rel, beta=beta).items() if v is not None}
-        allowed = {"norm": set(), "zclip": {"alpha", "z_thresh", "warmup_steps", "eps", "clip_factor"},
+        allowed = {"norm": {"alpha", "warmup_steps"} if skip_factor is not None else set(), "zclip": {"alpha", "z_thresh", "warmup_steps", "eps", "clip_factor"},
                    "autoclip": {"percentile", "history_size"},
                    "adagc": {"lambda_rel", "beta", "warmup_steps", "eps"}}[mode]
         extra = sorted(set(given) - allowed)
         if extra:
             raise TypeError(f"mode={mode!r} does not take {', '.join(extra)} (it takes: "
                             f"{', '.join(sorted(allowed)) or 'no mode options'})")
-        defaults = {"zclip": dict(alpha=0.97, z_thresh=2.5, warmup_steps=25, eps=1e-6, clip_factor=1.0),
+        defaults = {"norm": dict(alpha=0.97, warmup_steps=25) if skip_factor is not None else {},
+                    "zclip": dict(alpha=0.97, z_thresh=2.5, warmup_steps=25, eps=1e-6, clip_factor=1.0),
                     "autoclip": dict(percentile=10.0, history_size=1000),
-                    "adagc": dict(lambda_rel=1.05, beta=0.98, warmup_steps=100, eps=1e-8)}.get(mode, {})
+                    "adagc": dict(lambda_rel=1.05, beta=0.98, warmup_steps=100, eps=1e-8)}[mode]
         self.options: dict[str, Any] = {**defaults, **given}
         o = self.options
         if "warmup_steps" in o and (not isinstance(o["warmup_steps"], int) or o["warmup_steps"] < 1):
@@ -410,7 +413,7 @@ class StepGuard:
                 bad = self._flags[bool(nonfinite)]
                 spike = None
                 if self.skip_factor is not None:
-                    spike = (total > self.skip_factor * self.max_norm).to(torch.float32)
+                    spike = self._norm_spike(total, torch.isfinite(total)).to(torch.float32)
                     bad = torch.maximum(bad, spike)
                 self._record(total, None, None, bad, spike)
                 self._pend(bad, None, grads, fused)
@@ -432,7 +435,7 @@ class StepGuard:
         spike = None
         bad = found
         if self.skip_factor is not None:
-            spike = (total > self.skip_factor * self.max_norm).to(torch.float32)
+            spike = self._norm_spike(total, torch.isfinite(total)).to(torch.float32)
             bad = torch.maximum(found, spike)
         self._record(total, factor, None if inv_scale is None else inv, bad, spike)
         self._pend(bad, factor.reciprocal() if hand_over else None, grads, fused)
@@ -502,7 +505,9 @@ class StepGuard:
         dt = total.dtype
         o = self.options
         z = lambda *s: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
-        if self.mode == "zclip":
+        if self.mode == "norm" and self.skip_factor is not None:
+            self._stats = dict(n=z(), mean=z())
+        elif self.mode == "zclip":
             self._stats = dict(n=z(), buf=z(o["warmup_steps"]), mean=z(), var=z(),
                                slots=torch.arange(o["warmup_steps"], device=dev))
         elif self.mode == "autoclip":
@@ -513,7 +518,7 @@ class StepGuard:
 
     def _stats_fit(self, n_params: int) -> bool:
         if self.mode == "norm":
-            return True
+            return self.skip_factor is None or "mean" in self._stats
         if self.mode == "adagc":
             return "gamma" in self._stats and (n_params == 0 or self._stats["gamma"].numel() == n_params)
         return bool(self._stats)
@@ -525,11 +530,32 @@ class StepGuard:
             coef = clip_coef(total, self.max_norm)
             if self.skip_factor is None:
                 return coef, ~finite, None
-            spike = finite & (total > self.skip_factor * self.max_norm)
+            spike = self._norm_spike(total, finite)
             return coef, spike | ~finite, spike
         if self.mode == "zclip":
             return self._zclip(total, finite)
         return self._autoclip(total, finite)
+
+    def _norm_spike(self, g: Tensor, finite: Tensor) -> Tensor:
+        """mode="norm" with skip_factor=k: is this finite norm more than k times the run's usual norm?
+
+        The reference is the mean of the first ``warmup_steps`` finite norms (no spike is declared before it
+        exists: a run's first norms are often far above max_norm and legitimate), then their EMA (``alpha``).
+        A spike feeds the EMA k times the reference instead of its own value, so one huge norm moves it a
+        bounded amount while a lasting shift of the norm's level is followed within a few skipped steps (with
+        alpha=0.97 and k=10 the reference grows 1.27x per skipped step) rather than skipped forever. A
+        non-finite norm changes nothing. Device ops only."""
+        o, s = self.options, self._stats
+        k, a = self.skip_factor, o["alpha"]
+        ready = s["n"] >= o["warmup_steps"]
+        ref = s["mean"]
+        spike = ready & finite & (g > k * ref)
+        x = torch.where(spike, k * ref, g)
+        warm_mean = ref + (g - ref) / (s["n"] + 1)
+        new = torch.where(ready, a * ref + (1 - a) * x, warm_mean)
+        s["mean"] = torch.where(finite, new, ref)
+        s["n"] = s["n"] + finite.to(s["n"].dtype)
+        return spike
 
     def _zclip(self, g: Tensor, finite: Tensor):
         o, s = self.options, self._stats

@@ -98,7 +98,7 @@ def test_bad_step_is_never_taken(name, bad, non_fused):
     make = OPTIMIZERS[name]
     ps_g, ps_r = _params(), _params()
     opt_g, opt_r = make(ps_g), make(ps_r)
-    guard = StepGuard(opt_g, 1.0, skip_factor=10.0, non_fused=non_fused)
+    guard = StepGuard(opt_g, 1.0, skip_factor=10.0, warmup_steps=2, non_fused=non_fused)
     bad_steps = {2, 4, 5}
     for step in range(7):
         kw = BAD[bad] if step in bad_steps else {}
@@ -150,7 +150,7 @@ def test_no_host_read_on_the_skip_path(name):
     """Fused optimizers, and the restore path once the state exists: clip_ + step read nothing on the host."""
     ps = _params()
     opt = NO_READ[name](ps)
-    guard = StepGuard(opt, 1.0, skip_factor=10.0, non_fused="restore")
+    guard = StepGuard(opt, 1.0, skip_factor=10.0, warmup_steps=1, non_fused="restore")
     _set_grads(ps, 0)
     guard.clip_()
     opt.step()  # creates the state (outside the check)
@@ -214,7 +214,7 @@ def test_scaler_overflow_backs_off_spike_does_not(fused):
     opt_r = torch.optim.AdamW(ps_r, lr=1e-2, fused=fused)
     sc_g = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     sc_r = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
-    guard = StepGuard(opt_g, 1.0, skip_factor=10.0)
+    guard = StepGuard(opt_g, 1.0, skip_factor=10.0, warmup_steps=1)
     plan = {1: dict(poison=INF), 3: dict(scale=100.0)}
     for step in range(5):
         _scaled(ps_g, sc_g, step, **plan.get(step, {}))
@@ -475,6 +475,64 @@ def test_adagc_matches_reference():
     assert want[15][1] < 0.1  # the spike tensor was clipped hard
 
 
+def _norm_spike_ref(norms, k, alpha=0.97, warm=25):
+    """mode="norm" with skip_factor=k, in plain float64: per step, was it skipped as a spike?"""
+    n, mean, out = 0, 0.0, []
+    for g in norms:
+        if not math.isfinite(g):
+            out.append(False)
+            continue
+        ready = n >= warm
+        spike = ready and g > k * mean
+        if ready:
+            mean = alpha * mean + (1 - alpha) * (k * mean if spike else g)
+        else:
+            mean = mean + (g - mean) / (n + 1)
+        n += 1
+        out.append(spike)
+    return out
+
+
+@pytest.mark.parametrize("k,warm", [(10.0, 25), (3.0, 4)])
+def test_norm_mode_spike_rule_matches_reference(k, warm):
+    """The spike reference of mode="norm" is the run's own norm level (warm-up mean, then EMA), not max_norm."""
+    norms = _norm_sequence(5, n=70)
+    norms[50] *= 40.0  # a spike after every warm-up
+    p = torch.nn.Parameter(torch.zeros(29, dtype=torch.float64))
+    guard = StepGuard(torch.optim.SGD([p], lr=0.0), 1.0, skip_factor=k, warmup_steps=warm)
+    got = []
+    direction = torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    direction /= direction.norm()
+    for g in norms:
+        p.grad = direction * g if math.isfinite(g) else direction + g
+        guard.clip_()
+        guard.optimizer.step()
+        got.append(guard.state()["skipped"] and math.isfinite(g))
+    want = _norm_spike_ref(norms, k, warm=warm)
+    assert want[50] and sum(want) >= (1 if k >= 10 else 3)  # k=3 also skips the 10x spikes after warm-up
+    assert got == want
+
+
+def test_norm_mode_never_skips_a_healthy_run_above_max_norm():
+    """A run whose norms sit far above max_norm (common early in training) is clipped, never skipped: the
+    spike reference is the run's own level. A lasting 30x shift of that level is followed after a few skips
+    instead of skipping forever."""
+    p = torch.nn.Parameter(torch.zeros(16))
+    opt = torch.optim.SGD([p], lr=1e-3)
+    guard = StepGuard(opt, 1.0, skip_factor=10.0)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(200):
+        level = 12.0 if step < 100 else 360.0
+        p.grad = torch.randn(16, generator=gen) / 4.0 * level
+        guard.clip_()
+        opt.step()
+    st = guard.state()
+    assert st["nonfinite_steps"] == 0
+    assert 1 <= st["skipped_steps"] <= 15, st  # only the first steps of the shift
+    assert st["clipped_steps"] == 200 - st["skipped_steps"]
+    assert st["consecutive_skipped"] == 0
+
+
 def test_adagc_spike_skip_and_zclip_skip_factor():
     p = torch.nn.Parameter(torch.zeros(9, dtype=torch.float64))
     guard = StepGuard(torch.optim.SGD([p], lr=0.0), mode="zclip", skip_factor=5.0, warmup_steps=5)
@@ -540,7 +598,7 @@ def _scaler_scenario(rank: int, world: int) -> None:
         shards = [torch.nn.Parameter(torch.randn(4 + rank + k, generator=gen)) for k in range(3)]
         opt = torch.optim.AdamW(shards, lr=1e-2, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
-        guard = StepGuard(opt, 1.0, skip_factor=50.0, process_group=dist.group.WORLD)
+        guard = StepGuard(opt, 1.0, skip_factor=50.0, warmup_steps=2, process_group=dist.group.WORLD)
         for step in range(5):
             g2 = torch.Generator().manual_seed(200 * step + rank)
             s = scaler.scale(torch.ones(()))
@@ -645,7 +703,7 @@ def test_cuda_fused_skip_without_sync(mode):
     ps = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
     opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
     kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
-    if mode in ("zclip", "adagc"):
+    if mode in ("norm", "zclip", "adagc"):
         kw["warmup_steps"] = 2
     guard = StepGuard(opt, mode=mode, skip_factor=10.0, **kw)
     for step in range(4):  # past the warm-ups; creates the state
