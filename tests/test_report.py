@@ -176,15 +176,38 @@ def test_dead_relus():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
     with torch.no_grad():
-        m[0].bias.fill_(-100.0)  # every first-layer unit is dead
+        m[0].bias.fill_(-100.0)  # every unit of both hidden layers is dead
+        m[2].bias.fill_(-100.0)
     nn.functional.mse_loss(m(torch.randn(64, 16)), torch.randn(64, 1)).backward()
     rep = fastgrad.gradient_report(m)
-    assert rep.zero / rep.numel > 0.5
+    # ground truth without fastgrad: the tensors whose gradient is entirely zero
+    zero = [n for n, p in m.named_parameters() if bool((p.grad == 0).all())]
+    assert zero == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight"]
+    assert rep.zero_params() == zero
     f = rep.finding("dead")
     assert f.severity == "warning" and f.title == "dead parameters"
-    assert {"0.weight", "0.bias", "2.weight"} <= set(f.layers) and "4.bias" not in f.layers
+    assert f.layers == zero and "5 of 6 parameter tensors" in f.detail
     assert rep.status == "warning"
     assert "depth_vanishing" not in rep.codes()  # all-zero layers are dead, not "vanishing"
+    assert dict(rep._summary_rows())["Zero-gradient parameters"] == "5 of 6 tensors entirely zero"
+
+
+def test_dead_counts_tensors_not_values():
+    # Half of the tensors all-zero is not "more than 50%": no dead warning, although most VALUES are zero;
+    # the values give a notice that names the mostly-zero tensors.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        m[0].bias.fill_(-100.0)
+    nn.functional.mse_loss(m(torch.randn(64, 16)), torch.randn(64, 1)).backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    zero_t = [n for n, g in grads.items() if bool((g == 0).all())]
+    zero_v = sum(int((g == 0).sum()) for g in grads.values()) / sum(g.numel() for g in grads.values())
+    assert len(zero_t) == 3 and zero_v > 0.5
+    rep = fastgrad.gradient_report(m)
+    assert "dead" not in rep.codes()
+    f = rep.finding("mostly_zero")
+    assert f.severity == "notice" and f"{zero_v:.1%}" in f.detail and set(zero_t) <= set(f.layers)
 
 
 def test_all_zero_gradients_is_no_learning():
