@@ -260,6 +260,8 @@ def _gather(stats: GradStats, param_norms: Tensor | None, extras: Sequence[Tenso
     dev = stats.total_norm.device
     dt = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
     n = len(stats)
+    if param_norms is not None and param_norms.numel() != n:
+        raise ValueError(f"{param_norms.numel()} parameter norms for the statistics of {n} tensors")
     pieces = [stats.total_norm.reshape(1), stats.norm, stats.max_abs, stats.nan, stats.inf, stats.zero]
     if param_norms is not None:
         pieces.append(param_norms.reshape(-1))
