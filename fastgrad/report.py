@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
+import textwrap
 from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Iterable, Sequence
@@ -532,6 +534,35 @@ class GradientReport:
 
     _LAYER_HEAD = ["Layer", "Grad norm", "Max abs", "Param norm", "Grad/param", "Zero", "NaN", "Inf"]
 
+    def _fitted_layer_table(self, max_layers: int, width: int | None, per_col: int, fixed: int
+                            ) -> tuple[list[str], list[list[str]], int, list[str]]:
+        """(head, rows, more, left-out column names) of the per-layer table fitted to ``width`` columns: a
+        table cell costs ``per_col`` characters besides its text and the table ``fixed`` more. Columns are
+        left out, in this order, until the layer names get a reasonable width: NaN and Inf when every value
+        is 0 (the summary has the totals), then Max abs, then Param norm; then the names are abbreviated
+        from the middle (:func:`_abbrev`), so the distinguishing end (``1.self_attn.out_proj``) stays."""
+        rows, more = self._layer_rows(max_layers)
+        head = list(self._LAYER_HEAD)
+        if width is None or not rows:
+            return head, rows, more, []
+        cols = list(range(len(head)))
+
+        def need(c):
+            return max([len(head[c])] + [len(r[c]) for r in rows]) + per_col
+
+        longest = max(len(r[0]) for r in rows)
+        want = min(longest, 32)
+        dropped = []
+        order = [c for c in (6, 7) if all(r[c] == "0" for r in rows)] + [2, 3]
+        for c in order:
+            if width - fixed - sum(need(k) for k in cols if k) - per_col >= want:
+                break
+            cols.remove(c)
+            dropped.append(head[c])
+        budget = max(8, width - fixed - sum(need(k) for k in cols if k) - per_col)
+        out = [[_abbrev(r[0], budget)] + [r[c] for c in cols if c] for r in rows]
+        return [head[c] for c in cols], out, more, dropped
+
     def to_markdown(self, max_layers: int = 50) -> str:
         """Markdown: Summary table, Issues Detected (severity, affected layers), Recommendations (with code),
         then per-layer gradients (at most ``max_layers`` rows)."""
@@ -562,9 +593,19 @@ class GradientReport:
                 out.append(f"\n({more} more layers not shown)")
         return "\n".join(out).rstrip() + "\n"
 
-    def to_text(self, max_layers: int = 30) -> str:
-        """Plain-text rendering (what :meth:`show` prints when rich is not installed)."""
+    def to_text(self, max_layers: int = 30, width: int | None = None) -> str:
+        """Plain-text rendering (what :meth:`show` prints when rich is not installed). ``width``: fit the
+        lines into that many columns (prose wrapped; the per-layer table loses its all-zero NaN/Inf columns,
+        then Max abs and Param norm, and abbreviates layer names from the middle); None: no limit."""
         buf = io.StringIO()
+
+        def say(text: str, indent: str = "", first: str | None = None) -> None:
+            first = indent if first is None else first
+            if width is None:
+                print(first + text, file=buf)
+            else:
+                print(textwrap.fill(text, width, initial_indent=first, subsequent_indent=indent,
+                                    break_on_hyphens=False), file=buf)
         title = "Gradient report" + (f" (step {self.step})" if self.step is not None else "")
         print(title, "=" * len(title), sep="\n", file=buf)
         w = max(len(k) for k, _ in self._summary_rows())
@@ -572,32 +613,39 @@ class GradientReport:
             print(f"{k:<{w}}  {v}", file=buf)
         print("\nIssues detected:" if self.findings else "\nNo issues detected.", file=buf)
         for f in self.findings:
-            print(f"  [{f.severity.upper()}] {f.title}", file=buf)
+            say(f"[{f.severity.upper()}] {f.title}", "      ", "  ")
             if f.layers or f.steps:
-                print(f"      affected: {_layers_text(f)}", file=buf)
+                say(f"affected: {_layers_text(f)}", "      ")
             if f.detail:
-                print(f"      {f.detail}", file=buf)
+                say(f.detail, "      ")
         for code, text, snippet in self._recommendations():
-            print(f"\nRecommendation ({code}): {text}", file=buf)
+            print("", file=buf)
+            say(f"Recommendation ({code}): {text}", "  ", "")
             for line in snippet.splitlines():
                 print(f"    {line}", file=buf)
-        rows, more = self._layer_rows(max_layers)
+        head, rows, more, dropped = self._fitted_layer_table(max_layers, width, 2, -2)
         if rows:
-            table = [self._LAYER_HEAD] + rows
-            widths = [max(len(r[i]) for r in table) for i in range(len(self._LAYER_HEAD))]
+            table = [head] + rows
+            widths = [max(len(r[i]) for r in table) for i in range(len(head))]
             print("", file=buf)
             for row in table:
                 print("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
-                                for i, c in enumerate(row)), file=buf)
+                                for i, c in enumerate(row)).rstrip(), file=buf)
             if more:
                 print(f"({more} more layers not shown)", file=buf)
+            if dropped:
+                say(f"(left out to fit {width} columns: {', '.join(dropped)}; to_markdown() has every column)")
         return buf.getvalue()
 
     def __str__(self) -> str:
         return self.to_text()
 
-    def show(self, console=None, *, max_layers: int = 30, use_rich: bool | None = None) -> None:
-        """Print the report: rich tables when rich is installed (or ``use_rich=True``), else plain text."""
+    def show(self, console=None, *, max_layers: int = 30, use_rich: bool | None = None,
+             width: int | None = None) -> None:
+        """Print the report: rich tables when rich is installed (or ``use_rich=True``), else plain text.
+        Both fit the terminal's width (``width`` overrides it; rich: the console's width): prose wraps, the
+        per-layer table drops its least useful columns first and abbreviates layer names from the middle,
+        keeping their distinguishing end."""
         if use_rich is not False:
             try:
                 from rich.console import Console
@@ -606,9 +654,11 @@ class GradientReport:
                 if use_rich:
                     raise
             else:
-                self._show_rich(console or Console(), Table, max_layers)
+                self._show_rich(console or Console(width=width), Table, max_layers)
                 return
-        print(self.to_text(max_layers), end="", file=console if hasattr(console, "write") else None)
+        if width is None:
+            width = shutil.get_terminal_size((80, 24)).columns
+        print(self.to_text(max_layers, width), end="", file=console if hasattr(console, "write") else None)
 
     def _show_rich(self, console, Table, max_layers: int) -> None:
         style = {"healthy": "green", "notice": "cyan", "warning": "yellow", "critical": "bold red"}
@@ -622,7 +672,7 @@ class GradientReport:
         if self.findings:
             issues = Table(title="Issues detected")
             for h in ("Severity", "Issue", "Affected", "Detail"):
-                issues.add_column(h)
+                issues.add_column(h, overflow="fold")  # wrap long layer names, never cut them
             for f in self.findings:
                 issues.add_row(f"[{style[f.severity]}]{f.severity}[/]", f.title, _layers_text(f), f.detail)
             console.print(issues)
@@ -630,16 +680,23 @@ class GradientReport:
             console.print(f"[bold]{code}[/]: {text}")
             if snippet:
                 console.print(snippet, markup=False, highlight=False)
-        rows, more = self._layer_rows(max_layers)
+        # a rich cell costs its text + 2 padding + 1 border; the table one more border
+        head, rows, more, dropped = self._fitted_layer_table(max_layers, console.width, 3, 1)
         if rows:
             layers = Table(title="Per-layer gradients")
-            for h in self._LAYER_HEAD:
-                layers.add_column(h, justify="left" if h == "Layer" else "right")
+            for h in head:
+                if h == "Layer":
+                    layers.add_column(h, justify="left", no_wrap=True, overflow="ellipsis")
+                else:
+                    layers.add_column(h, justify="right", no_wrap=True)
             for row in rows:
                 layers.add_row(*row)
             console.print(layers)
             if more:
                 console.print(f"({more} more layers not shown)")
+            if dropped:
+                console.print(f"(left out to fit {console.width} columns: {', '.join(dropped)}; to_markdown() "
+                              "has every column)", markup=False, highlight=False)
 
     def _recommendations(self) -> list[tuple[str, str, str]]:
         seen, out = set(), []
@@ -891,6 +948,37 @@ def _fmt(x) -> str:
     if x == 0:
         return "0"
     return f"{x:.3e}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.4g}"
+
+
+def _abbrev(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, shortened from the middle: dotted components between the
+    first one and the last are replaced by "…" from the left, keeping numbers (the layer index), then the
+    string is cut in the middle keeping more of its end, which is what tells layers apart
+    (``0.layers.11.self_attn.out_proj`` -> ``0.….11.….out_proj``); the first component goes last."""
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+    keep = [True] * len(parts)
+    for i in list(range(1, len(parts) - 1)) + [0]:  # the middle first, then the head
+        if parts[i].isdigit() or len(parts) < 2:
+            continue
+        keep[i] = False
+        shown, prev = [], True
+        for p, k in zip(parts, keep):
+            if k:
+                shown.append(p)
+            elif prev:
+                shown.append("…")
+            prev = k
+        short = ".".join(shown)
+        if len(short) <= width:
+            return short
+    if sum(keep) < len(parts):
+        name = short
+    if width <= 1:
+        return name[-width:] if width > 0 else ""
+    tail = (2 * (width - 1)) // 3
+    return name[:width - 1 - tail] + "…" + name[len(name) - tail:]
 
 
 def _md(s: str) -> str:
