@@ -221,6 +221,8 @@ class GradientMonitor:
         self._row_sparse = row_sparse_names(model)  # embeddings: left out of the depth rule
         self._clip_step: tuple[int, float] | None = None  # (step, max_norm) of the last monitor.clip_grad_norm_
         self._skips_used = False  # record_skip() was called at least once
+        self._skip_marked = 0  # the last step record_skip() marked
+        self._skip_from = 0  # skip marks of steps up to here are in an earlier report
         self.names = [n for n, p in self.named if p.requires_grad]
         self._all_names = [n for n, _ in self.named]
         self._params = [p for _, p in self.named]
@@ -358,7 +360,9 @@ class GradientMonitor:
         step guard or ``found_inf`` of a GradScaler, or a Python bool. The flag is copied into the ring buffer
         on the device (no host sync); logging steps count the skipped steps since the previous report
         (``GradientReport.skipped_steps``, a ``skipped_steps`` finding) and :meth:`history` lists them.
-        Calling it again for the same step replaces the mark."""
+        Calling it again for the same step replaces the mark. A logging step's report covers its own step
+        only when the mark came before it (``record_skip`` after ``monitor(...)``, the usual order, has its
+        mark counted in the next report)."""
         if self.step == 0 or self._bufs is None:
             raise RuntimeError("record_skip() marks the step just recorded: call it after monitor(...), "
                                "monitor.record(...) or monitor.clip_grad_norm_(...) of that step")
@@ -374,6 +378,7 @@ class GradientMonitor:
         else:
             raise TypeError(f"record_skip() takes a 0-dim tensor or a bool, got {type(skipped).__name__}")
         self._skips_used = True
+        self._skip_marked = self.step
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -440,10 +445,22 @@ class GradientMonitor:
             self._h_nonfinite.append(nf_buf[k])
             self._h_skipped.append(skip_buf[k])
         self._flushed = self.step
+        self._refresh_skips(skip_buf)
+
+    def _refresh_skips(self, skip_buf: list[float]) -> None:
+        """Re-read the skip marks of the steps still in the ring: record_skip() may mark a step after a
+        logging step copied it to the host."""
+        if not self._skips_used:
+            return
+        h_steps, h_skip, n = self._h_steps, self._h_skipped, len(self._h_steps)
+        for s in range(max(1, self.step - self.capacity + 1), self.step + 1):
+            i = n - 1 - (self.step - s)
+            if 0 <= i < n and h_steps[i] == s:
+                h_skip[i] = skip_buf[(s - 1) % self.capacity]
 
     def flush(self) -> None:
         """Copy the unread part of the ring buffers into the host history (one sync)."""
-        if self._bufs is None or self._flushed == self.step:
+        if self._bufs is None or (self._flushed == self.step and not self._skips_used):
             return
         b = self._bufs
         flat = torch.cat([b["norm"].double(), b["loss"].double(), b["nonfinite"].double(),
@@ -530,14 +547,16 @@ class GradientMonitor:
                                   steps=bad_steps))
         skipped = None
         if self._skips_used:
-            since = [(s, v) for s, v in zip(self._h_steps, self._h_skipped) if s > self._logged]
+            upto = self.step if self._skip_marked == self.step else self.step - 1
+            since = [(s, v) for s, v in zip(self._h_steps, self._h_skipped) if self._skip_from < s <= upto]
+            self._skip_from = max(self._skip_from, upto)
             marked = [s for s, v in since if v > 0]
             skipped = len(marked)
             if marked:
                 sev = "warning" if 2 * len(marked) > len(since) else "notice"
                 trends.append(Finding(
-                    "skipped_steps", sev, f"{len(marked)} of {len(since)} step(s) skipped since "
-                    + (f"step {self._logged}" if self._logged else "the start"),
+                    "skipped_steps", sev, f"{len(marked)} of {len(since)} step(s) skipped, steps {since[0][0]} to "
+                    f"{since[-1][0]}",
                     f"The step guard skipped step(s) {', '.join(map(str, marked[:8]))}"
                     + (", ..." if len(marked) > 8 else "") + ": those updates were not applied"
                     + (" (more than half of the steps: training is barely moving)." if sev == "warning" else "."),
