@@ -1,7 +1,8 @@
-"""Gradient health report: the SPEC section 7 statuses, computed from one ``grad_stats`` pass (plus one pass
-over the parameters for the grad/param norm ratio) and read to the host with a single sync.
+"""Gradient health report: the statuses of the gradient-health table (docs/diagnostics.md), computed from one
+``grad_stats`` pass (plus one pass over the parameters for the grad/param norm ratio) and read to the host
+with a single sync.
 
-Status rules (SPEC section 7, with the gaps of that table filled in; docs/diagnostics.md explains why):
+Status rules (the guide's table, with its gaps filled in; docs/diagnostics.md explains why):
 
 ========================================  ==========  =============================================
 finding                                   severity    code
@@ -51,7 +52,7 @@ _RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The numbers of the SPEC section 7 table; change them per model if its healthy range differs."""
+    """The numbers of the gradient-health table; change them per model if its healthy range differs."""
 
     healthy_low: float = 0.1
     healthy_high: float = 10.0
