@@ -193,6 +193,8 @@ class GradientMonitor:
     ``logger``: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar``), a Weights & Biases run
     (anything with ``log(dict)``), a ``logging.Logger``, a CSV path or text file, a callable
     ``f(metrics: dict, step: int)``, or a list of these; None keeps the reports in ``last_report`` only.
+    ``row_sparse``: names of embedding-like parameters to leave out of the depth rule, for a monitor given
+    parameters rather than the module (the embeddings of a module are found by themselves).
     Each is checked here (TypeError/ValueError naming the problem), not at the first logging step.
     ``history``: ring-buffer length in steps (at least ``every``). ``loss`` may be a tensor (stored on the
     device, no sync) or a number; a NaN/Inf loss on any step is reported, as critical, at the next logging
@@ -208,7 +210,7 @@ class GradientMonitor:
                  per_layer: bool = True, include_params: bool = True, spike_z: float = 6.0,
                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                  trend_window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None,
-                 backend: str | None = None):
+                 row_sparse: Sequence[str] | None = None, backend: str | None = None):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
@@ -218,7 +220,8 @@ class GradientMonitor:
             _check_logger(lg)
         self.named = _named(model)
         self._by_name = dict(self.named)
-        self._row_sparse = row_sparse_names(model)  # embeddings: left out of the depth rule
+        # embeddings: left out of the depth rule (found in a module; named by the caller otherwise)
+        self._row_sparse = row_sparse_names(model) + [n for n in (row_sparse or ()) if isinstance(n, str)]
         self._clip_step: tuple[int, float] | None = None  # (step, max_norm) of the last monitor.clip_grad_norm_
         self._skips_used = False  # record_skip() was called at least once
         self._skip_marked = 0  # the last step record_skip() marked

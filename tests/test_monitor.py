@@ -774,3 +774,20 @@ def test_monitor_clip_to_zero_is_named():
     assert "clipped_to_zero" in r.codes() and "no_learning" not in r.codes()
     r2 = mon()  # a plain step after it: the clip is not remembered for it
     assert r2.codes() == ["no_learning"]
+
+
+def test_monitor_leaves_a_dense_embedding_out_of_depth():
+    # nn.Embedding (dense gradient): the monitor finds it in the model it was given
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(2000, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2000))
+    x = torch.randint(0, 2000, (256,))
+    nn.functional.cross_entropy(m[1:](m[0](x) * 1e-3), x).backward()
+    emb, head = m[0].weight.grad.double().norm().item(), m[3].weight.grad.double().norm().item()
+    assert head / emb > 1000  # ground truth: the plain depth rule would fire
+    r = fastgrad.GradientMonitor(m, every=1)()
+    assert "depth_vanishing" not in r.codes()
+    assert [(x_.name, x_.touched, x_.excluded) for x_ in r.row_sparse] == [("0.weight", int(x.unique().numel()), True)]
+    named = fastgrad.GradientMonitor(list(m.named_parameters()), every=1)()  # no module: nothing to find
+    assert "depth_vanishing" in named.codes()
+    told = fastgrad.GradientMonitor(list(m.named_parameters()), every=1, row_sparse=["0.weight"])()
+    assert "depth_vanishing" not in told.codes()
