@@ -51,7 +51,8 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
                 )
     if not gs:
         return None
-    sparse = [i for i, g in enumerate(gs) if g.layout != torch.strided]
+    # a Checked list (the compiled scan) holds dense tensors only: no per-tensor Python on the usual path
+    sparse = [] if type(gs) is I.Checked else [i for i, g in enumerate(gs) if g.layout != torch.strided]
     if sparse:  # validated here, applied after the dense ones: nothing is modified before every check passed
         for i in sparse:
             _check_sparse(ws[i], gs[i])
