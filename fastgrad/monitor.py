@@ -19,22 +19,23 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .report import Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, robust_jumps
+from .report import (Finding, GradientReport, Thresholds, _fmt, _gather, detect_loss_jumps, loss_progress,
+                     robust_jumps)
 from . import _inputs as I
 from . import _scan
 from .backends import clip_coef
-from .stats import GradStats, _named, _stats_of, _stats_of_all
+from .stats import GradStats, _named, _stats_of, _stats_of_all, row_sparse_names
 
 __all__ = ["GradientMonitor", "detect_trends"]
 
 _CSV_FIELDS = ["step", "status", "total_norm", "max_abs", "nan", "inf", "zero_fraction", "param_norm",
-               "grad_param_ratio", "loss", "findings"]
+               "grad_param_ratio", "loss", "findings", "skipped_steps"]
 
 
 def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: int = 0, spike_z: float = 6.0,
                   spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                   window: int = 200, min_history: int = 10, trend_ratio: float = 2.0,
-                  thresholds: Thresholds | None = None) -> list[Finding]:
+                  thresholds: Thresholds | None = None, losses: Sequence[float] | None = None) -> list[Finding]:
     """Trends of a total-norm history (oldest first), as report findings. Baselines are robust (median and
     scaled MAD), so earlier spikes and heavy-tailed noise do not move them, and steps up to ``warmup`` are
     never judged (early training is allowed to move fast):
@@ -46,6 +47,9 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
       the median or more, else a notice. The title names the step and the size of the largest spike.
     - ``increasing``: the finite norms after ``warmup`` in the last ``window`` steps, split in four quarters:
       each quarter's median above the previous one and the last at least ``trend_ratio`` times the first.
+      A warning, except when ``losses`` (one per step of ``steps``, NaN where unknown) show the loss falling
+      over the same steps while every quarter's median stays inside the healthy band (0.1 to 10 by default):
+      a converging run often has a rising norm, so that is a notice that shows the evidence.
     - ``decaying``: each quarter's median below the previous one and the last one under the vanishing
       threshold (1e-3) or 1000x below the first: the norm decays to ~0.
     """
@@ -68,13 +72,34 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
         med = [median(recent[i * q:(i + 1) * q]) for i in range(3)] + [median(recent[3 * q:])]
         first_step = next(s for s, v in tail if s > warmup and math.isfinite(v))
         if all(b > a for a, b in zip(med, med[1:])) and med[3] >= trend_ratio * med[0]:
-            found.append(Finding("increasing", "warning", "gradient norm steadily increasing",
-                                 f"Median norm grew {med[3] / med[0] if med[0] else math.inf:.3g}x since step "
-                                 f"{first_step} ({' -> '.join(f'{m:.3g}' for m in med)})."))
+            detail = (f"Median norm grew {med[3] / med[0] if med[0] else math.inf:.3g}x since step "
+                      f"{first_step} ({' -> '.join(f'{m:.3g}' for m in med)}).")
+            falling = _loss_falling(steps, losses, first_step, window)
+            if falling is not None and all(th.healthy_low <= m <= th.healthy_high for m in med):
+                found.append(Finding("increasing", "notice", "gradient norm rising inside the healthy range while "
+                                     "the loss falls", detail + f" It stays within {_fmt(th.healthy_low)} to "
+                                     f"{_fmt(th.healthy_high)} and the loss fell {falling}: usual for a "
+                                     "converging run, no action needed."))
+            else:
+                found.append(Finding("increasing", "warning", "gradient norm steadily increasing", detail))
         elif all(b < a for a, b in zip(med, med[1:])) and (med[3] < th.vanishing or med[3] * 1000 <= med[0]):
             found.append(Finding("decaying", "warning", "gradient norm decaying to ~0",
                                  f"Median norm fell from {med[0]:.3g} to {med[3]:.3g} since step {first_step}."))
     return found
+
+
+def _loss_falling(steps: Sequence[int], losses: Sequence[float] | None, first_step: int, window: int
+                  ) -> str | None:
+    """``"a -> b"`` (the mean of the first and of the last quarter of the finite losses from ``first_step`` on,
+    within the last ``window`` steps) when the loss fell over them (``loss_progress``), else None."""
+    if losses is None:
+        return None
+    pairs = list(zip(steps, losses))[-window:]
+    vals = [float(v) for s, v in pairs if s >= first_step and math.isfinite(float(v))]
+    if len(vals) < 4 or not loss_progress(vals):
+        return None
+    k = max(1, len(vals) // 4)
+    return f"{_fmt(sum(vals[:k]) / k)} -> {_fmt(sum(vals[-k:]) / k)}"
 
 
 def _check_logger(lg) -> None:
@@ -126,6 +151,18 @@ def _fusable(grads: list[Tensor]) -> bool:
     return True
 
 
+def _readable(grads: list[Tensor]) -> bool:
+    """What grad_stats reads: plain real floating tensors, dense or sparse (not DTensor, not complex)."""
+    if type(grads) is I.Checked:
+        return True
+    for g in grads:
+        if type(g) is not Tensor and not isinstance(g, torch.nn.Parameter):
+            return False
+        if not g.dtype.is_floating_point:
+            return False
+    return True
+
+
 def _empty_like_stats(named, total: Tensor) -> GradStats:
     """Statistics the fused pass cannot compute (e.g. sparse grads): only the total norm, nothing per tensor."""
     total = total.full_tensor() if hasattr(total, "full_tensor") else total  # a DTensor norm: its value
@@ -156,6 +193,8 @@ class GradientMonitor:
     ``logger``: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar``), a Weights & Biases run
     (anything with ``log(dict)``), a ``logging.Logger``, a CSV path or text file, a callable
     ``f(metrics: dict, step: int)``, or a list of these; None keeps the reports in ``last_report`` only.
+    ``row_sparse``: names of embedding-like parameters to leave out of the depth rule, for a monitor given
+    parameters rather than the module (the embeddings of a module are found by themselves).
     Each is checked here (TypeError/ValueError naming the problem), not at the first logging step.
     ``history``: ring-buffer length in steps (at least ``every``). ``loss`` may be a tensor (stored on the
     device, no sync) or a number; a NaN/Inf loss on any step is reported, as critical, at the next logging
@@ -171,7 +210,7 @@ class GradientMonitor:
                  per_layer: bool = True, include_params: bool = True, spike_z: float = 6.0,
                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                  trend_window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None,
-                 backend: str | None = None):
+                 row_sparse: Sequence[str] | None = None, backend: str | None = None):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
@@ -180,6 +219,13 @@ class GradientMonitor:
         for lg in self.loggers:
             _check_logger(lg)
         self.named = _named(model)
+        self._by_name = dict(self.named)
+        # embeddings: left out of the depth rule (found in a module; named by the caller otherwise)
+        self._row_sparse = row_sparse_names(model) + [n for n in (row_sparse or ()) if isinstance(n, str)]
+        self._clip_step: tuple[int, float] | None = None  # (step, max_norm) of the last monitor.clip_grad_norm_
+        self._skips_used = False  # record_skip() was called at least once
+        self._skip_marked = 0  # the last step record_skip() marked
+        self._skip_from = 0  # skip marks of steps up to here are in an earlier report
         self.names = [n for n, p in self.named if p.requires_grad]
         self._all_names = [n for n, _ in self.named]
         self._params = [p for _, p in self.named]
@@ -202,6 +248,7 @@ class GradientMonitor:
         self._flushed = 0  # last step copied into the host history
         self._logged = 0  # last step whose trends were reported
         self._h_steps, self._h_norm, self._h_loss, self._h_nonfinite = array("q"), array("d"), array("d"), array("d")
+        self._h_skipped = array("d")
         # Non-finite losses given as numbers, since the last report: (first step, count, last step).
         self._host_bad_loss = [0, 0, 0]
         self._csv_files: dict[int, tuple] = {}
@@ -215,6 +262,8 @@ class GradientMonitor:
             "norm": torch.full((cap,), nan, device=dev, dtype=dt),
             "loss": torch.full((cap,), nan, device=dev, dtype=torch.float32 if dt != torch.float64 else dt),
             "nonfinite": torch.zeros(cap, device=dev, dtype=torch.int64),
+            # 1 where record_skip() marked the step skipped (a step guard's device flag)
+            "skipped": torch.zeros(cap, device=dev, dtype=torch.int64),
             # [first step, count, last step] of non-finite tensor losses since the last report (0 = none)
             "bad_loss": torch.zeros(3, device=dev, dtype=torch.int64),
         }
@@ -276,6 +325,7 @@ class GradientMonitor:
             b["nonfinite"][slot:slot + 1].copy_((stats.nan.sum() + stats.inf.sum()).reshape(1), non_blocking=True)
         else:
             b["nonfinite"][slot] = 0
+        b["skipped"][slot] = 0  # a fill kernel; record_skip() may mark it
         if isinstance(loss, Tensor):
             lt = loss.detach().reshape(-1)
             b["loss"][slot:slot + 1].copy_(lt[:1], non_blocking=True)
@@ -307,6 +357,33 @@ class GradientMonitor:
         return None
 
     @torch.no_grad()
+    def record_skip(self, skipped) -> None:
+        """Mark the step just recorded (by ``monitor(...)``, ``record`` or ``clip_grad_norm_``) as skipped or
+        not: ``skipped`` is a 0-dim tensor (bool, int or float; nonzero = skipped), e.g. the device flag of a
+        step guard or ``found_inf`` of a GradScaler, or a Python bool. The flag is copied into the ring buffer
+        on the device (no host sync); logging steps count the skipped steps since the previous report
+        (``GradientReport.skipped_steps``, a ``skipped_steps`` finding) and :meth:`history` lists them.
+        Calling it again for the same step replaces the mark. A logging step's report covers its own step
+        only when the mark came before it (``record_skip`` after ``monitor(...)``, the usual order, has its
+        mark counted in the next report)."""
+        if self.step == 0 or self._bufs is None:
+            raise RuntimeError("record_skip() marks the step just recorded: call it after monitor(...), "
+                               "monitor.record(...) or monitor.clip_grad_norm_(...) of that step")
+        slot = (self.step - 1) % self.capacity
+        buf = self._bufs["skipped"]
+        if isinstance(skipped, Tensor):
+            if skipped.numel() != 1:
+                raise ValueError(f"record_skip() takes a one-element flag, got a tensor of shape "
+                                 f"{tuple(skipped.shape)}")
+            buf[slot:slot + 1].copy_((skipped.detach().reshape(1) != 0).to(torch.int64), non_blocking=True)
+        elif isinstance(skipped, (bool, int)):
+            buf[slot] = int(bool(skipped))
+        else:
+            raise TypeError(f"record_skip() takes a 0-dim tensor or a bool, got {type(skipped).__name__}")
+        self._skips_used = True
+        self._skip_marked = self.step
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, loss=None) -> Tensor:
         """``fastgrad.clip_grad_norm_`` over the monitored parameters AND this step's monitor record, from
@@ -335,14 +412,16 @@ class GradientMonitor:
                 if nonfinite:
                     raise RuntimeError(C._NONFINITE_MSG.format(p))  # nothing was written
                 cols = dict(zip(("norm", "max_abs", "nan", "inf", "zero"), cols), total_norm=total)
+                self._clip_step = (self.step + 1, max_norm)
                 self.record(_stats_of_all(self._all_names, self._params, cols, self._meta), loss)
                 return total.to(_scan.dtype_of_mask(mask, total.dtype))
         grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = self._stats(grads) if grads and _fusable(grads) else None
+            stats = self._stats(grads) if grads and _readable(grads) else None
             total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
+            self._clip_step = (self.step + 1, max_norm)
             self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
             return total
         stats = self._stats(grads)
@@ -350,6 +429,7 @@ class GradientMonitor:
         if error_if_nonfinite:
             C._check_finite(total, p)  # the one sync asked for, before anything is written
         C._scale(grads, clip_coef(total, max_norm), self.backend, foreach)
+        self._clip_step = (self.step + 1, max_norm)
         self.record(stats, loss)
         return total.to(I.promoted_dtype(grads))
 
@@ -357,7 +437,8 @@ class GradientMonitor:
     def _slots(self, first_step: int, last_step: int) -> list[int]:
         return [(s - 1) % self.capacity for s in range(first_step, last_step + 1)]
 
-    def _absorb(self, norm_buf: list[float], loss_buf: list[float], nf_buf: list[float]) -> None:
+    def _absorb(self, norm_buf: list[float], loss_buf: list[float], nf_buf: list[float],
+                skip_buf: list[float]) -> None:
         """Append the steps not yet in the host history (those still in the ring) from host copies."""
         start = max(self._flushed + 1, self.step - self.capacity + 1, 1)
         for s, k in zip(range(start, self.step + 1), self._slots(start, self.step)):
@@ -365,24 +446,39 @@ class GradientMonitor:
             self._h_norm.append(norm_buf[k])
             self._h_loss.append(loss_buf[k])
             self._h_nonfinite.append(nf_buf[k])
+            self._h_skipped.append(skip_buf[k])
         self._flushed = self.step
+        self._refresh_skips(skip_buf)
+
+    def _refresh_skips(self, skip_buf: list[float]) -> None:
+        """Re-read the skip marks of the steps still in the ring: record_skip() may mark a step after a
+        logging step copied it to the host."""
+        if not self._skips_used:
+            return
+        h_steps, h_skip, n = self._h_steps, self._h_skipped, len(self._h_steps)
+        for s in range(max(1, self.step - self.capacity + 1), self.step + 1):
+            i = n - 1 - (self.step - s)
+            if 0 <= i < n and h_steps[i] == s:
+                h_skip[i] = skip_buf[(s - 1) % self.capacity]
 
     def flush(self) -> None:
         """Copy the unread part of the ring buffers into the host history (one sync)."""
-        if self._bufs is None or self._flushed == self.step:
+        if self._bufs is None or (self._flushed == self.step and not self._skips_used):
             return
         b = self._bufs
-        flat = torch.cat([b["norm"].double(), b["loss"].double(), b["nonfinite"].double()]).tolist()
+        flat = torch.cat([b["norm"].double(), b["loss"].double(), b["nonfinite"].double(),
+                          b["skipped"].double()]).tolist()
         c = self.capacity
-        self._absorb(flat[:c], flat[c:2 * c], flat[2 * c:])
+        self._absorb(flat[:c], flat[c:2 * c], flat[2 * c:3 * c], flat[3 * c:])
 
     def history(self) -> dict[str, list]:
         """Every recorded step so far (those before the last ``history`` steps only if a logging step or
-        :meth:`flush` read them in time): ``steps``, ``total_norm``, ``loss`` (NaN where none was given) and
-        ``nonfinite`` (NaN+Inf gradient values per step)."""
+        :meth:`flush` read them in time): ``steps``, ``total_norm``, ``loss`` (NaN where none was given),
+        ``nonfinite`` (NaN+Inf gradient values per step) and ``skipped`` (1 where :meth:`record_skip` marked
+        the step skipped)."""
         self.flush()
         return {"steps": list(self._h_steps), "total_norm": list(self._h_norm), "loss": list(self._h_loss),
-                "nonfinite": [int(v) for v in self._h_nonfinite]}
+                "nonfinite": [int(v) for v in self._h_nonfinite], "skipped": [int(v) for v in self._h_skipped]}
 
     def layer_history(self) -> dict[str, list[float]]:
         """Per-parameter gradient norms of the steps still in the ring buffer, oldest first (one sync)."""
@@ -425,10 +521,14 @@ class GradientMonitor:
         if self.include_params and len(stats):
             from .clip import multi_tensor_norm
 
-            params = [p.detach() for n, p in self.named if p.grad is not None]
-            _, pnorms = multi_tensor_norm(params, per_tensor=True, backend=self.backend)
+            # The parameters of the recorded statistics, by name: their gradients may be gone by now (log()
+            # after optimizer.zero_grad()), so "the params that have a grad now" would not line up.
+            by_name = self._by_name
+            params = [by_name[n].detach() for n in stats.names if n in by_name]
+            if len(params) == len(stats):
+                _, pnorms = multi_tensor_norm(params, per_tensor=True, backend=self.backend)
         b = self._bufs
-        extras = [b["norm"], b["loss"], b["nonfinite"], b["bad_loss"]] if b is not None else []
+        extras = [b["norm"], b["loss"], b["nonfinite"], b["skipped"], b["bad_loss"]] if b is not None else []
         host, rest = _gather(stats, pnorms, extras)  # the one sync of a logging step
         flag = rest.pop() if rest else [0, 0, 0]
         if rest:
@@ -436,9 +536,9 @@ class GradientMonitor:
         r = self.rules
         steps = list(self._h_steps)[-self.capacity:]
         norms = list(self._h_norm)[-self.capacity:]
-        trends = detect_trends(steps, norms, new_after=self._logged, thresholds=self.thresholds,
-                               **self._trend_args())
         losses = list(self._h_loss)[-self.capacity:]
+        trends = detect_trends(steps, norms, new_after=self._logged, thresholds=self.thresholds,
+                               losses=losses, **self._trend_args())
         trends += detect_loss_jumps(steps, losses, new_after=self._logged, window=r["baseline"],
                                     warmup=r["warmup"], min_history=r["min_history"])
         bad_loss = self._bad_loss_finding(flag)
@@ -448,12 +548,30 @@ class GradientMonitor:
             trends.append(Finding("nonfinite_seen", "warning", "non-finite gradients at earlier steps",
                                   f"{len(bad_steps)} step(s) since the last report had NaN/Inf gradients.",
                                   steps=bad_steps))
+        skipped = None
+        if self._skips_used:
+            upto = self.step if self._skip_marked == self.step else self.step - 1
+            since = [(s, v) for s, v in zip(self._h_steps, self._h_skipped) if self._skip_from < s <= upto]
+            self._skip_from = max(self._skip_from, upto)
+            marked = [s for s, v in since if v > 0]
+            skipped = len(marked)
+            if marked:
+                sev = "warning" if 2 * len(marked) > len(since) else "notice"
+                trends.append(Finding(
+                    "skipped_steps", sev, f"{len(marked)} of {len(since)} step(s) skipped, steps {since[0][0]} to "
+                    f"{since[-1][0]}",
+                    f"The step guard skipped step(s) {', '.join(map(str, marked[:8]))}"
+                    + (", ..." if len(marked) > 8 else "") + ": those updates were not applied"
+                    + (" (more than half of the steps: training is barely moving)." if sev == "warning" else "."),
+                    steps=marked))
+        clip = self._clip_step[1] if self._clip_step is not None and self._clip_step[0] == self.step else None
         finite_losses = [v for v in losses[-self.trend_window:] if math.isfinite(v)]
         loss_now = self._h_loss[-1] if len(self._h_loss) and self._h_steps[-1] == self.step else math.nan
         report = GradientReport._build(host, stats, loss_history=finite_losses or None, step=self.step,
                                        thresholds=self.thresholds,
                                        extra_findings=([bad_loss] if bad_loss else []) + trends,
-                                       loss=None if math.isnan(loss_now) and bad_loss is None else loss_now)
+                                       loss=None if math.isnan(loss_now) and bad_loss is None else loss_now,
+                                       row_sparse=self._row_sparse, clip_max_norm=clip, skipped_steps=skipped)
         if bad_loss is not None:  # first in the list: the earliest cause
             report.findings.remove(bad_loss)
             report.findings.insert(0, bad_loss)
@@ -512,6 +630,7 @@ class GradientMonitor:
             "param_norm": "" if report.param_norm is None else report.param_norm,
             "grad_param_ratio": "" if report.ratio is None else report.ratio,
             "loss": "" if math.isnan(loss_now) else loss_now, "findings": ";".join(report.codes()),
+            "skipped_steps": "" if report.skipped_steps is None else report.skipped_steps,
         })
         fh.flush()
 

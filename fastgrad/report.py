@@ -1,7 +1,8 @@
-"""Gradient health report: the SPEC section 7 statuses, computed from one ``grad_stats`` pass (plus one pass
-over the parameters for the grad/param norm ratio) and read to the host with a single sync.
+"""Gradient health report: the statuses of the gradient-health table (docs/diagnostics.md), computed from one
+``grad_stats`` pass (plus one pass over the parameters for the grad/param norm ratio) and read to the host
+with a single sync.
 
-Status rules (SPEC section 7, with the gaps of that table filled in; docs/diagnostics.md explains why):
+Status rules (the guide's table, with its gaps filled in; docs/diagnostics.md explains why):
 
 ========================================  ==========  =============================================
 finding                                   severity    code
@@ -15,11 +16,15 @@ total norm > 1000                         critical    ``exploding``
 1e-3 <= total norm < 0.1                  notice      ``low``
 0 < total norm < 1e-3                     warning     ``vanishing``; a notice ``small_but_learning``
                                                       instead when a loss history shows progress
+total norm == 0 after a clip to max_norm 0 critical  ``clipped_to_zero`` (instead of ``no_learning``,
+                                                      when the report is told about the clip)
 NaN or Inf loss (even with finite grads)  critical    ``nonfinite_loss`` (the current loss, or any
                                                       value of the loss history)
 loss jumps >= 10x its recent median       warning     ``loss_spike`` (>= 3x: a notice)
-> 50% of gradient values exactly zero     warning     ``dead``
-early layers' norms > 1000x below late    warning     ``depth_vanishing``
+> 50% of parameter tensors all-zero grad  warning     ``dead``
+> 50% of dense gradient values zero       notice      ``mostly_zero`` (when ``dead`` does not apply)
+early layers' norms > 1000x below late    warning     ``depth_vanishing`` (row-sparse layers, i.e.
+                                                      embeddings, left out: see ``RowSparseRow``)
 ========================================  ==========  =============================================
 """
 
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
+import textwrap
 from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Iterable, Sequence
@@ -34,10 +41,10 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from .stats import GradStats, _named, grad_stats
+from .stats import GradStats, _named, grad_stats, row_sparse_names
 
-__all__ = ["Thresholds", "Finding", "ParamRow", "LayerRow", "GradientReport", "gradient_report", "loss_progress",
-           "detect_loss_jumps"]
+__all__ = ["Thresholds", "Finding", "ParamRow", "LayerRow", "RowSparseRow", "GradientReport", "gradient_report",
+           "loss_progress", "detect_loss_jumps"]
 
 SEVERITIES = ("notice", "warning", "critical")
 _RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
@@ -45,7 +52,7 @@ _RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The numbers of the SPEC section 7 table; change them per model if its healthy range differs."""
+    """The numbers of the gradient-health table; change them per model if its healthy range differs."""
 
     healthy_low: float = 0.1
     healthy_high: float = 10.0
@@ -101,6 +108,22 @@ class LayerRow:
     numel: int
     param_norm: float | None = None
     ratio: float | None = None
+
+
+@dataclass
+class RowSparseRow:
+    """A parameter whose gradient reaches only the rows a batch looked up (an embedding): the evidence behind
+    leaving it out of the depth rule. ``touched`` is estimated from the zero count as
+    ``ceil(nonzero values / row width)`` (exact unless a looked-up row has exact zeros in its gradient)."""
+
+    name: str
+    rows: int
+    touched: int
+    norm: float
+    #: the gradient norm per touched row (RMS over the touched rows): comparable across batches and vocabularies
+    per_row: float
+    #: True when fewer rows than all were touched, so the layer was left out of the depth comparison
+    excluded: bool
 
 
 # ---------------------------------------------------------------------------------------------- recommendations
@@ -171,6 +194,16 @@ _RECOMMEND: dict[str, tuple[str, str]] = {
         "        torch.nn.init.kaiming_normal_(m.weight, nonlinearity='relu')\n"
         "# and prefer ReLU/GELU + LayerNorm/BatchNorm + residual connections in deep stacks",
     ),
+    "clipped_to_zero": (
+        "clip_grad_norm_ with max_norm=0 multiplies every gradient by 0, so nothing learns; the parameters are "
+        "not frozen. Clip to a positive norm (1.0 is the usual start) or remove the clip.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
+    ),
+    "mostly_zero": (
+        "Most values of the dense gradients are exactly zero: units that never activate (dead ReLUs) or inputs "
+        "that are mostly zero. Fine for sparse inputs; otherwise try LeakyReLU/GELU or a lower learning rate.",
+        "",
+    ),
     "small_but_learning": ("Small gradients while the loss is decreasing are fine: no action needed.", ""),
     "dead": (
         "Most gradient values are exactly zero: dead ReLUs (use LeakyReLU/GELU, a lower learning rate, a "
@@ -230,6 +263,8 @@ def _gather(stats: GradStats, param_norms: Tensor | None, extras: Sequence[Tenso
     dev = stats.total_norm.device
     dt = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
     n = len(stats)
+    if param_norms is not None and param_norms.numel() != n:
+        raise ValueError(f"{param_norms.numel()} parameter norms for the statistics of {n} tensors")
     pieces = [stats.total_norm.reshape(1), stats.norm, stats.max_abs, stats.nan, stats.inf, stats.zero]
     if param_norms is not None:
         pieces.append(param_norms.reshape(-1))
@@ -283,17 +318,33 @@ class GradientReport:
     loss_progress: bool | None = None
     thresholds: Thresholds = field(default_factory=Thresholds)
     loss: float | None = None  # the current loss, when one was given (NaN/Inf kept)
+    #: embedding-like parameters (see :class:`RowSparseRow`) and how the depth rule treated them
+    row_sparse: list[RowSparseRow] = field(default_factory=list)
+    #: the total norm before a clip, and the clip's max_norm, when the caller told the report about one
+    pre_clip_norm: float | None = None
+    clip_max_norm: float | None = None
+    #: steps skipped by a step guard since the previous report (``GradientMonitor.record_skip``); None: unknown
+    skipped_steps: int | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_stats(cls, stats: GradStats, param_norms: Tensor | None = None, *,
                    loss_history: Sequence | Tensor | None = None, step: int | None = None,
-                   thresholds: Thresholds | None = None, loss=None) -> "GradientReport":
+                   thresholds: Thresholds | None = None, loss=None, row_sparse: Iterable[str] | None = None,
+                   pre_clip_norm=None, clip_max_norm: float | None = None) -> "GradientReport":
         """Build a report from device statistics with one host sync. ``param_norms``: the per-tensor norms
         of the parameters in the order of ``stats`` (for the grad/param ratio). ``loss_history``: recent loss
         values (floats or tensors, oldest first) for the "small but learning is fine" caveat, the loss-jump
         rule and the non-finite-loss check. ``loss``: the current loss (tensor or number), read in the same
-        sync; NaN/Inf there or in the history is a critical finding even when every gradient is finite."""
+        sync; NaN/Inf there or in the history is a critical finding even when every gradient is finite.
+
+        ``row_sparse``: names of embedding-like parameters (``fastgrad.stats.row_sparse_names(model)``), added
+        to those ``stats`` already knows (sparse gradients, embeddings of a module given to ``grad_stats``);
+        the depth rule leaves out those of them whose gradient touched only some rows, and the report shows
+        the evidence. ``pre_clip_norm`` (number or 0-dim tensor, read in the same sync) and ``clip_max_norm``:
+        tell the report that the gradients it reads were clipped: a zero total norm after a clip to
+        ``max_norm=0`` (or any clip of a nonzero ``pre_clip_norm`` to a zero total) is ``clipped_to_zero``,
+        not "frozen parameters or dead units"."""
         extras, floats = [], None
         dev = stats.total_norm.device
         if isinstance(loss_history, Tensor):
@@ -314,19 +365,29 @@ class GradientReport:
                                        (~torch.isfinite(lt)).any().to(dev, torch.float64)]))
         elif loss is not None:
             loss_value = float(loss)
+        pre = None
+        if isinstance(pre_clip_norm, Tensor):
+            extras.append(pre_clip_norm.detach().reshape(1))
+        elif pre_clip_norm is not None:
+            pre = float(pre_clip_norm)
         host, rest = _gather(stats, param_norms, extras)
+        if isinstance(pre_clip_norm, Tensor):
+            pre = rest.pop()[0]
         if isinstance(loss, Tensor):
             value, bad = rest.pop()
             loss_value = value if not bad or not math.isfinite(value) else math.nan
         if rest:
             floats = rest[0]
-        return cls._build(host, stats, loss_history=floats, step=step, thresholds=thresholds, loss=loss_value)
+        return cls._build(host, stats, loss_history=floats, step=step, thresholds=thresholds, loss=loss_value,
+                          row_sparse=row_sparse, pre_clip_norm=pre, clip_max_norm=clip_max_norm)
 
     @classmethod
     def _build(cls, host: dict, stats: GradStats, *, loss_history: Sequence[float] | None = None,
                step: int | None = None, thresholds: Thresholds | None = None,
                extra_findings: Iterable[Finding] = (), loss: float | None = None,
-               history_steps: Sequence[int] | None = None) -> "GradientReport":
+               history_steps: Sequence[int] | None = None, row_sparse: Iterable[str] | None = None,
+               pre_clip_norm: float | None = None, clip_max_norm: float | None = None,
+               skipped_steps: int | None = None) -> "GradientReport":
         """``history_steps``: the step of each ``loss_history`` value (default: positions 1..n)."""
         th = thresholds or Thresholds()
         pn = host.get("param_norm")
@@ -350,6 +411,9 @@ class GradientReport:
             zero=sum(r.zero for r in params), numel=sum(r.numel for r in params), param_norm=param_norm,
             ratio=_ratio(total, param_norm), params=params, layers=layers, no_grad=list(stats.no_grad),
             findings=[], step=step, loss_progress=progress, thresholds=th, loss=loss,
+            row_sparse=_row_sparse_rows(params, set(stats.row_sparse) | set(row_sparse or ())),
+            pre_clip_norm=pre_clip_norm, clip_max_norm=None if clip_max_norm is None else float(clip_max_norm),
+            skipped_steps=skipped_steps,
         )
         steps = list(history_steps) if history_steps is not None else (
             list(range(1, len(loss_history) + 1)) if loss_history is not None else [])
@@ -391,6 +455,10 @@ class GradientReport:
     def nonfinite_params(self) -> list[str]:
         return [r.name for r in self.params if r.nan or r.inf]
 
+    def zero_params(self) -> list[str]:
+        """Parameters (tensors) whose gradient is entirely zero: what the ``dead`` rule counts."""
+        return [r.name for r in self.params if r.numel and r.zero == r.numel]
+
     # ---------------------------------------------------------------- machine-readable
     def to_dict(self) -> dict:
         """Plain Python values for loggers and JSON (NaN/Inf stay floats)."""
@@ -400,6 +468,9 @@ class GradientReport:
             "zero_fraction": self.zero / self.numel if self.numel else 0.0,
             "param_norm": self.param_norm, "grad_param_ratio": self.ratio, "loss_progress": self.loss_progress,
             "loss": self.loss,
+            "zero_params": self.zero_params(), "row_sparse": [asdict(r) for r in self.row_sparse],
+            "pre_clip_norm": self.pre_clip_norm, "clip_max_norm": self.clip_max_norm,
+            "skipped_steps": self.skipped_steps,
             "no_grad": list(self.no_grad),
             "findings": [asdict(f) for f in self.findings],
             "layers": [asdict(r) for r in self.layers],
@@ -414,7 +485,10 @@ class GradientReport:
             f"{prefix}nan": float(self.nan), f"{prefix}inf": float(self.inf),
             f"{prefix}zero_fraction": self.zero / self.numel if self.numel else 0.0,
             f"{prefix}status_level": float(_RANK[self.status]),
+            f"{prefix}zero_params": float(len(self.zero_params())),
         }
+        if self.skipped_steps is not None:
+            out[f"{prefix}skipped_steps"] = float(self.skipped_steps)
         if self.param_norm is not None:
             out[f"{prefix}param_norm"] = self.param_norm
             out[f"{prefix}grad_param_ratio"] = self.ratio
@@ -432,9 +506,17 @@ class GradientReport:
         rows += [
             ("Max abs gradient", _fmt(self.max_abs)),
             ("NaN / Inf values", f"{self.nan:,} / {self.inf:,}"),
-            ("Zero gradient values", f"{frac:.1%} of {self.numel:,}"),
+            ("Zero-gradient parameters", f"{len(self.zero_params())} of {len(self.params)} tensors entirely zero"),
+            ("Zero gradient values", f"{frac:.1%} of {self.numel:,} values"),
             ("Tensors with a gradient", f"{len(self.params)} (without: {len(self.no_grad)})"),
         ]
+        for r in self.row_sparse:
+            rows.append((f"Row-sparse {r.name}", f"{r.touched:,} of {r.rows:,} rows touched, norm/row "
+                         f"{_fmt(r.per_row)}" + ("; left out of the depth rule" if r.excluded else "")))
+        if self.pre_clip_norm is not None or self.clip_max_norm is not None:
+            rows.append(("Clip", f"norm {_fmt(self.pre_clip_norm)} before, max_norm {_fmt(self.clip_max_norm)}"))
+        if self.skipped_steps is not None:
+            rows.append(("Skipped steps", f"{self.skipped_steps:,} since the previous report"))
         if self.loss is not None:
             rows.append(("Loss", _fmt(self.loss) + ("" if math.isfinite(self.loss) else " (NON-FINITE)")))
         if self.loss_progress is not None:
@@ -452,6 +534,35 @@ class GradientReport:
         return rows, max(0, len(self.layers) - max_layers)
 
     _LAYER_HEAD = ["Layer", "Grad norm", "Max abs", "Param norm", "Grad/param", "Zero", "NaN", "Inf"]
+
+    def _fitted_layer_table(self, max_layers: int, width: int | None, per_col: int, fixed: int
+                            ) -> tuple[list[str], list[list[str]], int, list[str]]:
+        """(head, rows, more, left-out column names) of the per-layer table fitted to ``width`` columns: a
+        table cell costs ``per_col`` characters besides its text and the table ``fixed`` more. Columns are
+        left out, in this order, until the layer names get a reasonable width: NaN and Inf when every value
+        is 0 (the summary has the totals), then Max abs, then Param norm; then the names are abbreviated
+        from the middle (:func:`_abbrev`), so the distinguishing end (``1.self_attn.out_proj``) stays."""
+        rows, more = self._layer_rows(max_layers)
+        head = list(self._LAYER_HEAD)
+        if width is None or not rows:
+            return head, rows, more, []
+        cols = list(range(len(head)))
+
+        def need(c):
+            return max([len(head[c])] + [len(r[c]) for r in rows]) + per_col
+
+        longest = max(len(r[0]) for r in rows)
+        want = min(longest, 32)
+        dropped = []
+        order = [c for c in (6, 7) if all(r[c] == "0" for r in rows)] + [2, 3]
+        for c in order:
+            if width - fixed - sum(need(k) for k in cols if k) - per_col >= want:
+                break
+            cols.remove(c)
+            dropped.append(head[c])
+        budget = max(8, width - fixed - sum(need(k) for k in cols if k) - per_col)
+        out = [[_abbrev(r[0], budget)] + [r[c] for c in cols if c] for r in rows]
+        return [head[c] for c in cols], out, more, dropped
 
     def to_markdown(self, max_layers: int = 50) -> str:
         """Markdown: Summary table, Issues Detected (severity, affected layers), Recommendations (with code),
@@ -483,9 +594,19 @@ class GradientReport:
                 out.append(f"\n({more} more layers not shown)")
         return "\n".join(out).rstrip() + "\n"
 
-    def to_text(self, max_layers: int = 30) -> str:
-        """Plain-text rendering (what :meth:`show` prints when rich is not installed)."""
+    def to_text(self, max_layers: int = 30, width: int | None = None) -> str:
+        """Plain-text rendering (what :meth:`show` prints when rich is not installed). ``width``: fit the
+        lines into that many columns (prose wrapped; the per-layer table loses its all-zero NaN/Inf columns,
+        then Max abs and Param norm, and abbreviates layer names from the middle); None: no limit."""
         buf = io.StringIO()
+
+        def say(text: str, indent: str = "", first: str | None = None) -> None:
+            first = indent if first is None else first
+            if width is None:
+                print(first + text, file=buf)
+            else:
+                print(textwrap.fill(text, width, initial_indent=first, subsequent_indent=indent,
+                                    break_on_hyphens=False), file=buf)
         title = "Gradient report" + (f" (step {self.step})" if self.step is not None else "")
         print(title, "=" * len(title), sep="\n", file=buf)
         w = max(len(k) for k, _ in self._summary_rows())
@@ -493,32 +614,39 @@ class GradientReport:
             print(f"{k:<{w}}  {v}", file=buf)
         print("\nIssues detected:" if self.findings else "\nNo issues detected.", file=buf)
         for f in self.findings:
-            print(f"  [{f.severity.upper()}] {f.title}", file=buf)
+            say(f"[{f.severity.upper()}] {f.title}", "      ", "  ")
             if f.layers or f.steps:
-                print(f"      affected: {_layers_text(f)}", file=buf)
+                say(f"affected: {_layers_text(f)}", "      ")
             if f.detail:
-                print(f"      {f.detail}", file=buf)
+                say(f.detail, "      ")
         for code, text, snippet in self._recommendations():
-            print(f"\nRecommendation ({code}): {text}", file=buf)
+            print("", file=buf)
+            say(f"Recommendation ({code}): {text}", "  ", "")
             for line in snippet.splitlines():
                 print(f"    {line}", file=buf)
-        rows, more = self._layer_rows(max_layers)
+        head, rows, more, dropped = self._fitted_layer_table(max_layers, width, 2, -2)
         if rows:
-            table = [self._LAYER_HEAD] + rows
-            widths = [max(len(r[i]) for r in table) for i in range(len(self._LAYER_HEAD))]
+            table = [head] + rows
+            widths = [max(len(r[i]) for r in table) for i in range(len(head))]
             print("", file=buf)
             for row in table:
                 print("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
-                                for i, c in enumerate(row)), file=buf)
+                                for i, c in enumerate(row)).rstrip(), file=buf)
             if more:
                 print(f"({more} more layers not shown)", file=buf)
+            if dropped:
+                say(f"(left out to fit {width} columns: {', '.join(dropped)}; to_markdown() has every column)")
         return buf.getvalue()
 
     def __str__(self) -> str:
         return self.to_text()
 
-    def show(self, console=None, *, max_layers: int = 30, use_rich: bool | None = None) -> None:
-        """Print the report: rich tables when rich is installed (or ``use_rich=True``), else plain text."""
+    def show(self, console=None, *, max_layers: int = 30, use_rich: bool | None = None,
+             width: int | None = None) -> None:
+        """Print the report: rich tables when rich is installed (or ``use_rich=True``), else plain text.
+        Both fit the terminal's width (``width`` overrides it; rich: the console's width): prose wraps, the
+        per-layer table drops its least useful columns first and abbreviates layer names from the middle,
+        keeping their distinguishing end."""
         if use_rich is not False:
             try:
                 from rich.console import Console
@@ -527,9 +655,11 @@ class GradientReport:
                 if use_rich:
                     raise
             else:
-                self._show_rich(console or Console(), Table, max_layers)
+                self._show_rich(console or Console(width=width), Table, max_layers)
                 return
-        print(self.to_text(max_layers), end="", file=console if hasattr(console, "write") else None)
+        if width is None:
+            width = shutil.get_terminal_size((80, 24)).columns
+        print(self.to_text(max_layers, width), end="", file=console if hasattr(console, "write") else None)
 
     def _show_rich(self, console, Table, max_layers: int) -> None:
         style = {"healthy": "green", "notice": "cyan", "warning": "yellow", "critical": "bold red"}
@@ -543,7 +673,7 @@ class GradientReport:
         if self.findings:
             issues = Table(title="Issues detected")
             for h in ("Severity", "Issue", "Affected", "Detail"):
-                issues.add_column(h)
+                issues.add_column(h, overflow="fold")  # wrap long layer names, never cut them
             for f in self.findings:
                 issues.add_row(f"[{style[f.severity]}]{f.severity}[/]", f.title, _layers_text(f), f.detail)
             console.print(issues)
@@ -551,16 +681,23 @@ class GradientReport:
             console.print(f"[bold]{code}[/]: {text}")
             if snippet:
                 console.print(snippet, markup=False, highlight=False)
-        rows, more = self._layer_rows(max_layers)
+        # a rich cell costs its text + 2 padding + 1 border; the table one more border
+        head, rows, more, dropped = self._fitted_layer_table(max_layers, console.width, 3, 1)
         if rows:
             layers = Table(title="Per-layer gradients")
-            for h in self._LAYER_HEAD:
-                layers.add_column(h, justify="left" if h == "Layer" else "right")
+            for h in head:
+                if h == "Layer":
+                    layers.add_column(h, justify="left", no_wrap=True, overflow="ellipsis")
+                else:
+                    layers.add_column(h, justify="right", no_wrap=True)
             for row in rows:
                 layers.add_row(*row)
             console.print(layers)
             if more:
                 console.print(f"({more} more layers not shown)")
+            if dropped:
+                console.print(f"(left out to fit {console.width} columns: {', '.join(dropped)}; to_markdown() "
+                              "has every column)", markup=False, highlight=False)
 
     def _recommendations(self) -> list[tuple[str, str, str]]:
         seen, out = set(), []
@@ -686,6 +823,8 @@ def _classify(rep: GradientReport) -> list[Finding]:
                              "no learning; frozen parameters or dead units",
                              "No parameter has a gradient (all frozen, unused, or backward() not called).",
                              list(rep.no_grad)))
+    elif total == 0 and _clipped_to_zero(rep):
+        found.append(_clip_finding(rep))
     elif total == 0:
         found.append(Finding("no_learning", "critical", "no learning; frozen parameters or dead units",
                              "Every gradient is exactly zero.", [r.name for r in rep.layers]))
@@ -713,15 +852,31 @@ def _classify(rep: GradientReport) -> list[Finding]:
                              f"Total norm {_fmt(total)} is between {_fmt(th.vanishing)} and "
                              f"{_fmt(th.healthy_low)}; fine while the loss decreases."))
 
-    # Dead parameters: share of gradient VALUES (scalar parameters) that are exactly zero. An all-zero model
-    # is already "no_learning".
-    if rep.numel and total != 0 and rep.zero / rep.numel > th.dead_fraction:
-        dead = [r.name for r in rep.params if r.numel and r.zero / r.numel > th.dead_fraction]
-        found.append(Finding("dead", "warning", "dead parameters",
-                             f"{rep.zero / rep.numel:.1%} of gradient values are exactly zero "
-                             f"(> {th.dead_fraction:.0%}).", dead))
+    if total != 0 and rep.clip_max_norm == 0 and not bad:  # statistics read before a clip to 0
+        found.append(_clip_finding(rep))
 
-    depth = _depth_check(rep.layers, th.depth_ratio)
+    # Dead parameters: the share of parameter TENSORS whose gradient is entirely zero. An all-zero model is
+    # already "no_learning". Counting values instead would call every embedding dead (the rows not looked up
+    # have a zero gradient), so values only give a notice, over the dense (not row-sparse) tensors.
+    zero_params = rep.zero_params()
+    sparse_names = {r.name for r in rep.row_sparse}
+    dense = [r for r in rep.params if r.name not in sparse_names]
+    dense_numel = sum(r.numel for r in dense)
+    dense_zero = sum(r.zero for r in dense)
+    if rep.params and total != 0 and len(zero_params) / len(rep.params) > th.dead_fraction:
+        found.append(Finding("dead", "warning", "dead parameters",
+                             f"{len(zero_params)} of {len(rep.params)} parameter tensors have an all-zero gradient "
+                             f"(> {th.dead_fraction:.0%}); {rep.zero / rep.numel:.1%} of all gradient values are "
+                             "zero.", zero_params))
+    elif dense_numel and total != 0 and dense_zero / dense_numel > th.dead_fraction:
+        mostly = [r.name for r in dense if r.numel and r.zero / r.numel > th.dead_fraction]
+        found.append(Finding("mostly_zero", "notice", "most gradient values are exactly zero",
+                             f"{dense_zero / dense_numel:.1%} of the values of the dense gradients are exactly "
+                             f"zero (> {th.dead_fraction:.0%}); {len(zero_params)} of {len(rep.params)} tensors "
+                             "are entirely zero.", mostly))
+
+    excluded = {r.name for r in rep.row_sparse if r.excluded}
+    depth = _depth_check(rep.layers, th.depth_ratio, excluded, rep.row_sparse)
     if depth is not None:
         found.append(depth)
     return found
@@ -732,11 +887,40 @@ def _largest(rep: GradientReport, k: int = 3) -> list[str]:
     return [r.name for r in sorted(finite, key=lambda r: -r.norm)[:k]]
 
 
-def _depth_check(layers: list[LayerRow], ratio: float) -> Finding | None:
+def _clipped_to_zero(rep: GradientReport) -> bool:
+    return rep.clip_max_norm == 0 or (rep.pre_clip_norm is not None and rep.pre_clip_norm != 0)
+
+
+def _clip_finding(rep: GradientReport) -> Finding:
+    before = "" if rep.pre_clip_norm is None else f"The total norm was {_fmt(rep.pre_clip_norm)} before the clip"
+    mx = "" if rep.clip_max_norm is None else f"max_norm={_fmt(rep.clip_max_norm)}"
+    detail = (before + (" and " if before else "The ") + f"clip ({mx or 'told by the caller'}) scaled every "
+              "gradient to zero: the clip, not frozen parameters or dead units, stopped learning.")
+    return Finding("clipped_to_zero", "critical", "no learning: the gradients were clipped to zero"
+                   + (f" ({mx})" if mx else ""), detail)
+
+
+def _row_sparse_rows(params: list[ParamRow], names: set[str]) -> list[RowSparseRow]:
+    out = []
+    for r in params:
+        if r.name not in names or not r.shape or not r.numel:
+            continue
+        rows = r.shape[0]
+        width = r.numel // rows
+        touched = min(rows, -(-(r.numel - r.zero) // width)) if width else 0
+        per_row = r.norm / math.sqrt(touched) if touched else 0.0
+        out.append(RowSparseRow(r.name, rows, touched, r.norm, per_row, touched < rows))
+    return out
+
+
+def _depth_check(layers: list[LayerRow], ratio: float, excluded: set[str] = frozenset(),
+                 row_sparse: Sequence[RowSparseRow] = ()) -> Finding | None:
     """Compare the mean gradient norm of the first quarter of the layers (registration order, which is depth
-    order for Sequential-style models) with that of the last quarter."""
+    order for Sequential-style models) with that of the last quarter. Layers holding a row-sparse parameter
+    that touched only some rows (``excluded``: an embedding) are left out: their norm grows with the number
+    of rows a batch looks up, not with depth."""
     # Layers with exactly zero gradient are dead (a separate finding), not "vanishing".
-    rows = [r for r in layers if math.isfinite(r.norm) and r.norm > 0]
+    rows = [r for r in layers if math.isfinite(r.norm) and r.norm > 0 and not (set(r.params) & excluded)]
     if len(rows) < 2:
         return None
     k = max(1, len(rows) // 4)
@@ -747,6 +931,10 @@ def _depth_check(layers: list[LayerRow], ratio: float) -> Finding | None:
     affected = [r.name for r in rows[:-k] if r.norm * ratio < late]
     detail = (f"Mean norm of the first {k} layer(s) {_fmt(early)} vs the last {k} {_fmt(late)} "
               f"(ratio {_fmt(late / early) if early else 'inf'}).")
+    left = [r for r in row_sparse if r.excluded]
+    if left:
+        detail += " Left out (row-sparse): " + ", ".join(
+            f"{r.name} ({r.touched:,} of {r.rows:,} rows touched, norm {_fmt(r.norm)})" for r in left) + "."
     return Finding("depth_vanishing", "warning", "vanishing across depth", detail, affected)
 
 
@@ -761,6 +949,37 @@ def _fmt(x) -> str:
     if x == 0:
         return "0"
     return f"{x:.3e}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.4g}"
+
+
+def _abbrev(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, shortened from the middle: dotted components between the
+    first one and the last are replaced by "…" from the left, keeping numbers (the layer index), then the
+    string is cut in the middle keeping more of its end, which is what tells layers apart
+    (``0.layers.11.self_attn.out_proj`` -> ``0.….11.….out_proj``); the first component goes last."""
+    if len(name) <= width:
+        return name
+    parts = name.split(".")
+    keep = [True] * len(parts)
+    for i in list(range(1, len(parts) - 1)) + [0]:  # the middle first, then the head
+        if parts[i].isdigit() or len(parts) < 2:
+            continue
+        keep[i] = False
+        shown, prev = [], True
+        for p, k in zip(parts, keep):
+            if k:
+                shown.append(p)
+            elif prev:
+                shown.append("…")
+            prev = k
+        short = ".".join(shown)
+        if len(short) <= width:
+            return short
+    if sum(keep) < len(parts):
+        name = short
+    if width <= 1:
+        return name[-width:] if width > 0 else ""
+    tail = (2 * (width - 1)) // 3
+    return name[:width - 1 - tail] + "…" + name[len(name) - tail:]
 
 
 def _md(s: str) -> str:
@@ -778,6 +997,7 @@ def _layers_text(f: Finding, limit: int = 8) -> str:
 # ---------------------------------------------------------------------------------------------- entry point
 def gradient_report(model_or_parameters, *, loss=None, loss_history: Sequence | Tensor | None = None,
                     include_params: bool = True, step: int | None = None, thresholds: Thresholds | None = None,
+                    row_sparse: Iterable[str] | None = None, pre_clip_norm=None, clip_max_norm: float | None = None,
                     backend: str | None = None) -> GradientReport:
     """Gradient health report of a model (or parameters, or ``(name, param)`` pairs) after ``backward()``.
 
@@ -785,14 +1005,19 @@ def gradient_report(model_or_parameters, *, loss=None, loss_history: Sequence | 
     grad/param norm ratio), then syncs the host once. ``loss`` (tensor or number) is the current loss and
     ``loss_history`` (oldest first) the recent ones: a NaN/Inf in either is a critical ``nonfinite_loss``
     finding even when every gradient is finite; the history also enables the "small but learning is fine"
-    caveat for vanishing gradients and the ``loss_spike`` rule."""
+    caveat for vanishing gradients and the ``loss_spike`` rule. ``row_sparse``, ``pre_clip_norm`` and
+    ``clip_max_norm``: see :meth:`GradientReport.from_stats` (the embeddings of a module are found by
+    themselves)."""
     named = _named(model_or_parameters)
     stats = grad_stats(named, backend=backend)
+    stats.row_sparse = stats.row_sparse + row_sparse_names(model_or_parameters)
     pnorms = None
     if include_params and len(stats):
         from .clip import multi_tensor_norm
 
-        params = [p.detach() for _, p in named if p.grad is not None]
+        by_name = dict(named)
+        params = [by_name[n].detach() for n in stats.names]
         _, pnorms = multi_tensor_norm(params, per_tensor=True, backend=backend)
     return GradientReport.from_stats(stats, pnorms, loss_history=loss_history, step=step, thresholds=thresholds,
-                                     loss=loss)
+                                     loss=loss, row_sparse=row_sparse, pre_clip_norm=pre_clip_norm,
+                                     clip_max_norm=clip_max_norm)

@@ -1,4 +1,4 @@
-"""One-pass gradient health statistics: SPEC section 7.
+"""One-pass gradient health statistics (docs/diagnostics.md).
 
 ``grad_stats`` is the public entry point (the kernels are the backends' ``grad_stats`` primitive); it
 returns a :class:`GradStats` whose tensors stay on the device, so computing it never syncs the host.
@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _inputs as I
 from .backends import acc_dtype
 
-__all__ = ["GradStats", "grad_stats", "tensor_stats"]
+__all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names"]
 
 
 @dataclass
@@ -25,6 +25,14 @@ class GradStats:
     Tensor fields live on the first gradient's device: ``norm`` and ``max_abs`` in float32 (float64 if any
     gradient is float64), the counts in int64. ``total_norm`` is the L2 norm over all gradients.
     ``no_grad`` names the inputs whose ``.grad`` was None (frozen or unused parameters).
+    ``row_sparse`` names the inputs whose gradient only reaches the rows a batch looked up: a sparse-layout
+    gradient, or the weight of an ``nn.Embedding``/``nn.EmbeddingBag`` when a module was given. Their norm
+    depends on how many rows were touched, not on depth, so the report's depth rule leaves them out.
+
+    Sparse gradients are read through their stored values (duplicates of a COO gradient summed first):
+    ``norm``/``max_abs``/``nan``/``inf`` are those of the values, ``numel`` is the dense shape's and ``zero``
+    counts the implicit zeros too (the rows not looked up have a zero gradient), so a sparse and a dense
+    embedding gradient of the same batch give the same statistics.
     """
 
     names: list[str]
@@ -38,6 +46,7 @@ class GradStats:
     numel: Tensor
     total_norm: Tensor
     no_grad: list[str] = field(default_factory=list)
+    row_sparse: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -50,6 +59,18 @@ class GradStats:
             for i, name in enumerate(self.names)
         }
         return {"total_norm": float(self.total_norm), "parameters": per, "no_grad": list(self.no_grad)}
+
+
+_ROW_SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def row_sparse_names(model, prefix: str = "") -> list[str]:
+    """Names (as ``named_parameters()`` gives them, after ``prefix``) of the weights of ``model``'s
+    ``nn.Embedding``/``nn.EmbeddingBag`` modules: their gradient reaches only the rows a batch looked up."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, _ROW_SPARSE_MODULES)}
+    return [prefix + n for n, p in model.named_parameters() if id(p) in ids] if ids else []
 
 
 def _named(obj) -> list[tuple[str, Tensor]]:
@@ -78,8 +99,14 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     Accepts an ``nn.Module`` (its ``named_parameters()``), an iterable of ``(name, parameter)`` pairs, an
     iterable of parameters (named by position), or one tensor.
     """
-    named = _named(parameters_or_named_parameters_or_module)
-    return _stats_of([n for n, _ in named], [p for _, p in named], backend)
+    obj = parameters_or_named_parameters_or_module
+    named = _named(obj)
+    st = _stats_of([n for n, _ in named], [p for _, p in named], backend)
+    hint = row_sparse_names(obj)
+    if hint:
+        seen = set(st.row_sparse)
+        st.row_sparse = st.row_sparse + [n for n in hint if n not in seen]
+    return st
 
 
 def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
@@ -92,7 +119,7 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     tensor). Else the Python loop."""
     if grads is None:
         grads = I.grads_of(params)
-    if len(grads) == len(params) and grads:
+    if len(grads) == len(params) and grads and (type(grads) is I.Checked or _all_strided(grads)):
         numel = cache["numel"] if cache else None
         return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
     named = list(zip(names, params))
@@ -105,10 +132,68 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
                          no_grad)
     names = [n for n, _ in with_grad]
     grads = [g for _, g in with_grad]
-    cols = tensor_stats(grads, backend=backend)
+    cols = _mixed_stats(grads, backend)
+    sparse = [n for n, g in with_grad if g.layout != torch.strided]
     return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
                      cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"], cols["total_norm"],
-                     no_grad)
+                     no_grad, sparse)
+
+
+def _all_strided(grads) -> bool:
+    for g in grads:
+        if g.layout != torch.strided:
+            return False
+    return True
+
+
+def _sparse_values(g: Tensor) -> Tensor:
+    """The stored values of a sparse gradient, each element of the dense tensor at most once (COO duplicates
+    summed by ``coalesce``; compressed layouts store each element once)."""
+    if g.layout == torch.sparse_coo:
+        return g.coalesce().values()
+    return g.values()
+
+
+def _sparse_stats(grads: list[Tensor], dtype: torch.dtype, dev) -> dict[str, Tensor]:
+    """The statistics columns of sparse gradients, from their values with torch ops (no host sync)."""
+    cols: dict[str, list[Tensor]] = {k: [] for k in ("norm", "max_abs", "nan", "inf", "zero")}
+    for g in grads:
+        if not g.dtype.is_floating_point:
+            raise TypeError(f"gradients must be real floating point; got a sparse gradient of dtype {g.dtype}")
+        v = _sparse_values(g).to(dev)
+        a = v.abs().to(dtype)
+        cols["norm"].append(torch.linalg.vector_norm(a) if v.numel() else torch.zeros((), dtype=dtype, device=dev))
+        # max |g| over the dense tensor: NaN wins, as in the dense kernels; implicit zeros floor it at 0
+        mx = a.max() if v.numel() else torch.zeros((), dtype=dtype, device=dev)
+        cols["max_abs"].append(torch.where(torch.isnan(a).any(), torch.nan, mx.clamp_min(0)) if v.numel() else mx)
+        cols["nan"].append(torch.isnan(v).sum())
+        cols["inf"].append(torch.isinf(v).sum())
+        cols["zero"].append((v == 0).sum() + (g.numel() - v.numel()))
+    out = {k: torch.stack(v) for k, v in cols.items()}
+    for k in ("nan", "inf", "zero"):
+        out[k] = out[k].to(torch.int64)
+    return out
+
+
+def _mixed_stats(grads: list[Tensor], backend: str | None) -> dict[str, Tensor]:
+    """:func:`tensor_stats` columns over gradients of which some may be sparse (those are read through their
+    values, see :class:`GradStats`); the dense ones take the fused pass."""
+    if _all_strided(grads):
+        return tensor_stats(grads, backend=backend)
+    dense = [i for i, g in enumerate(grads) if g.layout == torch.strided]
+    sparse = [i for i, g in enumerate(grads) if g.layout != torch.strided]
+    first = grads[0].device
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    sp = _sparse_stats([grads[i] for i in sparse], dtype, first)
+    if dense:
+        dn = tensor_stats([grads[i] for i in dense], backend=backend)
+        order = torch.argsort(torch.tensor(dense + sparse)).to(first)
+        cols = {k: torch.cat([dn[k].to(first, sp[k].dtype), sp[k]]).index_select(0, order) for k in sp}
+    else:
+        cols = sp
+    cols["numel"] = torch.tensor([g.numel() for g in grads], dtype=torch.int64).to(first, non_blocking=True)
+    cols["total_norm"] = torch.linalg.vector_norm(cols["norm"])
+    return cols
 
 
 def _stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None

@@ -215,3 +215,64 @@ def test_cuda_row_plan_host_check(tmp_path):
         assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
     res = subprocess.run([exe], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-4000:] + res.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- sparse gradients
+def _sparse_embedding_grad(dtype, coalesced: bool, seed: int = 0, rows: int = 37, dim: int = 5):
+    """A parameter of an nn.Embedding(sparse=True)-like shape with a COO gradient touching a few rows, some
+    of them twice (uncoalesced duplicates unless ``coalesced``); the dense equivalent is returned too."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(rows, dim, generator=g, dtype=torch.float64).to(dtype))
+    idx = torch.tensor([[1, 2, 2, 7, 30, 1, 36]])
+    vals = (torch.randn(7, dim, generator=g, dtype=torch.float64) * torch.tensor(
+        [3.0, 0.001, 0.002, 5.0, 0.0, 2.0, 1e-7], dtype=torch.float64)[:, None]).to(dtype)
+    sp = torch.sparse_coo_tensor(idx, vals, (rows, dim))
+    w.grad = sp.coalesce() if coalesced else sp
+    return w, sp.to_dense().double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")], ids=["l2", "l1", "linf"])
+@pytest.mark.parametrize("coalesced", [True, False], ids=["coalesced", "duplicates"])
+def test_agc_sparse_matches_dense_float64_reference(dtype, norm_type, coalesced):
+    w, dense = _sparse_embedding_grad(dtype, coalesced)
+    exp = oracle.agc(w.detach().double(), dense, 0.05, 1e-3, norm_type)
+    g_before = w.grad
+    fastgrad.adaptive_clip_grad_([w], clip_factor=0.05, norm_type=norm_type)
+    assert w.grad is g_before and w.grad.is_sparse  # in place, still sparse
+    got = w.grad.to_dense().double().numpy()
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert abs(got - exp).max() <= tol * max(1.0, abs(exp).max())
+    assert abs(dense.numpy() - exp).max() > 1e-3  # the reference did clip something
+
+
+def test_agc_sparse_with_dense_params_nan_and_1d():
+    w, dense = _sparse_embedding_grad(torch.float32, False, seed=3)
+    w.grad._values()[3, 1] = float("nan")  # row 7: NaN propagates over the row, as in the dense rule
+    lin = torch.nn.Parameter(torch.randn(4, 3))
+    lin.grad = torch.randn(4, 3) * 10
+    b = torch.nn.Parameter(torch.randn(6))
+    b.grad = torch.sparse_coo_tensor(torch.tensor([[0, 4, 4]]), torch.tensor([9.0, -3.0, 1.0]), (6,))
+    ref_lin = oracle.agc(lin.detach().double(), lin.grad.double(), 0.02, 1e-3, 2.0)
+    ref_b = oracle.agc(b.detach().double(), b.grad.to_dense().double(), 0.02, 1e-3, 2.0)
+    dense[7, 1] = float("nan")
+    ref_w = oracle.agc(w.detach().double(), dense, 0.02, 1e-3, 2.0)
+    fastgrad.adaptive_clip_grad_([w, lin, b], clip_factor=0.02)
+    got_w = w.grad.to_dense().double().numpy()
+    assert ((got_w != got_w) == (ref_w != ref_w)).all()  # NaN exactly on row 7
+    ok = ref_w == ref_w
+    assert abs(got_w[ok] - ref_w[ok]).max() < 1e-6
+    assert abs(lin.grad.double().numpy() - ref_lin).max() < 1e-5
+    assert abs(b.grad.to_dense().double().numpy() - ref_b).max() < 1e-6
+
+
+def test_agc_sparse_bad_input_changes_nothing():
+    w, _ = _sparse_embedding_grad(torch.float32, True)
+    lin = torch.nn.Parameter(torch.randn(4, 3))
+    lin.grad = torch.randn(4, 3) * 10
+    sp = torch.nn.Parameter(torch.randn(5, 5).to_sparse())  # a sparse PARAMETER: no row norms to read
+    sp.grad = torch.randn(5, 5).to_sparse()
+    before = lin.grad.clone(), w.grad.to_dense().clone()
+    with pytest.raises(TypeError, match="needs a dense parameter"):
+        fastgrad.adaptive_clip_grad_([lin, w, sp], clip_factor=0.01)
+    assert torch.equal(lin.grad, before[0]) and torch.equal(w.grad.to_dense(), before[1])

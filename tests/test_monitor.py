@@ -624,3 +624,170 @@ def test_swapped_scaler_and_optimizer():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         fastgrad.scaler_unscale_and_clip(scaler, m, 1.0)
     assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+
+
+# ---------------------------------------------------------------------------------------------- issue 20 items
+def test_rising_norm_inside_the_healthy_band_while_the_loss_falls_is_not_a_warning():
+    # the reported run: norm 1 -> 7 (inside 0.1..10) over 100 steps while the loss fell 14.1 -> 3.4
+    norms = [1.0 + 6.0 * t / 99 for t in range(100)]
+    losses = [14.1 - 10.7 * t / 99 for t in range(100)]
+    named = [_param()]
+    r = _drive(fastgrad.GradientMonitor(named, every=100), named, norms, losses)[100]
+    f = r.finding("increasing")
+    assert f.severity == "notice" and r.status == "notice"
+    assert "healthy range" in f.title and "loss fell" in f.detail and "no action" in f.detail
+    assert dict(r._summary_rows())["Loss history"] == "improving"
+    # the same norms with a flat loss, or rising out of the band while the loss falls: a warning
+    named = [_param()]
+    r = _drive(fastgrad.GradientMonitor(named, every=100), named, norms, [5.0] * 100)[100]
+    assert r.finding("increasing").severity == "warning"
+    named = [_param()]
+    r = _drive(fastgrad.GradientMonitor(named, every=100), named, [1.0 + 29.0 * t / 99 for t in range(100)],
+               losses)[100]
+    assert r.finding("increasing").severity == "warning"
+    # the rule itself, without losses: unchanged
+    assert detect_trends(list(range(1, 101)), norms)[0].severity == "warning"
+
+
+def test_log_after_zero_grad_set_to_none():
+    # log() after optimizer.zero_grad() (set_to_none): the parameter norms follow the recorded statistics by
+    # name; they used to be taken from the parameters that had a grad NOW, misaligning the one-sync read
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mon = fastgrad.GradientMonitor(m, every=None, history=1)
+    m(torch.randn(3, 5)).sum().backward()
+    ref = {n: p.grad.double().norm().item() for n, p in m.named_parameters()}
+    pref = {n: p.detach().double().norm().item() for n, p in m.named_parameters()}
+    mon()
+    opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    r = mon.log()
+    assert [p.name for p in r.params] == list(ref)
+    for row in r.params:
+        assert row.norm == pytest.approx(ref[row.name], rel=1e-6)
+        assert row.param_norm == pytest.approx(pref[row.name], rel=1e-6)
+    # every grad None from the start: a report that says so, no exception
+    mon2 = fastgrad.GradientMonitor(m, every=1)
+    r2 = mon2()
+    assert r2.codes() == ["no_learning"] and r2.params == []
+    mon2.log()
+
+
+def test_record_skip_counts_skipped_steps_on_the_device():
+    named = [_param()]
+    mon = fastgrad.GradientMonitor(named, every=10)
+    with pytest.raises(RuntimeError, match="after monitor"):
+        mon.record_skip(torch.tensor(True))
+    skipped = {3, 4, 9, 10}
+    reports = {}
+    for step in range(1, 21):
+        named[0][1].grad = torch.tensor([1.0], dtype=torch.float64)
+        r = mon(2.0 - step * 0.01)
+        flag = torch.tensor(step in skipped)  # a 0-dim device flag, as a step guard keeps it
+        if step == 4:
+            mon.record_skip(torch.tensor(0.0))  # replaced by the next call for the same step
+        mon.record_skip(flag if step != 9 else torch.tensor(1, dtype=torch.int32))
+        if r is not None:
+            reports[step] = r
+    # the usual order (monitor, then the guard's flag): a logging step's own mark goes to the next report
+    assert reports[10].skipped_steps == 3 and reports[10].finding("skipped_steps").steps == [3, 4, 9]
+    assert reports[10].finding("skipped_steps").severity == "notice"
+    assert "3 of 9 step(s) skipped, steps 1 to 9" == reports[10].finding("skipped_steps").title
+    assert reports[20].skipped_steps == 1 and reports[20].finding("skipped_steps").steps == [10]
+    r = mon.log()  # covers step 20 (marked by now, not skipped)
+    assert r.skipped_steps == 0 and r.finding("skipped_steps") is None
+    h = mon.history()
+    assert [s for s, v in zip(h["steps"], h["skipped"]) if v] == sorted(skipped)
+    assert "Skipped steps" in dict(reports[10]._summary_rows())
+    assert reports[10].scalars()["grad/skipped_steps"] == 3.0
+    with pytest.raises(ValueError, match="one-element"):
+        mon.record_skip(torch.tensor([1, 0]))
+    with pytest.raises(TypeError, match="0-dim tensor or a bool"):
+        mon.record_skip("yes")
+    # a monitor that never heard of skips says nothing about them
+    named = [_param()]
+    plain = _drive(fastgrad.GradientMonitor(named, every=5), named, [1.0] * 5)[5]
+    assert plain.skipped_steps is None and "Skipped steps" not in dict(plain._summary_rows())
+
+
+def test_record_skip_mostly_skipped_is_a_warning():
+    named = [_param()]
+    mon = fastgrad.GradientMonitor(named, every=4)
+    for step in range(1, 4):
+        named[0][1].grad = torch.tensor([1.0], dtype=torch.float64)
+        mon()
+        mon.record_skip(step != 2)
+    named[0][1].grad = torch.tensor([1.0], dtype=torch.float64)
+    r = mon()  # step 4 logs before its own mark: steps 1 and 3 of 1-3 were skipped
+    assert r.skipped_steps == 2 and r.finding("skipped_steps").severity == "warning"
+    mon.record_skip(True)
+    r = mon.log()  # step 4 alone, skipped
+    assert r.skipped_steps == 1 and r.finding("skipped_steps").steps == [4]
+    assert mon.history()["skipped"] == [1, 0, 1, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_record_skip_cuda_flag_without_sync():
+    named = [("w", nn.Parameter(torch.ones(3, device="cuda")))]
+    mon = fastgrad.GradientMonitor(named, every=None)
+    named[0][1].grad = torch.ones(3, device="cuda")
+    mon()
+    flag = torch.isinf(named[0][1].grad).any()  # a device flag
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mon.record_skip(flag)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert mon.history()["skipped"] == [0]
+
+
+def test_monitor_reads_sparse_embedding_and_leaves_it_out_of_depth():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(300, 8, sparse=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 300))
+    mon = fastgrad.GradientMonitor(m, every=None)
+    x = torch.randint(0, 300, (40,))
+    nn.functional.cross_entropy(m[1:](m[0](x) * 1e-4), x).backward()
+    g = m[0].weight.grad
+    assert g.is_sparse
+    dense_ref = g.to_dense().double()
+    ref_total = math.sqrt(sum(float(p.grad.to_dense().double().pow(2).sum()) for p in m.parameters()))
+    # (torch's clip_grad_norm_, which fastgrad's delegates sparse gradients to, cannot take them: monitor only)
+    mon()
+    r = mon.log()
+    assert r.total_norm == pytest.approx(ref_total, rel=1e-5)
+    row = next(p for p in r.params if p.name == "0.weight")
+    assert row.norm == pytest.approx(dense_ref.norm().item(), rel=1e-5)
+    assert row.zero == int((dense_ref == 0).sum())
+    assert [x.touched for x in r.row_sparse] == [int(x.unique().numel())]
+    assert "depth_vanishing" not in r.codes()
+
+
+def test_monitor_clip_to_zero_is_named():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    mon = fastgrad.GradientMonitor(m, every=1)
+    m(torch.randn(16, 4)).pow(2).mean().backward()
+    mon.clip_grad_norm_(0.0)
+    r = mon.last_report
+    assert all(bool((p.grad == 0).all()) for p in m.parameters())
+    assert "clipped_to_zero" in r.codes() and "no_learning" not in r.codes()
+    r2 = mon()  # a plain step after it: the clip is not remembered for it
+    assert r2.codes() == ["no_learning"]
+
+
+def test_monitor_leaves_a_dense_embedding_out_of_depth():
+    # nn.Embedding (dense gradient): the monitor finds it in the model it was given
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(2000, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2000))
+    x = torch.randint(0, 2000, (256,))
+    nn.functional.cross_entropy(m[1:](m[0](x) * 1e-3), x).backward()
+    emb, head = m[0].weight.grad.double().norm().item(), m[3].weight.grad.double().norm().item()
+    assert head / emb > 1000  # ground truth: the plain depth rule would fire
+    r = fastgrad.GradientMonitor(m, every=1)()
+    assert "depth_vanishing" not in r.codes()
+    assert [(x_.name, x_.touched, x_.excluded) for x_ in r.row_sparse] == [("0.weight", int(x.unique().numel()), True)]
+    named = fastgrad.GradientMonitor(list(m.named_parameters()), every=1)()  # no module: nothing to find
+    assert "depth_vanishing" in named.codes()
+    told = fastgrad.GradientMonitor(list(m.named_parameters()), every=1, row_sparse=["0.weight"])()
+    assert "depth_vanishing" not in told.codes()

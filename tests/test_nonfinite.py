@@ -129,3 +129,25 @@ def test_watcher_names_where_the_nan_was_born():
     # without the watcher the report has no origin and the loss-based diagnosis
     plain = fastgrad.find_nonfinite(m, loss)
     assert plain.origin is None and "loss is non-finite" in plain.diagnosis
+
+
+def test_sparse_gradients_counted_like_their_dense_form():
+    # an nn.Embedding(sparse=True)-style gradient with duplicates: counts are those of the summed (dense)
+    # gradient: +Inf and -Inf on the same element add up to one NaN there
+    emb = torch.nn.Parameter(torch.randn(30, 4))
+    idx = torch.tensor([[2, 2, 5, 9, 9]])
+    vals = torch.randn(5, 4)
+    vals[0, 1], vals[1, 1] = float("inf"), -float("inf")
+    vals[2, 3] = float("nan")
+    vals[3, 0] = float("inf")
+    emb.grad = torch.sparse_coo_tensor(idx, vals, (30, 4))
+    lin = torch.nn.Parameter(torch.randn(3, 3))
+    lin.grad = torch.randn(3, 3)
+    dense = emb.grad.to_dense()
+    rep = fastgrad.find_nonfinite([("lin", lin), ("emb", emb)])
+    assert rep.grad_names == ["emb"]
+    (e,) = rep.grads
+    assert (e.nan, e.inf, e.numel) == (int(torch.isnan(dense).sum()), int(torch.isinf(dense).sum()), 120)
+    assert (e.nan, e.inf) == (2, 1)
+    st = fastgrad.grad_stats([("lin", lin), ("emb", emb)])  # the statistics agree
+    assert st.nan.tolist() == [0, 2] and st.inf.tolist() == [0, 1]

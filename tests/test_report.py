@@ -176,15 +176,38 @@ def test_dead_relus():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
     with torch.no_grad():
-        m[0].bias.fill_(-100.0)  # every first-layer unit is dead
+        m[0].bias.fill_(-100.0)  # every unit of both hidden layers is dead
+        m[2].bias.fill_(-100.0)
     nn.functional.mse_loss(m(torch.randn(64, 16)), torch.randn(64, 1)).backward()
     rep = fastgrad.gradient_report(m)
-    assert rep.zero / rep.numel > 0.5
+    # ground truth without fastgrad: the tensors whose gradient is entirely zero
+    zero = [n for n, p in m.named_parameters() if bool((p.grad == 0).all())]
+    assert zero == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight"]
+    assert rep.zero_params() == zero
     f = rep.finding("dead")
     assert f.severity == "warning" and f.title == "dead parameters"
-    assert {"0.weight", "0.bias", "2.weight"} <= set(f.layers) and "4.bias" not in f.layers
+    assert f.layers == zero and "5 of 6 parameter tensors" in f.detail
     assert rep.status == "warning"
     assert "depth_vanishing" not in rep.codes()  # all-zero layers are dead, not "vanishing"
+    assert dict(rep._summary_rows())["Zero-gradient parameters"] == "5 of 6 tensors entirely zero"
+
+
+def test_dead_counts_tensors_not_values():
+    # Half of the tensors all-zero is not "more than 50%": no dead warning, although most VALUES are zero;
+    # the values give a notice that names the mostly-zero tensors.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        m[0].bias.fill_(-100.0)
+    nn.functional.mse_loss(m(torch.randn(64, 16)), torch.randn(64, 1)).backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    zero_t = [n for n, g in grads.items() if bool((g == 0).all())]
+    zero_v = sum(int((g == 0).sum()) for g in grads.values()) / sum(g.numel() for g in grads.values())
+    assert len(zero_t) == 3 and zero_v > 0.5
+    rep = fastgrad.gradient_report(m)
+    assert "dead" not in rep.codes()
+    f = rep.finding("mostly_zero")
+    assert f.severity == "notice" and f"{zero_v:.1%}" in f.detail and set(zero_t) <= set(f.layers)
 
 
 def test_all_zero_gradients_is_no_learning():
@@ -292,9 +315,9 @@ def test_plain_text_fallback_without_rich(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich", None)  # makes "import rich..." raise ImportError
     monkeypatch.setitem(sys.modules, "rich.console", None)
     rep = _nan_report()
-    rep.show()
+    rep.show(width=100)
     out = capsys.readouterr().out
-    assert out == rep.to_text() and "[CRITICAL]" in out and "affected: 2.weight" in out
+    assert out == rep.to_text(width=100) and "[CRITICAL]" in out and "affected: 2.weight" in out
     with pytest.raises(ImportError):
         rep.show(use_rich=True)
 
@@ -361,3 +384,188 @@ def test_loss_jump_in_the_history():
     f = r.finding("loss_spike")
     assert f.severity == "warning" and f.steps == [31] and "step 31" in f.title
     assert "loss_spike" not in fastgrad.gradient_report(m, loss_history=hist[:-1]).codes()
+
+
+# ---------------------------------------------------------------------------------------------- issue 20 items
+def _encoder_report():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    m = nn.Sequential()
+    m.add_module("transformer_encoder", nn.TransformerEncoder(layer, 4, enable_nested_tensor=False))
+    m.add_module("head", nn.Linear(16, 1))
+    m(torch.randn(2, 5, 16)).sum().backward()
+    return fastgrad.gradient_report(m)
+
+
+def _layer_cells(out: str) -> list[str]:
+    """The Layer column of the per-layer table of a plain or rich rendering."""
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "Grad norm" in ln and "Layer" in ln)
+    cells = []
+    for ln in lines[start + 1:]:
+        if not ln.strip() or ln.startswith("("):
+            break
+        if ln[0] in "┡└┏├":
+            continue
+        cells.append(ln.split("│")[1].strip() if "│" in ln else ln.split()[0])
+    return cells
+
+
+def _check_80(out: str, rep) -> None:
+    assert max(len(ln) for ln in out.splitlines()) <= 80
+    cells = _layer_cells(out)
+    assert len(cells) == len(rep.layers) and len(set(cells)) == len(cells), cells  # all told apart
+    for name, cell in zip([r.name for r in rep.layers], cells):
+        parts = name.split(".")
+        idx = next((p for p in parts[1:-1] if p.isdigit()), None)
+        assert idx is None or f".{idx}." in f".{cell}.", (name, cell)  # the layer index stays
+        assert cell.endswith(parts[-1]), (name, cell)  # and so does the module's own name
+
+
+def test_show_fits_80_columns_plain_text_keeps_the_distinguishing_part():
+    rep = _encoder_report()
+    assert any(len(r.name) > 40 for r in rep.layers)  # transformer_encoder.layers.3.self_attn.out_proj
+    buf = io.StringIO()
+    rep.show(buf, use_rich=False, width=80)
+    out = buf.getvalue()
+    _check_80(out, rep)
+    assert "left out to fit 80 columns" in out
+    assert "transformer_encoder.layers.3.self_attn.out_proj" in rep.to_text()  # no width: full names
+
+
+def test_show_fits_80_columns_with_rich():
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    rep = _encoder_report()
+    buf = io.StringIO()
+    rep.show(Console(file=buf, width=80, color_system=None))
+    out = buf.getvalue()
+    _check_80(out, rep)
+    assert "0.layers.…" not in out
+
+
+def test_abbrev_from_the_middle():
+    from fastgrad.report import _abbrev
+
+    assert _abbrev("a.b", 10) == "a.b"
+    assert _abbrev("0.layers.11.self_attn.out_proj", 22) == "0.….11.….out_proj"
+    assert _abbrev("0.layers.11.self_attn.out_proj", 26) == "0.….11.self_attn.out_proj"
+    short = _abbrev("encoder.layers.11.self_attn.out_proj", 20)
+    assert len(short) <= 20 and ".11." in short and short.endswith("out_proj")
+    tiny = _abbrev("encoder.layers.11.self_attn.out_proj", 9)
+    assert len(tiny) == 9 and tiny.endswith("proj")
+
+
+def _emb_lm_run(steps=30, seed=0):
+    """A healthy language model (embedding -> MLP -> vocabulary) trained with AdamW. The embedding output is
+    scaled down (as some models do), so its gradient norm is far below the head's: every batch touches a few
+    hundred of its 3000 rows, each with 1/N of the loss. AdamW normalises per coordinate, so the embedding
+    learns anyway. Returns the model, the last batch's tokens, the losses and the embedding before training."""
+    torch.manual_seed(seed)
+    V, D, N = 3000, 16, 384
+    m = nn.Sequential(nn.Embedding(V, D), nn.Linear(D, 64), nn.Tanh(), nn.Linear(64, V))
+    nn.init.uniform_(m[0].weight, -0.1, 0.1)
+    opt = torch.optim.AdamW(m.parameters(), 1e-2)
+    w0 = m[0].weight.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, V, (N,), generator=g)
+        loss = nn.functional.cross_entropy(m[1:](m[0](x) * 0.003), x % 50)
+        opt.zero_grad()
+        loss.backward()
+        losses.append(loss.item())
+        if len(losses) < steps:
+            opt.step()
+    return m, x, losses, w0
+
+
+def test_no_false_depth_vanishing_on_a_healthy_embedding_lm():
+    from fastgrad.report import GradientReport
+
+    m, x, losses, w0 = _emb_lm_run()
+    # ground truth without fastgrad
+    emb_norm = m[0].weight.grad.double().norm().item()
+    head_norm = torch.cat([m[3].weight.grad.double().flatten(), m[3].bias.grad.double().flatten()]).norm().item()
+    touched = int(x.unique().numel())
+    assert head_norm / emb_norm > 1000  # the old rule's trigger: first layer 1000x below the last
+    assert losses[-1] < losses[0] - 1.0 and (m[0].weight - w0).norm() / w0.norm() > 0.1  # it learns
+    rep = fastgrad.gradient_report(m, loss_history=losses)
+    assert "depth_vanishing" not in rep.codes() and "dead" not in rep.codes()
+    (row,) = rep.row_sparse
+    assert row.name == "0.weight" and row.rows == 3000 and row.touched == touched and row.excluded
+    assert row.norm == pytest.approx(emb_norm, rel=1e-5)
+    assert row.per_row == pytest.approx(emb_norm / touched ** 0.5, rel=1e-5)
+    assert f"{touched:,} of 3,000 rows touched" in rep.to_text()
+    # the same statistics without the embedding hint: the depth rule fires (what the fix prevents)
+    st = fastgrad.grad_stats([(n, p) for n, p in m.named_parameters()])
+    assert st.row_sparse == []
+    assert "depth_vanishing" in GradientReport.from_stats(st).codes()
+    # told by name (a caller holding parameters, not the module): same answer
+    assert "depth_vanishing" not in GradientReport.from_stats(st, row_sparse=["0.weight"]).codes()
+
+
+def test_depth_rule_still_fires_on_dense_layers_next_to_an_embedding():
+    # the embedding is left out, not the rule: a vanishing dense stack still warns, and the detail names
+    # what was left out
+    named = [("emb.weight", _emb_grad()), ("a.weight", _one_grad(1e-6)), ("b.weight", _one_grad(1e-6)),
+             ("c.weight", _one_grad(1.0)), ("d.weight", _one_grad(1.0))]
+    from fastgrad.report import GradientReport
+
+    rep = GradientReport.from_stats(fastgrad.grad_stats(named), row_sparse=["emb.weight"])
+    f = rep.finding("depth_vanishing")
+    assert f is not None and f.layers == ["a", "b"] and "emb.weight (2 of 10 rows touched" in f.detail
+
+
+def _emb_grad():
+    p = torch.nn.Parameter(torch.randn(10, 4))
+    g = torch.zeros(10, 4)
+    g[3] = torch.randn(4)
+    g[7] = torch.randn(4)
+    p.grad = g * 1e-9
+    return p
+
+
+def test_clip_to_zero_is_not_blamed_on_frozen_parameters():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    m(torch.randn(16, 4)).pow(2).mean().backward()
+    pre = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in m.parameters()]).double()).item()
+    assert pre > 0
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.0)
+    assert all(bool((p.grad == 0).all()) for p in m.parameters())
+    plain = fastgrad.gradient_report(m)
+    assert plain.codes() == ["no_learning"]  # nothing tells it about the clip
+    for kw in ({"clip_max_norm": 0.0}, {"pre_clip_norm": pre}, {"pre_clip_norm": torch.tensor(pre)}):
+        rep = fastgrad.gradient_report(m, **kw)
+        assert rep.codes() == ["clipped_to_zero"] and rep.status == "critical", kw
+        f = rep.finding("clipped_to_zero")
+        assert "frozen" not in f.title and "not frozen parameters or dead units" in f.detail
+        if "pre_clip_norm" in kw:
+            assert rep.pre_clip_norm == pytest.approx(pre, rel=1e-6) and fastgrad.report._fmt(pre) in f.detail
+        assert "max_norm=1.0" in rep.to_text()
+    # statistics read BEFORE a clip to 0 (nonzero total): the clip is still named
+    m.zero_grad()
+    m(torch.randn(16, 4)).pow(2).mean().backward()
+    assert "clipped_to_zero" in fastgrad.gradient_report(m, clip_max_norm=0).codes()
+    assert "clipped_to_zero" not in fastgrad.gradient_report(m, clip_max_norm=1.0).codes()
+
+
+def test_sparse_embedding_gradient_is_read():
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Embedding(40, 6), nn.Linear(6, 3))
+    sparse = nn.Sequential(nn.Embedding(40, 6, sparse=True), nn.Linear(6, 3))
+    sparse.load_state_dict(dense.state_dict())
+    idx = torch.tensor([[1, 2, 2, 7], [39, 1, 0, 7]])
+    for m in (dense, sparse):
+        m(idx).pow(2).sum().backward()
+    assert sparse[0].weight.grad.is_sparse
+    rs, rd = fastgrad.gradient_report(sparse), fastgrad.gradient_report(dense)
+    ref = dense[0].weight.grad.double()
+    (row,) = [r for r in rs.params if r.name == "0.weight"]
+    assert row.norm == pytest.approx(ref.norm().item(), rel=1e-6)
+    assert row.zero == int((ref == 0).sum()) and row.numel == 240 and row.max_abs == pytest.approx(
+        ref.abs().max().item(), rel=1e-6)
+    assert rs.total_norm == pytest.approx(rd.total_norm, rel=1e-6) and rs.codes() == rd.codes()
+    assert [r.touched for r in rs.row_sparse] == [5]

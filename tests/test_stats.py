@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -132,3 +134,50 @@ def test_grad_stats_cpu_max_and_counts_exact_on_hard_inputs(dtype):
         ref = fastgrad.multi_tensor_norm([g], backend="cpu")
         assert bits(st.norm[0].reshape(1)).equal(bits(ref.reshape(1).to(st.norm.dtype))) or (
             bool(torch.isnan(st.norm[0])) and bool(torch.isnan(ref))), (name, g.numel())
+
+
+# ---------------------------------------------------------------------------------------------- sparse gradients
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_grad_stats_reads_sparse_gradients_like_their_dense_form(dtype):
+    g = torch.Generator().manual_seed(5)
+    emb = torch.nn.Parameter(torch.randn(50, 7, generator=g).to(dtype))
+    idx = torch.tensor([[3, 9, 9, 40, 3, 12]])
+    vals = torch.randn(6, 7, generator=g).to(dtype)
+    vals[5, 2] = 0.0  # an explicit zero among the stored values
+    vals[3, 4] = float("nan")
+    vals[1, 0] = float("inf")
+    emb.grad = torch.sparse_coo_tensor(idx, vals, (50, 7))  # uncoalesced: rows 3 and 9 twice
+    lin = torch.nn.Parameter(torch.randn(4, 3, generator=g).to(dtype))
+    lin.grad = torch.randn(4, 3, generator=g).to(dtype)
+    empty = torch.nn.Parameter(torch.randn(8, 2).to(dtype))
+    empty.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(0, 2, dtype=dtype),
+                                         (8, 2))
+    named = [("lin", lin), ("emb", emb), ("empty", empty)]
+    st = fastgrad.grad_stats(named)
+    assert st.names == ["lin", "emb", "empty"] and st.row_sparse == ["emb", "empty"]
+    dense = [lin.grad, emb.grad.to_dense(), empty.grad.to_dense()]  # the float64 reference, summed duplicates
+    assert st.numel.tolist() == [12, 350, 16]
+    assert st.zero.tolist() == [int((d == 0).sum()) for d in dense]  # implicit zeros counted
+    assert st.nan.tolist() == [int(torch.isnan(d).sum()) for d in dense]
+    assert st.inf.tolist() == [int(torch.isinf(d).sum()) for d in dense]
+    assert st.norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert st.norm[0].item() == pytest.approx(oracle.tensor_norm(dense[0], 2.0), rel=1e-6)
+    assert math.isnan(st.norm[1].item()) and math.isnan(st.max_abs[1].item())
+    assert st.norm[2].item() == 0.0 and st.max_abs[2].item() == 0.0
+    # finite values: norms and max against the float64 oracle
+    emb.grad = torch.sparse_coo_tensor(idx, vals.nan_to_num(0.0, 0.0, 0.0), (50, 7))
+    st = fastgrad.grad_stats(named)
+    d = emb.grad.to_dense()
+    assert st.norm[1].item() == pytest.approx(oracle.tensor_norm(d, 2.0), rel=1e-6)
+    assert st.max_abs[1].item() == pytest.approx(oracle.tensor_norm(d, float("inf")), rel=1e-6)
+    assert st.total_norm.item() == pytest.approx(oracle.total_norm(dense[:1] + [d, dense[2]], 2.0), rel=1e-6)
+
+
+def test_grad_stats_names_embedding_weights_of_a_module():
+    m = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 2), torch.nn.EmbeddingBag(9, 2))
+    m[1](m[0](torch.tensor([1, 5]))).sum().backward()
+    m[2](torch.tensor([[1, 2]])).sum().backward()
+    st = fastgrad.grad_stats(m)
+    assert st.row_sparse == ["0.weight", "2.weight"]
+    assert fastgrad.stats.row_sparse_names(m, prefix="model.") == ["model.0.weight", "model.2.weight"]
+    assert fastgrad.grad_stats(list(m.parameters())).row_sparse == []  # plain parameters: no module to look at
