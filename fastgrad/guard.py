@@ -204,6 +204,7 @@ class StepGuard:
         self.backend = backend
         self._optimizer = optimizer
         self._pending: _Pending | None = None
+        self.calls = 0
         self._undo = None  # what the pre-hook must undo in the post-hook
         self._device: torch.device | None = None
         self._stats: dict[str, Tensor] = {}
@@ -284,6 +285,7 @@ class StepGuard:
         if opt is None:
             raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
         self._check_consecutive()
+        self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._pending = None
         params = optimizer_params(opt)
         grads = I.grads_of(params)

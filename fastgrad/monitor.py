@@ -195,6 +195,9 @@ class GradientMonitor:
     ``f(metrics: dict, step: int)``, or a list of these; None keeps the reports in ``last_report`` only.
     ``row_sparse``: names of embedding-like parameters to leave out of the depth rule, for a monitor given
     parameters rather than the module (the embeddings of a module are found by themselves).
+    ``guard``: a :class:`fastgrad.StepGuard` whose skipped steps the reports count (``skipped_steps``), marked
+    from its device flag without a sync, whichever order the loop calls ``monitor(...)`` and ``guard.clip_()``
+    in (the order is learnt from the first step; monitoring first describes the gradients before clipping).
     Each is checked here (TypeError/ValueError naming the problem), not at the first logging step.
     ``history``: ring-buffer length in steps (at least ``every``). ``loss`` may be a tensor (stored on the
     device, no sync) or a number; a NaN/Inf loss on any step is reported, as critical, at the next logging
@@ -210,7 +213,7 @@ class GradientMonitor:
                  per_layer: bool = True, include_params: bool = True, spike_z: float = 6.0,
                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                  trend_window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None,
-                 row_sparse: Sequence[str] | None = None, backend: str | None = None):
+                 row_sparse: Sequence[str] | None = None, guard=None, backend: str | None = None):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be a positive number of steps or None, got {every!r}")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
@@ -226,6 +229,11 @@ class GradientMonitor:
         self._skips_used = False  # record_skip() was called at least once
         self._skip_marked = 0  # the last step record_skip() marked
         self._skip_from = 0  # skip marks of steps up to here are in an earlier report
+        if guard is not None and not (hasattr(guard, "clip_") and hasattr(guard, "calls")):
+            raise TypeError(f"guard must be a fastgrad.StepGuard, got {type(guard).__name__}")
+        self._guard = guard
+        self._guard_calls = 0 if guard is None else guard.calls  # guard.clip_ calls already accounted for
+        self._guard_first: bool | None = None  # True: the loop calls guard.clip_() before monitor(...)
         self.names = [n for n, p in self.named if p.requires_grad]
         self._all_names = [n for n, _ in self.named]
         self._params = [p for _, p in self.named]
@@ -317,6 +325,16 @@ class GradientMonitor:
                 like = torch.zeros((), device=p0.device, dtype=torch.float32)
             self._alloc(like)
         b = self._bufs
+        g = self._guard
+        # guard.clip_ ran since the last record (and decided something: with no gradients it has no flag)
+        fresh = g is not None and g.calls != self._guard_calls and g.skipped is not None
+        if g is not None:
+            self._guard_calls = g.calls
+        if fresh:
+            if self._guard_first is None:
+                self._guard_first = self.step == 0
+            if not self._guard_first and self.step:  # monitor first: that clip_ decided the step recorded last
+                self.record_skip(g.skipped)
         self.step += 1
         slot = (self.step - 1) % self.capacity
         dev = b["norm"].device
@@ -326,6 +344,8 @@ class GradientMonitor:
         else:
             b["nonfinite"][slot] = 0
         b["skipped"][slot] = 0  # a fill kernel; record_skip() may mark it
+        if fresh and self._guard_first:  # clip_ first: its flag is this step's
+            self.record_skip(g.skipped)
         if isinstance(loss, Tensor):
             lt = loss.detach().reshape(-1)
             b["loss"][slot:slot + 1].copy_(lt[:1], non_blocking=True)

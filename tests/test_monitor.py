@@ -791,3 +791,45 @@ def test_monitor_leaves_a_dense_embedding_out_of_depth():
     assert "depth_vanishing" in named.codes()
     told = fastgrad.GradientMonitor(list(m.named_parameters()), every=1, row_sparse=["0.weight"])()
     assert "depth_vanishing" not in told.codes()
+
+
+@pytest.mark.parametrize("clip_first", [False, True])
+def test_monitor_counts_a_step_guards_skips_in_either_loop_order(clip_first):
+    """GradientMonitor(guard=): the steps a StepGuard skipped (NaN and spike batches) are the ones the
+    monitor's history marks, whether the loop calls monitor(...) before or after guard.clip_()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = fastgrad.StepGuard(opt, 1.0, skip_factor=10.0, warmup_steps=3)
+    mon = fastgrad.GradientMonitor(model, every=None, guard=guard)
+    bad = {5: "nan", 9: "spike", 10: "nan"}
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for step in range(1, 15):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        kind = bad.get(step)
+        if kind == "spike":
+            loss = loss * 1000.0
+        loss.backward()
+        if kind == "nan":
+            model[0].weight.grad[0, 0] = float("nan")
+        if clip_first:
+            guard.clip_()
+            mon(loss)
+        else:
+            mon(loss)
+            guard.clip_()
+        opt.step()
+        opt.zero_grad()
+    mon(loss)  # one more record: in monitor-first order it marks step 14 from its clip_
+    h = mon.history()
+    marked = {s for s, k in zip(h["steps"], h["skipped"]) if k}
+    assert marked == set(bad), (marked, h["skipped"])
+    assert guard.state()["skipped_steps"] == 3
+    rep = mon.log()
+    assert rep.skipped_steps == 3
+
+
+def test_monitor_guard_must_be_a_step_guard():
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="StepGuard"):
+        fastgrad.GradientMonitor(model, guard=object())
