@@ -27,7 +27,7 @@ from . import distributed as D
 from .backends import BackendError, acc_dtype, clip_coef
 from .backends.torch_backend import combine_norms
 # torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
-from .patch import TORCH as _torch_utils
+from ._torch_fns import TORCH as _torch_utils
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "clip_grad_value_", "multi_tensor_norm"]
 

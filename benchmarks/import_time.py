@@ -1,0 +1,69 @@
+"""Start-up cost of fastgrad against torch's own: `import fastgrad` vs `import torch`, and the CLI entry points.
+
+Each command runs in a fresh interpreter; the commands are interleaved round by round (so a change in machine
+load hits all of them alike) and each one's median wall time is reported, with its ratio to `import torch`.
+The target for `import fastgrad` is at most 1.15x `import torch`.
+
+    python benchmarks/import_time.py              # 11 rounds of `import torch` / `import fastgrad`
+    python benchmarks/import_time.py --cli        # also check --help, a check usage error, fastgrad.info
+    python benchmarks/import_time.py --rounds 21 --json out.json
+
+Run it from the repository root (or with PYTHONPATH pointing at the checkout you mean to measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BASE = ("import torch", [sys.executable, "-c", "import torch"])
+COMMANDS = [("import fastgrad", [sys.executable, "-c", "import fastgrad"])]
+CLI = [
+    ("fastgrad.check --help", [sys.executable, "-m", "fastgrad.check", "--help"]),
+    ("fastgrad.check (usage error)", [sys.executable, "-m", "fastgrad.check"]),
+    ("fastgrad.info", [sys.executable, "-m", "fastgrad.info"]),
+]
+
+
+def _once(argv: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=11, help="interleaved rounds (default 11)")
+    ap.add_argument("--cli", action="store_true", help="also time the command-line entry points")
+    ap.add_argument("--json", metavar="PATH", help="write the raw times and medians here")
+    args = ap.parse_args(argv)
+
+    cmds = [BASE] + COMMANDS + (CLI if args.cli else [])
+    for _, a in cmds:  # warm the file cache once, untimed
+        _once(a)
+    times: dict[str, list[float]] = {name: [] for name, _ in cmds}
+    for _ in range(args.rounds):
+        for name, a in cmds:
+            times[name].append(_once(a))
+
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    base = med[BASE[0]]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{args.rounds} interleaved rounds, medians (load average at the end: {load:.2f}, {os.cpu_count()} CPUs)")
+    for name, _ in cmds:
+        ts = sorted(times[name])
+        print(f"  {name:<30} {med[name]:6.2f} s  ({med[name] / base:4.2f}x import torch; "
+              f"min {ts[0]:.2f}, max {ts[-1]:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": args.rounds, "load": load, "times": times, "median": med}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
