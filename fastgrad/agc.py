@@ -1,4 +1,4 @@
-"""Adaptive gradient clipping (Brock et al. 2021, NFNets), with timm's formula: SPEC section 5.
+"""Adaptive gradient clipping (Brock et al. 2021, NFNets), with timm's formula: docs/contract.md section 5.
 
 Public entry point; the kernels are the backends' ``agc_`` primitive.
 """

@@ -1,4 +1,4 @@
-"""``patch_torch()`` / ``unpatch_torch()``: route ``torch.nn.utils``' clipping functions to fastgrad (SPEC 11).
+"""``patch_torch()`` / ``unpatch_torch()``: route ``torch.nn.utils``' clipping functions to fastgrad (docs/contract.md section 11).
 
 Lightning, the Hugging Face ``Trainer`` and ``accelerate`` clip by calling ``torch.nn.utils.clip_grad_norm_``
 (and friends) themselves, so their users cannot change an import. ``patch_torch()`` replaces

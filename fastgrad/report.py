@@ -1,7 +1,7 @@
-"""Gradient health report: the SPEC section 7 statuses, computed from one ``grad_stats`` pass (plus one pass
+"""Gradient health report: the section 7 statuses of docs/contract.md, computed from one ``grad_stats`` pass (plus one pass
 over the parameters for the grad/param norm ratio) and read to the host with a single sync.
 
-Status rules (SPEC section 7, with the gaps of that table filled in; docs/diagnostics.md explains why):
+Status rules (docs/contract.md section 7, with the gaps of that table filled in; docs/diagnostics.md explains why):
 
 ========================================  ==========  =============================================
 finding                                   severity    code
@@ -45,7 +45,7 @@ _RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The numbers of the SPEC section 7 table; change them per model if its healthy range differs."""
+    """The numbers of the table of docs/contract.md section 7; change them per model if its healthy range differs."""
 
     healthy_low: float = 0.1
     healthy_high: float = 10.0

@@ -1,4 +1,4 @@
-"""One-pass gradient health statistics: SPEC section 7.
+"""One-pass gradient health statistics: docs/contract.md section 7.
 
 ``grad_stats`` is the public entry point (the kernels are the backends' ``grad_stats`` primitive); it
 returns a :class:`GradStats` whose tensors stay on the device, so computing it never syncs the host.

@@ -1,4 +1,4 @@
-"""Backend registry and selection (SPEC section 8).
+"""Backend registry and selection (docs/contract.md section 8).
 
 Order of choice for one device's group of tensors:
 1. the ``backend=`` argument of the public function;

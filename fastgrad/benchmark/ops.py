@@ -1,4 +1,4 @@
-"""The benchmarked operations: for each, the SPEC section 9 byte floor, the fastgrad call, and the torch
+"""The benchmarked operations: for each, the byte floor (docs/contract.md section 9), the fastgrad call, and the torch
 baseline a user runs today (eager, and the same function under ``torch.compile``).
 
 Every op is set up once per workload by :func:`setup`, which fixes its arguments from the actual gradients
@@ -25,7 +25,7 @@ AGC_CLIP_FACTOR, AGC_EPS = 0.01, 1e-3
 class OpSpec:
     name: str
     title: str
-    #: SPEC section 9 floor in bytes, from (grad bytes N, param bytes P)
+    #: floor (docs/contract.md section 9) in bytes, from (grad bytes N, param bytes P)
     floor: Callable[[int, int], int]
     #: whether the op writes gradients (then each repetition starts from restored gradients)
     mutates: bool

@@ -58,7 +58,7 @@ def legend_lines() -> list[str]:
         "  (of the host times for host-* workloads).",
         f"{UNSTABLE_MARK}: spread over {lim}, or fewer than 2 repetitions: the figure is not steady enough to",
         "  quote; such rows (and rows whose torch eager baseline is unstable) never enter the best-speedup table.",
-        "GB/s: the op's SPEC section 9 byte floor / ms; %copy: that over the copy bandwidth measured in this run.",
+        "GB/s: the op's byte floor (docs/contract.md section 9) / ms; %copy: that over the copy bandwidth measured in this run.",
         "x eager / x compile: torch eager's / torch.compile's time over this row's (> 1: this row is faster).",
         "host-* workloads: clip_grad_norm_ on many tiny tensors, where only host cost counts; their x eager",
         "  compares host ms, and they have no GB/s.",
