@@ -45,8 +45,9 @@ define install
 	@extras="$(1)"; \
 	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 	  extras="$$extras,triton"; fi; \
-	echo "== installing fastgrad[$$extras] and compiling its C++ extension: about 4 minutes on 2 CPU cores"; \
-	echo "   (longer with CUDA kernels, when torch has CUDA and nvcc is found; pip shows 'still running...' meanwhile)"; \
+	echo "== installing fastgrad[$$extras] and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	echo "   (6 min measured on a busy 2-core machine; longer with CUDA kernels, built when torch has CUDA and"; \
+	echo "   nvcc is found; pip prints 'still running...' while the compiler works)"; \
 	start=$$(date +%s); \
 	$(PYTHON) -m pip install --no-build-isolation -e ".[$$extras]" || exit 1; \
 	echo "== fastgrad[$$extras] installed in $$(( $$(date +%s) - start )) s"
