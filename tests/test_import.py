@@ -4,6 +4,8 @@ interpreter, since this test process has imported both long ago. Timing itself: 
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,3 +82,36 @@ def test_marked_constant_without_dynamo_matches_the_public_decorator():
     added = {k: v for k, v in vars(f).items() if k not in before}
     assert added == {"_dynamo_marked_constant": True}
     assert getattr(backends._unavailable, "_dynamo_marked_constant", False) is True
+
+
+def _info(cuda: bool) -> dict:
+    from fastgrad import info
+
+    data = info.collect()
+    data["cuda_available"] = cuda
+    return data
+
+
+def test_info_shows_the_per_op_cuda_order_only_where_cuda_is():
+    from fastgrad import backends, info
+
+    text = info.render(_info(False))
+    assert "MEASURED_ORDER" in text and "on CUDA machines" in text  # one labelled line
+    assert not any(line.lstrip().startswith("cuda tensors, per op") for line in text.splitlines())
+    assert not any("lists of" in line for line in text.splitlines())
+    text = info.render(_info(True))
+    per_op = [line for line in text.splitlines() if line.lstrip().startswith("cuda tensors, per op")]
+    assert len(per_op) == 1 and all(op in per_op[0] for op in backends.MEASURED_ORDER["cuda"])
+    assert "on CUDA machines" not in text
+
+
+def test_info_triton_version_without_importing_it_on_cpu():
+    from fastgrad import info
+
+    line = info._triton_version(False)
+    if importlib.util.find_spec("triton") is None:
+        assert line == "not installed"
+    else:
+        assert importlib.metadata.version("triton") in line and "not imported" in line
+        imported = info._triton_version(True)
+        assert imported == importlib.metadata.version("triton") or imported.startswith("not importable")
