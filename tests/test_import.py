@@ -57,7 +57,6 @@ fastgrad.gradient_report(m).to_markdown()
 def test_check_usage_error_and_help_import_no_dynamo():
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["PYTHONVERBOSE"] = ""
     for args in (["--help"], []):
         out = subprocess.run([sys.executable, "-X", "importtime", "-m", "fastgrad.check", *args],
                              capture_output=True, text=True, env=e, timeout=300, cwd=ROOT)
