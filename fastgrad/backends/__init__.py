@@ -148,10 +148,10 @@ def _mark_constant(fn):
 
     The public decorator imports torch._dynamo (and through it sympy and triton): seconds of start-up
     that every script would pay for a mark only torch.compile reads. All it does is set
-    ``fn._dynamo_marked_constant = True`` (torch 2.1 to 2.13), which dynamo reads when it traces a call to
-    ``fn``; tests/test_compile.py checks that the public decorator still sets exactly that attribute and
-    that a compiled clip keeps working. Where dynamo is already imported the public spelling costs
-    nothing, so it is used."""
+    ``fn._dynamo_marked_constant = True`` (so in every torch release since dynamo has had the decorator),
+    which dynamo reads when it traces a call to ``fn``. tests/test_import.py checks that the installed torch's
+    public decorator still sets exactly that attribute, and tests/test_compile.py that compiled calls keep
+    working. Where dynamo is already imported the public spelling costs nothing, so it is used."""
     if "torch._dynamo" in sys.modules:
         public = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
         if public is None:  # pragma: no cover - older torch spelling
