@@ -197,3 +197,14 @@ def test_reintroduced_upward_import_is_caught(importer, stmt):
     g = import_graph(sources)
     assert layer_violations(g), stmt
     assert find_cycle(g) is not None, stmt
+
+
+def test_registry_hands_its_functions_down():
+    # The lower layers reach the registry only through what it hands them at import; if that wiring were
+    # lost, _scan's one-call CPU fast paths would quietly decline every call (correct but slow).
+    from fastgrad import _scan, backends
+    from fastgrad.backends import ext_backend
+
+    assert _scan._selects_builtin() is backends.selects_builtin
+    assert ext_backend._REGISTRY_FNS == {"select_automatic": backends.select_automatic,
+                                         "get_default_backend": backends.get_default_backend}
