@@ -1,42 +1,78 @@
 # The README's two quick-start commands are `make bench` and `make test`; .ci/run calls `make test`.
+#
+# Each installs only what it needs:
+#   make bench  fastgrad with its C++ extension and the `bench` extra (tqdm, matplotlib), plus triton only when
+#               torch is a CUDA build (triton runs on GPUs; on a CPU-only torch it would be ~1 GB of nothing)
+#   make test   also the test, diagnostics, frameworks (lightning, accelerate, transformers) and triton extras
+#               (CI runs the Triton kernels in the interpreter on CPU)
+# Comments live out here, not in the recipes, so make does not echo them.
 PYTHON ?= python3
 # torch is pinned only when none is installed: a bare `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+BENCH_EXTRAS := bench
+TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
 
-# The install is redone only when something it depends on changed: the build files and C++/CUDA sources
+# An install is redone only when something it depends on changed: the build files and C++/CUDA sources
 # (file times against the stamp), or the environment (which python, which torch, what fastgrad install it
-# sees; written into the stamp). `make -B setup` forces it. The stamp lives in the ignored build/ folder,
-# so a clean clone installs everything.
-STAMP := build/.make-install-stamp
+# sees; written into the stamp). `make -B setup` forces it. The stamps live in the ignored build/ folder,
+# so a clean clone installs everything. One stamp per install kind: `make test` after `make bench` adds
+# the test extras; `make bench` after `make test` finds everything there.
+TEST_STAMP := build/.make-install-test
+BENCH_STAMP := build/.make-install-bench
 ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
   print(hashlib.sha1(repr((sys.executable, [d.version for d in m.distributions(name='torch')], \
         [(d.read_text('direct_url.json') or '') + d.version for d in m.distributions(name='fastgrad')])).encode()).hexdigest())
 ENV_ID := $(shell $(PYTHON) -c "$(ENV_ID_PY)" 2>/dev/null)
 INSTALL_DEPS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup test bench info
+.PHONY: setup setup-bench test bench info
 
-ifneq ($(ENV_ID),$(shell cat $(STAMP) 2>/dev/null))
-.PHONY: $(STAMP)
+ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
+.PHONY: $(TEST_STAMP)
+endif
+ifneq ($(ENV_ID),$(shell cat $(BENCH_STAMP) 2>/dev/null))
+.PHONY: $(BENCH_STAMP)
 endif
 
-setup: $(STAMP)
+# install(extras, stamp): torch if missing; the build tools a no-isolation build needs (Python >= 3.12 venvs
+# ship no setuptools); then fastgrad editable, built against that torch (--no-build-isolation), timed, since
+# compiling the C++ extension is most of a first install. The stamp records the environment as it is after
+# the install (torch may have just arrived).
+define install
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN)"; \
+	  $(PYTHON) -m pip install $(TORCH_PIN); }
+	@$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja
+	@extras="$(1)"; \
+	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
+	  extras="$$extras,triton"; fi; \
+	echo "== installing fastgrad[$$extras] and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	echo "   (6 min measured on a busy 2-core machine; longer with CUDA kernels, built when torch has CUDA and"; \
+	echo "   nvcc is found; pip prints 'still running...' while the compiler works)"; \
+	start=$$(date +%s); \
+	$(PYTHON) -m pip install --no-build-isolation -e ".[$$extras]" || exit 1; \
+	echo "== fastgrad[$$extras] installed in $$(( $$(date +%s) - start )) s"
+	@mkdir -p $(dir $(2))
+	@$(PYTHON) -c "$(ENV_ID_PY)" > $(2)
+endef
 
-$(STAMP): $(INSTALL_DEPS)
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_PIN)
-	# a no-isolation build uses the env's own build tools (Python >= 3.12 venvs ship no setuptools)
-	$(PYTHON) -m pip install "setuptools>=64" wheel ninja
-	# --no-build-isolation: the optional C++ extension builds against the torch installed above.
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,triton,diagnostics,frameworks]"
-	@mkdir -p $(dir $@)
-	# the environment as it is after the install (torch may have just arrived)
-	@$(PYTHON) -c "$(ENV_ID_PY)" > $@
+setup: $(TEST_STAMP)
+
+setup-bench:
+	@if [ "$(ENV_ID)" = "$$(cat $(TEST_STAMP) 2>/dev/null)" ] && [ -z "$$(find $(INSTALL_DEPS) -newer $(TEST_STAMP) 2>/dev/null)" ]; \
+	then echo "== fastgrad is installed with the test extras, which include the benchmark's"; \
+	else $(MAKE) --no-print-directory $(BENCH_STAMP); fi
+
+$(TEST_STAMP): $(INSTALL_DEPS)
+	$(call install,$(TEST_EXTRAS),$@)
+
+$(BENCH_STAMP): $(INSTALL_DEPS)
+	$(call install,$(BENCH_EXTRAS),$@)
 
 test: setup
 	$(PYTHON) -m fastgrad.info
 	$(PYTHON) -m pytest -q tests
 
-bench: setup
+bench: setup-bench
 	$(PYTHON) -m fastgrad.bench --quick
 
 info:

@@ -77,7 +77,7 @@ def test_bench(benchmark, workload, op, impl):
     else:
         fn = O.fastgrad_fn(op, st, impl.removeprefix("fastgrad-"))
     _run(benchmark, st, op, fn)
-    # The benchmarked call must also be the right call. SPEC section 3's accuracy rule: against a float64
+    # The benchmarked call must also be the right call. docs/contract.md section 3's accuracy rule: against a float64
     # oracle, fastgrad's clipped gradients are no further off than torch's own (plus 1 ulp).
     if op == "clip_trig" and impl != "torch-eager":
         st.restore()

@@ -134,14 +134,20 @@ def clip_norm_cpu(params: Sequence[Tensor], max_norm: float, norm_type: float, e
 
 
 def _selects_builtin():
-    # fastgrad.backends.selects_builtin, looked up once (backends imports this module, so not at import
-    # time; an import statement per call costs ~0.5 us on the 20 us of a small model's clip).
-    fn = _state.get("selects_builtin")
-    if fn is None:
-        from .backends import selects_builtin as fn
+    # fastgrad.backends.selects_builtin. The registry sits above this module (it imports it), so it hands
+    # the function down when it is imported (set_selector) instead of this module importing it; until then
+    # (never in practice: every caller imports the registry) the fast paths decline.
+    return _state.get("selects_builtin") or _decline
 
-        _state["selects_builtin"] = fn
-    return fn
+
+def _decline(*_args) -> bool:
+    return False
+
+
+def set_selector(fn) -> None:
+    """Called once by ``fastgrad.backends``: ``fn(device_type, op, backend, norm_type)`` says whether the
+    built-in backend of that device type would serve the call (see ``backends.selects_builtin``)."""
+    _state["selects_builtin"] = fn
 
 
 def monitor_clip_cpu(params: Sequence[Tensor], max_norm: float, error_if_nonfinite: bool, backend: str | None):

@@ -1,4 +1,4 @@
-"""AMP: ``scaler_unscale_and_clip`` replaces ``scaler.unscale_(optimizer)`` + ``clip_grad_norm_``: SPEC section 4.
+"""AMP: ``scaler_unscale_and_clip`` replaces ``scaler.unscale_(optimizer)`` + ``clip_grad_norm_``: docs/contract.md section 4.
 
 torch's way moves 5N bytes for N bytes of gradients (unscale reads and writes, the norm reads, the clip reads
 and writes). Here, per device, one read pass (the backend's ``amp_norm``) yields both the finiteness of the

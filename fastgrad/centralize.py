@@ -1,4 +1,4 @@
-"""Gradient centralization (Yong et al. 2020): SPEC section 6.
+"""Gradient centralization (Yong et al. 2020): docs/contract.md section 6.
 
 Public entry point; the kernels are the backends' ``centralize_`` primitive.
 """

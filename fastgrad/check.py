@@ -420,7 +420,7 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fastgrad.check",
-        description="Run an unmodified training script and report its gradient health (SPEC section 10).",
+        description="Run an unmodified training script and report its gradient health (docs/contract.md section 10).",
         epilog="exit codes: " + "; ".join(f"{k}: {v}" for k, v in EXIT_CODES.items()))
     parser.add_argument("--steps", type=int, default=None, help="stop the script after N optimizer steps")
     parser.add_argument("--out", default=None, help="write report.md, report.json and grad_norm.png here")

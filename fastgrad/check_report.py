@@ -1,6 +1,6 @@
 """The report of ``python -m fastgrad.check``: findings of a whole run and their Markdown/JSON/plot renderings.
 
-The per-step norm statuses are those of SPEC section 7 (``fastgrad.report`` computes them from the last
+The per-step norm statuses are those of docs/contract.md section 7 (``fastgrad.report`` computes them from the last
 step's statistics; this module adds what only a whole run shows):
 
 ==========================  ==========  ===============================================================
@@ -244,7 +244,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     losses = [r.loss for r in steps if r.loss is not None]
     findings: list[Finding] = []
 
-    # The last step's statistics: the SPEC section 7 statuses (norm range, NaN names, dead, depth).
+    # The last step's statistics: the section 7 statuses of docs/contract.md (norm range, NaN names, dead, depth).
     last = None
     if chk.last_stats is not None and len(chk.last_stats):
         last = GradientReport.from_stats(chk.last_stats, None, loss_history=losses or None,
@@ -395,7 +395,7 @@ def _summary(chk, steps, used, last, findings, trend, origin, max_norm, bad_loss
 
 
 def _peak_status(v: float, last: GradientReport | None) -> str:
-    """SPEC section 7 range of the run's peak norm, capped at warning: a past peak is a symptom, and what it
+    """The docs/contract.md section 7 range of the run's peak norm, capped at warning: a past peak is a symptom, and what it
     led to (NaN, a missing clip) is a finding of its own."""
     th = last.thresholds if last is not None else Thresholds()
     if not math.isfinite(v):

@@ -2,7 +2,7 @@
 ``clip_grads_with_norm_`` and ``clip_grad_value_``, plus ``multi_tensor_norm``.
 
 Public entry points only; the kernels are the backends' ``norm``, ``clip_norm_``, ``scale_`` and ``clip_value_``
-primitives (``fastgrad/backends/``). Semantics: SPEC section 3. Differences from torch, all deliberate:
+primitives (``fastgrad/backends/``). Semantics: docs/contract.md section 3. Differences from torch, all deliberate:
 
 * per-tensor norms are accumulated in float32 (float64 for float64) whatever the gradient dtype, and the
   clip coefficient is computed from that fp32 norm on the device (torch rounds both to the grad dtype);
@@ -27,7 +27,7 @@ from . import distributed as D
 from .backends import BackendError, acc_dtype, clip_coef
 from .backends.torch_backend import combine_norms
 # torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
-from .patch import TORCH as _torch_utils
+from ._torch_fns import TORCH as _torch_utils
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "clip_grad_value_", "multi_tensor_norm"]
 
@@ -88,7 +88,7 @@ def _no_sharded_fallback(process_group) -> None:
 
 
 def _check_finite(total: Tensor, norm_type: float) -> None:
-    # The one host sync the SPEC allows, and only when the caller asked for it.
+    # The one host sync the contract allows (docs/contract.md section 3), and only when the caller asked for it.
     if torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(_NONFINITE_MSG.format(norm_type))
 

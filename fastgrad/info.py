@@ -26,12 +26,7 @@ def collect() -> dict:
         "FASTGRAD_BACKEND": os.environ.get("FASTGRAD_BACKEND"),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception as exc:  # noqa: BLE001 - any import failure just means "no triton"
-        info["triton"] = f"not importable ({type(exc).__name__}: {exc})"
+    info["triton"] = _triton_version(info["cuda_available"] or backends.get("triton").unavailable_reason() is None)
     try:
         from fastgrad import _ext
 
@@ -59,6 +54,28 @@ def collect() -> dict:
     info["patch_torch"] = patch.describe()
     info["verdict"] = verdict(info)
     return info
+
+
+def _triton_version(needed: bool) -> str:
+    """Triton's version. Imported (about a second) only where the triton backend could run, so that a broken
+    install shows; elsewhere the installed distribution's version is read without importing it."""
+    if needed:
+        try:
+            import triton
+
+            return triton.__version__
+        except Exception as exc:  # noqa: BLE001 - any import failure just means "no triton"
+            return f"not importable ({type(exc).__name__}: {exc})"
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "not installed"
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        version = "installed"
+    return f"{version} (not imported: no CUDA device here, and TRITON_INTERPRET is not set)"
 
 
 def _cuda_device_line(index: int) -> str:
@@ -145,11 +162,16 @@ def render(info: dict) -> str:
         lines.append(f"  {name:7s} {state}")
     lines.append("automatic choice: " + "; ".join(f"{d} tensors -> {' > '.join(o)}" for d, o in info["auto_order"].items())
                  + "; other devices -> torch")
-    for dev, ops in info["measured_order"].items():
-        lines.append(f"  {dev} tensors, per op (measured, fastgrad.backends.MEASURED_ORDER): "
-                     + "; ".join(f"{op} {'>'.join(o)}" for op, o in ops.items()))
-    for dev, o in info["long_list"]["order"].items():
-        lines.append(f"  {dev} tensors, lists of {info['long_list']['min_tensors']}+ tensors: {' > '.join(o)}")
+    if info["cuda_available"]:
+        for dev, ops in info["measured_order"].items():
+            lines.append(f"  {dev} tensors, per op (measured, fastgrad.backends.MEASURED_ORDER): "
+                         + "; ".join(f"{op} {'>'.join(o)}" for op, o in ops.items()))
+        for dev, o in info["long_list"]["order"].items():
+            lines.append(f"  {dev} tensors, lists of {info['long_list']['min_tensors']}+ tensors: {' > '.join(o)}")
+    elif info["measured_order"]:
+        # the per-op CUDA order means nothing without a GPU: one line saying where it applies
+        lines.append("  (on CUDA machines the order is measured per op: fastgrad.backends.MEASURED_ORDER, "
+                     "or --json here)")
     lines.append(f"default backend: {info['default_backend']}")
     # a fresh `python -m fastgrad.info` process is never patched; render(collect()) inside a training
     # process shows the live state

@@ -1,4 +1,4 @@
-"""``patch_torch()`` / ``unpatch_torch()``: route ``torch.nn.utils``' clipping functions to fastgrad (SPEC 11).
+"""``patch_torch()`` / ``unpatch_torch()``: route ``torch.nn.utils``' clipping functions to fastgrad (docs/contract.md section 11).
 
 Lightning, the Hugging Face ``Trainer`` and ``accelerate`` clip by calling ``torch.nn.utils.clip_grad_norm_``
 (and friends) themselves, so their users cannot change an import. ``patch_torch()`` replaces
@@ -21,8 +21,8 @@ Semantics:
   ``from torch.nn.utils import clip_grad_norm_`` before the patch keeps torch's function: call
   ``patch_torch()`` before importing it. (A module that imports it while patched keeps fastgrad's.)
 
-fastgrad's own sparse/complex fallbacks call :data:`TORCH`, torch's functions as captured when fastgrad was
-imported, never the patched attributes, so a patched torch cannot recurse into fastgrad.
+fastgrad's own sparse/complex fallbacks call :data:`TORCH` (``fastgrad/_torch_fns.py``), torch's functions as
+captured when fastgrad was imported, never the patched attributes, so a patched torch cannot recurse into fastgrad.
 """
 
 from __future__ import annotations
@@ -30,27 +30,15 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
-from types import SimpleNamespace
 
 import torch.nn.utils  # noqa: F401 - also imports torch.nn.utils.clip_grad
 
+from . import clip
+from ._torch_fns import MARK as _MARK, NAMES, TORCH
+
 __all__ = ["patch_torch", "unpatch_torch", "patched", "call_counts", "describe", "TORCH"]
 
-NAMES = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
 MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
-_MARK = "__fastgrad_routes__"  # set on our routers; the value is the fastgrad function's name
-
-
-def _unrouted(obj):
-    # If fastgrad is re-imported while patched, capture torch's function, not our router.
-    while getattr(obj, _MARK, None) is not None:
-        obj = obj.__wrapped_torch__
-    return obj
-
-
-# torch's own functions, captured once at fastgrad import (before any patch). Attribute access mirrors
-# torch.nn.utils, so a name this torch lacks (get_total_norm before 2.6) raises AttributeError as before.
-TORCH = SimpleNamespace(**{n: _unrouted(getattr(torch.nn.utils, n)) for n in NAMES if hasattr(torch.nn.utils, n)})
 
 _lock = threading.Lock()
 _saved: dict[tuple[str, str], object] = {}  # (module, name) -> the object our router replaced
@@ -58,8 +46,6 @@ _calls = {n: 0 for n in NAMES}
 
 
 def _router(name: str, replaced):
-    from . import clip
-
     fast = getattr(clip, name)
 
     # Looks fastgrad's function up at call time so tools wrapping fastgrad.clip.<name> see framework calls.

@@ -113,7 +113,7 @@ def _three(ours, ref, oracle_values, what):
 
 
 def assert_no_worse_than(ours, ref, oracle_values, dtype: torch.dtype, what: str = "", ulps: float = 1.0) -> None:
-    """SPEC section 3 accuracy rule, elementwise: |ours - oracle| <= |ref - oracle| + 1 ulp of ``dtype``.
+    """docs/contract.md section 3 accuracy rule, elementwise: |ours - oracle| <= |ref - oracle| + 1 ulp of ``dtype``.
     Non-finite values must match the reference exactly. ``ulps`` widens the slack only where the maths
     amplifies rounding (see ``norm_ulps``)."""
     o, r, t = _three(ours, ref, oracle_values, what)
@@ -162,7 +162,7 @@ def assert_max_error_within(ours, ref, oracle_values, dtype: torch.dtype, what: 
 
 
 def assert_close_to_torch(ours, ref, oracle_values, rtol: float, what: str = "") -> None:
-    """SPEC: fp32/fp64 results equal torch's within rtol. Where torch's own result is further than that from
+    """docs/contract.md section 3: fp32/fp64 results equal torch's within rtol. Where torch's own result is further than that from
     the exact answer, ours may differ from torch by torch's error too (an accurate kernel cannot be closer
     to torch than torch is to the truth)."""
     o, r, t = _three(ours, ref, oracle_values, what)
@@ -175,7 +175,7 @@ def assert_close_to_torch(ours, ref, oracle_values, rtol: float, what: str = "")
 
 
 def rtol_vs_torch(dtype: torch.dtype) -> float | None:
-    """SPEC: fp32 results equal torch's within rtol 1e-6, fp64 within 1e-12 (others: oracle rule only)."""
+    """docs/contract.md section 3: fp32 results equal torch's within rtol 1e-6, fp64 within 1e-12 (others: oracle rule only)."""
     return {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype)
 
 

@@ -1,4 +1,4 @@
-"""Oracles written from the SPEC formulas, independent of every backend (and of torch.nn.utils).
+"""Oracles written from the formulas of docs/contract.md, independent of every backend (and of torch.nn.utils).
 
 They compute in numpy's long double (80-bit extended precision on x86-64: 64-bit significand), so that
 even for float64 inputs the oracle is much more precise than what it checks. Element-wise results are
@@ -54,7 +54,7 @@ def _total(tensors, p: float) -> LD:
 
 
 def total_norm(tensors, p: float) -> float:
-    """Norm of the per-tensor norms (SPEC section 3)."""
+    """Norm of the per-tensor norms (docs/contract.md section 3)."""
     return float(_total(tensors, p))
 
 

@@ -1,4 +1,4 @@
-"""adaptive_clip_grad_ against timm's formula (SPEC section 5) on every (backend, device) pair."""
+"""adaptive_clip_grad_ against timm's formula (docs/contract.md section 5) on every (backend, device) pair."""
 
 from __future__ import annotations
 

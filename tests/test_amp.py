@@ -1,7 +1,7 @@
-"""scaler_unscale_and_clip (SPEC section 4): every observable as scaler.unscale_ + clip_grad_norm_.
+"""scaler_unscale_and_clip (docs/contract.md section 4): every observable as scaler.unscale_ + clip_grad_norm_.
 
 The reference is always torch itself: ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` (or
-fastgrad's clip, where the SPEC names it), run on an identical copy of the inputs."""
+fastgrad's clip, where the contract names it), run on an identical copy of the inputs."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def test_torch_backend_batched_read_pass(monkeypatch, limit, norm_type, bad, whe
                          ids=["bf16", "fp32+bf16", "fp64"])
 @pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clip", "noclip"])
 def test_dtypes_against_oracle(bd, dtypes, max_norm):
-    """Low precision: the folded multiply rounds once where torch rounds twice, so the SPEC's accuracy rule
+    """Low precision: the folded multiply rounds once where torch rounds twice, so the contract's accuracy rule
     (no worse than unscale_ + clip_grad_norm_ against a float64 oracle, + 1 ulp) is the criterion."""
     backend, device = bd
     shapes = [(17, 5), (5,), (3, 4, 2), (300,)]

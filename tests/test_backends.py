@@ -1,4 +1,4 @@
-"""Backend registry and selection (SPEC section 8) and ``python -m fastgrad.info``."""
+"""Backend registry and selection (docs/contract.md section 8) and ``python -m fastgrad.info``."""
 
 from __future__ import annotations
 

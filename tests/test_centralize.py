@@ -1,4 +1,4 @@
-"""centralize_gradient_ against the official formula (SPEC section 6) on every (backend, device) pair."""
+"""centralize_gradient_ against the official formula (docs/contract.md section 6) on every (backend, device) pair."""
 
 from __future__ import annotations
 

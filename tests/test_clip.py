@@ -1,5 +1,5 @@
 """clip_grad_norm_, get_total_norm, clip_grads_with_norm_, clip_grad_value_ and multi_tensor_norm on every
-(backend, device) pair, against torch.nn.utils (same inputs) and a float64 oracle (SPEC section 3)."""
+(backend, device) pair, against torch.nn.utils (same inputs) and a float64 oracle (docs/contract.md section 3)."""
 
 from __future__ import annotations
 

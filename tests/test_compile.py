@@ -6,7 +6,7 @@ Per-op tests compile with ``backend="aot_eager"`` (dynamo + fake tensors + funct
 custom ops, without inductor's slow C++ builds); the training-step test uses the default inductor.
 Comparisons: fused backends run the same kernels compiled or not, so their results must be bitwise equal;
 the torch backend's ops go through inductor/AOT decompositions that may reorder sums, so it is held to the
-SPEC section 3 rules (no worse than torch eager against the oracle, rtol vs torch).
+docs/contract.md section 3 rules (no worse than torch eager against the oracle, rtol vs torch).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_op_compiles_fullgraph_and_matches_eager(bd, name):
         _same(ours, ref, want, ref.dtype, fused, f"{name} result")
     if name in ("adaptive_clip_grad_", "centralize_gradient_") and not fused:
         # AGC and GC are held to the 2x max-error rule in their own tests; compiled vs eager torch here
-        # only differs by reordered fp32 sums: SPEC's fp32 rtol.
+        # only differs by reordered fp32 sums: the contract's fp32 rtol.
         for a, b in zip(grads(comp_ps), grads(eager_ps)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         return

@@ -81,7 +81,7 @@ def test_clip_grad_norm_capture_and_replay(backend, norm_type):
         torch.cuda.synchronize()
         assert torch.equal(bits(total), bits(want_total)), (seed, total, want_total)
         o_total, o_grads = oracle.clipped(inputs, 1.0, norm_type)
-        # torch's norm of fp32 copies of the non-empty grads: SPEC section 3 accumulates low-precision grads in
+        # torch's norm of fp32 copies of the non-empty grads: docs/contract.md section 3 accumulates low-precision grads in
         # fp32, where torch's own fp16 per-tensor norm overflows here (L1 of the 65,537-element fp16 grad at
         # scale 5 is ~2.6e5 > 65,504: inf), and torch's inf norm raises on the empty grad on CUDA (no identity)
         ref_total = torch.nn.utils.get_total_norm([g.float() for g in inputs if g.numel()], norm_type)

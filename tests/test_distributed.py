@@ -3,7 +3,7 @@
 
 Every scenario builds the same full tensors on every rank (one seed), shards them, runs fastgrad on the
 shards and compares with (a) torch.nn.utils on the very same DTensors, (b) a single-process torch run on the
-whole tensors, and (c) the float64 oracle (SPEC section 3 accuracy rule). Processes use a FileStore (no
+whole tensors, and (c) the float64 oracle (docs/contract.md section 3 accuracy rule). Processes use a FileStore (no
 port), a collective timeout and a wall-clock limit, and always destroy their process group.
 """
 
@@ -154,15 +154,15 @@ def _norms(backend):
 
 def _close(ours, ref, what):
     """Two runs of the same maths whose inputs differ only by reduction rounding (FSDP2's gradient
-    averaging, a whole-tensor partition): SPEC's fp32 rtol."""
+    averaging, a whole-tensor partition): the contract's fp32 rtol."""
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
 def _vs_torch(ours, theirs, want, dtype, what, p=2.0, same=True, single=None, ulps=None):
-    """SPEC section 3 for sharded inputs. ``theirs``: torch on the same sharded inputs (its DTensor
+    """docs/contract.md section 3 for sharded inputs. ``theirs``: torch on the same sharded inputs (its DTensor
     implementation, or the hand-written all-reduce ZeRO codes use): ours is no worse against the oracle
     (+1 ulp). ``single`` (default ``theirs``): torch on the whole tensors in one process: equal within the
-    SPEC rtol for all-fp32 / all-fp64 lists (mixed lists: fastgrad accumulates everything in fp64, torch
+    the contract's rtol for all-fp32 / all-fp64 lists (mixed lists: fastgrad accumulates everything in fp64, torch
     only the fp64 tensors, so the oracle rule alone applies). A sharded sum is rounded in pieces, so only
     the sharded reference bounds the error ulp by ulp."""
     assert_no_worse_than(ours, theirs, want, dtype, what, ulps=norm_ulps(p) if ulps is None else ulps)
@@ -191,7 +191,7 @@ def _check_norms_and_clip(rank, backend, fulls, dts, tag):
     """All checks on one list of DTensors ``dts`` whose full values are ``fulls``."""
     DTensor = D._dtensor_cls()
     acc = torch.float64 if any(f.dtype == torch.float64 for f in fulls) else torch.float32
-    # torch raises for the inf norm of a zero-size tensor (fastgrad: 0, SPEC section 3), so torch's
+    # torch raises for the inf norm of a zero-size tensor (fastgrad: 0, docs/contract.md section 3), so torch's
     # references leave those out; they add nothing to any norm of order >= 0. It also raises for the inf
     # norm of a DTensor with an empty local shard (3 rows on 4 ranks), so for inf its reference is the
     # single-process run (a max is exact whatever the order, so that is the same value).

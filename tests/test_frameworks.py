@@ -1,10 +1,10 @@
-"""fastgrad.patch_torch() under the real frameworks (SPEC section 11), tiny models on the CPU.
+"""fastgrad.patch_torch() under the real frameworks (docs/contract.md section 11), tiny models on the CPU.
 
 For each framework the same training runs twice from the same initial weights and data: once on torch's
 clipping, once under ``fastgrad.patch_torch()``. The patched run must reach fastgrad through the framework's
 own clipping call (counted by wrapping ``fastgrad.clip.<fn>``, which the patch's routers look up at call
 time), clipping must actually trigger, and the parameters after the last step must equal the unpatched
-run's within the SPEC's fp32 tolerance (rtol 1e-6; fastgrad accumulates the norm in its own order, so bitwise
+run's within the contract's fp32 tolerance (docs/contract.md section 3: rtol 1e-6; fastgrad accumulates the norm in its own order, so bitwise
 equality is not expected). Each call is also checked against torch's function on copies of the same
 gradients. The unpatched run must not touch fastgrad. The framework is imported (by the unpatched run)
 before ``patch_torch()``: routing must not depend on import order for these frameworks.
@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-RTOL = 1e-6  # SPEC section 3, fp32 against torch
+RTOL = 1e-6  # docs/contract.md section 3, fp32 against torch
 ATOL = 1e-7  # for parameters that pass near zero: far below one SGD step's clipped update here
 
 # case -> (framework module, fastgrad function the framework's call must reach, clip threshold)
@@ -84,7 +84,7 @@ def test_framework_clipping_reaches_fastgrad_and_matches_torch(case, workers):
 def _recorder(fn: str, threshold: float):
     """Wrap fastgrad.clip.<fn> to count calls, note whether clipping really changed something, and check
     each call against torch's own function (as captured by fastgrad) on copies of the same gradients:
-    the total norm and the clipped gradients within rtol 1e-6 (SPEC section 3, fp32), same dtype."""
+    the total norm and the clipped gradients within rtol 1e-6 (docs/contract.md section 3, fp32), same dtype."""
     import torch
 
     import fastgrad.clip

@@ -457,7 +457,7 @@ def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
     assert total.dtype == ref_total.dtype and total.device == ref_total.device and total.shape == ()
     grads = [p.grad for p in params if p.grad is not None]
     true_total, true_grads = oracle.clipped([g for g in before if g is not None], max_norm, 2.0)
-    # SPEC section 3: no worse than torch against the oracle (+1 ulp), and close to fastgrad's clip
+    # docs/contract.md section 3: no worse than torch against the oracle (+1 ulp), and close to fastgrad's clip
     H.assert_no_worse_than(total, torch_total, true_total, dtypes[-1], "total norm")
     assert float(total) == pytest.approx(float(ref_total), rel=4e-7 if dtypes[-1] != torch.float64 else 1e-15)
     if backend == "torch":  # the same per-tensor norms, combined the same way: the same bits

@@ -1,4 +1,4 @@
-"""fastgrad.patch_torch / unpatch_torch (SPEC section 11): routing, idempotence, exact restore, context
+"""fastgrad.patch_torch / unpatch_torch (docs/contract.md section 11): routing, idempotence, exact restore, context
 manager nesting, the recursion guard of fastgrad's torch fallbacks, signatures, and the info status."""
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_patched_calls_give_fastgrads_results_with_torchs_signatures(call):
     assert torch.equal(total, total_f) and total.dtype == torch.float32 and total.dim() == 0
     for g, gr in zip(grads(ours), grads(ref)):
         assert torch.equal(g, gr)
-    # and they match torch's own functions within the SPEC's fp32 tolerance
+    # and they match torch's own functions within the contract's fp32 tolerance (docs/contract.md section 3)
     theirs = clone_params(params)
     total_t = patch.TORCH.clip_grad_norm_(theirs, 1.0)
     torch.testing.assert_close(total, total_t, rtol=1e-6, atol=0)

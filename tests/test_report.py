@@ -1,5 +1,5 @@
-"""GradientReport (SPEC section 7 statuses): small models that really explode, vanish, die or produce NaNs, and
-the report must name the right status and layers. Thresholds and texts come from the SPEC table."""
+"""GradientReport (docs/contract.md section 7 statuses): small models that really explode, vanish, die or produce NaNs, and
+the report must name the right status and layers. Thresholds and texts come from the contract's table."""
 
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def test_grad_param_ratio(bd):
     w = [p.detach().double() for p in m.parameters()]
     gn = math.sqrt(sum(float(t.pow(2).sum()) for t in g))
     wn = math.sqrt(sum(float(t.pow(2).sum()) for t in w))
-    rtol = 1e-6  # fp32 accumulation, SPEC section 3
+    rtol = 1e-6  # fp32 accumulation, docs/contract.md section 3
     assert rep.total_norm == pytest.approx(gn, rel=rtol) and rep.param_norm == pytest.approx(wn, rel=rtol)
     assert rep.ratio == pytest.approx(gn / wn, rel=2 * rtol)
     layer0 = rep.layers[0]

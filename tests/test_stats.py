@@ -1,4 +1,4 @@
-"""grad_stats (SPEC section 7) on every (backend, device) pair: exact counts, norms vs the oracle."""
+"""grad_stats (docs/contract.md section 7) on every (backend, device) pair: exact counts, norms vs the oracle."""
 
 from __future__ import annotations
 

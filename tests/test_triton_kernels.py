@@ -427,7 +427,7 @@ def test_clip_norm_equals_unfused_clip_bitwise(norm_type, dtypes, clipping):
     assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
     if not clipping:
         assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a, ts))
-    else:  # the torch backend's composition (same maths, its own norm) agrees within the SPEC's rtol
+    else:  # the torch backend's composition (same maths, its own norm) agrees within the contract's rtol (docs/contract.md section 3)
         c = [t.clone() for t in ts]
         ref = TORCH.clip_norm_(c, max_norm, norm_type)
         torch.testing.assert_close(total, ref, rtol=rtol_for(total.dtype) * 2, atol=0)
@@ -633,7 +633,7 @@ def test_agc_rows_packed_and_split(norm_type, dtypes, clip_factor):
     triton_backend.agc_(ps, ours, clip_factor, 1e-3, norm_type)
     for o, r, w, k, g in zip(ours, ref, want, keep, gs):
         what = f"agc {tuple(g.shape)} {g.dtype}"
-        if g.dtype == torch.float64:  # no wider type to work in: SPEC's AGC rule (as tests/test_agc.py)
+        if g.dtype == torch.float64:  # no wider type to work in: the contract's AGC rule (as tests/test_agc.py)
             assert_max_error_within(o, r, w, g.dtype, what)
         else:  # fp64 norms, ratio and product: rounded once, never worse than the reference + 1 ulp
             assert_no_worse_than(o, r, w, g.dtype, what)

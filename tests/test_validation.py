@@ -1,4 +1,4 @@
-"""Bad input (SPEC section 3): a clear error naming the problem, raised before any gradient is written."""
+"""Bad input (docs/contract.md section 3): a clear error naming the problem, raised before any gradient is written."""
 
 from __future__ import annotations
 

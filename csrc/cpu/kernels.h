@@ -24,7 +24,7 @@ constexpr int64_t kChunk = int64_t(1) << 15;
 
 // Neumaier-compensated double sum. Used wherever partials (block totals, work items, tensors) are added
 // one after another: for float64 gradients that sequence would otherwise cost several ulps on long lists,
-// and SPEC section 3 holds fp64 results to torch's accuracy (+1 ulp). One add per 256 elements: free.
+// and docs/contract.md section 3 holds fp64 results to torch's accuracy (+1 ulp). One add per 256 elements: free.
 struct CompensatedSum {
   double sum = 0.0, comp = 0.0;
   inline void add(double x) {
@@ -113,7 +113,7 @@ inline uint16_t f32_to_fp16(float f) {
 // work and a select, so it vectorises (a float-rounding-plus-correction form made bf16 AGC 4x slower, a
 // variable-shift form 3.5x). NaN stays NaN, inf stays inf. Below float's normal range (|d| < 2^-126) float's
 // last bit sits higher, so there the plain conversion is used: fp16 rounds all of those to 0 anyway; bf16
-// subnormals can be 1 subnormal ulp off the correctly rounded value at an exact tie (still within the SPEC's
+// subnormals can be 1 subnormal ulp off the correctly rounded value at an exact tie (still within the contract's
 // 1-ulp rule).
 inline float f64_to_f32_odd(double d) {
   constexpr uint64_t kCut = (uint64_t(1) << 29) - 1;

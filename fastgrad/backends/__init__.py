@@ -1,4 +1,4 @@
-"""Backend registry and selection (SPEC section 8).
+"""Backend registry and selection (docs/contract.md section 8).
 
 Order of choice for one device's group of tensors:
 1. the ``backend=`` argument of the public function;
@@ -15,11 +15,14 @@ choice falls back quietly.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .. import _scan
+from . import ext_backend
 from .base import OPS, Backend, BackendError, acc_dtype, amp_factor, clip_coef, is_fast_norm_type
 
 __all__ = [
@@ -140,11 +143,26 @@ def _unavailable(name: str) -> str | None:
     return _REGISTRY[name].unavailable_reason()
 
 
-_assume_constant = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-if _assume_constant is None:  # pragma: no cover - older torch spelling
-    _assume_constant = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
-if _assume_constant is not None:
-    _unavailable = _assume_constant(_unavailable)
+def _mark_constant(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo at fastgrad import.
+
+    The public decorator imports torch._dynamo (and through it sympy and triton): seconds of start-up
+    that every script would pay for a mark only torch.compile reads. All it does is set
+    ``fn._dynamo_marked_constant = True`` (so in every torch release since dynamo has had the decorator),
+    which dynamo reads when it traces a call to ``fn``. tests/test_import.py checks that the installed torch's
+    public decorator still sets exactly that attribute, and tests/test_compile.py that compiled calls keep
+    working. Where dynamo is already imported the public spelling costs nothing, so it is used."""
+    if "torch._dynamo" in sys.modules:
+        public = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+        if public is None:  # pragma: no cover - older torch spelling
+            public = getattr(sys.modules["torch._dynamo"], "assume_constant_result", None)
+        if public is not None:
+            return public(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_unavailable = _mark_constant(_unavailable)
 
 
 def select(op: str, tensors: Sequence[Tensor], backend: str | None = None, **params) -> Backend:
@@ -212,6 +230,9 @@ def _register_builtin() -> None:
     register(CudaBackend())
     register(CpuBackend())
     _BUILTIN.update(_REGISTRY)
+    # The layers below the registry call back into it without importing it (that would be a cycle).
+    _scan.set_selector(selects_builtin)
+    ext_backend.set_registry(select_automatic, get_default_backend)
 
 
 _register_builtin()

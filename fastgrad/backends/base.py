@@ -149,7 +149,7 @@ class Backend:
 
     def clip_norm_(self, grads: Sequence[Tensor], max_norm: float, norm_type: float, *,
                    foreach: bool | None = None) -> Tensor:
-        """Norm clipping in place (SPEC section 3), the whole of ``clip_grad_norm_`` on one device:
+        """Norm clipping in place (docs/contract.md section 3), the whole of ``clip_grad_norm_`` on one device:
         ``total = norm(grads)``, ``coef = min(max_norm / (total + 1e-6), 1)`` in the accumulation dtype,
         evaluated exactly as ``torch.clamp(max_norm / (total + 1e-6), max=1.0)`` on the 0-dim total (NaN
         stays NaN), then ``scale_(grads, coef)`` (no write where coef is 1). Returns ``total`` (0-dim,
@@ -164,7 +164,7 @@ class Backend:
 
     def amp_clip_(self, grads: Sequence[Tensor], inv_scale: Tensor, max_norm: float, norm_type: float,
                   write: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-        """The fused AMP unscale + norm clip (SPEC section 4) on one device, in place.
+        """The fused AMP unscale + norm clip (docs/contract.md section 4) on one device, in place.
 
         ``(total, found_inf) = amp_norm(grads, inv_scale, norm_type)``, then ``factor = inv_scale * coef`` in
         the accumulation dtype, where ``coef`` is :func:`clip_coef` of the total (inv_scale converted to that
@@ -191,7 +191,7 @@ class Backend:
 
     def agc_(self, params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: float, eps: float,
              norm_type: float) -> None:
-        """Adaptive gradient clipping (SPEC section 5, timm's formula), in place on ``grads``.
+        """Adaptive gradient clipping (docs/contract.md section 5, timm's formula), in place on ``grads``.
 
         ``params[i]`` and ``grads[i]`` have the same shape and device. A unit is the whole tensor when
         ``ndim <= 1``, else each slice along dim 0. For each unit:

@@ -237,20 +237,27 @@ class CudaBackend(_ExtBackend):
                 raise BackendError(
                     f"fastgrad backend {self.name!r} cannot run {op}: {reason}. Pass backend=None (and unset "
                     "FASTGRAD_BACKEND) for automatic choice with fallback.") from exc
-            from . import select_automatic  # (not at import: the registry imports this module)
-
-            nxt = select_automatic(op, tensors, **params)  # this device is declined now: cuda is skipped
+            nxt = _REGISTRY_FNS["select_automatic"](op, tensors, **params)  # this device is declined now: cuda is skipped
             warnings.warn(f"fastgrad: {reason}. Using the {nxt.name} backend for {device} from now on "
                           "(python -m fastgrad.info shows why).", RuntimeWarning, stacklevel=4)
             return getattr(nxt, method)(*args, **kwargs)
+
+
+# The registry (fastgrad.backends) imports this module, so it hands its selection functions down at import
+# (set_registry) rather than this module importing the layer above it.
+_REGISTRY_FNS: dict[str, Callable] = {}
+
+
+def set_registry(select_automatic: Callable, get_default_backend: Callable) -> None:
+    """Called once by ``fastgrad.backends``: the functions a first-launch failure needs to hand its call on."""
+    _REGISTRY_FNS.update(select_automatic=select_automatic, get_default_backend=get_default_backend)
 
 
 def _named_explicitly(name: str) -> bool:
     """Whether the running public call asked for backend ``name`` by name (argument, set_backend or
     FASTGRAD_BACKEND). Only asked on the rare first-launch failure: the primitive does not receive the
     caller's ``backend=`` argument, so it is read from the nearest fastgrad frame that has one."""
-    from . import get_default_backend
-
+    get_default_backend = _REGISTRY_FNS["get_default_backend"]
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:

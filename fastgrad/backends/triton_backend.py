@@ -81,17 +81,17 @@ class TritonBackend(Backend):
 
     # ------------------------------------------------------------------ availability
     def unavailable_reason(self) -> str | None:
+        # The device test first: it is cheap, and on a machine with neither a GPU nor the interpreter asked
+        # for, importing Triton (about a second) would only confirm that the backend cannot serve anything.
+        if not (torch.cuda.is_available() or _interpret()):
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors in the interpreter)"
         if not self._checked:
             self._checked = True
             try:
                 import triton  # noqa: F401
             except Exception as e:  # ImportError, or a broken install
                 self._reason = f"Triton is not importable ({type(e).__name__}: {e})"
-        if self._reason is not None:
-            return self._reason
-        if not (torch.cuda.is_available() or _interpret()):
-            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors in the interpreter)"
-        return None
+        return self._reason
 
     def supports(self, op, tensors, **params):
         why = super().supports(op, tensors, **params)

@@ -1,0 +1,210 @@
+"""The import layers of fastgrad/: each module imports only from its own layer or below, and the import graph
+has no cycle.
+
+Every ``import``/``from ... import`` statement counts, module level or inside a function (a function-local
+import is still a dependency; it only runs later). Importing ``fastgrad.a.b`` also runs ``fastgrad.a``'s
+``__init__``, so it depends on that package too (except the root ``fastgrad`` package, which every submodule
+import runs and which sits on the top layer). A module missing from LAYERS fails the test: place a new
+module in the order on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import fastgrad
+
+ROOT = Path(fastgrad.__file__).resolve().parent
+
+# Bottom first. A module may import modules of its own layer or of a lower one.
+LAYERS: list[list[str]] = [
+    # 0: no fastgrad imports: build facts, torch's captured functions
+    ["fastgrad._archs", "fastgrad._torch_fns"],
+    # 1: the compiled extension's loader
+    ["fastgrad._ext"],
+    # 2: one-pass list scans (the registry hands its selector down to it: _scan.set_selector)
+    ["fastgrad._scan"],
+    # 3: what every backend shares
+    ["fastgrad.backends.base"],
+    # 4: Triton kernels (imported by the triton backend, and only when a call needs them)
+    ["fastgrad.triton_kernels.multi_tensor"],
+    ["fastgrad.triton_kernels.norm"],
+    ["fastgrad.triton_kernels.clip"],
+    ["fastgrad.triton_kernels.amp", "fastgrad.triton_kernels.agc", "fastgrad.triton_kernels.centralize",
+     "fastgrad.triton_kernels.stats"],
+    ["fastgrad.triton_kernels"],
+    # 5: the backends, then their registry
+    ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
+    ["fastgrad.backends"],
+    # 6: helpers of the public ops
+    ["fastgrad._inputs", "fastgrad.distributed"],
+    # 7: public ops
+    ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
+    ["fastgrad.amp", "fastgrad.nonfinite"],
+    ["fastgrad.optim_clip"],
+    # 8: reports and monitoring, above the ops they call
+    ["fastgrad.report"],
+    ["fastgrad.monitor"],
+    ["fastgrad.check_report", "fastgrad.watch"],
+    ["fastgrad.patch"],
+    # 9: the package and its command-line tools
+    ["fastgrad", "fastgrad.check", "fastgrad.info"],
+    ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops"],
+    ["fastgrad.benchmark.runner"],
+    ["fastgrad.benchmark.report"],
+    ["fastgrad.benchmark", "fastgrad.bench"],
+]
+LEVEL = {mod: i for i, layer in enumerate(LAYERS) for mod in layer}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(importer: str, is_pkg: bool, node: ast.AST, known: set[str]) -> set[str]:
+    """fastgrad modules that ``node`` (an Import or ImportFrom) makes ``importer`` run."""
+    targets: list[str] = []
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = importer.split(".") if is_pkg else importer.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known]
+        # `from pkg import name`: a submodule when there is one, else a name defined by pkg itself
+        targets = subs + ([mod] if len(subs) < len(node.names) else [])
+    own_packages = {importer.rsplit(".", i)[0] for i in range(importer.count(".") + 1)}
+    if not is_pkg:
+        own_packages.discard(importer)
+    out = set()
+    for t in targets:
+        if not (t == "fastgrad" or t.startswith("fastgrad.")):
+            continue
+        out.add(t)
+        # importing fastgrad.a.b first runs package fastgrad.a, unless the importer is inside it already
+        parts = t.split(".")
+        for i in range(len(parts) - 1, 1, -1):
+            parent = ".".join(parts[:i])
+            if parent in known and parent not in own_packages:
+                out.add(parent)
+    out.discard(importer)
+    return out
+
+
+def import_graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """module -> the fastgrad modules it imports (all import statements, wherever they are)."""
+    mods = _modules()
+    if sources is None:
+        sources = {m: p.read_text() for m, p in mods.items()}
+    known = set(sources)
+    graph = {}
+    for mod, src in sources.items():
+        is_pkg = mods[mod].name == "__init__.py" if mod in mods else False
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps |= _resolve(mod, is_pkg, node, known)
+        graph[mod] = deps
+    return graph
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if LEVEL[dep] > LEVEL[mod]:
+                out.append(f"{mod} (layer {LEVEL[mod]}) imports {dep} (layer {LEVEL[dep]})")
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(set(_modules()) - set(LEVEL))
+    assert not missing, f"place these modules in tests/test_layers.py LAYERS: {missing}"
+    stale = sorted(set(LEVEL) - set(_modules()))
+    assert not stale, f"LAYERS names modules that no longer exist: {stale}"
+
+
+def test_no_module_imports_from_a_layer_above():
+    bad = layer_violations(import_graph())
+    assert not bad, "imports from a higher layer:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_graph_sees_known_edges():
+    g = import_graph()
+    assert "fastgrad._scan" in g["fastgrad.backends.base"]
+    assert "fastgrad.backends" in g["fastgrad.clip"]  # via `from .backends.torch_backend import ...`
+    assert "fastgrad.backends.torch_backend" in g["fastgrad.clip"]
+    assert "fastgrad.triton_kernels" in g["fastgrad.backends.triton_backend"]  # function-local import
+    assert "fastgrad.clip" in g["fastgrad.check"]  # `from fastgrad import clip as fg_clip`, in a function
+
+
+@pytest.mark.parametrize("importer, stmt", [
+    # the two cycles this test was written against, reintroduced as function-local imports
+    ("fastgrad._scan", "def f():\n    from .backends import selects_builtin\n"),
+    ("fastgrad.clip", "def f():\n    from .patch import TORCH\n"),
+    ("fastgrad.backends.ext_backend", "def f():\n    from . import select_automatic\n"),
+    ("fastgrad.backends.base", "import fastgrad.stats\n"),
+])
+def test_reintroduced_upward_import_is_caught(importer, stmt):
+    mods = _modules()
+    sources = {m: p.read_text() for m, p in mods.items()}
+    sources[importer] += "\n" + stmt
+    g = import_graph(sources)
+    assert layer_violations(g), stmt
+    assert find_cycle(g) is not None, stmt
+
+
+def test_registry_hands_its_functions_down():
+    # The lower layers reach the registry only through what it hands them at import; if that wiring were
+    # lost, _scan's one-call CPU fast paths would quietly decline every call (correct but slow).
+    from fastgrad import _scan, backends
+    from fastgrad.backends import ext_backend
+
+    assert _scan._selects_builtin() is backends.selects_builtin
+    assert ext_backend._REGISTRY_FNS == {"select_automatic": backends.select_automatic,
+                                         "get_default_backend": backends.get_default_backend}
