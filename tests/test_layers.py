@@ -45,6 +45,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp", "fastgrad.nonfinite"],
     ["fastgrad.optim_clip"],
+    ["fastgrad.guard"],
     # 8: reports and monitoring, above the ops they call
     ["fastgrad.report"],
     ["fastgrad.monitor"],
