@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import distributed as D
 from .backends import acc_dtype
 
 __all__ = ["GradStats", "grad_stats", "tensor_stats"]
@@ -71,19 +72,26 @@ def _named(obj) -> list[tuple[str, Tensor]]:
 
 
 @torch.no_grad()
-def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None) -> GradStats:
+def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None,
+               process_group=None) -> GradStats:
     """Read each gradient once and return, per tensor, its L2 norm, max |g|, and counts of NaN, Inf and
     exact zeros, plus numel and the total L2 norm, all on the device (no host sync).
 
     Accepts an ``nn.Module`` (its ``named_parameters()``), an iterable of ``(name, parameter)`` pairs, an
     iterable of parameters (named by position), or one tensor.
+
+    Sharded gradients (DTensors on any meshes, mixed with plain tensors, or plain shards with
+    ``process_group=``; see ``fastgrad.distributed``): every column describes the WHOLE tensors (shapes are
+    the DTensors' global shapes), the same on every rank; a collective, so every rank must call, with the
+    same parameter list (per pipeline stage: ``total_norm`` then covers every stage, the columns the stage's
+    own tensors). Two collectives (a sum and a max), three across pipeline stages.
     """
     named = _named(parameters_or_named_parameters_or_module)
-    return _stats_of([n for n, _ in named], [p for _, p in named], backend)
+    return _stats_of([n for n, _ in named], [p for _, p in named], backend, process_group=process_group)
 
 
 def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
-              grads: list[Tensor] | None = None) -> GradStats:
+              grads: list[Tensor] | None = None, process_group=None) -> GradStats:
     """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
     (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
@@ -92,6 +100,8 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     tensor). Else the Python loop."""
     if grads is None:
         grads = I.grads_of(params)
+    if process_group is not None or D.has_dtensor(grads):
+        return _sharded_stats(names, params, backend, process_group)
     if len(grads) == len(params) and grads:
         numel = cache["numel"] if cache else None
         return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
@@ -109,6 +119,20 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     return GradStats(names, [tuple(g.shape) for g in grads], [g.dtype for g in grads], cols["norm"],
                      cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"], cols["total_norm"],
                      no_grad)
+
+
+def _sharded_stats(names: list[str], params: list[Tensor], backend: str | None, process_group) -> GradStats:
+    """grad_stats of sharded gradients (fastgrad.distributed.reduced_stats): local statistics of this rank's
+    counted shards through the backends, then the collectives. A rank with no gradient still takes part."""
+    with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
+    no_grad = [n for n, p in zip(names, params) if p.grad is None]
+    grads = [g for _, g in with_grad]
+    I.check_tensors(grads, allow_fallback=False)
+    sh = D.prepare(grads, process_group)
+    cols = D.reduced_stats(sh, lambda ts: tensor_stats(ts, backend=backend))
+    return GradStats([n for n, _ in with_grad], [tuple(g.shape) for g in grads], [g.dtype for g in grads],
+                     cols["norm"], cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"],
+                     cols["total_norm"], no_grad)
 
 
 def _stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None
