@@ -366,6 +366,17 @@ def _scenario_hsdp(rank, backend):
     assert params[0].grad.placements[0].is_replicate() and params[0].grad.placements[1].is_shard()
     _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "hsdp", n_norm=1)
 
+    # GradientMonitor through grad_stats: the statistics (a SUM and a MAX) then the clip (one more).
+    mon = fastgrad.GradientMonitor(model, every=None, backend=backend)
+    max_norm = 0.5 * oracle.total_norm(fulls, 2.0)
+    want_total, want_grads = oracle.clipped(fulls, max_norm, 2.0)
+    with _Count() as c:
+        total = mon.clip_grad_norm_(max_norm)
+    assert c.n == 3, f"hsdp monitor clip: {c.n} all_reduce calls"
+    _close(_value(total), want_total, "hsdp monitor clip total")
+    for q, w in zip(model.parameters(), want_grads):
+        _close(_full(q.grad), w, "hsdp monitor clipped grad")
+
 
 def _scenario_tp_fsdp(rank, backend):
     """Tensor parallel on the tp dimension, FSDP2 on the dp dimension of a dp x tp mesh. ONE all-reduce."""
