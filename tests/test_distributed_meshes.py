@@ -199,6 +199,12 @@ def _check(rank, backend, fulls, mine, make, tag, *, group=None, n_norm=1, n_per
         for h, i in zip(holders, mine):
             _close(_full(h.grad), want_grads[i], f"{tag} clipped grad {i} p={p}")
 
+    if backend == "torch":  # norm_type 0 (tensors with a nonzero; torch's semantics): per-tensor counts
+        with _Count() as c:
+            zero = fastgrad.get_total_norm([make(i) for i in mine], 0.0, backend=backend, **kw)
+        assert c.n == n_per, f"{tag} p=0: {c.n} all_reduce calls, documented {n_per}"
+        assert float(_value(zero)) == oracle.total_norm(fulls, 0.0), f"{tag} p=0"
+
     # Per-tensor norms of this rank's list (across pipeline stages: its stage's), the total over all.
     with _Count() as c:
         total, per = fastgrad.multi_tensor_norm([make(i) for i in mine], 2.0, per_tensor=True, backend=backend,
