@@ -282,10 +282,12 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     that next). Until then the ``.grad`` tensors still hold the scaled values, and after a skipped step they
     keep them. Elsewhere the flag is ignored (the gradients are written as usual).
 
-    Sharded gradients (DTensor from FSDP2/TP, or this rank's disjoint shards with ``process_group=``): the
-    norm and the overflow flag come from the local shards with ONE all-reduce, so every rank sees the same
-    norm and the same found_inf (a ShardedGradScaler keeps its own SUM reduction of local flags); the
-    local shards are written; the norm is a Replicate() DTensor for DTensor grads. ``zero_write`` does not
+    Sharded gradients (DTensors on any meshes, plain ones among them, pipeline stages with
+    ``process_group=``, or this rank's disjoint shards with ``process_group=``; docs/distributed.md): the
+    norm and the overflow flag come from the local shards with ONE all-reduce for the usual layouts, so
+    every rank sees the same norm and the same found_inf (a ShardedGradScaler keeps its own SUM reduction of
+    local flags); the local shards are written; the norm is a Replicate() DTensor when all grads are
+    DTensors on one mesh. ``zero_write`` does not
     apply there; norm_type 0 is not supported there.
     """
     max_norm = I.check_max_norm(max_norm)

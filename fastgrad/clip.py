@@ -11,9 +11,12 @@ primitives (``fastgrad/backends/``). Semantics: docs/contract.md section 3. Diff
   turns the gradients into NaN or flips their sign);
 * the infinity norm of a zero-size gradient is 0 (torch raises).
 
-Sharded gradients (``fastgrad.distributed``): DTensor grads (FSDP2, tensor parallel) are reduced from their
-local shards with one all-reduce and clipped in place, returning a ``Replicate()`` DTensor; plain tensors
-that are disjoint shards across ranks take ``process_group=``. Plain single-process calls pay one type check.
+Sharded gradients (``fastgrad.distributed``, docs/distributed.md): DTensor grads on any number of meshes
+(FSDP2, TP, HSDP, expert parallel), plain tensors among them, and pipeline stages (``process_group=``) are
+reduced from their local shards to one global norm, the same on every rank, with one all-reduce for the usual
+layouts, and clipped in place; the result is a ``Replicate()`` DTensor when all grads are DTensors on one
+mesh (as torch), else a plain tensor. Plain tensors that are disjoint shards across ranks take
+``process_group=``. Plain single-process calls pay one type check.
 """
 
 from __future__ import annotations
@@ -175,8 +178,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
 
     One read pass for the norm, then a scale pass that fused backends skip on the device when no clipping
     is needed. No host sync unless ``error_if_nonfinite=True`` (which checks before anything is written).
-    DTensor grads (FSDP2, TP): one all-reduce, local shards clipped, a ``Replicate()`` DTensor returned.
-    ``process_group=``: the grads are this rank's disjoint shards; every rank of the group must call.
+    DTensor grads on any meshes (FSDP2, TP, HSDP, EP), mixed with plain ones: one all-reduce for the usual
+    layouts, local shards clipped, a ``Replicate()`` DTensor returned when all are on one mesh.
+    ``process_group=``: plain grads are this rank's disjoint shards; with DTensors, the group that connects
+    pipeline stages (or the world). Every rank of the group must call (see fastgrad.distributed).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
     params = parameters if type(parameters) is list else I.as_list(parameters, warn_empty_generator=True)
@@ -235,7 +240,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
         _torch_fallback_allowed(backend, "clip_grad_value_")
         return _torch_utils.clip_grad_value_(params, clip_value, foreach)
     if D.has_dtensor(grads):
-        if any(pl.is_partial() for g in grads for pl in g.placements):
+        if any(pl.is_partial() for g in grads for pl in getattr(g, "placements", ())):
             # clamping is not linear: a Partial term cannot be clamped locally; torch redistributes
             _torch_fallback_allowed(backend, "clip_grad_value_ on Partial DTensor gradients")
             return _torch_utils.clip_grad_value_(params, clip_value, foreach)

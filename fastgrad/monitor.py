@@ -24,6 +24,7 @@ from .report import (Finding, GradientReport, Thresholds, _fmt, _gather, detect_
 from . import _inputs as I
 from . import _scan
 from .backends import clip_coef
+from . import distributed as D
 from .stats import GradStats, _named, _stats_of, _stats_of_all, row_sparse_names
 
 __all__ = ["GradientMonitor", "detect_trends"]
@@ -438,7 +439,7 @@ class GradientMonitor:
         grads = I.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = self._stats(grads) if grads and _readable(grads) else None
+            stats = self._stats(grads) if grads and (_readable(grads) or D.has_dtensor(grads)) else None
             total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
             self._clip_step = (self.step + 1, max_norm)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _inputs as I
+from . import distributed as D
 from .backends import acc_dtype
 
 __all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names"]
@@ -92,16 +93,23 @@ def _named(obj) -> list[tuple[str, Tensor]]:
 
 
 @torch.no_grad()
-def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None) -> GradStats:
+def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None,
+               process_group=None) -> GradStats:
     """Read each gradient once and return, per tensor, its L2 norm, max |g|, and counts of NaN, Inf and
     exact zeros, plus numel and the total L2 norm, all on the device (no host sync).
 
     Accepts an ``nn.Module`` (its ``named_parameters()``), an iterable of ``(name, parameter)`` pairs, an
     iterable of parameters (named by position), or one tensor.
+
+    Sharded gradients (DTensors on any meshes, mixed with plain tensors, or plain shards with
+    ``process_group=``; see ``fastgrad.distributed``): every column describes the WHOLE tensors (shapes are
+    the DTensors' global shapes), the same on every rank; a collective, so every rank must call, with the
+    same parameter list (per pipeline stage: ``total_norm`` then covers every stage, the columns the stage's
+    own tensors). Two collectives (a sum and a max), three across pipeline stages.
     """
     obj = parameters_or_named_parameters_or_module
     named = _named(obj)
-    st = _stats_of([n for n, _ in named], [p for _, p in named], backend)
+    st = _stats_of([n for n, _ in named], [p for _, p in named], backend, process_group=process_group)
     hint = row_sparse_names(obj)
     if hint:
         seen = set(st.row_sparse)
@@ -110,7 +118,7 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
 
 
 def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
-              grads: list[Tensor] | None = None) -> GradStats:
+              grads: list[Tensor] | None = None, process_group=None) -> GradStats:
     """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
     (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
@@ -119,6 +127,8 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     tensor). Else the Python loop."""
     if grads is None:
         grads = I.grads_of(params)
+    if process_group is not None or D.has_dtensor(grads):
+        return _sharded_stats(names, params, backend, process_group)
     if len(grads) == len(params) and grads and (type(grads) is I.Checked or _all_strided(grads)):
         numel = cache["numel"] if cache else None
         return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
@@ -194,6 +204,20 @@ def _mixed_stats(grads: list[Tensor], backend: str | None) -> dict[str, Tensor]:
     cols["numel"] = torch.tensor([g.numel() for g in grads], dtype=torch.int64).to(first, non_blocking=True)
     cols["total_norm"] = torch.linalg.vector_norm(cols["norm"])
     return cols
+
+
+def _sharded_stats(names: list[str], params: list[Tensor], backend: str | None, process_group) -> GradStats:
+    """grad_stats of sharded gradients (fastgrad.distributed.reduced_stats): local statistics of this rank's
+    counted shards through the backends, then the collectives. A rank with no gradient still takes part."""
+    with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
+    no_grad = [n for n, p in zip(names, params) if p.grad is None]
+    grads = [g for _, g in with_grad]
+    I.check_tensors(grads, allow_fallback=False)
+    sh = D.prepare(grads, process_group)
+    cols = D.reduced_stats(sh, lambda ts: tensor_stats(ts, backend=backend))
+    return GradStats([n for n, _ in with_grad], [tuple(g.shape) for g in grads], [g.dtype for g in grads],
+                     cols["norm"], cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"],
+                     cols["total_norm"], no_grad)
 
 
 def _stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None

@@ -303,11 +303,16 @@ def _scenario_dtensor_1d(rank, world, backend):
     for i, (o, r, w) in enumerate(zip(h, ref_h, want_grads)):
         _vs_torch(o.grad.full_tensor(), r.grad.full_tensor(), w, torch.float32, f"partial clip grad {i}")
 
-    # A mixed list is an error, as in torch; process_group= with DTensors too.
-    with pytest.raises(TypeError, match="mix of DTensor"):
-        fastgrad.get_total_norm([dts[0], fulls[1]], backend=backend)
-    with pytest.raises(ValueError, match="process_group"):
-        fastgrad.clip_grad_norm_([Holder(dts[0].clone())], 1.0, process_group=dist.group.WORLD)
+    # A mixed list (torch raises): the plain tensor is replicated on every rank and counted once, whatever
+    # its position; process_group= containing the mesh (the world) reduces over it (tests/
+    # test_distributed_meshes.py covers the layouts).
+    for mixed, whole in (([dts[0], fulls[1]], fulls[:2]), ([fulls[1], dts[0]], [fulls[1], fulls[0]])):
+        ours = fastgrad.get_total_norm(mixed, backend=backend)
+        assert type(ours) is torch.Tensor  # not all DTensors on one mesh: a plain tensor, the same everywhere
+        _close(ours.double(), torch.tensor(oracle.total_norm(whole, 2.0), dtype=torch.float64), "mixed list")
+    t = fastgrad.clip_grad_norm_([Holder(dts[0].clone())], 1e6, process_group=dist.group.WORLD)
+    _close(t.full_tensor().double(), torch.tensor(oracle.total_norm(fulls[:1], 2.0), dtype=torch.float64),
+           "process_group=WORLD with DTensors")
 
     # A NaN on one rank's shard: every rank sees the non-finite norm, raises, and writes nothing.
     fulls = _full_tensors([(8, 3), (5,)], [torch.float32], seed=4)

@@ -1,0 +1,535 @@
+"""One global norm for any sharding (issue 22): gradients on several DeviceMeshes (mixture of experts), a
+2-stage pipeline, HSDP, tensor parallel plus FSDP, DTensor and plain tensors mixed, tied and replicated
+parameters, a rank with an empty list, on 4 gloo ranks spawned ONCE for the whole module.
+
+Every scenario builds the whole model's gradients on every rank (one seed), so each rank can compute the
+single-process float64 reference (tests/oracle.py) of the norm and of the clipped gradients. Checks: within
+rtol 1e-6 of that reference (fp32), the same bits on every rank, and the number of ``all_reduce`` calls the
+documentation of fastgrad.distributed promises (``torch.distributed.all_reduce`` is wrapped with a counter).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+import fastgrad
+from fastgrad import distributed as D
+
+from . import oracle
+from .conftest import BACKEND_DEVICES
+from .helpers import randn
+
+dist = torch.distributed
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+INF = float("inf")
+WORLD = 4
+CPU_BACKENDS = [b for b, d in BACKEND_DEVICES if d == "cpu" and b != "triton"]
+NORMS = [2.0, 1.0, INF, 3.0]
+WALL_LIMIT_S = 240
+
+
+# ------------------------------------------------------------------------------------------ harness
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    import traceback
+
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    _install_counter()
+    try:
+        torch.set_num_threads(1)  # several ranks share few cores
+        only = os.environ.get("FASTGRAD_TEST_MESHES_ONLY")  # narrowing while debugging
+        for name, fn in SCENARIOS.items():
+            for backend in CPU_BACKENDS:
+                if only and f"{name}-{backend}" not in only.split(","):
+                    continue
+                try:
+                    fn(rank, backend)
+                    dist.barrier()
+                except BaseException:
+                    with open(os.path.join(out_dir, f"{name}-{backend}.fail.{rank}"), "w") as f:
+                        f.write(traceback.format_exc())
+                    raise
+                if rank == 0:
+                    open(os.path.join(out_dir, f"{name}-{backend}.ok"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+_RUN: dict = {}
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    import torch.multiprocessing as mp
+
+    root = tempfile.mkdtemp(prefix="fastgrad-meshes-")
+    ctx = mp.start_processes(_worker, args=(WORLD, root), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + WALL_LIMIT_S
+    error = ""
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                error = f"{WORLD} ranks did not finish in {WALL_LIMIT_S} s"
+                break
+    except Exception as exc:  # a rank failed: its traceback is in the .fail files
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    yield root, error
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _outcome(spawned, name: str, backend: str) -> None:
+    root, error = spawned
+    key = f"{name}-{backend}"
+    if os.path.exists(os.path.join(root, key + ".ok")):
+        return
+    fails = sorted(f for f in os.listdir(root) if f.startswith(key + ".fail."))
+    if fails:
+        with open(os.path.join(root, fails[0])) as f:
+            pytest.fail(f"{key}, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
+    pytest.fail(f"{key} did not run: {error or 'an earlier scenario failed'}")
+
+
+_CALLS = {"all_reduce": 0}
+
+
+def _install_counter() -> None:
+    """Count torch.distributed.all_reduce calls (fastgrad looks the function up at call time)."""
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        _CALLS["all_reduce"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+
+
+class _Count:
+    def __enter__(self):
+        self.start = _CALLS["all_reduce"]
+        return self
+
+    def __exit__(self, *exc):
+        self.n = _CALLS["all_reduce"] - self.start
+
+
+class Holder:
+    """A stand-in parameter: clip functions read only ``.grad``."""
+
+    def __init__(self, grad):
+        self.grad = grad
+
+
+def _param(grad) -> torch.nn.Parameter:
+    """A parameter (DTensor or plain, like ``grad``) whose gradient is ``grad``, for grad_stats."""
+    prm = torch.nn.Parameter(torch.zeros_like(grad))
+    prm.grad = grad
+    return prm
+
+
+def _fulls(shapes, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [randn(s, dtype, "cpu", gen, scale=0.5 + i) for i, s in enumerate(shapes)]
+
+
+def _value(t) -> torch.Tensor:
+    """A returned norm as a plain tensor: a Replicate DTensor's local value (no collective)."""
+    if D.is_dtensor(t):
+        assert all(pl.is_replicate() for pl in t.placements), t.placements
+        return t._local_tensor
+    return t
+
+
+def _full(g) -> torch.Tensor:
+    return g.full_tensor() if D.is_dtensor(g) else g
+
+
+def _same_on_every_rank(x: torch.Tensor, what: str) -> None:
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, x.detach().double().reshape(-1).tolist())
+    assert all(repr(g) == repr(got[0]) for g in got), f"{what}: ranks disagree: {got}"
+
+
+def _close(ours, want, what, rtol=1e-6):
+    ours = torch.as_tensor(ours).double()
+    want = torch.from_numpy(np.asarray(want, dtype=np.float64))
+    torch.testing.assert_close(ours, want, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _check(rank, backend, fulls, mine, make, tag, *, group=None, n_norm=1, n_per=None, stage_fulls=None):
+    """The checks of one layout. ``fulls``: every gradient of the model; ``mine``: the indices this rank's
+    list holds (in order); ``make(i)``: this rank's gradient object for ``fulls[i]`` (fresh each call);
+    ``group``: the process_group= to pass; ``n_norm``: all_reduce calls of a total norm; ``n_per``: of a
+    per-tensor norm (default n_norm)."""
+    n_per = n_norm if n_per is None else n_per
+    kw = {} if group is None else {"process_group": group}
+    for p in NORMS:
+        want = oracle.total_norm(fulls, p)
+        with _Count() as c:
+            ours = fastgrad.get_total_norm([make(i) for i in mine], p, backend=backend, **kw)
+        assert c.n == n_norm, f"{tag} get_total_norm p={p}: {c.n} all_reduce calls, documented {n_norm}"
+        ours = _value(ours)
+        _close(ours, want, f"{tag} get_total_norm p={p}")
+        _same_on_every_rank(ours, f"{tag} get_total_norm p={p}")
+
+        max_norm = 0.3 * want  # clips
+        holders = [Holder(make(i)) for i in mine]
+        with _Count() as c:
+            total = fastgrad.clip_grad_norm_(holders, max_norm, p, backend=backend, **kw)
+        assert c.n == n_norm, f"{tag} clip p={p}: {c.n} all_reduce calls"
+        total = _value(total)
+        want_total, want_grads = oracle.clipped(fulls, max_norm, p)
+        _close(total, want_total, f"{tag} clip total p={p}")
+        _same_on_every_rank(total, f"{tag} clip total p={p}")
+        for h, i in zip(holders, mine):
+            _close(_full(h.grad), want_grads[i], f"{tag} clipped grad {i} p={p}")
+
+    if backend == "torch":  # norm_type 0 (tensors with a nonzero; torch's semantics): per-tensor counts
+        with _Count() as c:
+            zero = fastgrad.get_total_norm([make(i) for i in mine], 0.0, backend=backend, **kw)
+        assert c.n == n_per, f"{tag} p=0: {c.n} all_reduce calls, documented {n_per}"
+        assert float(_value(zero)) == oracle.total_norm(fulls, 0.0), f"{tag} p=0"
+
+    # Per-tensor norms of this rank's list (across pipeline stages: its stage's), the total over all.
+    with _Count() as c:
+        total, per = fastgrad.multi_tensor_norm([make(i) for i in mine], 2.0, per_tensor=True, backend=backend,
+                                                **kw)
+    assert c.n == n_per, f"{tag} per-tensor: {c.n} all_reduce calls, documented {n_per}"
+    _close(_value(total), oracle.total_norm(fulls, 2.0), f"{tag} multi_tensor_norm total")
+    _close(_value(per), [oracle.tensor_norm(fulls[i], 2.0) for i in mine], f"{tag} per-tensor norms")
+    _same_on_every_rank(_value(total), f"{tag} multi_tensor_norm total")
+
+    # grad_stats: whole-tensor columns, one SUM and one MAX (one more across stages).
+    with _Count() as c:
+        st = fastgrad.grad_stats([_param(make(i)) for i in mine], backend=backend, **kw)
+    n_stats = 3 if n_per > n_norm else 2
+    assert c.n == n_stats, f"{tag} grad_stats: {c.n} all_reduce calls, documented {n_stats}"
+    _close(st.total_norm, oracle.total_norm(fulls, 2.0), f"{tag} grad_stats total")
+    _close(st.norm, [oracle.tensor_norm(fulls[i], 2.0) for i in mine], f"{tag} grad_stats norms")
+    _close(st.max_abs, [fulls[i].abs().max().item() for i in mine], f"{tag} grad_stats max_abs", rtol=0)
+    assert st.numel.tolist() == [fulls[i].numel() for i in mine], f"{tag} grad_stats numel"
+    assert st.nan.sum().item() == 0 and st.inf.sum().item() == 0
+    assert st.shapes == [tuple(fulls[i].shape) for i in mine]
+    _same_on_every_rank(st.total_norm, f"{tag} grad_stats total")
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard  # torch 2.4, 2.5
+    return fully_shard
+
+
+def _model_grads(model, shard, seed=1):
+    """Run one forward/backward of ``model`` (after ``shard(model)``) on the same batch everywhere; returns
+    the parameters and their gradients' full values."""
+    shard(model)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).sum().backward()
+    params = list(model.parameters())
+    return params, [_full(p.grad).clone() for p in params]
+
+
+def _from_param(params):
+    """``make`` for model parameters: a fresh copy of the i-th gradient (DTensor clone keeps placements)."""
+    return lambda i: params[i].grad.clone()
+
+
+# ---------------------------------------------------------------------------------------- scenarios
+def _scenario_moe(rank, backend):
+    """Dense layers fully_shard'ed on a 1-D mesh of 4, experts on a 2-D ep x dp mesh: experts split by ep,
+    each expert's weight sharded by dp, a router replicated on the expert mesh. ONE all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dense_mesh = init_device_mesh("cpu", (WORLD,))
+    ep_mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("ep", "dp"))
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(16, 11), torch.nn.GELU(), torch.nn.Linear(11, 16))
+    params, dense_fulls = _model_grads(dense, lambda m: _fully_shard()(m, mesh=dense_mesh))
+    expert_fulls = _fulls([(4, 9, 16), (4, 16, 9), (16, 4), (4, 5)], seed=3)
+    placements = [(Shard(0), Shard(1)), (Shard(0), Shard(2)), (Replicate(), Replicate()), (Shard(0), Replicate())]
+    fulls = dense_fulls + expert_fulls
+    nd = len(dense_fulls)
+
+    def make(i):
+        if i < nd:
+            return params[i].grad.clone()
+        return distribute_tensor(fulls[i].clone(), ep_mesh, placements[i - nd])
+
+    mine = list(range(len(fulls)))
+    _check(rank, backend, fulls, mine, make, "moe", n_norm=1)
+    # the expert mesh alone (torch's 2-D case): the result is torch's Replicate DTensor on that mesh
+    out = fastgrad.get_total_norm([make(i) for i in range(nd, len(fulls))], backend=backend)
+    assert D.is_dtensor(out) and out.device_mesh is ep_mesh
+    _close(_value(out), oracle.total_norm(expert_fulls, 2.0), "moe experts only")
+    # a mixed-mesh result is a plain tensor, the same on every rank
+    assert type(fastgrad.get_total_norm([make(i) for i in mine], backend=backend)) is torch.Tensor
+
+    # The fused AMP path on the same layout: unscale + clip with one all-reduce (norm and overflow flag).
+    scale = 1024.0  # a power of two: unscaling is exact, so the oracle's inputs are `fulls`
+    params_amp = [_param(make(i) * scale) for i in mine]
+    opt = torch.optim.SGD(params_amp, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))  # creates the scale tensor
+    want_total, want_grads = oracle.clipped(fulls, 0.5, 2.0)
+    with _Count() as c:
+        total = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, backend=backend)
+    assert c.n == 1, f"moe amp: {c.n} all_reduce calls"
+    _close(_value(total), want_total, "moe amp total")
+    _same_on_every_rank(_value(total), "moe amp total")
+    for q, i in zip(params_amp, mine):
+        # one fp32 total per rank from the fused read pass: the coefficient may sit an ulp or two off
+        _close(_full(q.grad), want_grads[i], f"moe amp grad {i}", rtol=2e-6)
+
+    # NaN in one expert shard on one rank: NaN on every rank, and error_if_nonfinite raises on all of them
+    # before anything is written.
+    for p in (2.0, INF):
+        grads = [make(i) for i in mine]
+        if rank == 2:
+            grads[nd]._local_tensor.view(-1)[0] = float("nan")
+        assert math.isnan(float(_value(fastgrad.get_total_norm(grads, p, backend=backend)))), p
+        before = [_full(g).nan_to_num() for g in grads]
+        with pytest.raises(RuntimeError, match="non-finite"):
+            fastgrad.clip_grad_norm_([Holder(g) for g in grads], 1.0, p, error_if_nonfinite=True, backend=backend)
+        for g, b in zip(grads, before):
+            assert torch.equal(_full(g).nan_to_num(), b)
+
+
+def _scenario_pipeline(rank, backend):
+    """2 stages x 2 data-parallel ranks: stage s = rank // 2 owns its layers, sharded over the stage's dp
+    slice of a pp x dp mesh. The pipeline group (one rank per stage) or the world: ONE all-reduce (the
+    stages tile the world); per-tensor results: the stage's vector, then the stage totals (2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("pp", "dp"))
+    dp = mesh["dp"]
+    pp_group = mesh["pp"].get_group()
+    stage = rank // 2
+    fulls = _fulls([(10, 6), (7,), (5, 3), (12, 4), (9,), (3, 3)], seed=5)
+    placements = [Shard(0), Replicate(), Shard(1), Shard(0), Shard(0), Replicate()]
+    mine = [0, 1, 2] if stage == 0 else [3, 4, 5]
+
+    def make(i):
+        return distribute_tensor(fulls[i].clone(), dp, [placements[i]])
+
+    _check(rank, backend, fulls, mine, make, "pipeline pp group", group=pp_group, n_norm=1, n_per=2)
+    _check(rank, backend, fulls, mine, make, "pipeline world", group=dist.group.WORLD, n_norm=1, n_per=2)
+
+    # Forgetting the pipeline group would give this stage's norm only: an error, nothing written.
+    grads = [make(i) for i in mine]
+    before = [g._local_tensor.clone() for g in grads]
+    with pytest.raises(ValueError, match="pipeline"):
+        fastgrad.clip_grad_norm_([Holder(g) for g in grads], 1e-3, backend=backend)
+    assert all(torch.equal(g._local_tensor, b) for g, b in zip(grads, before))
+    # The stage's own group says "these ranks only": the stage's norm, one collective.
+    with _Count() as c:
+        own = fastgrad.get_total_norm(grads, backend=backend, process_group=dp.get_group())
+    assert c.n == 1
+    _close(_value(own), oracle.total_norm([fulls[i] for i in mine], 2.0), "pipeline stage only")
+
+    # Plain (unsharded) stages: each stage's 2 dp ranks hold the same whole tensors, which is a DTensor
+    # replicated on the stage's slice; as plain tensors they are disjoint across stages only, so the
+    # pipeline group is the group: ranks 0 and 1 are stage 0's two replicas, in different pp groups.
+    plain_mine = [torch.nn.Parameter(fulls[i].clone()) for i in mine]
+    for prm in plain_mine:
+        prm.grad = prm.detach().clone()
+    with _Count() as c:
+        t = fastgrad.clip_grad_norm_(plain_mine, 1.0, backend=backend, process_group=pp_group)
+    assert c.n == 1
+    want_total, want_grads = oracle.clipped(fulls, 1.0, 2.0)
+    _close(t, want_total, "pipeline plain total")
+    for prm, i in zip(plain_mine, mine):
+        _close(prm.grad, want_grads[i], f"pipeline plain grad {i}")
+
+
+def _scenario_hsdp(rank, backend):
+    """HSDP: fully_shard on a 2-D (replicate, shard) mesh, grads Replicate x Shard(0). ONE all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 13), torch.nn.Tanh(), torch.nn.LayerNorm(13),
+                                torch.nn.Linear(13, 5))
+    params, fulls = _model_grads(model, lambda m: _fully_shard()(m, mesh=mesh))
+    assert params[0].grad.placements[0].is_replicate() and params[0].grad.placements[1].is_shard()
+    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "hsdp", n_norm=1)
+
+    # GradientMonitor through grad_stats: the statistics (a SUM and a MAX) then the clip (one more).
+    mon = fastgrad.GradientMonitor(model, every=None, backend=backend)
+    max_norm = 0.5 * oracle.total_norm(fulls, 2.0)
+    want_total, want_grads = oracle.clipped(fulls, max_norm, 2.0)
+    with _Count() as c:
+        total = mon.clip_grad_norm_(max_norm)
+    assert c.n == 3, f"hsdp monitor clip: {c.n} all_reduce calls"
+    _close(_value(total), want_total, "hsdp monitor clip total")
+    for q, w in zip(model.parameters(), want_grads):
+        _close(_full(q.grad), w, "hsdp monitor clipped grad")
+
+
+def _scenario_tp_fsdp(rank, backend):
+    """Tensor parallel on the tp dimension, FSDP2 on the dp dimension of a dp x tp mesh. ONE all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 16),
+                                torch.nn.LayerNorm(16))
+
+    def shard(m):
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        _fully_shard()(m, mesh=mesh["dp"])
+
+    params, fulls = _model_grads(model, shard)
+    assert any(len(p.grad.placements) == 2 for p in params)
+    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "tp+fsdp", n_norm=1)
+
+
+def _scenario_mixed(rank, backend):
+    """DTensors on a 1-D mesh and plain tensors replicated on every rank (a parameter left out of
+    fully_shard), a plain one first in the list. ONE all-reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fulls = _fulls([(7, 3), (13, 5), (6,), (9, 2), (4,)], seed=7)
+    dtensors = {1, 3}
+
+    def make(i):
+        return distribute_tensor(fulls[i].clone(), mesh, [Shard(0)]) if i in dtensors else fulls[i].clone()
+
+    _check(rank, backend, fulls, list(range(len(fulls))), make, "mixed", n_norm=1)
+
+
+def _scenario_tied(rank, backend):
+    """A tied embedding/output weight (one Parameter, listed once by parameters()) and parameters
+    replicated on both dimensions of a 2-D mesh: each element counted once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh1 = init_device_mesh("cpu", (WORLD,))
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 16)
+            self.mid = torch.nn.Linear(16, 16)
+            self.out = torch.nn.Linear(16, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.mid(self.emb(x))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    fully_shard = _fully_shard()
+    fully_shard(model, mesh=mesh1)
+    x = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(2))
+    model(x).pow(2).sum().backward()
+    params = list(model.parameters())
+    assert len(params) == 3  # the tied weight once
+    fulls = [p.grad.full_tensor() for p in params]
+    _check(rank, backend, fulls, list(range(3)), _from_param(params), "tied", n_norm=1)
+
+    mesh2 = init_device_mesh("cpu", (2, WORLD // 2))
+    rep = _fulls([(6, 4), (5,), (8, 2)], seed=9)
+    pls = [(Replicate(), Replicate()), (Replicate(), Shard(0)), (Shard(1), Replicate())]
+    _check(rank, backend, rep, [0, 1, 2], lambda i: distribute_tensor(rep[i].clone(), mesh2, pls[i]), "replicated",
+           n_norm=1)
+
+
+def _scenario_empty_rank(rank, backend):
+    """Experts on a 3-rank mesh; rank 3 holds none (all its grads None) and still takes part: every rank
+    passes process_group=WORLD. ONE all-reduce, no hang."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1, 2])  # every rank constructs it (its group is created collectively)
+    fulls = _fulls([(7, 5), (4,), (3, 8)], seed=11)
+    pls = [Shard(0), Replicate(), Shard(1)]
+    mine = [0, 1, 2] if rank < 3 else []
+
+    def make(i):
+        return distribute_tensor(fulls[i].clone(), mesh, [pls[i]])
+
+    for p in (2.0, INF, 1.0):
+        with _Count() as c:
+            t = fastgrad.get_total_norm([make(i) for i in mine], p, backend=backend, process_group=dist.group.WORLD)
+        assert c.n == 1
+        _close(_value(t), oracle.total_norm(fulls, p), f"empty rank p={p}")
+        _same_on_every_rank(_value(t), f"empty rank p={p}")
+        params = [Holder(make(i)) for i in mine] + [Holder(None)]
+        with _Count() as c:
+            t = fastgrad.clip_grad_norm_(params, 0.5, p, backend=backend, process_group=dist.group.WORLD)
+        assert c.n == 1
+        want_total, want_grads = oracle.clipped(fulls, 0.5, p)
+        _close(_value(t), want_total, f"empty rank clip p={p}")
+        for h, i in zip(params, mine):
+            _close(_full(h.grad), want_grads[i], f"empty rank clipped {i} p={p}")
+    st = fastgrad.grad_stats([_param(make(i)) for i in mine], backend=backend, process_group=dist.group.WORLD)
+    _close(st.total_norm, oracle.total_norm(fulls, 2.0), "empty rank grad_stats")
+
+
+def _scenario_errors(rank, backend):
+    """Bad layouts raise a clear error before anything is written."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    g = distribute_tensor(_fulls([(8, 3)], seed=13)[0], mesh, [Shard(0)])
+    before = g._local_tensor.clone()
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 2, 3 are not members
+    if rank < 2:
+        # A group that shares ranks with the mesh without containing it (neither the world nor a pipeline
+        # group): the reduction cannot count every element once.
+        with pytest.raises(ValueError, match="shares ranks"):
+            fastgrad.clip_grad_norm_([Holder(g)], 1e-3, backend=backend, process_group=pair)
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            fastgrad.clip_grad_norm_([Holder(g)], 1e-3, backend=backend, process_group=pair)
+    assert torch.equal(g._local_tensor, before)
+
+
+SCENARIOS = {
+    "moe": _scenario_moe,
+    "pipeline": _scenario_pipeline,
+    "hsdp": _scenario_hsdp,
+    "tp_fsdp": _scenario_tp_fsdp,
+    "mixed": _scenario_mixed,
+    "tied": _scenario_tied,
+    "empty_rank": _scenario_empty_rank,
+    "errors": _scenario_errors,
+}
+
+
+# -------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_global_norm_any_sharding(spawned, scenario, backend):
+    _outcome(spawned, scenario, backend)
+
+
+def test_has_dtensor_sees_past_a_plain_first_tensor():
+    """Mixed lists work whatever the order: has_dtensor looks at the whole list unless it is a Checked one."""
+    from fastgrad import _scan
+
+    plain = [torch.randn(3), torch.randn(2)]
+    assert not D.has_dtensor(plain) and not D.has_dtensor([]) and not D.has_dtensor(_scan.checked(plain))
