@@ -147,6 +147,7 @@ class Checker:
         self.zero_grad_calls = 0
         self.skipped = 0
         self._read_this_step = False
+        self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
 
     # ---------------------------------------------------------------- install / remove
@@ -517,7 +518,7 @@ class Checker:
             self._record_stats(opt)
         except Exception as e:  # noqa: BLE001 - the checker must never break the user's training step
             self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
-            self.last_stats = None
+            self.last_stats, self._read_failed = None, True
         return None
 
     def _wrap_closure(self, opt, closure, args, kwargs, at):
@@ -542,6 +543,7 @@ class Checker:
                             chk._bad_steps += (bad > 0).to(torch.int64)
             except Exception as e:  # noqa: BLE001
                 chk.errors.append(f"step {chk.steps_done + 1}: could not read the gradients: {e}")
+                chk._read_failed = chk._read_failed or chk._evals == 1
             return out
 
         functools.update_wrapper(closure_read, closure)
@@ -563,9 +565,13 @@ class Checker:
             self._bad_steps += bad
 
     def _post_step(self, opt, args, kwargs) -> None:
-        try:
-            if not self._read_this_step:  # a closure the optimizer never called
+        if not self._read_this_step and not self._read_failed:  # a closure the optimizer never called
+            try:
                 self._record_stats(opt)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
+                self._read_failed = True
+        try:
             self._boundary(opt, skipped=False)
         except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
             self.errors.append(f"step {self.steps_done}: step hook: {e}")
@@ -579,7 +585,8 @@ class Checker:
         step = self.steps_done
         if self._clip_after_bw and self._bw_after_clip:
             self.flags["clip_partial"].append(step)
-        st = self.last_stats if not skipped else None
+        unread = not skipped and getattr(self, "_read_failed", False)
+        st = self.last_stats if not skipped and not unread else None
         dev = st.total_norm.device if st is not None and len(st) else torch.device("cpu")
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
 
@@ -595,7 +602,7 @@ class Checker:
             if self._extra_bad is not None:
                 nonfin = nonfin + val(self._extra_bad)
             numel = sum(map(_numel, st.shapes))
-        elif skipped:
+        elif skipped or unread:
             norm = nonfin = zero = nan
             numel = 0
         else:  # a step with no gradient at all: nothing learns (not "non-finite")
@@ -607,7 +614,8 @@ class Checker:
                          clipped=self._clips > 0, zeroed=self._zeroed,
                          leftover_checked=self._leftover is not None, series=series,
                          evals=max(self._evals, 1), clip_max=self._clip_max if self._clips else None,
-                         lr=lr if isinstance(lr, (int, float)) else None)
+                         lr=lr if isinstance(lr, (int, float)) else None, unread=unread)
+        self._read_failed = False
         self._pending.append((rec, row))
         # reset the per-step state
         self._bw = 0

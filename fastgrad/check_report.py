@@ -133,6 +133,7 @@ class StepRecord:
     source: str = "optimizer"   # "optimizer", or "backward" for a hand-written loop (no torch.optim step)
     clip_max: float | None = None  # the bound the script passed to the clip, when a number
     lr: float | None = None     # the optimizer's learning rate at the step (first param group)
+    unread: bool = False        # the checker failed to read this step's gradients (see checker_error)
     total_norm: float = math.nan
     nonfinite: float = 0.0
     zero: float = 0.0
@@ -147,7 +148,7 @@ class StepRecord:
 
     @property
     def bad(self) -> bool:
-        return not self.skipped and (not math.isfinite(self.total_norm) or self.nonfinite > 0)
+        return not self.skipped and not self.unread and (not math.isfinite(self.total_norm) or self.nonfinite > 0)
 
 
 @dataclass
@@ -171,7 +172,7 @@ class CheckResult:
 
     @property
     def status(self) -> str:
-        if not self.steps:
+        if not self.steps or all(r.unread for r in self.steps):
             return "not checked"
         return max((f.severity for f in self.findings), key=_RANK.__getitem__, default="healthy")
 
@@ -387,7 +388,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
 
     th = Thresholds()
     steps = chk.steps
-    used = [r for r in steps if not r.skipped]
+    used = [r for r in steps if not r.skipped and not r.unread]
     manual = bool(steps) and steps[0].source == "backward"
     names = (["hand-written loop"] if manual else list(chk.series_names)) or ["steps"]
     multi = len(names) > 1
@@ -539,7 +540,11 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
             owner[id(f)] = k
             key |= set(f.steps[:3])
         findings += tf
-        trends.append(_trend_label(recs, tf, findings))
+        label_k = _trend_label(recs, tf, findings)
+        bl = [r.step for r in recs if r.loss is not None and not math.isfinite(r.loss)]
+        if bl and not label_k.startswith("diverged"):  # finite norms, broken loss: the trend says both
+            label_k = f"loss non-finite from step {bl[0]} (norm: {label_k})"
+        trends.append(label_k)
     trend = "; ".join((f"{names[k]}: " if multi else "") + t for k, t in enumerate(trends)) or "no steps"
 
     # Red flags seen at run time.
@@ -576,7 +581,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         findings.append(Finding(
             "hand_written_loop", "notice", "no torch.optim step: the loop was checked at its backward() calls",
             f"No optimizer stepped, so each step is the gradients after {'the backward() calls between two zero_grad() calls' if per_zero else 'one scalar backward() (the script never calls zero_grad())'}, read where they are next zeroed or consumed; its loss is the sum of the losses backpropagated in it."))
-    if not steps:
+    if not steps or not used and not chk.skipped:
         findings.append(Finding("not_checked", "warning", "nothing could be checked", _why_unchecked(chk, crashed)))
     if chk.errors:
         findings.append(Finding("checker_error", "notice", "the checker could not read some steps",
@@ -588,7 +593,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     summary = _summary(chk, steps, used, per, names, last, last_series, findings, trends, origin, bad_loss,
                        bad_grad, stopped, manual, owner)
     status = max((f.severity for f in findings), key=_RANK.__getitem__, default="healthy")
-    exit_code = 3 if crashed else (4 if not steps else (1 if status == "critical" else 0))
+    exit_code = 3 if crashed else (4 if not steps or not used and not chk.skipped else
+                                   (1 if status == "critical" else 0))
     return CheckResult(script, args, steps, findings, summary, trend, origin, last, crashed, crash_text,
                        stopped, exit_code, flags, names if steps else [], sorted(key), ctx)
 
@@ -702,8 +708,9 @@ def _summary(chk, steps, used, per, names, last, last_series, findings, trends, 
                                                                                 "no_learning")))
         trend_sev = _sev(findings, "spike", "increasing", "decaying", "exploding", "loss_diverging", series=k,
                          owner=owner)
+        broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-",
-                     "critical" if any(r.bad for r in recs) else trend_sev))
+                     "critical" if broken else trend_sev))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             first_f = next((r.loss for r in losses if math.isfinite(r.loss)), math.nan)

@@ -18,13 +18,15 @@ class Truth:
     def __init__(self):
         self.steps = []
         self.meta = {}
+        self.path = os.environ.get("FG_TRUTH")  # read once: an in-process run's variable is gone at exit
         atexit.register(self.write)
 
     def add(self, **row):
         self.steps.append({k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v) for k, v in row.items()})
+        self.write()
 
     def write(self):
-        path = os.environ.get("FG_TRUTH")
+        path = self.path
         if path:
             clean = lambda v: v if not isinstance(v, float) or math.isfinite(v) else str(v)  # noqa: E731
             with open(path, "w") as f:

@@ -34,4 +34,5 @@ for step in range(1, a.steps + 1):
 
     opt.step(closure)
     truth.steps[-1]["evals"] = len(evals)
+    truth.write()
 print("done")
