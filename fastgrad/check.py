@@ -335,6 +335,8 @@ class Checker:
         """After the script: close an open hand-written step, read everything to the host."""
         if not self._opt_started and self._m_row is not None:
             try:
+                if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
+                    self._m_used = self._stats_row(grad_stats(_readable(self._m_named)))
                 self._manual_close()
             except Exception as e:  # noqa: BLE001
                 self.errors.append(f"last backward: {e}")

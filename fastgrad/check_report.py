@@ -356,9 +356,11 @@ def _median(xs: list[float]) -> float:
 _NORM_CODES = ("nonfinite", "no_learning", "elevated", "low", "vanishing", "small_but_learning")
 _DIVERGE_RATIO = 10.0  # a loss this many times its first value, held for consecutive steps: diverging
 _DIVERGE_HOLD = 2
+_RISE_RATIO = 3.0  # the warning tier: this many times its start, held for _RISE_HOLD consecutive steps
+_RISE_HOLD = 3
 
 
-def _loss_divergence(recs: list[StepRecord]):
+def _loss_divergence(recs: list[StepRecord], ratio: float = _DIVERGE_RATIO, hold: int = _DIVERGE_HOLD):
     """(base step, base loss, first step at >= 10x, its loss, peak step, peak loss) when the finite loss of
     one series rises to ``_DIVERGE_RATIO`` times its starting level and stays there for ``_DIVERGE_HOLD``
     consecutive steps (or to the end of the run). The start is the smaller of the first loss and the median of
@@ -372,8 +374,8 @@ def _loss_divergence(recs: list[StepRecord]):
     if base <= 0:
         return None
     for i in range(1, len(pts)):
-        win = vals[i:i + _DIVERGE_HOLD]
-        if len(win) >= min(_DIVERGE_HOLD, len(pts) - 1) and min(win) >= _DIVERGE_RATIO * base:
+        win = vals[i:i + hold]  # shorter at the end of the run: held to the end
+        if min(win) >= ratio * base:
             j = max(range(i, len(pts)), key=lambda t: vals[t])
             b = next(k for k in range(len(pts)) if vals[k] == base)
             return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j]
@@ -509,17 +511,23 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
 
     # A finite loss that rises by orders of magnitude: divergence, judged from the first steps.
     for k, recs in per.items():
+        sev, ratio, hold = "critical", _DIVERGE_RATIO, _DIVERGE_HOLD
         d = _loss_divergence(recs)
+        if d is None:  # the warning tier: a smaller rise, held longer
+            sev, ratio, hold = "warning", _RISE_RATIO, _RISE_HOLD
+            d = _loss_divergence(recs, ratio, hold)
         if d is None:
             continue
         s0, v0, s1, v1, sp, vp = d
         key |= {s1, sp}
         nrm = {r.step: r.grad_norm for r in recs}
         findings.append(Finding(
-            "loss_diverging", "critical",
-            f"{label(k)}the loss is diverging ({vp / v0:.3g}x its start): the learning rate is the first suspect",
-            f"{label(k)}{'loss' if label(k) else 'Loss'} {_fmt(v0)} at step {s0} -> {_fmt(v1)} at step {s1} (>= {_DIVERGE_RATIO:g}x, held "
-            f"for the following step(s)) -> peak {_fmt(vp)} at step {sp}; the gradient norm went "
+            "loss_diverging", sev,
+            f"{label(k)}the loss is {'diverging' if sev == 'critical' else 'rising'} ({vp / v0:.3g}x its start): "
+            "the learning rate is the first suspect",
+            f"{label(k)}{'loss' if label(k) else 'Loss'} {_fmt(v0)} at step {s0} -> {_fmt(v1)} at step {s1} "
+            f"(>= {ratio:g}x, held for {hold - 1} more step(s) or to the end of the run) -> peak {_fmt(vp)} at step "
+            f"{sp}; the gradient norm went "
             f"{_fmt(nrm.get(s0))} -> {_fmt(nrm.get(sp))} over the same steps." + lr_text(k)
             + " A loss that stays many times above where it started is not noise: lower the learning rate "
               "(10x), clip the gradient norm and warm up.", steps=[s1, sp]))
@@ -540,7 +548,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
             owner[id(f)] = k
             key |= set(f.steps[:3])
         findings += tf
-        label_k = _trend_label(recs, tf, findings)
+        label_k = _trend_label(recs, tf, findings) if recs else "no steps read"
         bl = [r.step for r in recs if r.loss is not None and not math.isfinite(r.loss)]
         if bl and not label_k.startswith("diverged"):  # finite norms, broken loss: the trend says both
             label_k = f"loss non-finite from step {bl[0]} (norm: {label_k})"
@@ -629,11 +637,14 @@ def _trend_label(recs, tf, findings) -> str:
     div = next((f for f in mine if f.code == "loss_diverging"), None)
     exp = next((f for f in mine if f.code == "exploding"), None)
     codes = {f.code for f in tf}
-    if div is not None or (exp is not None and exp.severity == "critical" and recs[-1].step in exp.steps):
+    if (div is not None and div.severity == "critical") or (
+            exp is not None and exp.severity == "critical" and recs[-1].step in exp.steps):
         fin = [r for r in recs if math.isfinite(r.grad_norm)]
         pk = max(fin, key=lambda r: r.grad_norm)
         return (f"{pre}diverging: norm {_fmt(fin[0].grad_norm)} at step {fin[0].step} -> {_fmt(pk.grad_norm)} "
                 f"at step {pk.step}")
+    if div is not None:
+        return f"{pre}loss rising ({div.title.split('(')[1].split(')')[0]})"
     if "increasing" in codes:
         return f"{pre}increasing"
     if "decaying" in codes:

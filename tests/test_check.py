@@ -590,3 +590,25 @@ def test_nothing_checked_is_never_healthy(tmp_path, capsys):
     assert "none on a scalar loss" in f.detail and "not HEALTHY" in f.detail
     md = res.to_markdown()
     assert "**NOT CHECKED**" in md and "keep training" not in md and "No issues detected" not in md
+
+
+def test_loss_divergence_tiers():
+    from fastgrad.check_report import StepRecord, _loss_divergence, _RISE_HOLD, _RISE_RATIO
+
+    def recs(losses):
+        return [StepRecord(step=i, loss=v, has_loss=True) for i, v in enumerate(losses, 1)]
+
+    # pytorch/examples word_language_model at --lr 100 (tiny vocabulary, 23 steps): never 10x its start, 3x
+    # and more from step 11 on: the warning tier
+    lm = [3.13, 6.29, 4.1, 14.82, 8.23, 4.93, 10.22, 9.23, 5.84, 6.6, 10.73, 13.9, 13.47, 15.1, 14.58, 13.17,
+          13.51, 14.04, 17.21, 17.7, 15.96, 16.84, 17.91]
+    assert _loss_divergence(recs(lm)) is None
+    s0, v0, s1, v1, sp, vp = _loss_divergence(recs(lm), _RISE_RATIO, _RISE_HOLD)
+    assert (s0, v0, s1, sp, vp) == (1, 3.13, 11, 23, 17.91)
+    # one 10x outlier that comes back is not a divergence; noise around a level is not either
+    assert _loss_divergence(recs([2.0, 2.1, 25.0, 2.0, 1.9, 1.8])) is None
+    assert _loss_divergence(recs([2.0, 2.5, 1.8, 2.2, 2.6, 1.9]), _RISE_RATIO, _RISE_HOLD) is None
+    # a signed objective (policy gradient) is not judged by ratios
+    assert _loss_divergence(recs([-0.5, 0.1, 5.0, 8.0, 9.0])) is None
+    # held to the end of the run counts
+    assert _loss_divergence(recs([1.0, 1.1, 1.0, 1.2, 30.0]))[2] == 5
