@@ -735,7 +735,9 @@ def _summary(chk, steps, used, per, names, last, last_series, findings, trends, 
             rows.append((f"Loss{sfx}", "not seen (no scalar backward() in the step)", "notice"))
     nparams = len(last.params) if last else 0
     nbad = len(set(_flat_layers(findings, "nonfinite", "nonfinite_history")))
-    rows.append(("NaN/Inf parameters", f"{nbad} of {nparams}" + (f" (first at step {bad_grad[0]})" if bad_grad else ""),
+    whose = f" ({names[last_series]}'s, last step)" if multi else ""
+    rows.append(("NaN/Inf parameters", f"{nbad} of {nparams}{whose}"
+                 + (f" (first at step {bad_grad[0]})" if bad_grad else ""),
                  "critical" if bad_grad else "healthy"))
     if last is not None and last.numel:
         dead = sum(1 for r in last.params if r.numel and r.zero / r.numel > last.thresholds.dead_fraction)
