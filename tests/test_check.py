@@ -4,6 +4,7 @@ The subprocess runs start together in one fixture (each subprocess spends most o
 each test asserts the statuses, the named layers/modules, the red flags and the exit code of one run."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 import fastgrad
 from fastgrad import check as C
+from fastgrad.report import _fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
@@ -28,6 +30,18 @@ RUNS = {
     "amp_scaled_clip": ([], "amp_clip_before_unscale.py", []),
     "no_zero": ([], "no_zero_grad.py", []),
     "crash": ([], "crash_after_steps.py", []),
+    # one per pattern of a real training loop, each checked against the truth the script computes itself
+    "closure_sgd": ([], "closure_opt.py", ["--opt", "sgd"], True),
+    "closure_lbfgs": ([], "closure_opt.py", ["--opt", "lbfgs"], True),
+    "closure_nan_last": ([], "closure_opt.py", ["--opt", "sgd", "--nan-last"], True),
+    "lbfgs_nan_later_eval": ([], "closure_opt.py", ["--opt", "lbfgs", "--nan-last"], True),
+    "lightning": ([], "lightning_run.py", []),
+    "gan": ([], "gan_two_opts.py", [], True),
+    "manual": ([], "manual_sgd.py", [], True),
+    "diverge": ([], "diverge_lr.py", [], True),
+    "embedding_lm": ([], "embedding_lm.py", [], True),
+    "clip_zero": ([], "clip_zero.py", [], True),
+    "norm_1000": ([], "norm_1000.py", [], True),
 }
 
 
@@ -36,7 +50,8 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("check")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs, out = {}, {}
-    pending = list(RUNS.items())
+    pending = [(k, v[:3]) for k, v in RUNS.items() if len(v) == 3]
+    inproc = [(k, v[:3]) for k, v in RUNS.items() if len(v) == 4]
     # at most 4 at once: the machine is shared
     while pending or procs:
         while pending and len(procs) < 4:
@@ -44,22 +59,36 @@ def runs(tmp_path_factory):
             path = str(SCRIPTS / script)
             cmd = [sys.executable, "-m", "fastgrad.check", *opts, "--out", str(base / name), path, *args]
             # run from a different directory than the script's: the working directory must be kept
-            procs[name] = subprocess.Popen(cmd, cwd=base, env=env, stdout=subprocess.PIPE,
+            run_env = dict(env, FG_TRUTH=str(base / f"{name}.truth.json"))
+            procs[name] = subprocess.Popen(cmd, cwd=base, env=run_env, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)
+        if inproc:  # the in-process runs (no torch import each) while the subprocesses work
+            name, (opts, script, args) = inproc.pop(0)
+            truth = base / f"{name}.truth.json"
+            out[name] = _inproc(args, script=script, truth=truth)
+            out[name]["truth"] = json.loads(truth.read_text()) if truth.exists() else None
+            continue
         for name, p in list(procs.items()):
             if p.poll() is not None:
                 stdout, stderr = p.communicate()
                 rep = base / name / "report.json"
+                truth = base / f"{name}.truth.json"
                 out[name] = {"rc": p.returncode, "stdout": stdout, "stderr": stderr, "dir": base / name,
-                             "json": json.loads(rep.read_text()) if rep.exists() else None}
+                             "json": json.loads(rep.read_text()) if rep.exists() else None,
+                             "truth": json.loads(truth.read_text()) if truth.exists() else None}
                 del procs[name]
         time.sleep(0.05)
     return out
 
 
-def _inproc(args, steps=None):
-    """The accumulation variants run in this process (same report, no torch import per run)."""
-    res = C.run_script(str(SCRIPTS / "accumulation.py"), args, steps=steps)
+def _inproc(args, steps=None, script="accumulation.py", truth=None):
+    """Variants run in this process (same report, no torch import per run)."""
+    if truth is not None:
+        os.environ["FG_TRUTH"] = str(truth)
+    try:
+        res = C.run_script(str(SCRIPTS / script), args, steps=steps)
+    finally:
+        os.environ.pop("FG_TRUTH", None)
     return {"rc": res.exit_code, "stdout": res.to_markdown(), "stderr": res.crash_text,
             "json": json.loads(json.dumps(res.to_dict(), default=str))}
 
@@ -320,14 +349,266 @@ def test_periodic_flush_gives_the_same_history():
     assert a.codes() == b.codes()
 
 
-def test_checker_failure_never_breaks_the_script(tmp_path, capsys):
-    # sparse gradients: grad_stats refuses them; the script must still run to its end
+def test_sparse_gradients_are_read_not_refused(tmp_path, capsys):
     script = tmp_path / "sparse.py"
-    script.write_text("import torch\nemb = torch.nn.Embedding(10, 4, sparse=True)\n"
-                      "opt = torch.optim.SGD(emb.parameters(), lr=0.1)\nfor i in range(3):\n"
-                      "    opt.zero_grad(); emb(torch.tensor([1, 2])).sum().backward(); opt.step()\n"
-                      "print('script finished')\n")
+    script.write_text("import torch, json, sys\ntorch.manual_seed(0)\nemb = torch.nn.Embedding(10, 4, sparse=True)\n"
+                      "opt = torch.optim.SGD(emb.parameters(), lr=0.1)\nnorms = []\nfor i in range(3):\n"
+                      "    opt.zero_grad(); emb(torch.tensor([1, 2, 2])).sum().backward()\n"
+                      "    norms.append(float(emb.weight.grad.to_dense().norm())); opt.step()\n"
+                      f"json.dump(norms, open({str(tmp_path / 'n.json')!r}, 'w'))\nprint('script finished')\n")
     res = C.run_script(str(script), [])
     assert "script finished" in capsys.readouterr().out
     assert not res.crashed and res.exit_code == 0 and len(res.steps) == 3
-    assert res.codes() == ["checker_error"] and "sparse" in res.findings[0].detail
+    assert "checker_error" not in res.codes()
+    truth = json.loads((tmp_path / "n.json").read_text())
+    assert all(_close(s.total_norm, t) for s, t in zip(res.steps, truth)) and truth[0] > 0
+
+
+def test_checker_failure_never_breaks_the_script(tmp_path, capsys, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("statistics unavailable")
+
+    monkeypatch.setattr(C, "grad_stats", broken)
+    res = C.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "3"])
+    assert "done 3" in capsys.readouterr().out
+    assert not res.crashed and len(res.steps) == 3 and all(s.unread for s in res.steps)
+    # three steps ran but none could be read: not healthy, and no "norm 0" verdict
+    assert res.exit_code == 4 and res.status == "not checked" and "not_checked" in res.codes()
+    assert not any(r[0].startswith("Total grad norm") for r in res.summary)
+    assert "checker_error" in res.codes() and "statistics unavailable" in _finding(
+        {"json": json.loads(json.dumps(res.to_dict(), default=str))}, "checker_error")["detail"]
+
+
+# ---------------------------------------------------------------------------------------------- real loops
+# Each script computes its own truth without fastgrad (tests/check_scripts/_truth.py): per-step gradient norms
+# in float64 and losses. The report must match it step for step.
+def _close(a, b, rel=1e-3):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def _match_norms(steps, truth, key="norm", field="grad_norm"):
+    assert len(steps) == len(truth), (len(steps), len(truth))
+    for s, t in zip(steps, truth):
+        assert _close(s[field], t[key]), (s["step"], s[field], t[key])
+
+
+def _match_losses(steps, truth):
+    for s, t in zip(steps, truth):
+        assert _close(s["loss"], t["loss"], 1e-6), (s["step"], s["loss"], t["loss"])
+
+
+def _no_alarm(r):
+    assert not _codes(r, "warning") and not _codes(r, "critical"), r["json"]["findings"]
+
+
+def test_closure_sgd_read_after_the_closure(runs):
+    # was: the pre-step hook read the gradients before the closure made them (step 1 "0 of 0", then
+    # every step showed the previous one's)
+    r = runs["closure_sgd"]
+    assert r["rc"] == 0 and r["json"]["status"] == "healthy", r["stderr"]
+    _no_alarm(r)
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    assert all(s["evals"] == 1 for s in steps)
+
+
+def test_closure_lbfgs_first_evaluation_is_the_step(runs):
+    r = runs["closure_lbfgs"]
+    assert r["rc"] == 0 and r["json"]["status"] == "healthy", r["stderr"]
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)  # the first evaluation's loss (what LBFGS.step returns), not a sum of all
+    assert [s["evals"] for s in steps] == [t["evals"] for t in truth] and max(s["evals"] for s in steps) > 1
+
+
+def test_nan_born_in_the_last_step_of_a_closure(runs):
+    r = runs["closure_nan_last"]
+    assert r["rc"] == 1 and r["json"]["status"] == "critical"
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps[:-1], truth[:-1])
+    assert math.isnan(steps[-1]["total_norm"]) and truth[-1]["norm"] == "nan"
+    assert _finding(r, "nonfinite")["steps"] == [6] and _finding(r, "nonfinite_loss")["steps"] == [6]
+    assert _row(r, "Norm trend")["value"].startswith("diverged: non-finite from step 6")
+
+
+def test_lbfgs_nan_only_in_a_later_evaluation_is_counted(runs):
+    r = runs["lbfgs_nan_later_eval"]
+    assert r["rc"] == 1
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)  # the first evaluations were finite, and are what the step reports
+    _match_losses(steps, truth)
+    f = _finding(r, "nonfinite_history")
+    assert f["severity"] == "critical" and f["steps"] == [6] and "later evaluation" in f["detail"]
+    assert steps[-1]["nonfinite"] > 0
+
+
+def test_lightning_trainer(runs):
+    # Lightning's automatic optimization always passes a closure
+    r = runs["lightning"]
+    assert r["rc"] == 0, r["stderr"][-3000:]
+    _no_alarm(r)
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+
+
+def test_two_alternating_optimizers_are_two_series(runs):
+    r = runs["gan"]
+    assert r["rc"] == 0, r["stderr"]
+    _no_alarm(r)
+    j = r["json"]
+    assert j["series"] == ["Adam #1 (opt_d)", "Adam #2 (opt_g)"]
+    steps, truth = j["steps"], r["truth"]["steps"]
+    assert [s["series"] for s in steps] == [0 if t["opt"] == "D" else 1 for t in truth]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    assert "spike" not in _codes(r) and "loss_spike" not in _codes(r)
+    # each series' trend is judged on its own steps (a merged series would mix two norm levels)
+    assert _row(r, "Norm trend [Adam #1")["value"] == "stable" and _row(r, "Norm trend [Adam #2")["status"] == "healthy"
+    rows = [m["metric"] for m in j["summary"]]
+    assert "Loss (first -> last step) [Adam #1 (opt_d)]" in rows and "Loss (first -> last step) [Adam #2 (opt_g)]" in rows
+    d = _row(r, "Loss (first -> last step) [Adam #1")["value"]
+    assert d.startswith(_fmt(truth[0]["loss"])) and d.endswith(_fmt(truth[-2]["loss"]))
+
+
+def test_hand_written_update_without_torch_optim(runs):
+    r = runs["manual"]
+    assert r["rc"] == 0, r["stderr"]
+    _no_alarm(r)
+    j = r["json"]
+    assert j["status"] == "notice" and _codes(r) == ["hand_written_loop"]
+    steps, truth = j["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth, key="raw")                       # before the clip: what backward produced
+    _match_norms(steps, truth, key="norm", field="total_norm")  # after it: what the update consumed
+    _match_losses(steps, truth)
+    assert all(s["source"] == "backward" for s in steps)
+    assert "Loss not seen" not in r["stdout"] and "keep training" in r["stdout"]
+
+
+def test_accumulation_loss_is_the_sum_backpropagated(tmp_path):
+    truth = tmp_path / "t.json"
+    r = _inproc(["--clip", "window", "--steps", "6"], truth=truth)
+    t = json.loads(truth.read_text())["steps"]
+    steps = r["json"]["steps"]
+    _match_norms(steps, t)
+    _match_losses(steps, t)  # not one micro-batch's (4x low), nor their mean
+    assert all(1.0 < s["loss"] < 2.0 for s in steps)
+
+
+def test_finite_divergence_from_an_absurd_learning_rate(runs):
+    r = runs["diverge"]
+    assert r["rc"] == 1 and r["json"]["status"] == "critical"
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    assert max(s["grad_norm"] for s in steps) < 1000 and all(math.isfinite(s["loss"]) for s in steps)
+    f = _finding(r, "loss_diverging")
+    assert f["severity"] == "critical" and "learning rate is the first suspect" in f["title"]
+    assert "The learning rate was 1.5" in f["detail"] and f["steps"][0] == 3  # 4.65 -> 164.8 at step 3
+    assert _row(r, "Loss")["status"] == "critical" and _row(r, "Norm trend")["value"].startswith("diverging")
+    assert _row(r, "Norm trend")["status"] == "critical"
+    assert "group['lr'] *= 0.1" in r["stdout"]
+
+
+def test_healthy_embedding_language_model_has_no_false_alarm(runs):
+    r = runs["embedding_lm"]
+    assert r["rc"] == 0, r["stderr"]
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    _no_alarm(r)
+    assert r["json"]["status"] == "healthy" and "depth_vanishing" not in _codes(r)
+
+
+def test_clip_with_max_norm_zero_is_named(runs):
+    r = runs["clip_zero"]
+    assert r["rc"] == 1
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth, key="raw")
+    assert all(s["total_norm"] == 0 for s in steps)
+    f = _finding(r, "clip_zeroes")
+    assert f["severity"] == "critical" and len(f["steps"]) == 10 and "max_norm=0" in f["title"]
+    assert "no_learning" not in _codes(r) and "dead" not in _codes(r)
+    assert "max_norm=1.0)   # not max_norm=0" in r["stdout"]
+
+
+def test_norm_passing_1000_mid_run_is_critical(runs):
+    r = runs["norm_1000"]
+    assert r["rc"] == 1 and r["json"]["status"] == "critical"
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    f = next(f for f in r["json"]["findings"] if f["code"] == "exploding")
+    assert f["severity"] == "critical" and f["steps"] == [14]
+    peak = _row(r, "Max grad norm")
+    assert peak["status"] == "critical" and peak["value"].endswith("at step 14")
+    assert _row(r, "Total grad norm (last step)")["status"] == "healthy"  # the last step is fine, and says so
+    assert _row(r, "Norm trend")["status"] == "critical" and "step 14" in _row(r, "Norm trend")["value"]
+    # the sampled trend table (12 of 40 rows) always shows the step where it broke
+    assert "| 14 (!) |" in r["stdout"] and 14 in r["json"]["key_steps"]
+
+
+def test_gradscaler_script_gets_unscale_in_code_to_add(tmp_path):
+    r = _inproc(["--amp", "--steps", "16"], script="norm_1000.py", truth=tmp_path / "t.json")
+    t = json.loads((tmp_path / "t.json").read_text())["steps"]
+    _match_norms(r["json"]["steps"], t)  # the unscaled norms
+    assert r["rc"] == 1 and "exploding" in _codes(r, "critical")
+    code = r["stdout"].split("### Code to Add")[1]
+    assert "scaler.unscale_(optimizer)" in code
+    assert code.index("scaler.unscale_(optimizer)") < code.index("clip_grad_norm_(")
+
+
+def test_no_leaky_relu_advice_for_a_recurrent_model():
+    from fastgrad.check_report import _recs
+    from fastgrad.report import Finding
+
+    dead = [Finding("dead", "warning", "dead parameters")]
+    lstm = dict(_recs(dead, {"modules": ["Embedding", "LSTM", "Linear"]})[0][1:2] and
+                [(c, t + s) for c, t, s in _recs(dead, {"modules": ["Embedding", "LSTM", "Linear"]})])
+    assert "LeakyReLU" not in lstm["dead"] and "LSTM" in lstm["dead"]
+    relu = [(c, t + s) for c, t, s in _recs(dead, {"modules": ["Linear", "ReLU"]})]
+    assert "LeakyReLU" in dict(relu)["dead"]
+
+
+def test_crash_text_has_no_ansi_escape_codes(tmp_path):
+    script = tmp_path / "ansi.py"
+    script.write_text("import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                      "m(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+                      "raise RuntimeError('\\x1b[1;31mCUDA out of memory\\x1b[0m')\n")
+    res = C.run_script(str(script), [])
+    assert res.exit_code == 3 and res.crash_text == "RuntimeError: CUDA out of memory"
+    assert "\x1b" not in res.to_markdown() and "\x1b" not in json.dumps(res.to_dict())
+
+
+def test_nothing_checked_is_never_healthy(tmp_path, capsys):
+    script = tmp_path / "no_scalar.py"
+    script.write_text("import torch\nw = torch.ones(3, requires_grad=True)\n(w * 2).backward(torch.ones(3))\n")
+    res = C.run_script(str(script), [])
+    assert res.exit_code == 4 and res.status == "not checked" and not res.steps
+    f = next(f for f in res.findings if f.code == "not_checked")
+    assert "none on a scalar loss" in f.detail and "not HEALTHY" in f.detail
+    md = res.to_markdown()
+    assert "**NOT CHECKED**" in md and "keep training" not in md and "No issues detected" not in md
+
+
+def test_loss_divergence_tiers():
+    from fastgrad.check_report import StepRecord, _loss_divergence, _RISE_HOLD, _RISE_RATIO
+
+    def recs(losses):
+        return [StepRecord(step=i, loss=v, has_loss=True) for i, v in enumerate(losses, 1)]
+
+    # pytorch/examples word_language_model at --lr 100 (tiny vocabulary, 23 steps): never 10x its start, 3x
+    # and more from step 11 on: the warning tier
+    lm = [3.13, 6.29, 4.1, 14.82, 8.23, 4.93, 10.22, 9.23, 5.84, 6.6, 10.73, 13.9, 13.47, 15.1, 14.58, 13.17,
+          13.51, 14.04, 17.21, 17.7, 15.96, 16.84, 17.91]
+    assert _loss_divergence(recs(lm)) is None
+    s0, v0, s1, v1, sp, vp = _loss_divergence(recs(lm), _RISE_RATIO, _RISE_HOLD)
+    assert (s0, v0, s1, sp, vp) == (1, 3.13, 11, 23, 17.91)
+    # one 10x outlier that comes back is not a divergence; noise around a level is not either
+    assert _loss_divergence(recs([2.0, 2.1, 25.0, 2.0, 1.9, 1.8])) is None
+    assert _loss_divergence(recs([2.0, 2.5, 1.8, 2.2, 2.6, 1.9]), _RISE_RATIO, _RISE_HOLD) is None
+    # a signed objective (policy gradient) is not judged by ratios
+    assert _loss_divergence(recs([-0.5, 0.1, 5.0, 8.0, 9.0])) is None
+    # held to the end of the run counts
+    assert _loss_divergence(recs([1.0, 1.1, 1.0, 1.2, 30.0]))[2] == 5

@@ -7,6 +7,7 @@
 import argparse
 
 import torch
+from _truth import Truth, grad_norm
 
 import fastgrad
 
@@ -21,17 +22,20 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu", enabled=a.amp)
 accum = 4
 w = torch.randn(16, 4)
+truth, step_loss = Truth(), 0.0  # the step's loss: the (divided) micro-batch losses added up
 for i in range(a.steps * accum):
     x = torch.randn(32, 16)
     y = (x @ w).argmax(1)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.amp):
         loss = torch.nn.functional.cross_entropy(model(x), y) / accum
     scaler.scale(loss).backward()
+    step_loss += loss.item()
     if a.clip == "micro":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     if (i + 1) % accum == 0:
         if a.clip == "window":
             scaler.unscale_(opt)
+            truth.add(norm=grad_norm(model.parameters()), loss=step_loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         elif a.clip == "fused":
             fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0)
@@ -40,3 +44,4 @@ for i in range(a.steps * accum):
         if a.clip == "after-step":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.zero_grad(set_to_none=True)
+        step_loss = 0.0
