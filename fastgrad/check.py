@@ -42,6 +42,7 @@ from torch import Tensor
 
 from .clip import multi_tensor_norm
 from .check_report import CheckResult, StepRecord, build_result
+from .guard import guard_for
 from .stats import grad_stats
 from .watch import ForwardWatcher
 
@@ -146,6 +147,8 @@ class Checker:
         self.clip_calls = 0
         self.zero_grad_calls = 0
         self.skipped = 0
+        self._row_sparse_ids: set[int] = set()  # parameters of nn.Embedding/EmbeddingBag modules
+        self._guard_calls: dict[int, int] = {}  # StepGuard.calls seen at the previous step, per guard
         self._read_this_step = False
         self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
@@ -180,6 +183,8 @@ class Checker:
             self._patch(mod, "adaptive_clip_grad_", self._wrap_clip)
         for mod in (fastgrad, fg_amp):
             self._patch(mod, "scaler_unscale_and_clip", self._wrap_fused_amp)
+        from fastgrad.guard import StepGuard
+        self._patch(StepGuard, "clip_", self._wrap_guard_clip)
 
     def _patch(self, owner, name: str, wrapper) -> None:
         orig = getattr(owner, name)
@@ -318,7 +323,8 @@ class Checker:
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
         used = self._m_used.to(dev) if self._m_used is not None else row
         full = torch.cat([used, (loss if loss is not None else nan).reshape(1), nan.reshape(1),
-                          (row[:1] if self._m_clip else nan.reshape(1))])
+                          (row[:1] if self._m_clip else nan.reshape(1)), torch.zeros(1, dtype=torch.float64,
+                                                                                     device=dev)])
         n = len(self._m_steps) + len(self._m_host) + 1
         numel = sum(p.numel() for _, p in self._m_named)
         rec = StepRecord(step=n, numel=numel, has_loss=loss is not None, clipped=self._m_clip,
@@ -442,6 +448,21 @@ class Checker:
             return clip(*args, **kwargs)
         return scaler_unscale_and_clip
 
+    def _wrap_guard_clip(self, orig):
+        """StepGuard.clip_(scaler=None): a clip (its norm is the one before clipping, its bound the guard's
+        max_norm) that also unscales when given a scaler."""
+        chk = self
+        clip = self._wrap_clip(orig)
+
+        def clip_(guard, scaler=None):
+            if not chk._clip_depth and scaler is not None:
+                chk._grads_scaled = False
+            out = clip(guard, scaler)
+            if guard.max_norm is not None and chk._bw:
+                chk._clip_max = float(guard.max_norm)
+            return out
+        return clip_
+
     def _on_clip(self, args=(), kwargs=None) -> None:
         kwargs = kwargs or {}
         self.clip_calls += 1
@@ -480,6 +501,10 @@ class Checker:
             prefix = "" if not self._names else type(root).__name__ + ":"
             for n, p in root.named_parameters():
                 self._names.setdefault(id(p), prefix + n)
+            # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
+            for m in root.modules():
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                    self._row_sparse_ids.add(id(m.weight))
             self.module_types.update(type(m).__name__ for m in root.modules())
 
     def _series_of(self, opt) -> int:
@@ -556,8 +581,13 @@ class Checker:
 
     def _record_stats(self, opt) -> None:
         self._last_opt = opt
-        named = _readable(self._named(opt))
+        named0 = self._named(opt)
+        named = _readable(named0)
         stats = grad_stats(named)
+        if self._row_sparse_ids:
+            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
+            if extra:
+                stats.row_sparse = list(stats.row_sparse) + extra
         self.last_stats, self.last_named = stats, named
         self._read_this_step = True
         if len(stats):
@@ -610,7 +640,15 @@ class Checker:
         else:  # a step with no gradient at all: nothing learns (not "non-finite")
             norm = nonfin = zero = torch.zeros((), dtype=torch.float64, device=dev)
             numel = 0
-        row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm)])
+        # a StepGuard's decision for this step (its device flag), when clip_ ran since the previous step
+        g = guard_for(opt)
+        gflag = None
+        if g is not None and g.calls != self._guard_calls.get(id(g), 0) and g.skipped is not None:
+            gflag = g.skipped.to(torch.float64)
+        if g is not None:
+            self._guard_calls[id(g)] = g.calls
+        row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm),
+                           val(gflag) if gflag is not None else torch.zeros((), dtype=torch.float64, device=dev)])
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
         rec = StepRecord(step=step, skipped=skipped, numel=numel, has_loss=loss is not None,
                          clipped=self._clips > 0, zeroed=self._zeroed,
@@ -641,8 +679,9 @@ class Checker:
         dev = pending[0][1].device
         vals = torch.stack([r.to(dev) for _, r in pending]).tolist()
         out = []
-        for (rec, _), (norm, nonfin, zero, loss, leftover, clip_norm) in zip(pending, vals):
+        for (rec, _), (norm, nonfin, zero, loss, leftover, clip_norm, gskip) in zip(pending, vals):
             rec.total_norm, rec.nonfinite, rec.zero = norm, nonfin, zero
+            rec.guard_skipped = gskip > 0
             rec.loss = loss if rec.has_loss else None
             rec.leftover = leftover if rec.leftover_checked else None
             rec.clip_norm = clip_norm if rec.clipped else None

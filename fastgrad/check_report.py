@@ -134,6 +134,7 @@ class StepRecord:
     clip_max: float | None = None  # the bound the script passed to the clip, when a number
     lr: float | None = None     # the optimizer's learning rate at the step (first param group)
     unread: bool = False        # the checker failed to read this step's gradients (see checker_error)
+    guard_skipped: bool = False  # a fastgrad.StepGuard kept this step out of the weights and the optimizer
     total_norm: float = math.nan
     nonfinite: float = 0.0
     zero: float = 0.0
@@ -148,7 +149,8 @@ class StepRecord:
 
     @property
     def bad(self) -> bool:
-        return not self.skipped and not self.unread and (not math.isfinite(self.total_norm) or self.nonfinite > 0)
+        return not self.skipped and not self.guard_skipped and not self.unread and \
+            (not math.isfinite(self.total_norm) or self.nonfinite > 0)
 
 
 @dataclass
@@ -196,7 +198,7 @@ class CheckResult:
         if sample:
             out += ["| Step |" + (" Optimizer |" if multi else "") + " Norm (used) | Norm before clip | Loss |",
                     "|---|" + ("---|" if multi else "") + "---|---|---|"]
-            out += [f"| {r.step}{' (skipped)' if r.skipped else ''}{' (!)' if r.step in self.key_steps else ''} |"
+            out += [f"| {r.step}{' (skipped)' if r.skipped else ''}{' (guard skipped)' if r.guard_skipped else ''}{' (!)' if r.step in self.key_steps else ''} |"
                     + (f" {self.series[r.series]} |" if multi else "")
                     + f" {_fmt(r.total_norm)} | {_fmt(r.clip_norm)} | {_fmt(r.loss)} |" for r in sample]
             if self.key_steps:
@@ -390,7 +392,9 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
 
     th = Thresholds()
     steps = chk.steps
-    used = [r for r in steps if not r.skipped and not r.unread]
+    # a step a StepGuard skipped never reached the weights: it is reported as such (guard_skipped), not judged
+    used = [r for r in steps if not r.skipped and not r.unread and not r.guard_skipped]
+    guarded = [r for r in steps if r.guard_skipped]
     manual = bool(steps) and steps[0].source == "backward"
     names = (["hand-written loop"] if manual else list(chk.series_names)) or ["steps"]
     multi = len(names) > 1
@@ -581,6 +585,16 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         findings.append(Finding("no_clipping", "warning", "no gradient clipping while the norm exceeds 100",
                                 f"The norm reached {_fmt(max_norm)} and no clip function was called.",
                                 _largest_layers(last) or bad_params, flags["no_clipping"]))
+    if guarded:
+        gbad = [r for r in guarded if not math.isfinite(r.grad_norm) or r.nonfinite > 0]
+        sev = "warning" if gbad or len(guarded) * 10 > len(steps) else "notice"
+        ev = ", ".join(f"{r.step} ({_fmt(r.grad_norm)})" for r in guarded[:8]) + (" ..." if len(guarded) > 8 else "")
+        findings.append(Finding(
+            "guard_skipped", sev, "steps skipped by the step guard",
+            f"fastgrad.StepGuard kept {len(guarded)} of {len(steps)} step(s) out of the weights and the optimizer "
+            f"state ({len(gbad)} with NaN/Inf gradients, {len(guarded) - len(gbad)} spikes); step (norm before "
+            f"clipping): {ev}. The run is protected; if skips keep coming, find their source (the data at those "
+            "steps, the loss, the learning rate).", steps=[r.step for r in guarded]))
     if chk.skipped:
         findings.append(Finding("amp_skipped", "notice", "steps skipped by the GradScaler",
                                 f"{chk.skipped} step(s) had Inf/NaN gradients and were skipped."))
@@ -589,7 +603,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         findings.append(Finding(
             "hand_written_loop", "notice", "no torch.optim step: the loop was checked at its backward() calls",
             f"No optimizer stepped, so each step is the gradients after {'the backward() calls between two zero_grad() calls' if per_zero else 'one scalar backward() (the script never calls zero_grad())'}, read where they are next zeroed or consumed; its loss is the sum of the losses backpropagated in it."))
-    if not steps or not used and not chk.skipped:
+    if not steps or not used and not chk.skipped and not guarded:
         findings.append(Finding("not_checked", "warning", "nothing could be checked", _why_unchecked(chk, crashed)))
     if chk.errors:
         findings.append(Finding("checker_error", "notice", "the checker could not read some steps",
@@ -601,7 +615,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     summary = _summary(chk, steps, used, per, names, last, last_series, findings, trends, origin, bad_loss,
                        bad_grad, stopped, manual, owner)
     status = max((f.severity for f in findings), key=_RANK.__getitem__, default="healthy")
-    exit_code = 3 if crashed else (4 if not steps or not used and not chk.skipped else
+    exit_code = 3 if crashed else (4 if not steps or not used and not chk.skipped and not guarded else
                                    (1 if status == "critical" else 0))
     return CheckResult(script, args, steps, findings, summary, trend, origin, last, crashed, crash_text,
                        stopped, exit_code, flags, names if steps else [], sorted(key), ctx)
@@ -694,8 +708,9 @@ def _summary(chk, steps, used, per, names, last, last_series, findings, trends, 
     what = (" (hand-written loop: no torch.optim step)" if manual else "")
     if multi:
         what += " (" + ", ".join(f"{names[k]}: {len(per[k])}" for k in per) + ")"
+    ng = sum(1 for r in steps if r.guard_skipped)
     rows.append(("Steps checked", f"{n}{what}" + (f" ({chk.skipped} skipped by the GradScaler)" if chk.skipped
-                                                  else "") + (" (stopped by --steps)" if stopped else ""),
+                                                  else "") + (f" ({ng} skipped by the step guard)" if ng else "") + (" (stopped by --steps)" if stopped else ""),
                  "healthy" if n else "warning"))
     for k, recs in per.items():
         sfx = f" [{names[k]}]" if multi else ""

@@ -42,6 +42,7 @@ RUNS = {
     "embedding_lm": ([], "embedding_lm.py", [], True),
     "clip_zero": ([], "clip_zero.py", [], True),
     "norm_1000": ([], "norm_1000.py", [], True),
+    "guarded": ([], "guarded_nan_and_spike.py", [], True),
 }
 
 
@@ -612,3 +613,20 @@ def test_loss_divergence_tiers():
     assert _loss_divergence(recs([-0.5, 0.1, 5.0, 8.0, 9.0])) is None
     # held to the end of the run counts
     assert _loss_divergence(recs([1.0, 1.1, 1.0, 1.2, 30.0]))[2] == 5
+
+
+def test_steps_a_step_guard_skipped_are_reported_not_blamed(runs):
+    """NaN gradients at steps 6-7 and a 1000x spike at step 12, all skipped by fastgrad.StepGuard: the
+    optimizer never stepped on them, so no critical nonfinite_history; a guard_skipped warning names them."""
+    r = runs["guarded"]
+    steps, truth = r["json"]["steps"], r["truth"]
+    assert truth["skipped"] == 3
+    finite = [(s, t) for s, t in zip(steps, truth["steps"]) if isinstance(t["norm"], float)]
+    _match_norms([s for s, _ in finite], [t for _, t in finite])
+    assert [s["step"] for s in steps if s["guard_skipped"]] == [6, 7, 12]
+    f = _finding(r, "guard_skipped")
+    assert f["severity"] == "warning" and f["steps"] == [6, 7, 12]
+    assert "2 with NaN/Inf gradients, 1 spikes" in f["detail"]
+    assert "nonfinite_history" not in _codes(r) and "exploding" not in _codes(r)
+    assert r["rc"] == 0 and r["json"]["status"] == "warning"
+    assert "3 skipped by the step guard" in _row(r, "Steps checked")["value"]
