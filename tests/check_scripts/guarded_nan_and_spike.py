@@ -25,3 +25,4 @@ for step in range(1, 16):
     opt.step()
     opt.zero_grad()
 truth.meta["skipped"] = guard.state()["skipped_steps"]
+truth.write()
