@@ -18,6 +18,7 @@ code                        severity    when
 ``loss_diverging``          critical    a finite loss >= 10x its start for 2 consecutive steps (non-negative losses)
 ``clip_zeroes``             critical    a clip with bound 0 zeroed the gradients (not frozen parameters/dead units)
 ``amp_skipped``             notice      steps the GradScaler skipped (normal while its scale settles)
+``guard_skipped``           warn./note  steps a fastgrad.StepGuard kept out of the weights (warning: NaN/Inf or > 10%)
 ``hand_written_loop``       notice      no torch.optim step: steps read at the scalar backward() calls
 ``not_checked``             warning     nothing could be read (exit code 4, status "not checked": never healthy)
 ``script_crashed``          critical    the script raised (exit code 3)
