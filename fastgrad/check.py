@@ -302,12 +302,23 @@ class Checker:
     def _manual_read(self, tensor) -> None:
         if self._m_row is None or self._m_zeroed or not self._any_zero:
             self._m_named = self._manual_params(tensor)
-        stats = grad_stats(_readable(self._m_named))
+        stats = self._grad_stats(self._m_named)
         self._m_last = stats
         self._m_row = self._stats_row(stats)
         self._m_used = None
         self._m_clip = False
         self._m_zeroed = False
+
+    def _grad_stats(self, named0: list):
+        """grad_stats of (name, parameter) pairs, sparse gradients read through their values, and the
+        watched modules' embeddings named as row-sparse (the depth rule leaves out rows a batch never
+        looked up)."""
+        stats = grad_stats(_readable(named0))
+        if self._row_sparse_ids:
+            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
+            if extra:
+                stats.row_sparse = list(stats.row_sparse) + extra
+        return stats
 
     def _stats_row(self, stats) -> Tensor:
         """(norm, NaN+Inf count, zero count) of one statistics pass, float64 on its device; no sync."""
@@ -581,13 +592,8 @@ class Checker:
 
     def _record_stats(self, opt) -> None:
         self._last_opt = opt
-        named0 = self._named(opt)
-        named = _readable(named0)
-        stats = grad_stats(named)
-        if self._row_sparse_ids:
-            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
-            if extra:
-                stats.row_sparse = list(stats.row_sparse) + extra
+        named = _readable(self._named(opt))
+        stats = self._grad_stats(self._named(opt))
         self.last_stats, self.last_named = stats, named
         self._read_this_step = True
         if len(stats):
