@@ -99,6 +99,13 @@ def grads_of(params: Sequence[Tensor]) -> list[Tensor] | None:
     return checked(grads) if grads else grads
 
 
+def plain_grads_of(params: Sequence[Tensor]) -> list[Tensor] | None:
+    """``[p.grad for p in params if p.grad is not None]`` from one C++ pass, without the scan that makes a
+    :class:`Checked` list (for callers that have already validated the gradients); None as grads_of."""
+    c = helpers()
+    return None if c is None else c.grads_of(params)
+
+
 def pairs_of(params: Sequence[Tensor]) -> tuple[Sequence[Tensor], Sequence[Tensor]] | None:
     """``(params that have a grad, their grads)``, each as a :class:`Checked` list when possible, for
     params whose grads match their shape and device; None when the compiled path cannot answer (the

@@ -289,6 +289,13 @@ class StepGuard:
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._pending = None
         params = optimizer_params(opt)
+        if self.mode == "norm" and scaler is None and self.process_group is None and \
+                not _fused_torch_optimizer(opt):
+            # the common CPU case first: clip_grad_norm_'s one-call C++ clip, which answers None (nothing
+            # done) for anything but plain dense CPU gradients, before any Python pass over the list
+            out = self._clip_cpu_write(params)
+            if out is not None:
+                return out
         grads = I.grads_of(params)
         if grads and I.check_tensors(grads):
             raise TypeError("StepGuard supports dense real floating gradients (float16/bfloat16/float32/float64); "
@@ -407,20 +414,9 @@ class StepGuard:
         device to wait for). The flag is then one of two cached constant tensors."""
         p = self.norm_type
         if inv_scale is None and not hand_over and grads[0].device.type == "cpu":
-            fast = _scan.clip_norm_cpu(params, self.max_norm, p, True, self.backend)
-            if fast is not None:
-                total, nonfinite = fast
-                self._ensure_state(total, 0)
-                if self._flags is None:
-                    self._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
-                bad = self._flags[bool(nonfinite)]
-                spike = None
-                if self.skip_factor is not None:
-                    spike = self._norm_spike(total, torch.isfinite(total)).to(torch.float32)
-                    bad = torch.maximum(bad, spike)
-                self._record(total, None, None, bad, spike)
-                self._pend(bad, None, grads, fused)
-                return total
+            out = self._clip_cpu_write(params, grads)
+            if out is not None:
+                return out
         if len(I.split_by_device(grads)) != 1:
             return None
         b = I.pick("amp_norm", grads, self.backend, norm_type=p)
@@ -443,6 +439,28 @@ class StepGuard:
         self._record(total, factor, None if inv_scale is None else inv, bad, spike)
         self._pend(bad, factor.reciprocal() if hand_over else None, grads, fused)
         return total.to(I.promoted_dtype(grads))
+
+    def _clip_cpu_write(self, params, grads=None) -> Tensor | None:
+        """mode="norm", gradients written, CPU: clip_grad_norm_'s one-call C++ clip with its finiteness check
+        (a non-finite norm writes nothing and says so; CPU memory: no device to wait for). The flag is then
+        one of two cached constant tensors. None when that path cannot serve (nothing done)."""
+        fast = _scan.clip_norm_cpu(params, self.max_norm, self.norm_type, True, self.backend)
+        if fast is None:
+            return None
+        total, nonfinite = fast
+        if grads is None:
+            grads = _scan.plain_grads_of(params) or I.grads_of(params)  # (validated by the C++ clip)
+        self._ensure_state(total, 0)
+        if self._flags is None:
+            self._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
+        bad = self._flags[bool(nonfinite)]
+        spike = None
+        if self.skip_factor is not None:
+            spike = self._norm_spike(total, torch.isfinite(total)).to(torch.float32)
+            bad = torch.maximum(bad, spike)
+        self._record(total, None, None, bad, spike)
+        self._pend(bad, None, grads, False)
+        return total
 
     def _pend(self, bad: Tensor, scale: Tensor | None, grads: list, fused: bool) -> None:
         self._pending = _Pending(bad, scale, grads if grads else [bad])
