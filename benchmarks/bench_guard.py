@@ -200,19 +200,26 @@ def part_cost(reps):
     return rows
 
 
+def _one_batch_grads(dims):
+    """A TinyLM's parameters with the gradients of one batch, and a function that puts those gradients back
+    (every timed repetition starts from the same gradients)."""
+    model = TinyLM(**dims)
+    params = list(model.parameters())
+    batch = _markov_data(1)[0]
+    loss = nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    loss.backward()
+    saved = [p.grad.clone() for p in params]
+
+    def restore():
+        for p, g in zip(params, saved):
+            p.grad.copy_(g)
+    return params, restore
+
+
 def _cost_rows(reps, size, dims):
     rows = []
     for fused in (True, False):
-        model = TinyLM(**dims)
-        params = list(model.parameters())
-        batch = _markov_data(1)[0]
-        loss = nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        loss.backward()
-        saved = [p.grad.clone() for p in params]
-
-        def restore():
-            for p, g in zip(params, saved):
-                p.grad.copy_(g)
+        params, restore = _one_batch_grads(dims)
 
         kw = dict(fused=True) if fused else dict(foreach=True)
         opt_a = torch.optim.AdamW(params, lr=1e-5, **kw)
@@ -259,16 +266,7 @@ def part_modes(reps):
     rows = []
     for size, dims in (("tiny", dict(d=64, layers=2)), ("medium", dict(d=256, layers=6))):
         torch.manual_seed(0)
-        model = TinyLM(**dims)
-        params = list(model.parameters())
-        batch = _markov_data(1)[0]
-        loss = nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        loss.backward()
-        saved = [p.grad.clone() for p in params]
-
-        def restore():
-            for p, g in zip(params, saved):
-                p.grad.copy_(g)
+        params, restore = _one_batch_grads(dims)
 
         fns = {"clip_grad_norm_": lambda: fastgrad.clip_grad_norm_(params, 1.0)}
         for mode in ("norm", "zclip", "autoclip", "adagc"):

@@ -94,15 +94,11 @@ _FIXES: dict[str, tuple[str, str]] = {
         "# and a warm-up over the first steps:\n"
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
     ),
+    # the per-step report's code; the run-wide text names the learning rate first
     "exploding": (
         "Clip the gradient norm before every optimizer step; above 1000 the learning rate is the first suspect: "
         "lower it (and consider warmup).",
-        "loss.backward()\n"
-        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-        "optimizer.step()\n"
-        "# if the norm is still > 1000:\n"
-        "for group in optimizer.param_groups:\n"
-        "    group['lr'] *= 0.1",
+        _RECOMMEND["exploding"][1],
     ),
     "clip_zeroes": (
         "A clip bound of 0 scales every gradient to zero, so nothing learns. Clip at a positive bound (1.0 is the "
