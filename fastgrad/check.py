@@ -100,7 +100,6 @@ class Checker:
         self._named_cache: dict[int, tuple[int, list]] = {}
         self.module_types: set[str] = set()  # class names of the modules seen (to pick advice that fits)
         self.last_stats = None
-        self.last_named: list = []
         self._bad_steps: Tensor | None = None  # per parameter: steps with NaN/Inf gradients (device)
         self._bad_names: list[str] = []
         # one series per optimizer, in the order they first step
@@ -310,10 +309,10 @@ class Checker:
         self._m_zeroed = False
 
     def _grad_stats(self, named0: list):
-        """grad_stats of (name, parameter) pairs, sparse gradients read through their values, and the
+        """grad_stats of (name, parameter) pairs (it reads sparse gradients through their values), with the
         watched modules' embeddings named as row-sparse (the depth rule leaves out rows a batch never
         looked up)."""
-        stats = grad_stats(_readable(named0))
+        stats = grad_stats(named0)
         if self._row_sparse_ids:
             extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
             if extra:
@@ -353,7 +352,7 @@ class Checker:
         if not self._opt_started and self._m_row is not None:
             try:
                 if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
-                    self._m_used = self._stats_row(grad_stats(_readable(self._m_named)))
+                    self._m_used = self._stats_row(grad_stats(self._m_named))
                 self._manual_close()
             except Exception as e:  # noqa: BLE001
                 self.errors.append(f"last backward: {e}")
@@ -361,7 +360,7 @@ class Checker:
         if not self.steps and (self._m_steps or self._m_host):
             self.steps = self._m_host + self._read(self._m_steps)
             self._m_steps = []
-            self.last_stats, self.last_named = self._m_last, self._m_named
+            self.last_stats = self._m_last
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:
@@ -389,7 +388,7 @@ class Checker:
             if chk._m_row is not None and not chk._opt_started:
                 if chk._m_clip and not chk._m_zeroed:
                     try:  # the gradients the hand-written update consumed: clipped since the backward
-                        chk._m_used = chk._stats_row(grad_stats(_readable(chk._m_named)))
+                        chk._m_used = chk._stats_row(grad_stats(chk._m_named))
                     except Exception as e:  # noqa: BLE001
                         chk.errors.append(f"zero_grad: could not read the gradients: {e}")
                 chk._m_zeroed = True
@@ -573,7 +572,7 @@ class Checker:
                     chk._record_stats(opt)
                     chk._step_losses = list(chk._losses)
                 else:
-                    st = grad_stats(_readable(chk._named(opt)))
+                    st = grad_stats(chk._named(opt))
                     if len(st):
                         bad = (st.nan + st.inf).to(torch.int64)
                         chk._extra_bad = bad.sum() if chk._extra_bad is None else chk._extra_bad + bad.sum()
@@ -592,9 +591,8 @@ class Checker:
 
     def _record_stats(self, opt) -> None:
         self._last_opt = opt
-        named = _readable(self._named(opt))
         stats = self._grad_stats(self._named(opt))
-        self.last_stats, self.last_named = stats, named
+        self.last_stats = stats
         self._read_this_step = True
         if len(stats):
             bad = ((stats.nan + stats.inf) > 0).to(torch.int64)
@@ -698,23 +696,6 @@ class Checker:
         """Read the pending per-step rows to the host: one sync."""
         self.steps += self._read(self._pending)
         self._pending.clear()
-
-
-def _readable(named: list) -> list:
-    """``named`` with each sparse gradient's parameter replaced by :func:`_sparse_values` (read, not refused)."""
-    if not any(p.grad is not None and p.grad.is_sparse for _, p in named):
-        return named
-    return [(n, _sparse_values(p)) if p.grad is not None and p.grad.is_sparse else (n, p) for n, p in named]
-
-
-def _sparse_values(p: Tensor) -> Tensor:
-    """A stand-in for a parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): its ``.grad`` is
-    the values the sparse gradient holds (coalesced), so the norm and the NaN/Inf and zero counts are the
-    sparse gradient's."""
-    values = p.grad.coalesce().values()
-    v = values.detach().view(values.shape)
-    v.grad = values
-    return v
 
 
 def _numel(shape) -> int:
