@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import numpy as np
@@ -307,3 +308,25 @@ def assert_repeatable_without_host_sync(params, op, runs: int = 4) -> None:
             torch.cuda.set_sync_debug_mode(0)
         outs.append([bits(g) for g in grads(mine)])
     assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)
+
+
+def spawn_ranks(worker, world: int, out_dir: str, wall_limit_s: float) -> str:
+    """Run ``worker(rank, world, out_dir)`` on ``world`` spawned processes (the gloo tests' launcher); returns
+    the launcher's error text, '' when every rank finished in time. Ranks still alive at the end are killed
+    (a hung collective must not hang the suite)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(world, str(out_dir)), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + wall_limit_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"{world} ranks did not finish in {wall_limit_s} s"
+        return ""
+    except Exception as exc:  # a rank failed: its traceback is in the worker's own files too
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()

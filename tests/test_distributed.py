@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -26,7 +25,7 @@ from fastgrad import distributed as D
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
-from .helpers import assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch
+from .helpers import assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch, spawn_ranks
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -78,23 +77,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 def _launch(world: int, out_dir) -> str:
     """Run every scenario on ``world`` ranks; returns the launcher's error text ('' when all passed)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(world, str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + WALL_LIMIT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                return f"{world} ranks did not finish in {WALL_LIMIT_S} s"
-        return ""
-    except Exception as exc:  # a rank failed: its traceback is in the .fail files too
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    return spawn_ranks(_worker, world, out_dir, WALL_LIMIT_S)
 
 
 _RUNS: dict[int, tuple[str, str]] = {}

@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -26,7 +25,7 @@ from fastgrad import distributed as D
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
-from .helpers import randn
+from .helpers import randn, spawn_ranks
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -71,24 +70,8 @@ _RUN: dict = {}
 
 @pytest.fixture(scope="module")
 def spawned():
-    import torch.multiprocessing as mp
-
     root = tempfile.mkdtemp(prefix="fastgrad-meshes-")
-    ctx = mp.start_processes(_worker, args=(WORLD, root), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + WALL_LIMIT_S
-    error = ""
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                error = f"{WORLD} ranks did not finish in {WALL_LIMIT_S} s"
-                break
-    except Exception as exc:  # a rank failed: its traceback is in the .fail files
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    error = spawn_ranks(_worker, WORLD, root, WALL_LIMIT_S)  # a failed rank's traceback is in its .fail file
     yield root, error
     shutil.rmtree(root, ignore_errors=True)
 

@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -23,7 +22,7 @@ import fastgrad
 from fastgrad import StepGuard
 from fastgrad.guard import COUNTERS, GuardError, guard_for
 
-from .helpers import bits
+from .helpers import bits, spawn_ranks
 from .helpers import optimizer_state as _opt_state
 
 INF, NAN = float("inf"), float("nan")
@@ -662,25 +661,9 @@ def _dtensor_scenario(rank: int, world: int) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_skip_together(world):
-    import torch.multiprocessing as mp
-
     out = tempfile.mkdtemp(prefix="fastgrad-guard-")
     try:
-        ctx = mp.start_processes(_rank_worker, args=(world, out), nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + WALL_LIMIT_S
-        err = ""
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    err = "timeout"
-                    break
-        except Exception as exc:
-            err = str(exc)
-        finally:
-            for pr in ctx.processes:
-                if pr.is_alive():
-                    pr.kill()
-                    pr.join()
+        err = spawn_ranks(_rank_worker, world, out, WALL_LIMIT_S)
         fails = sorted(f for f in os.listdir(out) if f.startswith("fail."))
         if fails:
             with open(os.path.join(out, fails[0])) as f:
