@@ -91,6 +91,10 @@ class StepGuard:
             raise ValueError("StepGuard cannot guard LBFGS: its step(closure) re-evaluates the gradients, so a "
                              "decision made on the clip's gradients does not hold for the step; clip inside the "
                              "closure with fastgrad.clip_grad_norm_ instead")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise TypeError("StepGuard cannot guard SparseAdam: it takes sparse gradients, and the guard reads "
+                            "dense ones only (its norm, flag and clip are dense read passes); clip sparse "
+                            "gradients with fastgrad.clip_grad_norm_")
         if guard_for(optimizer) is not None:
             raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
         o = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
@@ -140,7 +144,7 @@ class StepGuard:
         opt = self._optimizer
         if guard_for(opt) is self:
             del _GUARDS[opt]
-        self._skip.pending = None
+        self._skip.clear()
 
     @property
     def optimizer(self):
@@ -187,7 +191,7 @@ class StepGuard:
             raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
         self._counters.check_consecutive(self.max_consecutive_skips)
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
-        self._skip.pending = None
+        self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
         params = optimizer_params(opt)
         if self.mode == "norm" and scaler is None and self.process_group is None and not is_fused(opt):
             # the common CPU case first: clip_grad_norm_'s one-call C++ clip, which answers None (nothing

@@ -37,47 +37,133 @@ def _local(t: Tensor) -> Tensor:
 
 
 class Pending:
-    """What ``clip_`` leaves for the next step: the flag, the zero-write factor (or None), the gradients'
+    """A decision: the flag, the zero-write factor (or None, and consumed by the first step), the gradients'
     fingerprint (optim_clip's, O(1) host work)."""
 
-    __slots__ = ("bad", "scale", "record")
+    __slots__ = ("bad", "scale", "record", "grads")
 
     def __init__(self, bad: Tensor, scale: Tensor | None, grads: list[Tensor]):
         self.bad = bad
         self.scale = scale
         self.record = _Record()
         self.record.pend(scale, grads)
+        self.grads = None  # the gradients the step saw (to refresh the fingerprint after it)
+
+
+def _closure_of(opt, args, kwargs):
+    rest = args[1:] if args and args[0] is opt else args  # torch passes (self, *step_args)
+    if rest:
+        return rest[0], "arg"
+    return kwargs.get("closure"), "kw"
+
+
+def _lacks_state(opt, group, st) -> bool:
+    if isinstance(opt, torch.optim.SGD):  # SGD keeps state only for momentum (an empty dict otherwise)
+        return group.get("momentum", 0) != 0 and (st is None or st.get("momentum_buffer") is None)
+    return not st
 
 
 class Skipper:
-    """The optimizer side of one guard: holds the pending decision and applies it in the step hooks."""
+    """The optimizer side of one guard: holds the decision and makes the optimizer's steps obey it.
+
+    ``pending``: the decision of the last ``clip_``, not yet applied. ``sticky``: the decision after its
+    first step: a further ``step()`` on the same gradients (no new ``clip_``) obeys it again (a skipped
+    step stays skipped); a step on gradients it did not see raises (it would step unguarded)."""
 
     def __init__(self, non_fused: str):
         self.non_fused = non_fused
         self.pending: Pending | None = None
+        self.sticky: Pending | None = None
         self.undo = None  # what the pre-hook must undo in the post-hook
+        self._stated = None  # (opt.state, number of parameters) once every parameter has its state
+
+    def creates_state(self, opt) -> bool:
+        """Whether ``opt.step()`` would create optimizer state for a parameter that has a gradient (torch
+        creates it lazily, on a parameter's first step). O(1) once every parameter has its state (torch never
+        deletes state; ``load_state_dict`` replaces ``opt.state``, which starts the scan again)."""
+        n = sum(len(g["params"]) for g in opt.param_groups)
+        if self._stated is not None and self._stated[0] is opt.state and self._stated[1] == n:
+            return False
+        complete = True
+        for group in opt.param_groups:
+            for q in group["params"]:
+                if _lacks_state(opt, group, opt.state.get(q)):
+                    if q.grad is not None:
+                        return True
+                    complete = False
+        if complete:
+            self._stated = (opt.state, n)
+        return False
 
     def pend(self, bad: Tensor, scale: Tensor | None, grads: list) -> None:
+        self.sticky = None
         self.pending = Pending(bad, scale, grads if grads else [bad])
         if not grads:  # a rank owning no shard: nothing to fingerprint, nothing to check at the step
             self.pending.record.fingerprint = None
 
+    def clear(self) -> None:
+        self.pending = self.sticky = None
+
     # ---------------------------------------------------------------- the step hooks
-    def pre_step(self, opt, args, kwargs) -> None:
+    def pre_step(self, opt, args, kwargs):
         if self.undo is not None:  # a previous step raised before its post-hook ran
             self.post_step(opt)
-        pend = self.pending
-        if pend is None:
-            return
-        self.pending = None
-        rest = args[1:] if args and args[0] is opt else args
-        closure = rest[0] if rest else kwargs.get("closure")
+        closure, where = _closure_of(opt, args, kwargs)
         if closure is not None:
-            raise RuntimeError(_STALE.format(why="step(closure) recomputes the gradients"))
-        if pend.record.fingerprint is not None and not pend.record.unchanged(I.grads_of(optimizer_params(opt))):
-            raise RuntimeError(_STALE.format(
-                why="the gradients changed after the clip (a backward, zero_grad() or an in-place write)"))
-        if _fused_torch_optimizer(opt):
+            if self.pending is not None:
+                raise RuntimeError(_STALE.format(
+                    why="step(closure) recomputes the gradients; with a closure, call guard.clip_() inside it, "
+                        "after backward"))
+            self.sticky = None
+            return self._wrap(opt, closure, where, args, kwargs)
+        self._apply(opt)
+        return None
+
+    def _wrap(self, opt, closure, where, args, kwargs):
+        """step(closure): the closure runs inside the step, before the update; the decision its clip_ makes is
+        applied right after it (torch's optimizers read found_inf / grad_scale / the gradients after the
+        closure returns), so the fused path stays sync-free here too."""
+        def guarded_closure():
+            out = closure()
+            self._apply(opt)
+            return out
+
+        if where == "kw":
+            return args, {**kwargs, "closure": guarded_closure}
+        rest = list(args)
+        i = 1 if args and args[0] is opt else 0
+        rest[i] = guarded_closure
+        return tuple(rest), kwargs
+
+    def _apply(self, opt) -> None:
+        pend = self.pending
+        if pend is not None:
+            self.pending = None
+        else:
+            pend = self.sticky
+            if pend is None:
+                return
+        grads = I.grads_of(optimizer_params(opt))
+        if pend is self.sticky and not grads:
+            self.sticky = None  # nothing to step on (zero_grad(set_to_none=True)): nothing to guard
+            return
+        if pend.record.fingerprint is not None and not pend.record.unchanged(grads):
+            why = ("the gradients changed after the clip (a backward, zero_grad() or an in-place write)"
+                   if pend is not self.sticky else
+                   "this step's gradients were not seen by a clip_ (a new backward since the last clip_ and step)")
+            self.sticky = pend  # a retried step() raises again rather than step unguarded
+            raise RuntimeError(_STALE.format(why=why))
+        pend.grads = grads
+        self.sticky = pend
+        fused = _fused_torch_optimizer(opt)
+        if self.creates_state(opt):
+            # torch creates this step's state lazily; a skipped step must not leave any (fused SGD's momentum
+            # buffer would be uninitialised memory, Adam's a zero state that a step never made): one read of
+            # the flag decides, and a bad step sees no gradients
+            self.undo = self._hide_if_bad(opt, pend.bad)
+            if self.undo is None and fused:
+                self.undo = ("fused", self._hand_to_fused(opt, pend))
+        elif fused:
             self.undo = ("fused", self._hand_to_fused(opt, pend))
         elif self.non_fused == "restore":
             with torch.no_grad():
@@ -85,9 +171,13 @@ class Skipper:
             self.undo = ("restore", snap) if snap is not None else self._hide_if_bad(opt, pend.bad)
         else:
             self.undo = self._hide_if_bad(opt, pend.bad)
+        pend.scale = None  # the zero-write factor is applied once: the step divides the gradients by it
 
     def post_step(self, opt) -> None:
         undo, self.undo = self.undo, None
+        st = self.sticky
+        if st is not None and st.grads:  # the step may rewrite the gradients (fused zero-write): refresh
+            st.record.pend(None, st.grads)
         if undo is None:
             return
         kind, data = undo
@@ -148,13 +238,15 @@ class Skipper:
                 if q.grad is None:
                     continue
                 st = opt.state.get(q)
-                if not st:
+                if _lacks_state(opt, group, st):
                     return None
-                keys[id(st)] = set(st)
                 lq = _local(q)
                 if lq.device != dev:
                     return None
                 tensors.append((None, q, lq, lq.clone()))
+                if st is None:  # an optimizer that keeps no state for it (SGD without momentum)
+                    continue
+                keys[id(st)] = set(st)
                 for k, v in st.items():
                     if isinstance(v, Tensor):
                         lv = _local(v)
