@@ -454,3 +454,57 @@ def test_remove_detaches_the_hooks():
     opt.step()  # no guard: the NaN goes through, as it would without one
     assert any(torch.isnan(p).any() for p in ps)
     assert not hasattr(opt, "found_inf")
+
+
+# ---------------------------------------------------------------- every option checked before any work
+BAD_OPTIONS = [
+    (dict(max_norm=1.0, skip_factor=1.0), ValueError, r"skip_factor must be in \(1, inf\).*skip every step"),
+    (dict(max_norm=1.0, skip_factor=0.5), ValueError, "skip_factor"),
+    (dict(max_norm=1.0, skip_factor=float("nan")), ValueError, "skip_factor"),
+    (dict(max_norm=1.0, skip_factor="10"), TypeError, "skip_factor must be a real number"),
+    (dict(max_norm=-1.0), ValueError, "max_norm"),
+    (dict(max_norm=float("nan")), ValueError, "max_norm"),
+    (dict(max_norm=1.0, max_consecutive_skips=True), ValueError, "max_consecutive_skips"),
+    (dict(max_norm=1.0, max_consecutive_skips=2.0), ValueError, "max_consecutive_skips"),
+    (dict(max_norm=1.0, zero_write=1), TypeError, "zero_write"),
+    (dict(max_norm=1.0, backend="nope"), ValueError, "unknown fastgrad backend"),
+    (dict(max_norm=1.0, alpha=0.9), TypeError, "only with skip_factor"),
+    (dict(max_norm=1.0, skip_factor=5.0, alpha=1.0), ValueError, r"alpha must be in \[0, 1\)"),
+    (dict(max_norm=1.0, skip_factor=5.0, warmup_steps=True), ValueError, "warmup_steps must be a positive int"),
+    (dict(mode="zclip", z_thresh=0.0), ValueError, "z_thresh"),
+    (dict(mode="zclip", eps=-1e-6), ValueError, "eps"),
+    (dict(mode="zclip", clip_factor=float("inf")), ValueError, "clip_factor"),
+    (dict(mode="zclip", warmup_steps=0), ValueError, "warmup_steps"),
+    (dict(mode="autoclip", percentile=101), ValueError, "percentile"),
+    (dict(mode="autoclip", percentile=float("nan")), ValueError, "percentile"),
+    (dict(mode="autoclip", history_size=2.5), ValueError, "history_size"),
+    (dict(mode="adagc", beta=-0.1), ValueError, "beta"),
+    (dict(mode="adagc", lambda_rel=0), ValueError, "lambda_rel"),
+    (dict(mode="adagc", norm_type=1.0), ValueError, "norm_type must be 2"),
+    (dict(mode="autoclip", z_thresh=2.0), TypeError, "does not take z_thresh"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_OPTIONS, ids=[str(k) for k, _, _ in BAD_OPTIONS])
+def test_every_option_is_checked_before_any_work(kw, exc, match):
+    ps = _params()
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    with pytest.raises(exc, match=match):
+        StepGuard(opt, **kw)
+    assert guard_for(opt) is None and not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    StepGuard(opt, 1.0, skip_factor=1.5)  # just above 1 is allowed
+
+
+def test_skip_factor_just_above_one_does_not_skip_forever():
+    """The rule the skip_factor check protects: with k > 1 a run whose norm level shifts is followed after
+    some skips (the reference learns k times itself from a skipped spike), never skipped forever."""
+    p = torch.nn.Parameter(torch.zeros(16))
+    opt = torch.optim.SGD([p], lr=1e-3)
+    guard = StepGuard(opt, 1.0, skip_factor=1.5, warmup_steps=5)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(120):
+        p.grad = torch.randn(16, generator=gen) * (1.0 if step < 40 else 3.0)
+        guard.clip_()
+        opt.step()
+    st = guard.state()
+    assert st["consecutive_skipped"] == 0 and st["skipped_steps"] < 60, st

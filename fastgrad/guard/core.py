@@ -99,6 +99,7 @@ class StepGuard:
             raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
         o = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
                           max_consecutive_skips=max_consecutive_skips, non_fused=non_fused, zero_write=zero_write,
+                          backend=backend,
                           alpha=alpha, z_thresh=z_thresh, warmup_steps=warmup_steps, eps=eps,
                           clip_factor=clip_factor, percentile=percentile, history_size=history_size,
                           lambda_rel=lambda_rel, beta=beta)
