@@ -299,6 +299,7 @@ def _rank_worker(rank: int, world: int, out_dir: str) -> None:
             dist.barrier()
         _dtensor_scenario(rank, world)
         _scaler_scenario(rank, world)
+        _replica_scenario(rank, world)
         open(os.path.join(out_dir, f"ok.{rank}"), "w").close()
     except BaseException:
         with open(os.path.join(out_dir, f"fail.{rank}"), "w") as f:
@@ -374,6 +375,51 @@ def _dtensor_scenario(rank: int, world: int) -> None:
             elif step > 0:
                 assert not same, (rank, non_fused, step)
         assert guard.state()["skipped_steps"] == 1
+        dist.barrier()
+
+
+def _replica_scenario(rank: int, world: int) -> None:
+    """Copies that count on one rank only: a Replicate() DTensor and a plain tensor beside Shard(0) DTensors
+    are counted on the lowest rank. A NaN in the LAST rank's copy alone (which no norm reads) still makes
+    every rank skip: that rank folds a NaN into its share of the same all-reduce. Without it, the last rank
+    would step with its NaN gradient while the others step normally (the ranks diverge)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for non_fused, use_scaler in (("sync", False), ("restore", False), ("sync", True)):
+        gen = torch.Generator().manual_seed(21)
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(2 * world + 1, 3, generator=gen), mesh, [Shard(0)]))
+        rep = torch.nn.Parameter(distribute_tensor(torch.randn(5, generator=gen), mesh, [Replicate()]))
+        ps = [shard, rep]
+        opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1000) if use_scaler else None
+        guard = StepGuard(opt, 1.0, non_fused=non_fused)
+        for step in range(4):
+            g2 = torch.Generator().manual_seed(70 + step)
+            s = float(scaler.scale(torch.ones(()))) if use_scaler else 1.0
+            shard.grad = distribute_tensor(torch.randn(shard.shape, generator=g2) * s, mesh, [Shard(0)])
+            rep.grad = distribute_tensor(torch.randn(rep.shape, generator=g2) * s, mesh, [Replicate()])
+            if step == 2 and rank == world - 1:
+                rep.grad._local_tensor[1] = NAN  # this rank's copy only
+            before = [bits(p._local_tensor).clone() for p in ps]
+            total = guard.clip_(scaler) if use_scaler else guard.clip_()
+            if use_scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            after = [bits(p._local_tensor).clone() for p in ps]
+            same = all(torch.equal(a, b) for a, b in zip(before, after))
+            if step == 2:
+                assert same, (rank, non_fused, use_scaler)
+                assert not math.isfinite(float(total.full_tensor())), (rank, non_fused, use_scaler)
+            elif step > 0:
+                assert not same, (rank, non_fused, use_scaler, step)
+            assert all(torch.isfinite(p._local_tensor).all() for p in ps)
+        assert guard.state()["skipped_steps"] == 1
+        if use_scaler:
+            assert scaler.get_scale() == 4.0  # every rank backed off alike
         dist.barrier()
 
 

@@ -20,7 +20,7 @@ from .. import _scan
 from .. import distributed as D
 from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
 from ..backends import acc_dtype
-from ..clip import _norm, _scale, _sharded_norm
+from ..clip import _norm, _scale
 
 
 def cpu_write(g, params, grads=None) -> Tensor | None:
@@ -96,7 +96,8 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
             total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
             return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
 
-        total, _, flag = D.reduced_amp_norm(sh, p, local_amp)
+        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, _, flag = D.reduced_amp_norm(sh, p, local_amp, poison)
         groups = I.split_by_device(sh.writes)
         found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
@@ -113,7 +114,12 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
         writes, sh = grads, None
     elif sharded:
-        total, per, sh = _sharded_norm(grads, p, g.backend, None, per_tensor, g.process_group)
+        # clip.py's sharded norm, plus the flag of the copies this rank holds but does not count, folded
+        # into the same all-reduce: every rank takes the same decision (fastgrad.distributed.nonfinite_poison)
+        sh = D.prepare(grads, g.process_group)
+        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, per = D.reduced_norm(sh, p, per_tensor, lambda ts, per_t: _norm(ts, p, g.backend, None, per_t),
+                                    poison)
         writes = sh.writes
     else:
         total, per = _norm(grads, p, g.backend, None, per_tensor)
