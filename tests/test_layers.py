@@ -58,6 +58,9 @@ LAYERS: list[list[str]] = [
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],
+    # optional adapters of the step guard to training frameworks (imported only by their users)
+    ["fastgrad.integrations", "fastgrad.integrations._common"],
+    ["fastgrad.integrations.lightning", "fastgrad.integrations.transformers"],
     ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops"],
     ["fastgrad.benchmark.runner"],
     ["fastgrad.benchmark.report"],

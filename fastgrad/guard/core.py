@@ -42,15 +42,36 @@ _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def guard_for(optimizer) -> "StepGuard | None":
     """The StepGuard attached to ``optimizer``, or None: how a monitor or checker finds the skip counters of
     an optimizer it is handed (``guard_for(opt).counters()`` / ``.state()``)."""
-    ref = _GUARDS.get(optimizer)
+    ref = _GUARDS.get(unwrap_optimizer(optimizer)[0])
     return ref() if ref is not None else None
+
+
+def unwrap_optimizer(optimizer):
+    """(the torch optimizer inside a framework's wrapper, the wrapper's GradScaler or None). accelerate's
+    ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` without its hook tables and calls the
+    wrapped optimizer's ``step`` (through its GradScaler under fp16); Lightning's ``LightningOptimizer``
+    forwards to ``_optimizer``. The guard hooks the optimizer that actually steps."""
+    scaler = None
+    for _ in range(4):
+        mod = type(optimizer).__module__
+        if mod.startswith("accelerate.") and isinstance(getattr(optimizer, "optimizer", None),
+                                                        torch.optim.Optimizer):
+            scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+            optimizer = optimizer.optimizer
+        elif mod.startswith(("lightning.", "pytorch_lightning.")) and \
+                isinstance(getattr(optimizer, "_optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer._optimizer
+        else:
+            break
+    return optimizer, scaler
 
 
 class StepGuard:
     """Gradient clipping with a step guard. See the module docstring and docs/guard.md.
 
     Args:
-        optimizer: a ``torch.optim.Optimizer`` (not LBFGS: its ``step(closure)`` recomputes the gradients).
+        optimizer: a ``torch.optim.Optimizer`` (not LBFGS: its ``step(closure)`` recomputes the gradients; not
+            SparseAdam), or accelerate's prepared optimizer (its GradScaler, if any, is used by ``clip_``).
         max_norm: ``mode="norm"``: the clip threshold (required). zclip/autoclip: an optional hard cap on top
             of the adaptive threshold. adagc: the global threshold of its warm-up (``lambda_abs``, default 1.0).
         norm_type: as ``clip_grad_norm_`` (adaptive modes: 2 only, as their papers).
@@ -80,6 +101,7 @@ class StepGuard:
                  alpha: float | None = None, z_thresh: float | None = None, warmup_steps: int | None = None,
                  eps: float | None = None, clip_factor: float | None = None, percentile: float | None = None,
                  history_size: int | None = None, lambda_rel: float | None = None, beta: float | None = None):
+        optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
                 raise TypeError("StepGuard(optimizer, ...): got a GradScaler; pass the optimizer here and the "
@@ -190,6 +212,8 @@ class StepGuard:
         opt = self._optimizer
         if opt is None:
             raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
+        if scaler is None and self._wrapper_scaler is not None:  # accelerate's fp16: its own scaler
+            scaler = self._wrapper_scaler
         self._counters.check_consecutive(self.max_consecutive_skips)
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
