@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -554,3 +556,69 @@ def test_skip_factor_just_above_one_does_not_skip_forever():
         opt.step()
     st = guard.state()
     assert st["consecutive_skipped"] == 0 and st["skipped_steps"] < 60, st
+
+
+# ---------------------------------------------------------------- no host value written into a device tensor
+@contextmanager
+def no_host_values_into_device_tensors():
+    """While active, ``t[i] = ...`` and ``torch.tensor(data, device=...)`` raise: on CUDA both copy a host
+    value into device memory with a wait (a sync under set_sync_debug_mode("error")); the CPU cannot show the
+    sync itself, so the pattern is refused where it would be one."""
+    saved_set, saved_tensor = torch.Tensor.__setitem__, torch.tensor
+
+    def ours() -> bool:  # not called from torch itself (torch's own optimizers are not under test here)
+        return not sys._getframe(2).f_globals.get("__name__", "").startswith("torch")
+
+    def refuse_set(self, *a, **k):
+        if ours():
+            raise AssertionError("indexed assignment into a tensor on the guard's path")
+        return saved_set(self, *a, **k)
+
+    def checked_tensor(*a, **k):
+        if k.get("device") is not None and ours():
+            raise AssertionError("torch.tensor(..., device=...) on the guard's path")
+        return saved_tensor(*a, **k)
+
+    torch.Tensor.__setitem__ = refuse_set
+    torch.tensor = checked_tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.__setitem__ = saved_set
+        torch.tensor = saved_tensor
+
+
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach"])
+def test_default_paths_write_no_host_values_into_device_tensors(mode, opt_name):
+    ps = _params()
+    extra = torch.nn.Parameter(torch.ones(3))  # no gradient: AdaGC's index of the parameters that have one
+    opt = OPTIMIZERS[opt_name](ps + [extra])
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode != "autoclip":
+        kw["warmup_steps"] = 2
+    guard = StepGuard(opt, mode=mode, skip_factor=10.0, max_consecutive_skips=5, non_fused="restore", **kw)
+    for step, bad in enumerate([{}, {}, {}, dict(poison=NAN), dict(scale=1000.0), {}]):
+        _set_grads(ps, step, **bad)
+        with no_host_values_into_device_tensors():
+            guard.clip_()
+        with no_host_values_into_device_tensors():
+            opt.step()
+            guard.counters()  # a fold
+    assert guard.state()["skipped_steps"] == 2
+
+
+def test_no_host_values_check_can_fail(monkeypatch):
+    import fastgrad.guard.counters as C
+
+    def bad_fold(self):  # the pattern the check exists for, planted in the guard's own code
+        if self.counts is not None:
+            self.counts[3] = 0
+
+    monkeypatch.setattr(C.Counters, "fold", bad_fold)
+    guard = StepGuard(torch.optim.SGD(_params(), lr=0.1), 1.0)
+    _set_grads(guard.optimizer.param_groups[0]["params"], 0)
+    guard.clip_()
+    with pytest.raises(AssertionError, match="indexed assignment"):
+        with no_host_values_into_device_tensors():
+            guard.counters()

@@ -78,10 +78,15 @@ class Counters:
         cons = torch.where(last_good < 0, c[3] + n, (n - 1 - last_good).to(dt))
         inc = torch.stack([c.new_full((), n), clipped.sum().to(dt), B.sum().to(dt), c.new_zeros(()),
                            (~torch.isfinite(T)).sum().to(dt), spikes.to(dt)])
-        new = c + inc
-        new[3] = cons
-        self.counts = new
+        # (slot 3 replaced by a device select, not by indexed assignment: no host value enters a device tensor)
+        self.counts = torch.where(self._slot3(dev), cons, c + inc)
         self.last = (T[-1], T[-1] * coef[-1], coef[-1], clipped[-1], B[-1])
+
+    def _slot3(self, dev) -> Tensor:
+        m = getattr(self, "_mask", None)
+        if m is None or m.device != dev:
+            m = self._mask = torch.arange(len(COUNTERS), device=dev) == 3
+        return m
 
     # ---------------------------------------------------------------- the last step (device tensors)
     def total_norm(self) -> Tensor | None:

@@ -147,7 +147,9 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
 def _param_index(g, params: list, grads: list) -> Tensor | None:
     if len(grads) == len(params):
         return None
-    return torch.tensor([i for i, q in enumerate(params) if q.grad is not None], device=g._device)
+    # built on the host, then copied without a wait (a blocking host-to-device copy is a sync on CUDA)
+    idx = torch.tensor([i for i, q in enumerate(params) if q.grad is not None], dtype=torch.int64)
+    return idx.to(g._device, non_blocking=True)
 
 
 def _amp_norms_per_tensor(g, grads, inv_scale):
