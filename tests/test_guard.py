@@ -7,6 +7,7 @@ formulas, written here from the papers, on recorded norm sequences."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -622,3 +623,114 @@ def test_no_host_values_check_can_fail(monkeypatch):
     with pytest.raises(AssertionError, match="indexed assignment"):
         with no_host_values_into_device_tensors():
             guard.counters()
+
+
+# ---------------------------------------------------------------- what .grad holds after a skip (docs/guard.md)
+def _grad_after_skip(mode, fused, use_scaler, bad, step_of_bad=4):
+    gen0 = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, generator=gen0)), torch.nn.Parameter(torch.randn(4, generator=gen0))]
+    opt = torch.optim.AdamW(ps, fused=True) if fused else torch.optim.AdamW(ps, foreach=True)
+    kw = dict(max_norm=1.0) if mode in ("norm", "adagc") else {}
+    if mode != "autoclip":
+        kw["warmup_steps"] = 2
+    guard = StepGuard(opt, mode=mode, skip_factor=10.0, **kw)
+    sc = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1000) if use_scaler else None
+    for step in range(step_of_bad + 1):
+        gen = torch.Generator().manual_seed(step)
+        s = float(sc.scale(torch.ones(()))) if sc else 1.0
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen) * 3 * s
+        if step == step_of_bad:
+            if bad == "nan":
+                ps[1].grad[0] = NAN
+            else:
+                for p in ps:
+                    p.grad *= 1000
+        orig = [p.grad.clone() for p in ps]
+        guard.clip_(sc) if sc else guard.clip_()
+        if sc:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+    assert guard.last_step_skipped()
+    return orig, [p.grad for p in ps], 1.0 / s
+
+
+def _kind(o, n, inv):
+    if torch.equal(bits(o), bits(n)):
+        return "as backward left it"
+    if torch.isnan(n).all():
+        return "NaN"
+    if torch.equal(bits(n), bits(o * inv)):
+        return "unscaled"
+    r = (n.double() / (o.double() * inv))
+    if torch.isfinite(r).all() and (r.max() - r.min()) < 1e-6 and r.max() < 1:
+        return "clipped"
+    return "other"
+
+
+# (mode, fused zero-write, GradScaler, bad) -> per tensor (the second one holds the NaN)
+GRAD_AFTER_SKIP = {
+    ("norm", True, False, "nan"): ["as backward left it"] * 2,
+    ("norm", True, True, "nan"): ["as backward left it"] * 2,
+    ("norm", False, False, "nan"): ["as backward left it"] * 2,  # the CPU write path
+    ("norm", False, True, "nan"): ["NaN"] * 2,
+    ("zclip", True, True, "nan"): ["as backward left it"] * 2,
+    ("zclip", False, False, "nan"): ["as backward left it"] * 2,  # coefficient 1 (times an unscale of 1)
+    ("zclip", False, True, "nan"): ["unscaled"] * 2,
+    ("autoclip", True, False, "nan"): ["as backward left it"] * 2,
+    ("autoclip", False, False, "nan"): ["NaN"] * 2,
+    ("autoclip", False, True, "nan"): ["NaN"] * 2,
+    ("adagc", True, False, "nan"): ["clipped", "NaN"],  # AdaGC always writes, per tensor (after its warm-up)
+    ("adagc", False, True, "nan"): ["clipped", "NaN"],
+    ("norm", True, False, "spike"): ["as backward left it"] * 2,
+    ("norm", False, False, "spike"): ["clipped"] * 2,
+    ("norm", False, True, "spike"): ["clipped"] * 2,
+    ("zclip", True, True, "spike"): ["as backward left it"] * 2,
+    ("zclip", False, True, "spike"): ["clipped"] * 2,
+    ("autoclip", False, False, "spike"): ["clipped"] * 2,
+    ("adagc", True, False, "spike"): ["clipped"] * 2,
+}
+
+
+@pytest.mark.parametrize("case", list(GRAD_AFTER_SKIP), ids=[str(c) for c in GRAD_AFTER_SKIP])
+def test_grad_after_a_skip_is_what_the_docs_say(case):
+    mode, fused, use_scaler, bad = case
+    orig, new, inv = _grad_after_skip(mode, fused, use_scaler, bad)
+    assert [_kind(o, n, inv) for o, n in zip(orig, new)] == GRAD_AFTER_SKIP[case]
+
+
+def test_adagc_nan_in_its_warm_up_makes_every_gradient_nan():
+    orig, new, inv = _grad_after_skip("adagc", False, False, "nan", step_of_bad=1)
+    assert [_kind(o, n, inv) for o, n in zip(orig, new)] == ["NaN", "NaN"]
+
+
+def test_healthy_steps_zero_write_vs_written():
+    """Fused optimizer, healthy steps: with zero_write (the default) the kernel divides each gradient by
+    1/coef, which differs from fastgrad.clip_grad_norm_'s multiplication by coef by at most 1 ulp per element
+    (and does differ); with
+    zero_write=False the guard writes exactly clip_grad_norm_'s gradients, and the step is bit-identical."""
+    a, b, c = _params(), _params(), _params()
+    oa = torch.optim.AdamW(a, lr=1e-2, fused=True)
+    ob = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    oc = torch.optim.AdamW(c, lr=1e-2, fused=True)
+    ga, gb = StepGuard(oa, 1.0), StepGuard(ob, 1.0, zero_write=False)
+    worst = 0
+    for step in range(3):
+        for ps in (a, b, c):
+            _set_grads(ps, step)
+        ga.clip_()
+        gb.clip_()
+        fastgrad.clip_grad_norm_(c, 1.0)
+        for o in (oa, ob, oc):
+            o.step()  # the fused kernel leaves the gradient it used in .grad (zero-write: grad / grad_scale)
+        for x, y, z in zip(a, b, c):
+            assert torch.equal(bits(y.grad), bits(z.grad))
+            worst = max(worst, int((bits(x.grad).long() - bits(z.grad).long()).abs().max()))
+        assert _same(_snapshot(b, ob), _snapshot(c, oc))
+        with torch.no_grad():  # the next step from the same weights, to compare the gradients alone
+            for x, z in zip(a, c):
+                x.copy_(z)
+        oa.load_state_dict(copy.deepcopy(oc.state_dict()))
+    assert 0 < worst <= 1  # ulps: not bit-identical (so the docs must not say so), and never more than 1
