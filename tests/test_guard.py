@@ -734,3 +734,25 @@ def test_healthy_steps_zero_write_vs_written():
                 x.copy_(z)
         oa.load_state_dict(copy.deepcopy(oc.state_dict()))
     assert 0 < worst <= 1  # ulps: not bit-identical (so the docs must not say so), and never more than 1
+
+
+@needs_cuda
+def test_cuda_grad_after_a_nonfinite_skip():
+    """docs/guard.md's CUDA cell: mode "norm" writing the gradients on CUDA (the fused read pass, unscale
+    factor 1) leaves every element NaN after a non-finite skip; with fused zero-write nothing is written."""
+    for fused, want in ((False, True), (True, False)):
+        ps = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+        opt = torch.optim.AdamW(ps, lr=1e-2, fused=fused, foreach=None if fused else True)
+        guard = StepGuard(opt, 1.0)
+        _set_grads(ps, 0)
+        guard.clip_()
+        opt.step()
+        _set_grads(ps, 1, poison=NAN)
+        orig = [p.grad.clone() for p in ps]
+        guard.clip_()
+        opt.step()
+        assert guard.last_step_skipped()
+        if want:
+            assert all(torch.isnan(p.grad).all() for p in ps)
+        else:
+            assert all(torch.equal(bits(p.grad), bits(o)) for p, o in zip(ps, orig))
