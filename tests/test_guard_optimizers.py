@@ -232,6 +232,24 @@ def test_closure_as_keyword_and_fused_path_stays_sync_free():
         assert _same(_state(ps, opt)[0], snap[0]) == (poison is not None)
 
 
+def test_closure_that_does_not_clip_is_refused():
+    ps, opt = _make("adamw-fused")
+    guard = StepGuard(opt, 1.0)
+
+    def closure():
+        _set_grads(ps, 0, poison=NAN)
+        return None
+
+    before = _state(ps, opt)
+    with pytest.raises(RuntimeError, match="did not call guard.clip_"):
+        opt.step(closure)
+    after = _state(ps, opt)
+    assert _same(after[0], before[0]) and after[1] == before[1]
+    opt.zero_grad(set_to_none=True)
+    opt.step(lambda: None)  # a closure that makes no gradients (e.g. a skipped batch): nothing to decide
+    guard.remove()
+
+
 def test_closure_refused_when_clip_ran_before_the_step():
     ps, opt = _make("adam-foreach")
     guard = StepGuard(opt, 1.0)

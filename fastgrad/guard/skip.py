@@ -12,7 +12,13 @@ undoes what it changed:
   leave those parameters and their state alone), restoring them afterwards.
 * ``non_fused="restore"``: no host sync; the pre-hook snapshots the parameters and every state tensor, the
   post-hook puts the snapshot back where the flag says (``torch.where``). Falls back to one flag read for a
-  step where the state is created or is not on the flag's device, or where the step adds state entries.
+  step where the state is not on the flag's device, or where the step adds state entries.
+
+Every path: a step on which torch would create a parameter's state lazily reads the flag once and, if bad,
+hides the gradients, so a skipped step leaves no state behind (torch's fused kernels would otherwise create
+it: fused SGD's momentum buffer as uninitialised memory). ``step(closure)``: the closure is wrapped, and the
+decision its ``clip_`` makes is applied when it returns, still before the update. A decision holds until the
+next ``clip_``: a second ``step()`` on the same gradients obeys it again; one on other gradients raises.
 """
 
 from __future__ import annotations
@@ -125,6 +131,11 @@ class Skipper:
         closure returns), so the fused path stays sync-free here too."""
         def guarded_closure():
             out = closure()
+            if self.pending is None and I.grads_of(optimizer_params(opt)):
+                raise RuntimeError(
+                    "optimizer.step(closure) on an optimizer with a StepGuard: the closure made gradients but did "
+                    "not call guard.clip_(), so nothing decided whether this step is safe. Call guard.clip_() "
+                    "inside the closure, after backward. Nothing was stepped.")
             self._apply(opt)
             return out
 

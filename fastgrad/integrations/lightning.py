@@ -71,7 +71,9 @@ class StepGuardCallback(_pl.Callback):
                 logger.log_metrics(metrics, step=step)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        for logger in trainer.loggers:  # the final counters, whatever the logging interval
-            metrics = counters(self.guard, "guard/")
-            if metrics and trainer.global_step != self._logged_step:
+        if not trainer.loggers or trainer.global_step == self._logged_step:
+            return
+        metrics = counters(self.guard, "guard/")  # the final counters, whatever the logging interval
+        if metrics:
+            for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
