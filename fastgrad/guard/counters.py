@@ -32,6 +32,7 @@ class Counters:
         self.records: list = []
         self.last = None
         self.host = None  # (host copy of consecutive_skipped, cuda event) for the lazy consecutive check
+        self._mask: Tensor | None = None  # slot 3 of the counters, as a device bool mask
 
     def start(self, device: torch.device) -> None:
         cdt = torch.float32 if device.type == "mps" else torch.float64
@@ -83,7 +84,7 @@ class Counters:
         self.last = (T[-1], T[-1] * coef[-1], coef[-1], clipped[-1], B[-1])
 
     def _slot3(self, dev) -> Tensor:
-        m = getattr(self, "_mask", None)
+        m = self._mask
         if m is None or m.device != dev:
             m = self._mask = torch.arange(len(COUNTERS), device=dev) == 3
         return m
