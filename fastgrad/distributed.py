@@ -57,7 +57,7 @@ from . import _scan
 from .backends import acc_dtype
 
 __all__ = ["is_dtensor", "has_dtensor", "Sharded", "prepare", "reduced_norm", "reduced_amp_norm",
-           "reduced_stats", "wrap_like", "to_local_norm", "clear_cache"]
+           "reduced_stats", "wrap_like", "to_local_norm", "clear_cache", "nonfinite_poison"]
 
 _INF = float("inf")
 _DT: type | None = None
@@ -460,15 +460,19 @@ def _counted(sh: Sharded, dtype: torch.dtype, dev: torch.device) -> tuple[list[i
 
 
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
-                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]]
-                 ) -> tuple[Tensor, Tensor | None]:
+                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]],
+                 poison: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
     single-process norm of a list of local tensors (fastgrad.clip's backend dispatch).
 
     One collective per step of the plan (one in all for the usual layouts): a SUM of p-th-power sums for
     finite p (of per-tensor nonzero counts for p = 0), a MAX (MIN for -inf) with the NaN flags packed in.
-    Per-tensor results across pipeline stages: the stage's vector, then one more for the stage totals."""
+    Per-tensor results across pipeline stages: the stage's vector, then one more for the stage totals.
+
+    ``poison`` (the step guard's): a 0-dim local tensor, 0 or NaN, added to this rank's contribution, so a
+    NaN that only this rank can see reaches every rank's result in the same collective (see
+    :func:`nonfinite_poison`)."""
     plan = sh.plan
     dev, dtype = _local_dev_dtype(sh)
     wide = _wide(dtype, dev)
@@ -503,6 +507,8 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         else:
             vals = torch.full((1,), identity, dtype=wide, device=dev)
 
+    if poison is not None:
+        vals = vals + poison.to(vals.device, vals.dtype)  # (+0 leaves the non-negative values' bits alone)
     per_out = None
     if vector:
         vals = _combine(vals, p, plan.stage_steps if plan.staged else plan.steps)
@@ -584,8 +590,8 @@ def to_local_norm(total_norm):
 
 
 def reduced_amp_norm(sh: Sharded, norm_type: float,
-                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]]
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
+                     poison: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
     values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max) and the
     overflow flag together. Returns ``(global total, local found_inf, global found_inf)``, the flags 0-dim
@@ -607,7 +613,12 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
         total = torch.full((1,), _INF if p == -_INF else 0.0, dtype=wide, device=dev)
         flag = torch.zeros((), dtype=torch.float32, device=dev)
     f = flag.to(wide).reshape(1)
+    if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
+        poison = poison.to(dev, wide)
+        f = torch.where(torch.isnan(poison), 1.0, f)
     if p == _INF or p == -_INF:
+        if poison is not None:
+            total = total + poison
         nan = torch.isnan(total).to(wide)
         if p == _INF:
             buf = torch.cat([torch.where(nan > 0, 0.0, total), nan, f])
@@ -620,9 +631,26 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
         g_flag = buf[2]
     else:
         pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
+        if poison is not None:
+            pw = pw + poison
         buf = torch.cat([pw, f])
         _all_reduce(buf, dist.ReduceOp.SUM, steps)
         g_total = buf[0].pow(1.0 / p)
         g_flag = buf[1]
     g_flag = (g_flag > 0).to(torch.float32)
     return g_total.to(dtype), flag, g_flag
+
+
+# ------------------------------------------------------------------------------------- the step guard's flag
+def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) -> Tensor | None:
+    """For the step guard, whose decision must be the same on every rank: the local tensors this rank holds
+    but does not count (copies of ``Replicate()`` pieces, plain tensors beside DTensors, a replicated mesh
+    slice) are counted on another rank only, so a NaN/Inf in this rank's copy alone would reach no norm.
+    Returns NaN when ``local_norm`` of those copies is non-finite, else 0 (a 0-dim tensor in the wide dtype),
+    for ``reduced_norm(poison=)``; None when this rank holds no such copy (then nothing is added). One more
+    read of the copies, no collective."""
+    spare = [r for r, c in zip(sh.reads, sh.counts) if not c and r.numel()]
+    if not spare:
+        return None
+    n = local_norm(_scan.checked(spare)).reshape(())
+    return torch.where(torch.isfinite(n), 0.0, float("nan")).to(_wide(n.dtype, n.device))
