@@ -56,7 +56,8 @@ def _params(seed, dtypes=(torch.float32,), scale=1.0, device="cuda"):
 
 
 # Gradient sets of the replay test: (seed, scale) that clip at max_norm 1 (scale 5) and that do not. The L1 norm of
-# ~69,000 elements of scale s is ~0.8 * 69,000 * s, so "does not clip" needs s below ~1.8e-5 for p = 1 (the H100 run of 2026-11-25 used 1e-4: L1 5.5, so that set clipped):
+# ~69,000 elements of scale s is ~0.8 * 69,000 * s, so "does not clip" needs s below ~1.8e-5 for p = 1 (the H100 run
+# of 2026-11-25 used 1e-4: L1 5.5, so those sets clipped):
 # test_replay_sets_clip_as_labelled checks every set against the float64 oracle on the CPU.
 REPLAY_SETS = [(1, 5.0), (2, 1e-5), (3, 5.0), (4, 1e-5)]
 
