@@ -53,6 +53,19 @@ def _load_archs():
     return mod
 
 
+def _load_smoke():
+    """fastgrad/_smoke.py, loaded by path as _archs.py is."""
+    spec = importlib.util.spec_from_file_location("_fastgrad_smoke", os.path.join(HERE, "fastgrad", "_smoke.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compilers() -> str:
+    """The C/C++ compilers this build uses, as set (torch's BuildExtension reads CC/CXX, else cc/c++)."""
+    return f"CC={os.environ.get('CC') or 'unset (cc)'} CXX={os.environ.get('CXX') or 'unset (c++)'}"
+
+
 def _visible_caps():
     import torch
 
@@ -121,6 +134,7 @@ def _plan():
         "cuda_kernels": with_cuda,
         "cuda_skipped_because": cuda_why,
         "python": sys.version.split()[0],
+        "compilers": _compilers(),
     }
     if with_cuda:
         # --fmad=false: nvcc contracts a * b + c into one FMA by default, and which products it contracts
@@ -150,13 +164,37 @@ def _plan():
                 traceback.print_exc()
                 _note("WARNING: building the compiled extension failed; installing without it "
                       f"(the torch backend is used instead). Error: {error}")
-            self._write_info(error)
+            smoke = None if error else self._smoke()
+            self._write_info(error, smoke)
+
+        def _smoke(self):
+            """Load the built module in a child process, run an op and make an input check with a number in its
+            message fail (fastgrad/_smoke.py): a compiler whose C++ runtime does not match torch's gives a module
+            that builds and imports, then crashes there. Recorded in the build info; the module checks itself
+            again at its first load, where the result is cached per build."""
+            smoke = _load_smoke()
+            path = self.get_ext_fullpath(EXT_NAME)
+            if not os.path.exists(path):
+                return None
+            if smoke.mode() == "skip":
+                result = {"ok": True, "reason": None, "skipped": True}
+            else:
+                result = smoke.run(path, compilers=_compilers())
+            record = {"ok": result["ok"], "reason": result["reason"], "skipped": bool(result.get("skipped"))}
+            if result["ok"]:
+                _note("smoke test of the built extension: " + ("skipped" if record["skipped"] else "passed"))
+            else:
+                _note(f"WARNING: {result['reason']}. fastgrad will not load this build (it falls back to its Triton "
+                      "and torch backends with a warning).")
+                if want:
+                    raise RuntimeError(f"FASTGRAD_BUILD_EXT=1 but the built extension is not usable: {result['reason']}")
+            return record
 
         def _info_path(self):
             return os.path.join(os.path.dirname(self.get_ext_fullpath(EXT_NAME)), INFO_NAME)
 
-        def _write_info(self, error):
-            data = dict(info, built=error is None, build_error=error)
+        def _write_info(self, error, smoke=None):
+            data = dict(info, built=error is None, build_error=error, smoke=smoke)
             path = self._info_path()
             targets = [path]
             if self.inplace or getattr(self, "editable_mode", False):

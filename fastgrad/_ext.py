@@ -16,7 +16,7 @@ import warnings
 from types import ModuleType
 
 _lock = threading.Lock()
-_state: dict = {"done": False, "module": None, "error": None}
+_state: dict = {"done": False, "module": None, "error": None, "smoke": None}
 
 INFO_FILE = "_build_info.json"
 
@@ -28,20 +28,57 @@ BUILD_COMMAND = ("pip install --no-build-isolation -e .  (from a source checkout
 
 
 def load() -> ModuleType | None:
-    """Import ``fastgrad._C`` once (and register the fakes); None when it is not available."""
+    """Import ``fastgrad._C`` once (and register the fakes); None when it is not available.
+
+    Before the first import the build is smoke-checked in a child process (fastgrad/_smoke.py, cached per build):
+    a build that crashes or fails there is never imported, and its backends (cpu, cuda, the compiled host scan)
+    are declined with one RuntimeWarning that names the cause and the fix."""
     if _state["done"]:
         return _state["module"]
     with _lock:
         if not _state["done"]:
             try:
-                mod = importlib.import_module("fastgrad._C")
-                _register_fakes()
-                _state["module"] = mod
+                declined = _smoke_check()
+                if declined is not None:
+                    _state["error"] = declined
+                    _warn_declined(declined)
+                else:
+                    mod = importlib.import_module("fastgrad._C")
+                    _register_fakes()
+                    _state["module"] = mod
             except Exception as exc:  # noqa: BLE001 - any import/registration failure means "not usable"
                 _state["error"] = _describe(exc)
                 _warn_missing(_state["error"])
             _state["done"] = True
     return _state["module"]
+
+
+def _smoke_check() -> str | None:
+    """Why the built module must not be loaded (its smoke check failed), or None (passed, skipped, or nothing is
+    built: the import then says so)."""
+    import importlib.util
+
+    import torch
+
+    from . import _smoke
+
+    spec = importlib.util.find_spec("fastgrad._C")
+    if spec is None or not spec.origin or not os.path.exists(spec.origin):
+        return None
+    compilers = _recorded().get("compilers")
+    result = _smoke.check(spec.origin, torch.__version__, compilers=compilers)
+    _state["smoke"] = result
+    return None if result["ok"] else result["reason"]
+
+
+def _warn_declined(reason: str) -> None:
+    """Once per process (load() runs its body once). Not silenced by FASTGRAD_NO_EXT_WARNING: a build that
+    crashes is a fault to fix, not a missing speed-up."""
+    from . import _smoke
+
+    warnings.warn(f"fastgrad: {reason}. The cpu and cuda backends are off in this process; fastgrad runs on its "
+                  f"Triton and torch backends (python -m fastgrad.info shows this; {_smoke.ENV}=0 skips the check).",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _warn_missing(error: str) -> None:
@@ -118,7 +155,9 @@ def build_info() -> dict:
     loaded module), ``torch``/``cuda``/``archs`` (as recorded at build time, None when unknown), ``sass`` and
     ``ptx`` (the code the CUDA kernels carry), ``arch_source`` (default, TORCH_CUDA_ARCH_LIST or
     FASTGRAD_CUDA_ARCHS),
-    ``torch_now`` (the running torch), ``path`` (the module file), ``load_error`` and ``build_error``.
+    ``torch_now`` (the running torch), ``path`` (the module file), ``load_error`` and ``build_error``,
+    ``smoke`` (this process's smoke check: ok, reason, cached, cache; None when nothing was checked),
+    ``smoke_at_build`` (setup.py's) and ``compilers`` (CC/CXX of the build).
     """
     import torch
 
@@ -138,9 +177,13 @@ def build_info() -> dict:
         "arch_source": recorded.get("arch_source"),
         "cuda_skipped_because": recorded.get("cuda_skipped_because"),
         "torch_now": torch.__version__,
-        "path": getattr(mod, "__file__", None),
+        "path": getattr(mod, "__file__", None) or (_state.get("smoke") or {}).get("path"),
         "load_error": _state["error"],
         "build_error": recorded.get("build_error"),
+        # the smoke check of this process's first load (None: nothing built to check), and the build's own
+        "smoke": _state.get("smoke"),
+        "smoke_at_build": recorded.get("smoke"),
+        "compilers": recorded.get("compilers"),
     }
 
 

@@ -19,6 +19,18 @@ from .backends import Backend
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+#: Every wrong-device error of fastgrad, from the compiled kernels (csrc/cpu/kernels.h ``wrong_device``) and
+#: from the Python checks (:func:`wrong_device_message`), reads "fastgrad::<op>: <what> [<index>] is on <device>,
+#: expected <device>"; tests/test_ext.py holds every op to this pattern.
+WRONG_DEVICE_PATTERN = r"fastgrad::\w+: \w+(?: \d+)? is on \S+, expected \S+"
+
+
+def wrong_device_message(op: str, what: str, index: int | None, got, expected) -> str:
+    """The wrong-device wording of the compiled kernels, for the checks made in Python."""
+    item = what if index is None else f"{what} {index}"
+    return f"fastgrad::{op}: {item} is on {got}, expected {expected}"
+
+
 # ---------------------------------------------------------------- collecting
 def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
     """torch's handling of ``parameters``: one tensor, an iterable, or a generator (consumed once; an empty

@@ -67,8 +67,14 @@ def describe() -> str:
     if not _state["enabled"]:
         return f"Python loops ({_ENV}=0)"
     mod = _ext.load()
-    if mod is None or not hasattr(mod, "scan"):
-        return "Python loops (fastgrad._C not built; calls on long lists pay ~0.1 us per tensor per pass)"
+    if mod is None:
+        err = _ext.load_error() or ""
+        why = ("declined: its smoke test failed, see the extension's load error" if "smoke test" in err
+               else "not built" if "is not built" in err else "not loadable, see the extension's load error")
+        return f"Python loops (fastgrad._C {why}; calls on long lists pay ~0.1 us per tensor per pass)"
+    if not hasattr(mod, "scan"):
+        return ("Python loops (this fastgrad._C has no host helpers; calls on long lists pay ~0.1 us per tensor per "
+                "pass)")
     return "compiled (fastgrad._C: one C++ pass per call for plain tensors on one device)"
 
 

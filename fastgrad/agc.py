@@ -43,12 +43,14 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
         pairs = [(w, w.grad) for w in params if w.grad is not None]
         ws = [w.detach() for w, _ in pairs]
         gs = [g for _, g in pairs]
-        for w, g in pairs:
-            if w.shape != g.shape or w.device != g.device:
+        for i, (w, g) in enumerate(pairs):
+            if w.shape != g.shape:
                 raise ValueError(
                     f"a gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter of "
                     f"shape {tuple(w.shape)} on {w.device}"
                 )
+            if w.device != g.device:
+                raise ValueError(I.wrong_device_message("adaptive_clip_grad_", "parameter", i, w.device, g.device))
     if not gs:
         return None
     # a Checked list (the compiled scan) holds dense tensors only: no per-tensor Python on the usual path

@@ -47,7 +47,8 @@ def collect() -> dict:
     info["measured_order"] = {dev: {op: list(o) for op, o in ops.items()}
                               for dev, ops in backends.MEASURED_ORDER.items()}
     info["long_list"] = {"min_tensors": backends.LONG_LIST_MIN,
-                         "order": {dev: list(o) for dev, o in backends.MEASURED_LONG_ORDER.items()}}
+                         "order": {dev: {op: list(o) for op, o in ops.items()}
+                                   for dev, ops in backends.MEASURED_LONG_ORDER.items()}}
     info["default_backend"] = backends.get_default_backend() or "automatic"
     from . import patch
 
@@ -131,8 +132,21 @@ _EXT_LABELS = (
     ("built", "importable"), ("path", "module"), ("cpu_kernels", "C++ kernels"), ("cuda_kernels", "CUDA kernels"),
     ("sass", "SASS (machine code)"), ("ptx", "PTX (JIT for newer GPUs)"), ("arch_source", "archs chosen by"),
     ("cuda_skipped_because", "no CUDA kernels because"), ("torch", "built against torch"), ("cuda", "built with CUDA"),
-    ("torch_now", "running torch"), ("load_error", "load error"), ("build_error", "build error"),
+    ("torch_now", "running torch"), ("compilers", "built with compilers"), ("smoke", "smoke test"),
+    ("smoke_at_build", "smoke test at build"), ("load_error", "load error"), ("build_error", "build error"),
 )
+
+
+def smoke_text(result) -> str | None:
+    """One line for a smoke check result (fastgrad/_smoke.py), None when there is none."""
+    if not result:
+        return None
+    if result.get("skipped"):
+        return "skipped (FASTGRAD_EXT_SMOKE=0)"
+    if "cached" not in result:  # setup.py's record
+        return "passed" if result.get("ok") else f"FAILED: {result.get('reason')}"
+    where = f"cached in {result['cache']}" if result.get("cached") else "run now"
+    return f"passed ({where})" if result.get("ok") else f"FAILED ({where}): {result.get('reason')}"
 
 
 def render(info: dict) -> str:
@@ -148,10 +162,11 @@ def render(info: dict) -> str:
     for key, label in _EXT_LABELS:
         if key in ext:
             shown.add(key)
-            if key in ("sass", "ptx", "arch_source", "cuda_skipped_because", "load_error", "build_error") \
-                    and not ext[key]:
+            value = smoke_text(ext[key]) if key in ("smoke", "smoke_at_build") else ext[key]
+            if key in ("sass", "ptx", "arch_source", "cuda_skipped_because", "load_error", "build_error", "compilers",
+                       "smoke", "smoke_at_build") and not value:
                 continue
-            lines.append(f"  {label + ':':26s} {_fmt(ext[key])}")
+            lines.append(f"  {label + ':':26s} {_fmt(value)}")
     for key, value in ext.items():
         if key not in shown and key != "archs":
             lines.append(f"  {key + ':':26s} {_fmt(value)}")
@@ -166,8 +181,9 @@ def render(info: dict) -> str:
         for dev, ops in info["measured_order"].items():
             lines.append(f"  {dev} tensors, per op (measured, fastgrad.backends.MEASURED_ORDER): "
                          + "; ".join(f"{op} {'>'.join(o)}" for op, o in ops.items()))
-        for dev, o in info["long_list"]["order"].items():
-            lines.append(f"  {dev} tensors, lists of {info['long_list']['min_tensors']}+ tensors: {' > '.join(o)}")
+        for dev, ops in info["long_list"]["order"].items():
+            lines.append(f"  {dev} tensors, lists of {info['long_list']['min_tensors']}+ tensors, per op: "
+                         + "; ".join(f"{op} {'>'.join(o)}" for op, o in ops.items()))
     elif info["measured_order"]:
         # the per-op CUDA order means nothing without a GPU: one line saying where it applies
         lines.append("  (on CUDA machines the order is measured per op: fastgrad.backends.MEASURED_ORDER, "

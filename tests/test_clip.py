@@ -31,9 +31,13 @@ def _check_clip_result(ours_params, torch_params, orig, total, total_torch, max_
     o_total, o_grads = oracle.clipped(og, max_norm, p)
     assert total.dtype == total_torch.dtype and total.device == total_torch.device and total.dim() == 0
     assert_no_worse_than(total, total_torch, o_total, total.dtype, "total norm", norm_ulps(p, o_total))
+    # For p < 1 the clipped gradients carry the total's slack: each is scaled by a coefficient computed from the
+    # total, and the H100 run's triton p = 0.5 fp32 case shows a correctly rounded total giving an element 2.0 ulps
+    # off where torch's total (off itself) happened to land exactly.
+    g_ulps = norm_ulps(p, o_total) + 1.0 if 0 < p < 1 else 1.0
     for g, gt, go in zip(grads(ours_params), grads(torch_params), o_grads):
         assert g.dtype == gt.dtype and g.shape == gt.shape and g.stride() == gt.stride()
-        assert_no_worse_than(g, gt, go, g.dtype, "clipped gradient")
+        assert_no_worse_than(g, gt, go, g.dtype, "clipped gradient", g_ulps)
     rtol = rtol_vs_torch(dtype)
     if rtol is not None:
         assert_close_to_torch(total, total_torch, o_total, rtol, "total norm vs torch")

@@ -287,7 +287,7 @@ def test_other_launch_errors_are_not_swallowed(standin):
     ("fastgrad::norm CUDA launch failed: cudaErrorUnsupportedPtxVersion: the provided PTX was compiled with an "
      "unsupported toolchain.", True),
     ("CUDA out of memory", False),
-    ("fastgrad::norm: all tensors must be on cuda:0", False),
+    ("fastgrad::norm: tensor 3 is on cuda:1, expected cuda:0", False),
 ])
 def test_no_image_error_classification(text, expected):
     assert ext_backend.is_no_image_error(RuntimeError(text)) is expected
@@ -359,24 +359,46 @@ def test_missing_extension_warns_once_with_the_build_command(quiet):
 RUN_GPU = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_run_gpu_picks_the_system_compilers(tmp_path):
-    # A fake "g++" first on PATH stands for the GPU image's wrapper; only the compiler choice is run (the
-    # STAGES list names nothing, so every stage is skipped).
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "g++").write_text("#!/bin/sh\nexit 1\n")
-    (fake / "g++").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", STAGES="none")
-    env.pop("CXX", None)
-    env.pop("CC", None)
-    out = subprocess.run(["bash", RUN_GPU, str(tmp_path / "out")], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    if os.path.exists("/usr/bin/g++") and os.path.exists("/usr/bin/gcc"):
-        assert "CC=/usr/bin/gcc CXX=/usr/bin/g++" in summary
-    # A caller's CXX is left alone.
-    env["CXX"] = "/some/other/g++"
-    subprocess.run(["bash", RUN_GPU, str(tmp_path / "out2")], capture_output=True, text=True, env=env, timeout=120)
-    assert "CXX=/some/other/g++" in (tmp_path / "out2" / "summary.txt").read_text()
+# A stand-in for python: "pip install" "builds" a module (a file naming the C++ compiler it was built with); the
+# smoke check (a script on stdin) fails for a module built with the compiler in BAD_CXX, as the GPU image's
+# /opt/gcc g++ gives a module that crashes.
+_FAKE_PY = """#!/bin/bash
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$CXX" > "$FAKE_SO"; exit 0; fi
+if [ "$1" = "-" ]; then
+    cat > /dev/null
+    if [ "$(cat "$FAKE_SO")" = "$BAD_CXX" ]; then echo "smoke: crashed with SIGSEGV"; exit 1; fi
+    echo "smoke: passed"; exit 0
+fi
+exit 0
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or not os.access("/usr/bin/g++", os.X_OK)
+                    or not os.access("/usr/bin/gcc", os.X_OK), reason="needs bash and /usr/bin/gcc, g++")
+def test_run_gpu_keeps_the_first_compiler_that_passes_the_smoke_check(tmp_path):
+    # The script runs from a copy of its folder layout (its install stage cleans the build outputs there).
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(RUN_GPU, repo / "benchmarks" / "run_gpu.sh")
+    py = tmp_path / "python"
+    py.write_text(_FAKE_PY)
+    py.chmod(0o755)
+    image = {"CC": "/opt/gcc/bin/gcc", "CXX": "/opt/gcc/bin/g++"}
+
+    def run(out, bad):
+        env = dict(os.environ, PYTHON=str(py), STAGES="install", BAD_CXX=bad, FAKE_SO=str(tmp_path / "so"), **image)
+        res = subprocess.run(["bash", str(repo / "benchmarks" / "run_gpu.sh"), str(tmp_path / out)],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return (tmp_path / out / "summary.txt").read_text()
+
+    # The image's compilers are set and build a module that crashes: rejected by the smoke check, not kept
+    # because CC/CXX are set; the distribution's are kept and exported to the later stages.
+    summary = run("out", image["CXX"])
+    assert "rejected: CC=/opt/gcc/bin/gcc CXX=/opt/gcc/bin/g++" in summary
+    assert "kept: CC=/usr/bin/gcc CXX=/usr/bin/g++ (smoke check passed)" in summary
+    assert "compilers: CC=/usr/bin/gcc CXX=/usr/bin/g++" in summary
+    # Compilers from the environment that pass are kept, with no second build.
+    summary = run("out2", "none")
+    assert "kept: CC=/opt/gcc/bin/gcc CXX=/opt/gcc/bin/g++" in summary and "/usr/bin/g++" not in summary
+    assert summary.count("== build with") == 1

@@ -20,13 +20,23 @@ from .helpers import assert_no_worse_than, bits, clone_params, grads, make_param
 
 # Both CUDA backends keep their tensor tables cached on the device, so both capture (after a warm-up call).
 CUDA_BACKENDS = [b for b, d in BACKEND_DEVICES if d == "cuda"]
-pytestmark = [
+_CUDA_MARKS = (
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(not CUDA_BACKENDS, reason="no fastgrad backend serves CUDA tensors"),
-]
+)
+
+
+def cuda_test(fn):
+    """Every test here but the CPU check of the replay sets needs a CUDA device."""
+    for mark in _CUDA_MARKS:
+        fn = mark(fn)
+    return fn
+
+
 backend_param = pytest.mark.parametrize("backend", CUDA_BACKENDS or ["none"])
 
 
+@cuda_test
 def test_cuda_backend_capture_needs_a_warm_up():
     # A list the cuda backend has never seen would need a host-to-device table copy inside the capture.
     if ("cuda", "cuda") not in BACKEND_DEVICES:
@@ -41,8 +51,15 @@ SHAPES = [(1025,), (64, 33), (7,), (0,), (4, 3, 3, 3), (65537,)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _params(seed, dtypes=(torch.float32,), scale=1.0):
-    return make_params(SHAPES, list(dtypes), "cuda", seed=seed, scale=scale)
+def _params(seed, dtypes=(torch.float32,), scale=1.0, device="cuda"):
+    return make_params(SHAPES, list(dtypes), device, seed=seed, scale=scale)
+
+
+# Gradient sets of the replay test: (seed, scale) that clip at max_norm 1 (scale 5) and that do not. The L1 norm of
+# ~69,000 elements of scale s is ~0.8 * 69,000 * s, so "does not clip" needs s below ~1.8e-5 for p = 1 (the H100 run
+# of 2026-11-25 used 1e-4: L1 5.5, so those sets clipped):
+# test_replay_sets_clip_as_labelled checks every set against the float64 oracle on the CPU.
+REPLAY_SETS = [(1, 5.0), (2, 1e-5), (3, 5.0), (4, 1e-5)]
 
 
 def _capture(fn):
@@ -65,13 +82,14 @@ def _load(static, source):
             p.grad.copy_(q.grad)
 
 
+@cuda_test
 @backend_param
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
 def test_clip_grad_norm_capture_and_replay(backend, norm_type):
     static = _params(0, DTYPES)
     graph, total = _capture(lambda: fastgrad.clip_grad_norm_(static, 1.0, norm_type, backend=backend))
-    # Gradient sets that clip (scale 5) and that do not (scale 1e-4): the choice is made on the device.
-    for seed, scale in [(1, 5.0), (2, 1e-4), (3, 5.0), (4, 1e-4)]:
+    # Gradient sets that clip and that do not (REPLAY_SETS): the choice is made on the device.
+    for seed, scale in REPLAY_SETS:
         fresh = _params(seed, DTYPES, scale)
         eager = clone_params(fresh)
         inputs = [g.clone() for g in grads(fresh)]
@@ -93,6 +111,7 @@ def test_clip_grad_norm_capture_and_replay(backend, norm_type):
                 assert torch.equal(bits(a), bits(g))
 
 
+@cuda_test
 @backend_param
 def test_clip_grad_value_and_norm_pieces_capture(backend):
     static = _params(0)
@@ -118,6 +137,7 @@ def test_clip_grad_value_and_norm_pieces_capture(backend):
             assert torch.equal(bits(a), bits(b))
 
 
+@cuda_test
 @backend_param
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scaler_unscale_and_clip_capture_and_replay(backend, dtype):
@@ -154,6 +174,7 @@ def test_scaler_unscale_and_clip_capture_and_replay(backend, dtype):
             assert torch.equal(bits(a), bits(b)), f"replayed AMP path differs from eager (seed {seed})"
 
 
+@cuda_test
 def test_cuda_clip_norm_op_capture_replays_the_op_sequence():
     # The fused op under capture: each replay must give what the step-by-step path (norm op, torch's
     # coefficient, scale_ op) gives eagerly on the same values, clipping or not.
@@ -180,6 +201,7 @@ def test_cuda_clip_norm_op_capture_replays_the_op_sequence():
             assert torch.equal(bits(a), bits(b)), f"replay differs from the op sequence (seed {seed})"
 
 
+@cuda_test
 @backend_param
 @pytest.mark.parametrize("write", [True, False], ids=["write", "no-write"])
 def test_amp_clip_primitive_capture_replays_the_composition(backend, write):
@@ -211,3 +233,12 @@ def test_amp_clip_primitive_capture_replays_the_composition(backend, write):
         assert float(found) == float(overflow)
         for a, r in zip(grads(static), ref):
             assert torch.equal(bits(a), bits(r)), f"replay differs from the composition (seed {seed})"
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+def test_replay_sets_clip_as_labelled(norm_type):
+    # The replay test's premise, on the CPU from the same seeded values: by the float64 oracle a set clips at
+    # max_norm 1 exactly when its scale says so (the L1 norm of the 1e-4 sets was 5.5, so they clipped).
+    for seed, scale in REPLAY_SETS:
+        total = oracle.total_norm(grads(_params(seed, DTYPES, scale, device="cpu")), norm_type)
+        assert (total > 1.0) == (scale > 1.0), (seed, scale, norm_type, total)

@@ -22,7 +22,7 @@ ROOT = Path(fastgrad.__file__).resolve().parent
 # Bottom first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[list[str]] = [
     # 0: no fastgrad imports: build facts, torch's captured functions
-    ["fastgrad._archs", "fastgrad._torch_fns"],
+    ["fastgrad._archs", "fastgrad._smoke", "fastgrad._torch_fns"],
     # 1: the compiled extension's loader
     ["fastgrad._ext"],
     # 2: one-pass list scans (the registry hands its selector down to it: _scan.set_selector)

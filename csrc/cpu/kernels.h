@@ -12,10 +12,22 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
 namespace fastgrad {
+
+// The one wording of a wrong-device error, for every op of the CPU and CUDA kernels (fastgrad/_inputs.py
+// wrong_device_message spells it the same for the Python checks): "fastgrad::<op>: <what> [<index>] is on
+// <device>, expected <expected>". Called only once a check has failed, so the message costs nothing otherwise;
+// index < 0 leaves the index out (a single argument such as the factor).
+inline void wrong_device(const char* op, const char* what, int64_t index, const c10::Device& got,
+                         const std::string& expected) {
+  if (index >= 0) TORCH_CHECK(false, "fastgrad::", op, ": ", what, " ", index, " is on ", got, ", expected ", expected);
+  TORCH_CHECK(false, "fastgrad::", op, ": ", what, " is on ", got, ", expected ", expected);
+}
+
 namespace cpu {
 
 // Elements per work item. Big enough to amortise scheduling, small enough to balance two cores on

@@ -45,10 +45,15 @@ inline double finalize(Mode m, double s, double p) {
   }
 }
 
-void check_cpu(TensorList ts, const char* op) {
-  for (const auto& t : ts)
-    TORCH_CHECK(t.device().is_cpu(), "fastgrad::", op, " (CPU kernel): all tensors must be on the CPU, got ",
-                t.device());
+void check_cpu(TensorList ts, const char* op, const char* what = "tensor") {
+  for (size_t i = 0; i < ts.size(); ++i)
+    if (!ts[i].device().is_cpu()) wrong_device(op, what, static_cast<int64_t>(i), ts[i].device(), "cpu");
+}
+
+// A one-element CPU tensor argument (inv_scale, factor): the number of elements is in the message.
+void check_cpu_scalar(const Tensor& s, const char* op, const char* name) {
+  if (!s.device().is_cpu()) wrong_device(op, name, -1, s.device(), "cpu");
+  TORCH_CHECK(s.numel() == 1, "fastgrad::", op, ": ", name, " must have exactly one element, got ", s.numel());
 }
 
 int64_t total_numel(const std::vector<Flat>& fl) {
@@ -171,8 +176,7 @@ std::vector<double> amp_partials(const std::vector<Flat>& fl, const std::vector<
 }
 
 double amp_inv(const Tensor& inv_scale, const char* op) {
-  TORCH_CHECK(inv_scale.device().is_cpu() && inv_scale.numel() == 1,
-              "fastgrad::", op, ": inv_scale must be a one-element CPU tensor");
+  check_cpu_scalar(inv_scale, op, "inv_scale");
   return inv_scale.item<double>();  // CPU memory: no device sync involved
 }
 
@@ -192,8 +196,7 @@ std::tuple<Tensor, Tensor> amp_norm_cpu(TensorList tensors, const Tensor& inv_sc
 // ------------------------------------------------------------------------------------ elementwise
 void scale_cpu(TensorList tensors, const Tensor& factor) {
   check_cpu(tensors, "scale_");
-  TORCH_CHECK(factor.device().is_cpu() && factor.numel() == 1,
-              "fastgrad::scale_: factor must be a one-element CPU tensor");
+  check_cpu_scalar(factor, "scale_", "factor");
   const double f = factor.item<double>();
   // Multiplying by exactly 1 changes nothing: skip the memory entirely (the "not clipping" case).
   if (f == 1.0) return;
@@ -310,8 +313,8 @@ void row_apply(const RowPlan& pl, const std::vector<Flat>& fl, const std::vector
 }
 
 void agc_cpu(TensorList params, TensorList grads, double clip_factor, double eps, double p) {
-  check_cpu(params, "agc_");
-  check_cpu(grads, "agc_");
+  check_cpu(params, "agc_", "parameter");
+  check_cpu(grads, "agc_", "gradient");
   TORCH_CHECK(params.size() == grads.size(), "fastgrad::agc_: params and grads differ in length");
   const size_t nt = grads.size();
   std::vector<Flat> fw, fg;

@@ -61,16 +61,22 @@ void check(int err, const char* op) {
 // Every tensor on one CUDA device. (An op whose only CUDA argument is a scalar tensor, e.g. scale_ with a
 // CUDA factor, can be dispatched here with CPU or no tensors in its list; those are refused or handled
 // by the callers before anything reads tensors[0].)
-void check_device(TensorList ts, const char* op) {
+void check_device(TensorList ts, const char* op, const char* what = "tensor") {
   TORCH_CHECK(!ts.empty(), "fastgrad::", op, " (CUDA kernel): empty tensor list");
   const auto dev = ts[0].device();
-  TORCH_CHECK(dev.is_cuda(), "fastgrad::", op, " (CUDA kernel): tensors must be CUDA tensors, got ", dev);
-  for (const auto& t : ts)
-    TORCH_CHECK(t.device() == dev, "fastgrad::", op, ": all tensors must be on ", dev, ", got ", t.device());
+  if (!dev.is_cuda()) wrong_device(op, what, 0, dev, "cuda");
+  for (size_t i = 1; i < ts.size(); ++i)
+    if (ts[i].device() != dev) wrong_device(op, what, static_cast<int64_t>(i), ts[i].device(), dev.str());
 }
 
+// A one-element argument the kernels read on the device (inv_scale, factor): on `dev`, the tensors' device (a
+// CPU scalar would be an illegal address there).
 void check_scalar(const Tensor& s, const char* op, const char* name) {
   TORCH_CHECK(s.numel() == 1, "fastgrad::", op, ": ", name, " must have exactly one element, got ", s.numel());
+}
+
+void check_scalar_on(const Tensor& s, const at::Device& dev, const char* op, const char* name) {
+  if (s.device() != dev) wrong_device(op, name, -1, s.device(), dev.str());
 }
 
 // The Seg table, planned on the host, in device memory.
@@ -299,6 +305,7 @@ std::tuple<Tensor, Tensor> amp_norm_cuda(TensorList tensors, const Tensor& inv_s
     return {at::zeros({}, opts), at::zeros({}, opts)};
   }
   check_device(tensors, "amp_norm");
+  check_scalar_on(inv_scale, tensors[0].device(), "amp_norm", "inv_scale");
   Tensor found;
   Tensor total = std::get<0>(norm_impl(tensors, &inv_scale, p, &found));
   return {total, found};
@@ -309,6 +316,7 @@ void scale_cuda(TensorList tensors, const Tensor& factor) {
   if (tensors.empty()) return;
   check_device(tensors, "scale_");
   const at::Device dev = tensors[0].device();
+  check_scalar_on(factor, dev, "scale_", "factor");
   c10::cuda::CUDAGuard guard(dev);
   Tensor f = factor.to(dev, factor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   std::vector<Flat> fl;
@@ -346,6 +354,7 @@ std::tuple<Tensor, Tensor, Tensor> amp_clip_cuda(TensorList grads, const Tensor&
   check_scalar(inv_scale, "amp_clip_", "inv_scale");
   check_device(grads, "amp_clip_");
   const at::Device dev = grads[0].device();
+  check_scalar_on(inv_scale, dev, "amp_clip_", "inv_scale");
   c10::cuda::CUDAGuard guard(dev);
   std::vector<Flat> fl;
   std::vector<fgcuda::Seg> segs = whole_segs(grads, write, &fl);
@@ -376,8 +385,8 @@ void clip_value_cuda(TensorList tensors, double c) {
 }
 
 void agc_cuda(TensorList params, TensorList grads, double clip_factor, double eps, double p) {
-  check_device(grads, "agc_");
-  check_device(params, "agc_");
+  check_device(grads, "agc_", "gradient");
+  check_device(params, "agc_", "parameter");
   TORCH_CHECK(params.size() == grads.size(), "fastgrad::agc_: params and grads differ in length");
   const at::Device dev = grads[0].device();
   c10::cuda::CUDAGuard guard(dev);
@@ -387,8 +396,7 @@ void agc_cuda(TensorList params, TensorList grads, double clip_factor, double ep
     TORCH_CHECK(params[i].sizes() == grads[i].sizes(), "fastgrad::agc_: param and grad shapes differ");
     // The kernel dereferences both pointers: a parameter on the CPU or on another GPU would be an illegal
     // address (or a silent host read where unified memory allows it).
-    TORCH_CHECK(params[i].device() == dev, "fastgrad::agc_: parameter ", i, " is on ", params[i].device(),
-                ", its gradient on ", dev);
+    if (params[i].device() != dev) wrong_device("agc_", "parameter", static_cast<int64_t>(i), params[i].device(), dev.str());
     fw.push_back(cpu::flat_rows(params[i], false));
     fg.push_back(cpu::flat_rows(grads[i], true));
     const int64_t rows = grads[i].dim() <= 1 ? 1 : grads[i].size(0);

@@ -401,7 +401,11 @@ void launch_reduce(int mode, unsigned grid, cudaStream_t st, const Seg* segs, in
     case kL1: k_reduce<kL1, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
     case kL2: k_reduce<kL2, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
     case kInf: k_reduce<kInf, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
-    default: k_reduce<kP, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
+    // Fractional and other p: terms and per-thread sums in double (compensated) for every dtype. In float a
+    // thread's 128-term run costs a few ulps of the power sum, which the root multiplies by 1/p (the H100 run of
+    // 2026-11-25: an fp16 p = 0.5 per-tensor norm 2.55 ulps off, torch 0.45); in double the norm is rounded once,
+    // from a sum exact to ~1e-16, as the Triton kernels (fp64 accumulators) and the CPU's pow already do.
+    default: k_reduce<kP, double, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
   }
 }
 

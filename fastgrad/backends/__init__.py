@@ -39,40 +39,49 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 _FALLBACK_ORDER = ("torch",)
 
-# Automatic order per op, by measurement: the H100 run of 2026-11-22 (python -m fastgrad.bench, all 7
-# workloads, project commit 37a1a7f; gpu-results/2026-11-22-h100/matrix/results.csv in the shared results,
-# summarised in its README). Median ms, cuda vs triton backend:
-#   norm, scale (clip), amp_norm, grad_stats: cuda faster on every workload of <= 291 tensors (e.g. gpt2-124m
-#     norm 0.291 vs 0.307, clip 0.291 vs 0.323, amp_clip 0.738 vs 0.797; llama-7b grad_stats 5.20 vs 12.2);
-#   clip_value: within 5% either way (resnet50 0.228 vs 0.215, gpt2 0.442 vs 0.443): cuda kept first;
-#   agc, centralize (GC): triton faster on all 7 (gpt2 agc 1.34 vs 1.82, llama-7b gc 15.3 vs 18.9);
-#   small-4000 (4,000 tensors, 33 KB each on average): triton faster for every op (norm 0.81 vs 1.27,
-#     clip 1.85 vs 2.79, amp_clip 2.03 vs 2.99, clip_value 1.06 vs 1.59, grad_stats 10.9 vs 12.0).
-# The list length is the one cheap signal (no per-tensor Python): the measured lists have either <= 291
-# or 4,000 tensors, so LONG_LIST_MIN = 1,000 splits them; where exactly between the two the cross-over
-# lies was not measured.
+# Automatic order per op and list-size class, by measurement: the H100 run of 2026-11-25 (project commit 67a8aa3,
+# `python -m fastgrad.bench --compile off --budget 0.25`, all workloads; benchmarks/results/gpu/2026-11-25-h100/
+# matrix/results.csv, machine loaded: load average 67). Derivation: for each (workload, op) the bench times the
+# automatic choice and the other fused backend in the same run; the cuda/triton ratio of their medians is read
+# against their spreads (the half-width of the interval of the median, `spread_pct`), and an order changes only
+# where the difference exceeds both spreads on most workloads of a size class. Median ms, cuda vs triton:
+#   lists of <= 291 tensors (6 workloads: resnet50, vit-b16, gpt2-124m, mixed, llama-1b, llama-7b):
+#     norm, scale (clip), amp_norm (amp_clip): cuda faster on all 6 (gpt2 norm 0.251 vs 0.304, clip 0.281 vs 0.324,
+#       amp_clip 0.683 vs 0.732; llama-1b clip 1.084 vs 1.359);
+#     clip_value: cuda faster or within 4% on all 6 (llama-7b 9.800 vs 9.833);
+#     agc, centralize (GC): cuda faster on all 6, by 7-32% (gpt2 agc 0.840 vs 0.943, gc 0.611 vs 0.773; llama-7b
+#       agc 22.06 vs 31.60, gc 17.82 vs 23.06): the cuda row kernels were rewritten after the 2026-11-22 run, which
+#       had triton first for these two;
+#     grad_stats: cuda ~2x faster on llama-1b/7b (1.73 vs 3.65, 5.66 vs 10.99) and on resnet50 (0.362 vs 0.454);
+#       triton 5-19% faster on gpt2, vit-b16 and mixed, each within about one spread (11-17%): cuda kept first;
+#   lists of >= 1,000 tensors (small-4000: 4,000 tensors of 33 KB on average; host-4000 for clip):
+#     norm, scale, clip_value: triton faster (norm 0.559 vs 0.748, clip 0.911 vs 1.056, clip_value 0.787 vs 1.029,
+#       host-4000 clip 1.474 vs 1.610);
+#     centralize: cuda faster (1.524 vs 1.898, spreads 16% and 12%); agc: cuda 3.503 vs triton 3.771 (spreads
+#       20% and 5%): cuda first for both, as on the short lists;
+#     amp_norm (2.787 vs 2.997, spreads 24% and 37%) and grad_stats (5.31 vs 5.90, spreads 67%): not resolved by this
+#       run; triton kept first, as the 2026-11-22 run measured (amp_clip 2.03 vs 2.99, grad_stats 10.9 vs 12.0).
+# The list length is the one cheap signal (no per-tensor Python): the measured lists have either <= 291 or 4,000
+# tensors, so LONG_LIST_MIN = 1,000 splits them; where exactly between the two the cross-over lies was not measured.
 MEASURED_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {
-        "norm": ("cuda", "triton", "torch"),
-        "amp_norm": ("cuda", "triton", "torch"),
-        "scale": ("cuda", "triton", "torch"),
-        "clip_value": ("cuda", "triton", "torch"),
-        "grad_stats": ("cuda", "triton", "torch"),
-        "agc": ("triton", "cuda", "torch"),
-        "centralize": ("triton", "cuda", "torch"),
-    },
+    "cuda": {op: ("cuda", "triton", "torch") for op in OPS},
 }
-#: Order for lists of at least LONG_LIST_MIN tensors, per device type (every op).
-MEASURED_LONG_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "cuda", "torch")}
+#: Order for lists of at least LONG_LIST_MIN tensors, per device type and op (derived with MEASURED_ORDER above).
+MEASURED_LONG_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {op: (("cuda", "triton", "torch") if op in ("agc", "centralize") else ("triton", "cuda", "torch"))
+             for op in OPS},
+}
 LONG_LIST_MIN = 1000
 
 
 def auto_order(op: str, device_type: str, n_tensors: int) -> tuple[str, ...]:
     """The automatic order of backends for primitive ``op`` on a list of ``n_tensors`` tensors of
     ``device_type``: the measured table where it has an entry, else :data:`AUTO_ORDER`."""
-    if n_tensors >= LONG_LIST_MIN and device_type in MEASURED_LONG_ORDER:
-        return MEASURED_LONG_ORDER[device_type]
-    order = MEASURED_ORDER.get(device_type, {}).get(op)
+    order = None
+    if n_tensors >= LONG_LIST_MIN:
+        order = MEASURED_LONG_ORDER.get(device_type, {}).get(op)
+    if order is None:
+        order = MEASURED_ORDER.get(device_type, {}).get(op)
     return order if order is not None else AUTO_ORDER.get(device_type, _FALLBACK_ORDER)
 
 _REGISTRY: dict[str, Backend] = {}
