@@ -53,7 +53,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],
-    ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops"],
+    ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops", "fastgrad.benchmark.counting"],
     ["fastgrad.benchmark.runner"],
     ["fastgrad.benchmark.report"],
     ["fastgrad.benchmark", "fastgrad.bench"],

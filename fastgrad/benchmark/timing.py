@@ -207,13 +207,13 @@ class Timer:
         assert m is not None
         return m
 
-    def _warm(self, fns, reset, errors) -> list[float]:
+    def _warm(self, fns, resets, errors) -> list[float]:
         """Untimed warm-up calls; returns each function's last warm-up time in seconds."""
         est = [0.0] * len(fns)
         for i, fn in enumerate(fns):
             try:
                 for _ in range(max(self.warmup, 1)):
-                    self._prep(reset)
+                    self._prep(resets[i])
                     t0 = time.perf_counter()
                     fn()
                     self.sync()
@@ -222,7 +222,8 @@ class Timer:
                 errors[i] = exc
         return est
 
-    def rounds(self, fns: list[Callable[[], object]], reset: Callable[[], None] | None = None, *,
+    def rounds(self, fns: list[Callable[[], object]],
+               reset: Callable[[], None] | list[Callable[[], None] | None] | None = None, *,
                pairs: list[tuple[int, int]], min_rounds: int, max_rounds: int, budget_s: float,
                ref: tuple[int, ...] = (), ref_rounds: int | None = None, host: bool = False,
                band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1) -> Rounds:
@@ -231,7 +232,8 @@ class Timer:
         :func:`settled` (at least ``min_rounds`` rounds), or ``budget_s`` seconds of rounds are spent (at
         least ``min_rounds``), or at ``max_rounds``. Functions in ``ref`` (reference implementations, not
         part of the headline) run in the first ``ref_rounds`` rounds only. A function that raises leaves the
-        rotation and its exception is returned; ``reset`` runs before every call, untimed. ``host``: judge
+        rotation and its exception is returned; ``reset`` runs before every call, untimed (a list: one reset per
+        function, e.g. the floor pass's own). ``host``: judge
         the pairs on host times (the host-overhead workloads).
 
         ``inner``: calls per function per round, back to back, of which the round keeps the fastest: the
@@ -242,7 +244,8 @@ class Timer:
         errors: list[BaseException | None] = [None] * n
         dev: list[list] = [[] for _ in range(n)]
         hst: list[list] = [[] for _ in range(n)]
-        est = self._warm(fns, reset, errors)
+        resets = list(reset) if isinstance(reset, (list, tuple)) else [reset] * n
+        est = self._warm(fns, resets, errors)
         if inner is None:
             inner = INNER if max(est, default=0.0) < INNER_BELOW_S else 1
         ref_rounds = min_rounds if ref_rounds is None else ref_rounds
@@ -259,7 +262,7 @@ class Timer:
             for i in order:
                 try:
                     for _ in range(inner):
-                        self._prep(reset)
+                        self._prep(resets[i])
                         got.setdefault(i, []).append(self._once(fns[i]))
                 except Exception as exc:  # noqa: BLE001
                     errors[i] = exc
