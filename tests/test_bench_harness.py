@@ -482,3 +482,18 @@ def test_rounds_stop_when_a_pair_loses_its_baseline():
     t = timing.Timer("cpu", warmup=1)
     rr = t.rounds([boom, ok], pairs=[(0, 1)], min_rounds=3, max_rounds=10_000, budget_s=60)
     assert rr.stopped == "failed" and rr.n_rounds == 3 and calls["ok"] == 1 + 3
+
+
+def test_gpu_goals_table_says_met_and_host_bound():
+    res = _res([
+        {"workload": "gpt2-124m", "op": "norm", "impl": "fastgrad auto", "role": "auto", "median_ms": 0.10,
+         "host_ms": 0.09, "pct_floor": 55.0, "kernels_per_call": 3},
+        {"workload": "gpt2-124m", "op": "gc", "impl": "fastgrad auto", "role": "auto", "median_ms": 0.30,
+         "host_ms": 0.02, "pct_floor": 61.0, "kernels_per_call": 1},
+    ])
+    assert report.goals_table(res) == []  # not a GPU run: the goals do not apply
+    res.meta["device_type"] = "cuda"
+    table = report.goals_table(res)
+    assert table[2].startswith("| gpt2-124m | norm | 60% | 55% | no | 0.100 | 0.090 | 0.90 host-bound | 3 |")
+    assert table[3].startswith("| gpt2-124m | gc | 60% | 61% | yes | 0.300 | 0.020 | 0.07 | 1 |")
+    assert "## % of the floor against the GPU goals" in report.markdown(res)
