@@ -35,11 +35,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto",
                    help="auto (cuda when available, else cpu), cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--quick", action="store_true",
-                   help="24 MiB workloads and fewer rounds (what `make bench` runs) (default: off)")
+                   help="24 MiB workloads, fewer rounds, no reference backends (what `make bench` runs) "
+                        "(default: off)")
     p.add_argument("--workloads", default="all", help="comma list or 'all' (see --list) (default: all)")
     p.add_argument("--ops", default="all", help="comma list or 'all' (see --list) (default: all)")
-    p.add_argument("--backends", default="all",
-                   help="fastgrad backends, comma list or 'all' usable on the device (default: all)")
+    p.add_argument("--backends", default=None,
+                   help="fastgrad backends, comma list or 'all' usable on the device; the ones the automatic "
+                        "choice does not pick are timed as reference rows (default: all; with --quick only the "
+                        "automatic choice's)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="also time torch.compile of each op's headline torch baseline; auto: on CUDA only "
                         "(default: auto)")
@@ -73,6 +76,14 @@ def parser() -> argparse.ArgumentParser:
                    help="print how to read the results (columns, marks, baselines, floor model), then exit "
                         "(default: off)")
     return p
+
+
+def _backends_arg(value: str | None, quick: bool) -> list[str] | None:
+    """``--backends`` as the runner takes it: None (every usable backend), a list, or, for ``--quick``
+    without the option, the empty list (no reference rows: the automatic choice alone, about half the time)."""
+    if value is None:
+        return [] if quick else None
+    return None if value == "all" else _csv(value)
 
 
 def explain_text() -> str:
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {busy}", file=sys.stderr, flush=True)
     cfg = runner.Config(
         device=device, workloads=workloads, ops=ops,
-        backends=None if args.backends == "all" else _csv(args.backends),
+        backends=_backends_arg(args.backends, quick),
         quick=quick,
         max_bytes=None if args.max_mb is None else int(args.max_mb * 2**20),
         compile=use_compile,

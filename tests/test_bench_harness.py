@@ -393,7 +393,8 @@ def test_busy_warning_printed_once_on_its_own_line(monkeypatch, tmp_path, capsys
 def test_host_workload_rows_and_env_backend_ignored(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("FASTGRAD_BACKEND", "torch")
     rc = bench.main(["--quick", "--device", "cpu", "--workloads", "host-4000", "--out", str(tmp_path),
-                     "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "1", "--max-rounds", "1"])
+                     "--backends", "all", "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "1",
+                     "--max-rounds", "1"])
     assert rc == 0
     import os
 

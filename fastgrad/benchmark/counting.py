@@ -3,7 +3,8 @@ launches and the host syncs it makes.
 
 * operators: every ATen (or extension) operator the call reaches through torch's dispatcher, counted by a
   ``TorchDispatchMode`` (composite operators show as the operators they decompose into). Host work per call
-  grows with it; on the CPU it is the count this machine can give.
+  grows with it; on the CPU it is the count this machine can give. A Triton kernel launched from Python is no
+  operator: the kernels count sees it.
 * kernels: CUDA activities of the call in ``torch.profiler`` (kernels, and memcpy/memset, which are launches
   too), without Kineto's own "Activity Buffer Request" row.
 * syncs: warnings ``torch.cuda.set_sync_debug_mode("warn")`` raises, one per host sync (an ``.item()``, a

@@ -104,7 +104,7 @@ def meta_lines(res: Result) -> list[str]:
                      f"(read + write counted; copy {m['copy_gbps']:.1f}, in place {m['inplace_gbps']:.1f}); "
                      f"{m['stream_bytes'] / 2**20:.0f} MiB buffers"
                      + (f"; last-level cache {m['cache_bytes'] / 2**20:.0f} MiB" if m.get("cache_bytes") else ""))
-    lines.append(f"fastgrad backends benchmarked: {', '.join(m['backends']) or 'none'}")
+    lines.append(f"fastgrad backends benchmarked: {', '.join(m['backends']) or 'the automatic choice only'}")
     for b, why in m["backends_not_benchmarked"].items():
         lines.append(f"not benchmarked: {b} ({why})")
     lines += [f"note: {n}" for n in res.notes]
@@ -151,7 +151,8 @@ def legend_lines(res: Result) -> list[str]:
         "  pass does not fit that case; a finding to look into, not a speed.",
         "GB/s: the floor model's bytes (read + written) over the fastest round's time.",
         "per call (the counts, one call per implementation after its timed rounds): ops = torch operators",
-        "  dispatched (TorchDispatchMode); on a GPU also kernels = CUDA kernels, copies and memsets launched",
+        "  dispatched (TorchDispatchMode; a Triton kernel launched from Python is no operator, see kernels);",
+        "  on a GPU also kernels = CUDA kernels, copies and memsets launched",
         "  (torch.profiler) and syncs = host syncs (torch.cuda.set_sync_debug_mode('warn')); '-': not counted",
         "  (kernels and syncs on the CPU, operators of a torch.compile function).",
         "Rows beside the headline: torch.compile and the other torch baselines (each against torch eager), and",
@@ -436,7 +437,8 @@ def _role_of(res: Result, impl: str) -> str:
 
 
 def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, log: bool, ref: float,
-            ref_label: str, title: str, tick_fmt, hatch_of=None, hatch_label: str = "", interval=None) -> None:
+            ref_label: str, title: str, tick_fmt, hatch_of=None, hatch_label: str = "", interval=None,
+            ref_tag: str = "") -> None:
     """One panel per op, one group of bars per workload, one bar per implementation in ``impls``;
     ``value(row)`` gives the bar (NaN: none), ``interval(row)`` its (lo, hi) whisker, ``hatch_of(row)``
     whether it is hatched (one meaning per plot, named by ``hatch_label``)."""
@@ -479,7 +481,8 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
                     b.set_hatch("////")
                     b.set_edgecolor("black")
         ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
-        ax.text(1.0, ref, f" {ref_label}", transform=ax.get_yaxis_transform(), fontsize=7, va="center")
+        if ref_tag:
+            ax.text(1.0, ref, f" {ref_tag}", transform=ax.get_yaxis_transform(), fontsize=7, va="center")
         if log:
             ax.set_yscale("log")
             # Minor labels at 2 and 5 times a power of ten only: all eight crowd into each other.
@@ -531,7 +534,7 @@ def plot(res: Result, path: Path) -> str | None:
         return "no implementation besides torch eager was measured"
     impls = [AUTO] + [i for i in dict.fromkeys(r["impl"] for r in _side_rows(res))]
     _panels(res, path, impls, lambda r: r["speedup"], ylabel="speedup vs torch eager", log=True, ref=1.0,
-            ref_label="1x = torch eager", title="Speedup over torch eager (log scale; > 1 = faster than torch "
+            ref_label="1x = torch eager", ref_tag="eager", title="Speedup over torch eager (log scale; > 1 = faster than torch "
             "eager, the headline torch baseline of each op)",
             tick_fmt=lambda y, _: f"{y:g}x", interval=lambda r: (r["speedup_lo"], r["speedup_hi"]))
     return None
@@ -548,7 +551,7 @@ def plot_floor(res: Result, path: Path) -> str | None:
         return "no floor figure was measured"
     impls = list(dict.fromkeys(r["impl"] for r in res.rows))
     _panels(res, path, impls, lambda r: r["pct_floor"], ylabel="% of the op's floor", log=False,
-            ref=100.0, ref_label="100% = the op's floor", title=(
+            ref=100.0, ref_label="100% = the op's floor", ref_tag="floor", title=(
                 "Share of each op's floor: its floor pass (the op's bytes as contiguous streams over buffers of "
                 "its working set's size,\ntimed in the same rounds) over its time"),
             tick_fmt=lambda y, _: f"{y:g}%", hatch_of=lambda r: r["floor_kind"] == CACHE_FLOOR,

@@ -30,6 +30,7 @@ import importlib.util
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,9 @@ EAGER, COMPILE, AUTO = "torch eager", "torch.compile", "fastgrad auto"
 BASELINE, ALTERNATIVE, COMPILED, AUTOMATIC, REFERENCE = "baseline", "other baseline", "compile", "auto", "reference"
 #: Where an op's floor pass runs from: the CPU's last-level cache (its working set fits there) or memory.
 CACHE_FLOOR, MEMORY_FLOOR = "cache", "memory"
+#: Calls of the floor pass per round on the CPU, the fastest kept: on a busy machine most calls of a few ms are
+#: preempted, and the floor must be the uninterrupted pass (a GPU's device time is not preempted).
+FLOOR_INNER = 5
 #: Working sets below this get no floor figure: there the floor pass's own fixed cost per call (a few torch
 #: operators), not its bytes, sets its time, so it is no floor.
 MIN_FLOOR_BYTES = 1 << 20
@@ -293,6 +297,9 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
     meta["cores"] = cpu_count()
     if cfg.busy_before:
         notes.append(cfg.busy_before)
+    if cfg.backends == []:
+        notes.append("no reference rows: only fastgrad's automatic choice was timed (--backends all adds the "
+                     "other usable backends)")
     # "fastgrad auto" must be the automatic choice: FASTGRAD_BACKEND would override it for the whole run.
     env_backend = os.environ.pop("FASTGRAD_BACKEND", None)
     if env_backend is not None:
@@ -352,7 +359,7 @@ def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, note
         st.save()  # for restoring the ops that write gradients, and the floor pass's buffer
         use_compile = cfg.compile and (cfg.compile_workloads is None or wname in cfg.compile_workloads)
         for op in ops:
-            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, llc))
+            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, llc, meta))
             if progress:
                 progress(f"{wname} {op}")
         del params, st, w
@@ -384,7 +391,7 @@ def floor_kind(device: torch.device, working_set: int, llc: int) -> str:
 
 
 def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, usable: list[str],
-              use_compile: bool, llc: int) -> list[dict]:
+              use_compile: bool, llc: int, meta: dict) -> list[dict]:
     """Every implementation of one (workload, op) and its floor pass, timed in interleaved rounds; rows with
     ratios, verdicts, the % of the op's floor and the counts of one call."""
     spec = O.OPS[op]
@@ -432,7 +439,8 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
     max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
     rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
-                      confidence=cfg.confidence, inner=cfg.inner)
+                      confidence=cfg.confidence, inner=cfg.inner,
+                      min_inner=None if floor_j is None or timer.device.type != "cpu" else {floor_j: FLOOR_INNER})
     st.restore()
     series = rr.host_ms if w.host else rr.dev_ms
     kind = floor_kind(timer.device, working_set, llc) if floor_j is not None else ""
@@ -479,8 +487,11 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
         for r in rows:
             r["note"] = r["note"] or f"no floor: {_failed(rr.errors[floor_j])}"
     if cfg.counts:
+        t0 = time.perf_counter()
         _count(timer.device, rows, idx, fns, rr, reset)
         st.restore()
+        # The run's seconds spent counting (not timing), for the reader of a slow run.
+        meta["count_s"] = round(meta.get("count_s", 0.0) + time.perf_counter() - t0, 2)
     st.release_floor()
     return rows
 

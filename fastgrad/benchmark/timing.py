@@ -226,7 +226,8 @@ class Timer:
                reset: Callable[[], None] | list[Callable[[], None] | None] | None = None, *,
                pairs: list[tuple[int, int]], min_rounds: int, max_rounds: int, budget_s: float,
                ref: tuple[int, ...] = (), ref_rounds: int | None = None, host: bool = False,
-               band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1) -> Rounds:
+               band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1,
+               min_inner: dict[int, int] | None = None) -> Rounds:
         """Time ``fns`` in rounds (each round every live function once, the starting one rotating) after
         ``warmup`` untimed calls each. Stops once every ``(baseline, candidate)`` pair in ``pairs`` is
         :func:`settled` (at least ``min_rounds`` rounds), or ``budget_s`` seconds of rounds are spent (at
@@ -239,7 +240,9 @@ class Timer:
         ``inner``: calls per function per round, back to back, of which the round keeps the fastest: the
         time of a call that the rest of a busy machine did not interrupt (preemption only ever adds time).
         None chooses: :data:`INNER` when the slowest function's warm-up call took under
-        :data:`INNER_BELOW_S`, else 1 (long calls are interrupted every time, and cost too much to repeat)."""
+        :data:`INNER_BELOW_S`, else 1 (long calls are interrupted every time, and cost too much to repeat).
+        ``min_inner``: at least that many calls per round for the functions it names (e.g. the floor pass,
+        short and cheap, whose fastest call should be an uninterrupted one)."""
         n = len(fns)
         errors: list[BaseException | None] = [None] * n
         dev: list[list] = [[] for _ in range(n)]
@@ -261,7 +264,7 @@ class Timer:
             got: dict[int, list[tuple]] = {}
             for i in order:
                 try:
-                    for _ in range(inner):
+                    for _ in range(max(inner, (min_inner or {}).get(i, 0))):
                         self._prep(resets[i])
                         got.setdefault(i, []).append(self._once(fns[i]))
                 except Exception as exc:  # noqa: BLE001
