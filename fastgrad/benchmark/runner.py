@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -54,7 +55,7 @@ BASELINE, ALTERNATIVE, COMPILED, AUTOMATIC, REFERENCE = "baseline", "other basel
 #: Where an op's floor pass runs from: the CPU's last-level cache (its working set fits there) or memory.
 CACHE_FLOOR, MEMORY_FLOOR = "cache", "memory"
 #: Calls of the floor pass per round on the CPU, the fastest kept: on a busy machine most calls of a few ms are
-#: preempted, and the floor must be the uninterrupted pass (a GPU's device time is not preempted).
+#: preempted, and the floor should be an uninterrupted pass (a GPU's device time is not preempted).
 FLOOR_INNER = 5
 #: Working sets below this get no floor figure: there the floor pass's own fixed cost per call (a few torch
 #: operators), not its bytes, sets its time, so it is no floor.
@@ -456,14 +457,12 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
         r.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, rounds=m.reps, inner=rr.inner,
                  spread_pct=100 * (m.host_spread if w.host else m.spread))
         if not w.host:
-            # GB/s and % of the floor from the fastest round of each side: a busy machine's preemptions only
-            # ever add time, and the floor pass and the op are compared over the same rounds.
             moved = spec.floor.bytes_moved(n_bytes, p_bytes)
             r.update(read_mb=spec.floor.bytes_read(n_bytes, p_bytes) / 2**20,
                      written_mb=spec.floor.bytes_written(n_bytes, p_bytes) / 2**20,
-                     gbps=moved / (m.min_ms * 1e-3) / 1e9, floor_kind=kind)
+                     gbps=moved / (m.median_ms * 1e-3) / 1e9, floor_kind=kind)
             if floor_j is not None and rr.errors[floor_j] is None:
-                best = best_pair(series[floor_j], series[j])
+                best = floor_vs_median(series[floor_j], series[j])
                 if best is not None:
                     r.update(floor_ms=best[0], pct_floor=100 * best[0] / best[1])
         b = pos.get(BASELINE)
@@ -496,12 +495,14 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
     return rows
 
 
-def best_pair(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
-    """(fastest floor pass, fastest implementation call) over the rounds where both ran; None if none."""
+def floor_vs_median(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
+    """(the floor pass's fastest call, the implementation's median) over the rounds where both ran; None if
+    none. The floor at its best against the op as it typically runs: a busy machine's preemptions (which only
+    add time) can make this read low, not high; on a quiet machine or a GPU the two ends nearly meet."""
     both = [(f, i) for f, i in zip(floor, impl) if f is not None and i is not None]
     if not both:
         return None
-    return min(f for f, _ in both), min(i for _, i in both)
+    return min(f for f, _ in both), statistics.median(i for _, i in both)
 
 
 def _count(device: torch.device, rows: list[dict], idx: list[int], fns, rr, reset) -> None:
