@@ -438,6 +438,10 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
         floor_j = len(fns) - 1
     # Host-overhead calls take microseconds: many more rounds fit the same budget.
     max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
+    # The floor pass too runs in the first rounds only: its fastest call is what counts, and by then it has
+    # had FLOOR_INNER times as many calls as the implementations.
+    if floor_j is not None:
+        refs = refs + (floor_j,)
     rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
                       confidence=cfg.confidence, inner=cfg.inner,
@@ -496,13 +500,14 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
 
 
 def floor_vs_median(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
-    """(the floor pass's fastest call, the implementation's median) over the rounds where both ran; None if
-    none. The floor at its best against the op as it typically runs: a busy machine's preemptions (which only
+    """(the floor pass's fastest call, the implementation's median over all its rounds); None if either never
+    ran. The floor at its best against the op as it typically runs: a busy machine's preemptions (which only
     add time) can make this read low, not high; on a quiet machine or a GPU the two ends nearly meet."""
-    both = [(f, i) for f, i in zip(floor, impl) if f is not None and i is not None]
-    if not both:
+    f = [x for x in floor if x is not None]
+    i = [x for x in impl if x is not None]
+    if not f or not i:
         return None
-    return min(f for f, _ in both), statistics.median(i for _, i in both)
+    return min(f), statistics.median(i)
 
 
 def _count(device: torch.device, rows: list[dict], idx: list[int], fns, rr, reset) -> None:
