@@ -35,8 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto",
                    help="auto (cuda when available, else cpu), cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--quick", action="store_true",
-                   help="24 MiB workloads, fewer rounds, no reference backends (what `make bench` runs) "
-                        "(default: off)")
+                   help="24 MiB workloads, fewer rounds, no reference backends, 3 rounds of the other torch "
+                        "baselines (what `make bench` runs) (default: off)")
     p.add_argument("--workloads", default="all", help="comma list or 'all' (see --list) (default: all)")
     p.add_argument("--ops", default="all", help="comma list or 'all' (see --list) (default: all)")
     p.add_argument("--backends", default=None,
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         min_rounds=args.min_rounds if args.min_rounds is not None else (6 if quick else 8),
         max_rounds=args.max_rounds if args.max_rounds is not None else (100 if quick else 400),
         warmup=1 if quick else 2,
+        # The own loops are side rows and the slowest calls of a run: --quick gives them a median, no interval.
+        other_rounds=3 if quick else None,
         seed=args.seed,
         busy_before=busy,
         counts=not args.no_counts,

@@ -498,3 +498,19 @@ def test_gpu_goals_table_says_met_and_host_bound():
     assert table[2].startswith("| gpt2-124m | norm | 60% | 55% | no | 0.100 | 0.090 | 0.90 host-bound | 3 |")
     assert table[3].startswith("| gpt2-124m | gc | 60% | 61% | yes | 0.300 | 0.020 | 0.07 | 1 |")
     assert "## % of the floor against the GPU goals" in report.markdown(res)
+
+
+def test_rounds_of_limits_named_functions_to_their_first_rounds():
+    count = collections.Counter()
+
+    def make(name):
+        def f():
+            count[name] += 1
+        return f
+
+    t = timing.Timer("cpu", warmup=1)
+    rr = t.rounds([make("a"), make("b"), make("c")], pairs=[], min_rounds=8, max_rounds=8, budget_s=60,
+                  ref=(2,), ref_rounds=5, rounds_of={1: 3})
+    assert rr.n_rounds == 8
+    assert count == {"a": 1 + 8, "b": 1 + 3, "c": 1 + 5}  # warm-up call + rounds
+    assert [x is None for x in rr.dev_ms[1]] == [False] * 3 + [True] * 5

@@ -78,6 +78,8 @@ class Config:
     max_rounds: int = 200
     #: rounds the reference backends run in (None: min_rounds)
     ref_rounds: int | None = None
+    #: rounds the other torch baselines (the own loops, slow by design) run in (None: as ref_rounds)
+    other_rounds: int | None = None
     warmup: int = 2
     seed: int = 0
     command: str = ""
@@ -445,6 +447,8 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
     rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
                       confidence=cfg.confidence, inner=cfg.inner,
+                      rounds_of=None if cfg.other_rounds is None else {
+                          j: cfg.other_rounds for j, k in enumerate(idx) if impls[k][1] == ALTERNATIVE},
                       min_inner=None if floor_j is None or timer.device.type != "cpu" else {floor_j: FLOOR_INNER})
     st.restore()
     series = rr.host_ms if w.host else rr.dev_ms

@@ -227,7 +227,7 @@ class Timer:
                pairs: list[tuple[int, int]], min_rounds: int, max_rounds: int, budget_s: float,
                ref: tuple[int, ...] = (), ref_rounds: int | None = None, host: bool = False,
                band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1,
-               min_inner: dict[int, int] | None = None) -> Rounds:
+               min_inner: dict[int, int] | None = None, rounds_of: dict[int, int] | None = None) -> Rounds:
         """Time ``fns`` in rounds (each round every live function once, the starting one rotating) after
         ``warmup`` untimed calls each. Stops once every ``(baseline, candidate)`` pair in ``pairs`` is
         :func:`settled` (at least ``min_rounds`` rounds), or ``budget_s`` seconds of rounds are spent (at
@@ -242,7 +242,8 @@ class Timer:
         None chooses: :data:`INNER` when the slowest function's warm-up call took under
         :data:`INNER_BELOW_S`, else 1 (long calls are interrupted every time, and cost too much to repeat).
         ``min_inner``: at least that many calls per round for the functions it names (e.g. the floor pass,
-        short and cheap, whose fastest call should be an uninterrupted one)."""
+        short and cheap, whose fastest call should be an uninterrupted one). ``rounds_of``: the functions it
+        names run in that many first rounds only (overrides ``ref_rounds`` for them)."""
         n = len(fns)
         errors: list[BaseException | None] = [None] * n
         dev: list[list] = [[] for _ in range(n)]
@@ -256,7 +257,8 @@ class Timer:
         stopped = "max_rounds"
         r = 0
         while r < max_rounds:
-            live = [i for i in range(n) if errors[i] is None and (i not in ref or r < ref_rounds)]
+            live = [i for i in range(n) if errors[i] is None
+                    and r < (rounds_of or {}).get(i, ref_rounds if i in ref else max_rounds)]
             if not live:
                 stopped = "failed"
                 break
