@@ -29,6 +29,10 @@ vocab 50,257, tied embedding; ``--size small`` shrinks it for CPU runs) and a Re
 Reported per variant: step time (median, 10th and 90th percentile) and the gradient-management region
 (the clip, or unscale + clip) timed separately: CUDA events for device time on GPU plus perf_counter for
 the host time of the call; perf_counter on CPU. ``share`` is the median clip region over the median step.
+Counted per step and per gradient-management region (``gm_``), in extra steps after the timed ones
+(``fastgrad.benchmark.counting``; ``--no-counts`` skips them): torch operators dispatched (``step_ops``,
+``gm_ops``), and on CUDA the kernels launched (``step_kernels``, ``gm_kernels``, torch.profiler) and host
+syncs (``step_syncs``, ``gm_syncs``, ``torch.cuda.set_sync_debug_mode("warn")``).
 
     python benchmarks/train_step.py --device cuda --model gpt2,resnet50 --out train_step.csv
     python benchmarks/train_step.py --device cpu --model gpt2 --size small --steps 20
@@ -195,6 +199,25 @@ class Clock:
         return (b - a) * 1e3
 
 
+def _counter(kind: str | None):
+    """A wrapper that runs a no-argument call and records what ``kind`` counts ("ops": torch operators;
+    "cuda": kernels and host syncs), or just runs it (None)."""
+    from fastgrad.benchmark import counting
+
+    got = {}
+
+    def run(fn):
+        if kind == "ops":
+            counts = counting.count_ops(fn)
+            got["ops"] = sum(counts.values())
+        elif kind == "cuda":
+            got["kernels"], got["syncs"] = counting.count_cuda(fn)
+        else:
+            fn()
+
+    return run, got
+
+
 def run_variant(name: str, model_name: str, device: torch.device, args):
     import fastgrad
 
@@ -206,10 +229,33 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
     clock = Clock(device)
     steps, clips, hosts, opts, totals = [], [], [], [], []
     backend = args.backend or None
-    total = None
     guard = fastgrad.StepGuard(opt, args.max_norm, skip_factor=10.0) if name.endswith("_guard") else None
+    out = {}
 
-    for i in range(args.warmup + args.steps):
+    def manage():
+        """The gradient-management region of the variant."""
+        if name == "torch":
+            out["total"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        elif name == "fastgrad":
+            out["total"] = fastgrad.clip_grad_norm_(model.parameters(), args.max_norm, backend=backend)
+        elif name == "torch_amp":
+            scaler.unscale_(opt)
+            out["total"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        elif name == "fastgrad_amp":
+            out["total"] = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend)
+        elif name == "fastgrad_zw":
+            out["total"] = fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm, backend=backend)
+        elif name == "fastgrad_amp_zw":
+            out["total"] = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend,
+                                                            zero_write=True)
+        elif guard is not None:
+            out["total"] = guard.clip_(scaler)
+        else:
+            out["total"] = None
+
+    def step(region=None):
+        """One training step; ``region`` wraps the gradient-management call (a counter), untimed callers
+        only. Returns the clock marks and the host time of the region."""
         s0 = clock.mark()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
@@ -217,21 +263,10 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
         (scaler.scale(loss) if amp else loss).backward()
         c0 = clock.mark()
         h0 = time.perf_counter()
-        if name == "torch":
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        elif name == "fastgrad":
-            total = fastgrad.clip_grad_norm_(model.parameters(), args.max_norm, backend=backend)
-        elif name == "torch_amp":
-            scaler.unscale_(opt)
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        elif name == "fastgrad_amp":
-            total = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend)
-        elif name == "fastgrad_zw":
-            total = fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm, backend=backend)
-        elif name == "fastgrad_amp_zw":
-            total = fastgrad.scaler_unscale_and_clip(scaler, opt, args.max_norm, backend=backend, zero_write=True)
-        elif guard is not None:
-            total = guard.clip_(scaler)
+        if region is None:
+            manage()
+        else:
+            region(manage)
         h1 = time.perf_counter()
         c1 = clock.mark()
         if amp:
@@ -240,26 +275,59 @@ def run_variant(name: str, model_name: str, device: torch.device, args):
         else:
             opt.step()
         s1 = clock.mark()
+        out["loss"] = loss
+        return s0, c0, c1, s1, (h1 - h0) * 1e3
+
+    for i in range(args.warmup + args.steps):
+        s0, c0, c1, s1, host = step()
         if clock.cuda:
             torch.cuda.synchronize()  # after the step: the timed region itself has no sync
         if i >= args.warmup:
             steps.append(clock.ms(s0, s1))
             clips.append(clock.ms(c0, c1))
             opts.append(clock.ms(c1, s1))
-            hosts.append((h1 - h0) * 1e3)
-            totals.append(total)
-    last = float(loss.detach())
+            hosts.append(host)
+            totals.append(out["total"])
+    last = float(out["loss"].detach())
     if not math.isfinite(last):
         print(f"warning: {model_name}/{name}: loss is {last}", file=sys.stderr)
     # after timing: how often the clip triggered (torch's rule: coef = max_norm / (norm + 1e-6) < 1)
     clipped = [float(t) + 1e-6 > args.max_norm for t in totals if t is not None]
     clipped_pct = 100.0 * sum(clipped) / len(clipped) if clipped else float("nan")
-    return steps, clips, hosts, opts, clipped_pct, opt_kind, sum(1 for _ in model.parameters())
+    counts = count_variant(step, device) if args.counts else {}
+    return steps, clips, hosts, opts, clipped_pct, opt_kind, sum(1 for _ in model.parameters()), counts
+
+
+def count_variant(step, device: torch.device) -> dict:
+    """Counts per training step and per gradient-management region, from extra steps after the timed ones:
+    torch operators (every device), and on CUDA kernels and host syncs. A whole step is counted with the
+    counter around ``step()``, the region with the counter around the region alone, each in its own step."""
+    from fastgrad.benchmark import counting
+
+    got = {}
+    got["step_ops"] = sum(counting.count_ops(step).values())
+    region, seen = _counter("ops")
+    step(region)
+    got["gm_ops"] = seen["ops"]
+    if device.type == "cuda":
+        got["step_kernels"], got["step_syncs"] = counting.count_cuda(step)
+        region, seen = _counter("cuda")
+        step(region)
+        got["gm_kernels"], got["gm_syncs"] = seen["kernels"], seen["syncs"]
+        torch.cuda.synchronize()
+    return got
 
 
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def _counts_text(c: dict) -> str:
+    """``  per step: kernels 412 (grad mgmt 3), syncs 0 (0), ops 980 (1)``; empty when nothing was counted."""
+    parts = [f"{name} {c[f'step_{name}']} (grad mgmt {c[f'gm_{name}']})" for name in ("kernels", "syncs", "ops")
+             if f"step_{name}" in c]
+    return ("  per step: " + ", ".join(parts)) if parts else ""
 
 
 def main(argv=None) -> int:
@@ -278,6 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="", help="fastgrad backend= (default: automatic)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (CPU; 0: torch's default)")
     ap.add_argument("--out", default="train_step.csv", help="CSV file to write")
+    ap.add_argument("--no-counts", dest="counts", action="store_false",
+                    help="skip the counted steps after the timed ones (torch operators per step and per "
+                         "gradient-management region; on CUDA also kernels and host syncs)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -297,11 +368,13 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     }
     fields = ["model", "size", "variant", "optimizer", "params", "steps", "step_ms_median", "step_ms_p10",
-              "step_ms_p90", "clip_ms_median", "clip_host_ms_median", "clip_share_pct", "opt_ms_median", "clipped_pct"]
+              "step_ms_p90", "clip_ms_median", "clip_host_ms_median", "clip_share_pct", "opt_ms_median", "clipped_pct",
+              "step_ops", "gm_ops", "step_kernels", "gm_kernels", "step_syncs", "gm_syncs"]
     rows = []
     for model_name in [m for m in args.model.split(",") if m]:
         for v in variants:
-            steps, clips, hosts, opts, clipped_pct, opt_kind, nparams = run_variant(v, model_name, device, args)
+            steps, clips, hosts, opts, clipped_pct, opt_kind, nparams, counts = run_variant(v, model_name, device,
+                                                                                              args)
             med = statistics.median(steps)
             clip = statistics.median(clips) if v != "none" else 0.0
             row = {"model": model_name, "size": args.size, "variant": v, "optimizer": opt_kind,
@@ -312,11 +385,13 @@ def main(argv=None) -> int:
                    "clip_share_pct": f"{100.0 * clip / med:.1f}",
                    "opt_ms_median": f"{statistics.median(opts):.3f}",
                    "clipped_pct": "" if v == "none" else f"{clipped_pct:.0f}"}
+            row |= {k: counts.get(k, "") for k in fields if k.startswith(("step_", "gm_")) and not k.startswith(
+                "step_ms")}
             rows.append(row)
             print(f"{model_name:9s} {v:13s} step {med:9.3f} ms [p10 {row['step_ms_p10']}, p90 "
                   f"{row['step_ms_p90']}]  grad mgmt {clip:8.3f} ms ({row['clip_share_pct']}%)  "
                   f"host {row['clip_host_ms_median']} ms  opt {row['opt_ms_median']} ms  clipped "
-                  f"{row['clipped_pct'] or '-'}%  ({opt_kind} AdamW)", flush=True)
+                  f"{row['clipped_pct'] or '-'}%  ({opt_kind} AdamW)" + _counts_text(counts), flush=True)
     with open(args.out, "w", newline="") as fh:
         for k, val in meta.items():
             fh.write(f"# {k}: {val}\n")

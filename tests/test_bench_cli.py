@@ -46,7 +46,10 @@ def test_scaling_keeps_tensor_count_and_inner_dims():
     assert s.entries == W.small_tensors() and s.note
 
 
-def test_cli_tiny(tmp_path, capsys):
+def test_cli_tiny(tmp_path, capsys, monkeypatch):
+    from fastgrad.benchmark import runner
+
+    monkeypatch.setattr(runner, "MIN_FLOOR_BYTES", 0)  # tiny is under the real threshold; exercise the floor
     out = tmp_path / "res"
     rc = bench.main(["--quick", "--workloads", "tiny", "--out", str(out), "--no-progress", "--device", "cpu",
                      "--budget", "0", "--min-rounds", "6", "--max-rounds", "6"])
@@ -62,28 +65,70 @@ def test_cli_tiny(tmp_path, capsys):
     assert all(len(row) == len(report.COLUMNS) for row in table[1:])
     rows = [dict(zip(table[0], row)) for row in table[1:]]
     backends, _ = usable_backends(__import__("torch").device("cpu"))
-    # the automatic choice on the CPU is the C++ backend when built; every other usable backend is a reference
+    # the automatic choice on the CPU is the C++ backend when built; --quick times no reference backend
     auto = "cpu" if "cpu" in backends else "torch"
-    impls = {"torch eager", "fastgrad auto"} | {f"fastgrad:{b}" for b in backends if b != auto}
-    assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in O.OPS for i in impls}
+    impls = {"torch eager", "fastgrad auto"}
+    # the ops with another torch baseline (the benchmark's own loop) have its row too
+    others = {(op, b.impl) for op, spec in O.OPS.items() for b in spec.baselines[1:]}
+    assert others == {("agc", "torch: own loop"), ("grad_stats", "torch: own loop")}
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in O.OPS for i in impls} | others
     for r in rows:
         assert not r["note"].startswith("failed"), r
         assert float(r["median_ms"]) > 0 and int(r["rounds"]) >= 1
-        assert math.isfinite(float(r["pct_floor"])) and float(r["floor_ms"]) > 0
+        assert math.isfinite(float(r["pct_floor"])) and float(r["floor_ms"]) > 0 and float(r["gbps"]) > 0
+        assert r["floor_kind"] in ("cache", "memory")
+        spec = O.OPS[r["op"]]
+        assert r["baseline"] == (spec.baseline if r["impl"] == "torch eager" else
+                                 next((b.what for b in spec.baselines if b.impl == r["impl"]), ""))
+        # counted on the CPU: torch operators per call; kernels and syncs are CUDA-only (empty)
+        assert int(r["ops_per_call"]) >= 1 and r["kernels_per_call"] == r["syncs_per_call"] == ""
         if r["role"] == "auto":
             assert r["backend"] == auto
-        if r["impl"] != "torch eager":
+            assert (r["vs_other"] != "") == (r["op"] in ("agc", "grad_stats"))
+        if r["role"] == "other baseline":
+            # --quick: the own loops run 3 rounds, a median without an interval
+            assert int(r["rounds"]) == 3 and float(r["speedup"]) > 0 and r["speedup_lo"] == ""
+            assert r["verdict"] == "within noise" and "too few" in r["verdict_why"]
+        elif r["impl"] != "torch eager":
             assert float(r["speedup"]) > 0 and float(r["speedup_lo"]) <= float(r["speedup_hi"])
             assert r["verdict"] in ("faster", "slower", "within noise")
     meta = json.loads((out / "meta.json").read_text())
+    assert any(n.startswith("no reference rows") for n in meta["notes"])
     assert meta["command"].startswith("python -m fastgrad.bench --quick --workloads tiny")
     for key in ("device", "date", "torch", "triton", "cuda", "git_commit", "load_average", "read_gbps", "rw_gbps"):
         assert key in meta, key
     assert meta["device_type"] == "cpu" and meta["cpu_threads"] == 1  # one thread on the CPU by default
     md = (out / "results.md").read_text()
     assert "## Is fastgrad faster here?" in md and "python -m fastgrad.bench" in md and "SPEC" not in md
+    assert "timm" in md and "Gradient-Centralization" in md and "_foreach_norm" in md  # which baseline is which
     pytest.importorskip("matplotlib")
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "pct_floor.png").stat().st_size > 1000
+
+
+def test_cli_help_shows_every_default_and_points_inside_the_package(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    text = capsys.readouterr().out
+    for action in bench.parser()._actions:
+        if action.dest == "help":
+            continue
+        assert "(default: " in (action.help or ""), action.option_strings
+    # what --help points at is printed by the package itself: --explain and --list
+    assert "--explain" in text and "--list" in text and "http" not in text
+    assert bench.main(["--explain"]) == 0
+    explained = capsys.readouterr().out
+    assert "% floor" in explained and "| agc | adaptive gradient clipping | P + N | N |" in explained
+    assert "timm" in explained
+    assert "http" not in explained
+
+
+def test_cli_no_counts(tmp_path):
+    out = tmp_path / "res"
+    assert bench.main(["--quick", "--workloads", "tiny", "--ops", "norm", "--out", str(out), "--no-progress",
+                       "--no-plot", "--no-counts", "--device", "cpu", "--budget", "0", "--min-rounds", "2",
+                       "--max-rounds", "2"]) == 0
+    with open(out / "results.csv", newline="") as f:
+        assert {r["ops_per_call"] for r in csv.DictReader(f)} == {""}
 
 
 def test_cli_rejects_unknown_names(tmp_path):

@@ -1,6 +1,6 @@
 """The benchmark harness's own logic: the GPU code paths run without a GPU (a faked CUDA device), interleaved
-rounds, paired ratios with their intervals and verdicts, the adaptive stop, each op's memory floor, the
-busy-machine warning, and the host-overhead workloads."""
+rounds, paired ratios with their intervals and verdicts, the adaptive stop, each op's floor pass and which
+floor applies, the busy-machine warning, and the host-overhead workloads."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from fastgrad import bench
 from fastgrad.benchmark import ops as O
-from fastgrad.benchmark import report, runner, timing
+from fastgrad.benchmark import counting, report, runner, timing
 from fastgrad.benchmark import workloads as W
 
 
@@ -85,6 +85,14 @@ def fake_cuda(monkeypatch):
             timers.append(self)
 
     monkeypatch.setattr(runner, "Timer", RecordingTimer)
+
+    # No profiler or sync debug mode without CUDA: the counts of the fake device are fixed, the call real.
+    def count_cuda(fn):
+        calls["count_cuda"] += 1
+        fn()
+        return 7, 1
+
+    monkeypatch.setattr(counting, "count_cuda", count_cuda)
     return calls, timers
 
 
@@ -117,6 +125,12 @@ def test_cuda_code_paths_without_a_gpu(fake_cuda, tmp_path, capsys, compile_flag
     assert _FakeEvent.reads >= sum(int(r["rounds"]) for r in rows) > 0
     auto = [r for r in rows if r["role"] == "auto"]
     assert len(auto) == 3 and all(r["verdict"] and float(r["speedup"]) > 0 for r in auto)
+    # every implementation counted once on the device: kernels and syncs from the (faked) profiler and sync
+    # debug mode, operators from the dispatch mode except for the compiled function
+    assert calls["count_cuda"] == len(rows)
+    for r in rows:
+        assert (r["kernels_per_call"], r["syncs_per_call"]) == ("7", "1"), r
+        assert (r["ops_per_call"] == "") == (r["impl"] == "torch.compile"), r
     if compiled:
         assert all(r["compile_verdict"] and float(r["vs_compile"]) > 0 for r in auto)
     assert calls["synchronize"] > 0
@@ -241,52 +255,112 @@ def test_rounds_budget_references_and_failures():
 
 
 # ------------------------------------------------------------------------------------- floors
-def test_each_op_has_its_own_floor():
+def test_floor_model_bytes_per_op():
+    """The floor model, per op, in bytes read and written (N gradient bytes, P parameter bytes)."""
     n, p = 1000, 300
-    read = {op: s.read_bytes(n, p) for op, s in O.OPS.items()}
-    rw = {op: s.rw_bytes(n, p) for op, s in O.OPS.items()}
-    # read-only passes: priced at the read stream only
-    for op in ("norm", "clip", "grad_stats"):
-        assert (read[op], rw[op]) == (n, 0), op
-    # read+write passes: N read and N written, priced at the read+write rate
-    for op in ("clip_value", "gc"):
-        assert (read[op], rw[op]) == (0, 2 * n), op
-    for op in ("clip_trig", "amp_clip"):  # a norm pass, then a scaling pass
-        assert (read[op], rw[op]) == (n, 2 * n), op
-    assert (read["agc"], rw["agc"]) == (p, 2 * n)
+    expected = {  # op: (bytes read, bytes written)
+        "norm": (n, 0),
+        "clip": (n, 0),                    # the norm only: nothing is scaled
+        "clip_trig": (2 * n, n),           # the norm's read, then a read+write scaling pass
+        "clip_value": (n, n),
+        "amp_clip": (2 * n, n),            # the unscaled norm + inf check, then unscale and clip in one pass
+        "agc": (p + n, n),                 # params and grads read once, grads written once
+        "gc": (n, n),
+        "grad_stats": (n, 0),
+    }
+    assert set(expected) == set(O.OPS)
+    for op, (read, written) in expected.items():
+        f = O.OPS[op].floor
+        assert (f.bytes_read(n, p), f.bytes_written(n, p)) == (read, written), op
+        assert f.bytes_moved(n, p) == read + written
+        # priced by kind of pass: the read-only passes' bytes, and the read+write passes' (read + written)
+        assert f.read_only_bytes(n, p) + f.rw_bytes(n, p) == read + written, op
+        assert f.working_set(n, p) == n + (p if op == "agc" else 0), op
+    assert O.OPS["clip_trig"].floor.text() == "read 2N, write N"
+    assert O.OPS["agc"].floor.text() == "read P + N, write N"
     s = O.OPS["clip_trig"]
     assert s.floor_s(n, p, read_gbps=1.0, rw_gbps=4.0) == pytest.approx(n / 1e9 + 2 * n / 4e9)
 
 
-def test_pct_floor_uses_each_ops_rate_and_marks_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setattr(runner, "read_bandwidth", lambda timer, nbytes: 10.0)
-    monkeypatch.setattr(runner, "copy_bandwidth", lambda timer, nbytes: 5.0)
-    monkeypatch.setattr(runner, "inplace_bandwidth", lambda timer, nbytes: 20.0)
-    monkeypatch.setattr(runner, "last_level_cache_bytes", lambda: 0)
-    rc = bench.main(["--quick", "--device", "cpu", "--workloads", "tiny", "--ops", "norm,clip_value,agc",
-                     "--out", str(tmp_path), "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "2",
-                     "--max-rounds", "2"])
-    assert rc == 0
-    meta = json.loads((tmp_path / "meta.json").read_text())
-    assert meta["rw_gbps"] == 20.0  # the faster of the copy and the in-place pass
-    with open(tmp_path / "results.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+@pytest.mark.parametrize("op", list(O.OPS))
+def test_floor_pass_does_the_ops_passes_and_changes_no_byte(op):
+    f = O.OPS[op].floor
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    # every bit pattern a float32 view can hold, NaNs included: a read+write pass must leave them as they are
+    g[:8] = torch.tensor([0xFF, 0xFF, 0xFF, 0x7F, 0x01, 0x00, 0x80, 0xFF], dtype=torch.uint8)
+    pbuf = torch.randint(0, 256, (1024,), dtype=torch.uint8, generator=gen)
+    g0, p0 = g.clone(), pbuf.clone()
+    calls = counting.count_ops(lambda: f.run(g, pbuf if f.param_reads else None))
+    # (views and detaches of the buffers move no bytes)
+    passes = collections.Counter({k: v for k, v in calls.items() if not k.startswith(("aten.view", "aten.detach"))})
+    want = collections.Counter()
+    if f.param_reads + f.grad_reads - f.grad_writes:
+        want["aten.sum.default"] = f.param_reads + f.grad_reads - f.grad_writes
+    if f.grad_writes:
+        want["aten.bitwise_or_.Scalar"] = f.grad_writes
+    assert passes == want, (op, calls)
+    assert torch.equal(g, g0) and torch.equal(pbuf, p0)
+
+
+def test_floor_buffers_have_the_ops_bytes():
     w = W.prepare("tiny", None)
-    n = w.grad_bytes
-    p = n  # tiny's parameters have the gradients' dtypes and shapes
-    floors = {"norm": n / 10e9, "clip_value": 2 * n / 20e9, "agc": p / 10e9 + 2 * n / 20e9}
-    for r in rows:
-        assert float(r["floor_ms"]) == pytest.approx(1e3 * floors[r["op"]], rel=1e-4), r
-        assert float(r["pct_floor"]) == pytest.approx(100 * float(r["floor_ms"]) / float(r["median_ms"]), rel=1e-3)
-        assert r["in_cache"] == "0"
+    st = O.OpState(W.materialize(w, "cpu"))
+    gbuf, pbuf = st.floor_buffers(O.OPS["norm"].floor)
+    assert pbuf is None and gbuf.numel() == st.grad_bytes - st.grad_bytes % 4
+    gbuf, pbuf = st.floor_buffers(O.OPS["agc"].floor)
+    assert pbuf is not None and pbuf.numel() == st.param_bytes - st.param_bytes % 4
+    # the saved gradients live in the buffer the pass streams over (no second N-byte allocation) ...
+    assert all(s.untyped_storage().data_ptr() == gbuf.untyped_storage().data_ptr() for s in st._saved)
+    # ... and restore them exactly
+    orig = [g.clone() for g in st.grads]
+    with torch.no_grad():
+        for g in st.grads:
+            g.mul_(3.0)
+    st.restore()
+    assert all(torch.equal(a, b) for a, b in zip(st.grads, orig))
+    st.release_floor()
+    assert st._param_buf is None
+
+
+def test_which_floor_applies():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    llc = 32 << 20
+    assert runner.floor_kind(cpu, 24 << 20, llc) == runner.CACHE_FLOOR
+    assert runner.floor_kind(cpu, llc, llc) == runner.CACHE_FLOOR
+    assert runner.floor_kind(cpu, llc + 1, llc) == runner.MEMORY_FLOOR
+    assert runner.floor_kind(cpu, 1 << 20, 0) == runner.MEMORY_FLOOR  # cache size unknown
+    assert runner.floor_kind(cuda, 1 << 20, llc) == runner.MEMORY_FLOOR  # L2 flushed before every call
+
+
+def test_pct_floor_is_the_paired_floor_pass_over_the_op(monkeypatch, tmp_path):
+    """% of the floor = median over rounds of (floor pass time / implementation time), the floor pass timed in
+    the same rounds: a floor pass of ~10 ms against an op of ~20 ms reads about 50%."""
+    monkeypatch.setattr(runner, "MIN_FLOOR_BYTES", 0)
     monkeypatch.setattr(runner, "last_level_cache_bytes", lambda: 2**30)
-    bench.main(["--quick", "--device", "cpu", "--workloads", "tiny", "--ops", "norm", "--out", str(tmp_path),
-                "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "2", "--max-rounds", "2"])
+    monkeypatch.setattr(O.OpState, "floor_fn", lambda self, floor: (lambda: time.sleep(0.010), None))
+    monkeypatch.setattr(O, "fastgrad_fn", lambda op, st, backend: lambda: time.sleep(0.020))
+    rc = bench.main(["--quick", "--device", "cpu", "--workloads", "tiny", "--ops", "norm", "--backends", "cpu",
+                     "--out", str(tmp_path), "--no-progress", "--no-plot", "--no-counts", "--budget", "0",
+                     "--min-rounds", "6", "--max-rounds", "6"])
+    assert rc == 0
     with open(tmp_path / "results.csv", newline="") as f:
-        assert {r["in_cache"] for r in csv.DictReader(f)} == {"1"}
-    assert "c" in report._pct({"pct_floor": 250.0, "in_cache": True})
-    assert report._pct({"pct_floor": 120.0, "in_cache": False}).endswith(report.OVER_MARK)
-    assert report._pct({"pct_floor": 80.0, "in_cache": False}) == "80%"
+        rows = {r["impl"]: r for r in csv.DictReader(f)}
+    auto = rows["fastgrad auto"]
+    assert float(auto["pct_floor"]) == pytest.approx(50, rel=0.25)
+    assert float(auto["floor_ms"]) == pytest.approx(10, rel=0.5)
+    assert auto["floor_kind"] == "cache"  # tiny fits in the (patched) 1 GiB cache
+    assert report._pct({"pct_floor": 50.0, "floor_kind": "cache"}) == "50%c"
+    assert report._pct({"pct_floor": 80.0, "floor_kind": "memory"}) == "80%"
+    assert report._pct({"pct_floor": 120.0, "floor_kind": "memory"}) == "120%" + report.OVER_MARK
+    assert report._pct({"pct_floor": 105.0, "floor_kind": "memory"}) == "105%"
+    # below MIN_FLOOR_BYTES no floor figure: the pass's fixed cost would be the "floor"
+    monkeypatch.setattr(runner, "MIN_FLOOR_BYTES", 1 << 20)
+    bench.main(["--quick", "--device", "cpu", "--workloads", "tiny", "--ops", "norm", "--out", str(tmp_path),
+                "--no-progress", "--no-plot", "--no-counts", "--budget", "0", "--min-rounds", "2",
+                "--max-rounds", "2"])
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert {(r["pct_floor"], r["floor_kind"]) for r in csv.DictReader(f)} == {("", "")}
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -319,7 +393,8 @@ def test_busy_warning_printed_once_on_its_own_line(monkeypatch, tmp_path, capsys
 def test_host_workload_rows_and_env_backend_ignored(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("FASTGRAD_BACKEND", "torch")
     rc = bench.main(["--quick", "--device", "cpu", "--workloads", "host-4000", "--out", str(tmp_path),
-                     "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "1", "--max-rounds", "1"])
+                     "--backends", "all", "--no-progress", "--no-plot", "--budget", "0", "--min-rounds", "1",
+                     "--max-rounds", "1"])
     assert rc == 0
     import os
 
@@ -408,3 +483,34 @@ def test_rounds_stop_when_a_pair_loses_its_baseline():
     t = timing.Timer("cpu", warmup=1)
     rr = t.rounds([boom, ok], pairs=[(0, 1)], min_rounds=3, max_rounds=10_000, budget_s=60)
     assert rr.stopped == "failed" and rr.n_rounds == 3 and calls["ok"] == 1 + 3
+
+
+def test_gpu_goals_table_says_met_and_host_bound():
+    res = _res([
+        {"workload": "gpt2-124m", "op": "norm", "impl": "fastgrad auto", "role": "auto", "median_ms": 0.10,
+         "host_ms": 0.09, "pct_floor": 55.0, "kernels_per_call": 3},
+        {"workload": "gpt2-124m", "op": "gc", "impl": "fastgrad auto", "role": "auto", "median_ms": 0.30,
+         "host_ms": 0.02, "pct_floor": 61.0, "kernels_per_call": 1},
+    ])
+    assert report.goals_table(res) == []  # not a GPU run: the goals do not apply
+    res.meta["device_type"] = "cuda"
+    table = report.goals_table(res)
+    assert table[2].startswith("| gpt2-124m | norm | 60% | 55% | no | 0.100 | 0.090 | 0.90 host-bound | 3 |")
+    assert table[3].startswith("| gpt2-124m | gc | 60% | 61% | yes | 0.300 | 0.020 | 0.07 | 1 |")
+    assert "## % of the floor against the GPU goals" in report.markdown(res)
+
+
+def test_rounds_of_limits_named_functions_to_their_first_rounds():
+    count = collections.Counter()
+
+    def make(name):
+        def f():
+            count[name] += 1
+        return f
+
+    t = timing.Timer("cpu", warmup=1)
+    rr = t.rounds([make("a"), make("b"), make("c")], pairs=[], min_rounds=8, max_rounds=8, budget_s=60,
+                  ref=(2,), ref_rounds=5, rounds_of={1: 3})
+    assert rr.n_rounds == 8
+    assert count == {"a": 1 + 8, "b": 1 + 3, "c": 1 + 5}  # warm-up call + rounds
+    assert [x is None for x in rr.dev_ms[1]] == [False] * 3 + [True] * 5

@@ -61,7 +61,7 @@ LAYERS: list[list[str]] = [
     # optional adapters of the step guard to training frameworks (imported only by their users)
     ["fastgrad.integrations", "fastgrad.integrations._common"],
     ["fastgrad.integrations.lightning", "fastgrad.integrations.transformers"],
-    ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops"],
+    ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops", "fastgrad.benchmark.counting"],
     ["fastgrad.benchmark.runner"],
     ["fastgrad.benchmark.report"],
     ["fastgrad.benchmark", "fastgrad.bench"],

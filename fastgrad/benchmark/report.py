@@ -1,6 +1,10 @@
 """Writes a benchmark result: a console table with a legend, ``results.csv`` (one row per implementation,
 header first), ``results.md``, ``meta.json`` (the run's metadata) and two plots: fastgrad's speedup over
-torch eager with its interval, and each implementation's share of its op's memory floor."""
+torch eager with its interval, and each implementation's share of its op's memory floor.
+
+The plots use one visual cue per meaning: a bar's colour is its implementation (the same colours in both
+plots, named in the legend with its role), hatching means only "the floor pass ran from the cache" (the
+floor plot), whiskers are confidence intervals, and the dashed line is the reference (1x, or 100%)."""
 
 from __future__ import annotations
 
@@ -10,21 +14,25 @@ import math
 from pathlib import Path
 
 from . import ops as O
-from .runner import AUTO, AUTOMATIC, BASELINE, COMPILE, COMPILED, EAGER, REFERENCE, Result
+from .runner import (ALTERNATIVE, AUTO, AUTOMATIC, BASELINE, CACHE_FLOOR, COMPILE, COMPILED, EAGER,
+                     MIN_FLOOR_BYTES, REFERENCE, Result)
 from .timing import FASTER, NOISE, SLOWER
 
-COLUMNS = ["workload", "op", "impl", "role", "backend", "tensors", "grad_mb", "median_ms", "min_ms", "host_ms",
-           "rounds", "inner", "spread_pct", "speedup", "speedup_lo", "speedup_hi", "verdict", "verdict_why",
-           "vs_compile", "vs_compile_lo", "vs_compile_hi", "compile_verdict", "compile_verdict_why",
-           "floor_read_mb", "floor_rw_mb", "floor_ms", "pct_floor", "in_cache", "note"]
+COLUMNS = ["workload", "op", "impl", "role", "backend", "baseline", "tensors", "grad_mb", "median_ms", "min_ms",
+           "host_ms", "rounds", "inner", "spread_pct", "speedup", "speedup_lo", "speedup_hi", "verdict",
+           "verdict_why", "vs_compile", "vs_compile_lo", "vs_compile_hi", "compile_verdict", "compile_verdict_why",
+           "vs_other", "vs_other_lo", "vs_other_hi", "other_impl", "read_mb", "written_mb", "gbps", "floor_ms",
+           "pct_floor", "floor_kind", "ops_per_call", "kernels_per_call", "syncs_per_call", "note"]
 
 META_KEYS = ["device", "date", "command", "git_commit", "fastgrad", "torch", "cuda", "triton", "python", "quick",
              "cpu_threads", "cores", "load_average", "load_average_after"]
 
-#: Mark of a % of floor figure from a workload small enough to stay in the CPU cache between repetitions.
+#: Mark of a % of floor figure whose floor pass ran from the CPU cache (the working set fits there).
 CACHE_MARK = "c"
-#: Mark of a % of floor figure over 100% from a workload that does not fit in the cache.
+#: Mark of a % of floor figure over OVER_PCT: faster than the op's own floor pass, so the floor model or the
+#: pass is wrong for that case (a finding, not a result).
 OVER_MARK = "!"
+OVER_PCT = 110.0
 
 
 def _num(x, fmt: str) -> str:
@@ -57,19 +65,46 @@ def _pct(r: dict) -> str:
     p = r["pct_floor"]
     if math.isnan(p):
         return "-"
-    mark = CACHE_MARK if r["in_cache"] else OVER_MARK if p > 100 else ""
+    mark = (CACHE_MARK if r.get("floor_kind") == CACHE_FLOOR else "") + (OVER_MARK if p > OVER_PCT else "")
     return f"{p:.0f}%{mark}"
+
+
+def _count(x) -> str:
+    return "-" if isinstance(x, float) and math.isnan(x) else f"{int(x)}"
+
+
+def _per_call(r: dict | None) -> str:
+    """``ops 148, kernels 23, syncs 0`` for one row (what was counted)."""
+    if r is None:
+        return "-"
+    parts = [f"{name} {_count(r[key])}" for name, key in (("kernels", "kernels_per_call"),
+                                                          ("syncs", "syncs_per_call"), ("ops", "ops_per_call"))
+             if not (isinstance(r.get(key), float) and math.isnan(r[key]))]
+    return ", ".join(parts) or "-"
+
+
+def _per_call_pair(base: dict | None, cand: dict) -> str:
+    """Counts of torch eager -> fastgrad, e.g. ``kernels 23 -> 3, syncs 0 -> 0, ops 8 -> 1``."""
+    parts = []
+    for name, key in (("kernels", "kernels_per_call"), ("syncs", "syncs_per_call"), ("ops", "ops_per_call")):
+        a = base.get(key, float("nan")) if base else float("nan")
+        b = cand.get(key, float("nan"))
+        if isinstance(b, float) and math.isnan(b) and isinstance(a, float) and math.isnan(a):
+            continue
+        parts.append(f"{name} {_count(a)} -> {_count(b)}")
+    return ", ".join(parts) or "-"
 
 
 def meta_lines(res: Result) -> list[str]:
     m = res.meta
     lines = [f"{k}: {m[k]}" for k in META_KEYS if k in m]  # (the load after the run: only once it ended)
     if "read_gbps" in m:
-        lines.append(f"memory floors: read-only stream {m['read_gbps']:.1f} GB/s; read+write {m['rw_gbps']:.1f} GB/s "
+        lines.append(f"memory rates (for reference; each % of floor comes from the case's own floor pass): "
+                     f"read-only stream {m['read_gbps']:.1f} GB/s; read+write {m['rw_gbps']:.1f} GB/s "
                      f"(read + write counted; copy {m['copy_gbps']:.1f}, in place {m['inplace_gbps']:.1f}); "
                      f"{m['stream_bytes'] / 2**20:.0f} MiB buffers"
                      + (f"; last-level cache {m['cache_bytes'] / 2**20:.0f} MiB" if m.get("cache_bytes") else ""))
-    lines.append(f"fastgrad backends benchmarked: {', '.join(m['backends']) or 'none'}")
+    lines.append(f"fastgrad backends benchmarked: {', '.join(m['backends']) or 'the automatic choice only'}")
     for b, why in m["backends_not_benchmarked"].items():
         lines.append(f"not benchmarked: {b} ({why})")
     lines += [f"note: {n}" for n in res.notes]
@@ -97,17 +132,32 @@ def legend_lines(res: Result) -> list[str]:
         "ms: median over the rounds of each round's time (CUDA events on a GPU, wall time on the CPU).",
         "  host-* workloads: clip_grad_norm_ over thousands of tiny tensors, where only the host time per call",
         "  counts; their times are host times.",
-        "% floor: the op's memory floor over its median time, 100% = as fast as the memory allows. The floor",
-        "  prices the bytes the op must move (see the ops table: N = gradient bytes, P = parameter bytes) at",
-        "  rates measured in this run: read-only passes at a read-only stream's rate (an fp32 sum), passes that",
-        "  read and write at a read+write pass's rate (the faster of a copy and an in-place multiply by one,",
-        "  read + write counted).",
-        f"  '{CACHE_MARK}': the bytes the op touches are under twice the CPU's last-level cache, so part of them",
-        "  can stay in the cache between repetitions, faster than memory: such figures can pass 100%.",
-        f"  '{OVER_MARK}': over 100% although the workload does not fit in the cache: the floor's streams and the",
-        "  op were timed at different moments of a busy machine; read it as 'at the floor'.",
-        "Reference rows: the other fastgrad backends, run only when asked for by name (backend=...); they are",
-        "  timed in the first rounds only, and are not the answer to 'is fastgrad faster here'.",
+        "baselines: 'torch eager' is the code a user reaches for (see the ops table: torch's own function; timm's",
+        "  adaptive_clip_grad for AGC, transcribed as shipped; the GC authors' formula; torch._foreach_norm for",
+        "  per-tensor statistics, which does less than grad_stats: no NaN/Inf/zero counts). 'torch: own loop' rows",
+        "  are this benchmark's own loops, kept beside it; 'vs own loop' is fastgrad auto's speedup over them.",
+        "% floor: the op's floor pass at its fastest over the op's median time, 100% = as fast as the memory",
+        "  allows (a busy machine's preemptions can make it read low, not high). The floor model counts the",
+        "  op's bytes in passes over N (gradient bytes) and P",
+        "  (parameter bytes), see the ops table; the floor pass does exactly those passes as contiguous streams",
+        "  (a float32 sum per read pass, an in-place int32 OR with 0 per read+write pass) over buffers of the",
+        "  op's working-set size, timed in the same rounds as the op, so it runs under the same load and from",
+        f"  the same level of the memory hierarchy. '-': no floor, for working sets under "
+        f"{MIN_FLOOR_BYTES / 2**20:g} MiB (there a call's",
+        "  fixed cost, not its bytes, sets its time) and the host-* workloads.",
+        f"  '{CACHE_MARK}': the working set fits in the CPU's last-level cache, so the floor is the cache's, not",
+        "  memory's (rows without the mark: a memory floor; on a GPU the L2 is flushed before every call).",
+        f"  '{OVER_MARK}': over {OVER_PCT:.0f}%: faster than the op's own floor pass, i.e. the floor model or the",
+        "  pass does not fit that case; a finding to look into, not a speed.",
+        "GB/s: the floor model's bytes (read + written) over the median time.",
+        "per call (the counts, one call per implementation after its timed rounds): ops = torch operators",
+        "  dispatched (TorchDispatchMode; a Triton kernel launched from Python is no operator, see kernels);",
+        "  on a GPU also kernels = CUDA kernels, copies and memsets launched",
+        "  (torch.profiler) and syncs = host syncs (torch.cuda.set_sync_debug_mode('warn')); '-': not counted",
+        "  (kernels and syncs on the CPU, operators of a torch.compile function).",
+        "Rows beside the headline: torch.compile and the other torch baselines (each against torch eager), and",
+        "  the other fastgrad backends, run only when asked for by name (backend=...). The other baselines and",
+        "  backends are timed in the first rounds only: they are not the answer to 'is fastgrad faster here'.",
     ]
 
 
@@ -130,14 +180,22 @@ def _ms(r: dict | None, host: bool) -> float:
     return r["host_ms"] if host else r["median_ms"]
 
 
+def _has_other(res: Result) -> bool:
+    return any(r["role"] == ALTERNATIVE for r in res.rows)
+
+
 def main_table(res: Result) -> list[str]:
-    """One line per (workload, op): fastgrad auto against torch eager (and torch.compile when run)."""
+    """One line per (workload, op): fastgrad auto against torch eager (and torch.compile when run, and the
+    op's other torch baseline where it has one)."""
     hosts = _host_workloads(res)
     comp = _has_compile(res)
+    other = _has_other(res)
     head = (f"{'workload':<11} {'op':<10} {'backend':<7} {'eager ms':>9} {'fastgrad ms':>11}  "
             f"{'speedup [CI]':<21} {'verdict':<34} {'% floor':>7}")
     if comp:
-        head += f"  {'vs compile [CI]':<21} {'verdict vs compile'}"
+        head += f"  {'vs compile [CI]':<21} {'verdict vs compile':<34}"
+    if other:
+        head += f"  {'vs own loop [CI]':<21}"
     out = [head, "-" * len(head)]
     prev = None
     for r in _main_rows(res):
@@ -148,10 +206,12 @@ def main_table(res: Result) -> list[str]:
         line = (f"{r['workload']:<11} {r['op']:<10} {r['backend']:<7} {_num(_ms(_eager(res, r), host), '9.3f')} "
                 f"{_num(_ms(r, host), '11.3f')}  {_ratio(r):<21} {_verdict(r):<34} {_pct(r):>7}")
         if comp:
-            line += f"  {_ratio(r, 'vs_compile'):<21} {_verdict(r, 'compile_verdict')}"
+            line += f"  {_ratio(r, 'vs_compile'):<21} {_verdict(r, 'compile_verdict'):<34}"
+        if other:
+            line += f"  {_ratio(r, 'vs_other'):<21}"
         if r["note"]:
             line += f"  {r['note']}"
-        out.append(line)
+        out.append(line.rstrip())
     return out
 
 
@@ -163,9 +223,14 @@ def verdict_counts(res: Result) -> dict[str, int]:
     return counts
 
 
+def _side_rows(res: Result) -> list[dict]:
+    """Rows beside the headline: other torch baselines, torch.compile, the other fastgrad backends."""
+    return [r for r in res.rows if r["role"] in (ALTERNATIVE, COMPILED, REFERENCE)]
+
+
 def reference_table(res: Result) -> list[str]:
     hosts = _host_workloads(res)
-    refs = [r for r in res.rows if r["role"] in (REFERENCE, COMPILED)]
+    refs = _side_rows(res)
     if not refs:
         return []
     head = (f"{'workload':<11} {'op':<10} {'impl':<16} {'ms':>9}  {'vs eager [CI]':<21} {'verdict':<34} "
@@ -193,8 +258,8 @@ def console_table(res: Result) -> str:
     out += ["", _summary(res)]
     ref = reference_table(res)
     if ref:
-        out += ["", "For reference only (not fastgrad's automatic choice: other backends, by name; and "
-                "torch.compile against eager):", ""] + ref
+        out += ["", "For reference only (not fastgrad's automatic choice: other fastgrad backends, by name; "
+                "torch.compile and the other torch baselines against torch eager):", ""] + ref
     out += ["", "Legend:"] + ["  " + line for line in legend_lines(res)]
     return "\n".join(out)
 
@@ -216,6 +281,54 @@ def write_csv(res: Result, path: Path) -> None:
             w.writerow({k: _cell(r[k]) for k in COLUMNS})
 
 
+#: The % of its floor fastgrad's automatic choice should reach on a GPU, every op of the workload (the
+#: project's goals; host-* have no floor, tiny is a smoke test).
+GPU_FLOOR_GOALS = {"llama-7b": 85, "llama-1b": 85, "gpt2-124m": 60, "vit-b16": 60, "mixed": 60, "resnet50": 40,
+                   "small-4000": 15}
+#: Host time per call over device time at or above which a GPU row is host-bound: the device runs the call's
+#: kernels about as fast as the host issues them, so launches and Python work, not bytes, set its time.
+HOST_BOUND = 0.8
+
+
+def goals_table(res: Result) -> list[str]:
+    """On a GPU: fastgrad auto's % of the floor per (workload, op) against the goal for its workload, with what
+    bounds it (host time over device time, kernels per call). Empty on the CPU, where the goals do not apply."""
+    if res.meta.get("device_type") != "cuda":
+        return []
+    rows = [r for r in _main_rows(res) if r["workload"] in GPU_FLOOR_GOALS]
+    if not rows:
+        return []
+    wmeta = res.meta.get("workloads", {})
+    out = ["| workload | op | goal | % floor | goal met | device ms | host ms | host / device | kernels | note |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        goal = GPU_FLOOR_GOALS[r["workload"]]
+        pct = r["pct_floor"]
+        met = "-" if math.isnan(pct) else ("yes" if pct >= goal else "no")
+        ratio = r["host_ms"] / r["median_ms"] if r["median_ms"] > 0 else float("nan")
+        bound = " host-bound" if not math.isnan(ratio) and ratio >= HOST_BOUND else ""
+        note = "scaled workload: the goal is for full size" if wmeta.get(r["workload"], {}).get("scale", 1.0) < 1 \
+            else ""
+        out.append(f"| {r['workload']} | {r['op']} | {goal}% | {_pct(r)} | {met} | {_num(r['median_ms'], '.3f')} | "
+                   f"{_num(r['host_ms'], '.3f')} | {_num(ratio, '.2f')}{bound} | {_count(r['kernels_per_call'])} | "
+                   f"{note} |")
+    return out
+
+
+def ops_table(ops: list[str]) -> list[str]:
+    """The floor model and the baselines of ``ops``, as markdown."""
+    out = ["| op | what | bytes read | bytes written | floor passes | torch eager (headline baseline) | "
+           "other torch baselines |", "|---|---|---|---|---|---|---|"]
+    for op in ops:
+        s = O.OPS[op]
+        f = s.floor
+        read = f.text().split(",")[0].removeprefix("read ")
+        written = f.text().split(",")[1].strip().removeprefix("write ")
+        others = "; ".join(f"{b.impl}: {b.what}" for b in s.baselines[1:]) or "-"
+        out.append(f"| {op} | {s.title} | {read} | {written} | {f.passes_text()} | {s.baseline} | {others} |")
+    return out
+
+
 def markdown(res: Result) -> str:
     m = res.meta
     workloads = list(dict.fromkeys(r["workload"] for r in res.rows))
@@ -223,33 +336,47 @@ def markdown(res: Result) -> str:
     out = [f"# fastgrad benchmark: {m['device']}", ""]
     out += [f"- {line}" for line in meta_lines(res)]
     comp = _has_compile(res)
+    other = _has_other(res)
     hosts = _host_workloads(res)
     out += ["", "## Is fastgrad faster here?", "",
-            "fastgrad's automatic choice (`backend=None`) against torch eager" + (" and torch.compile" if comp else "")
+            "fastgrad's automatic choice (`backend=None`) against torch eager (the code a user reaches for; "
+            "which code, per op: the ops table below)" + (" and torch.compile" if comp else "")
             + ". " + _summary(res) + ".", ""]
     head = "| workload | op | backend | eager ms | fastgrad ms | speedup [CI] | verdict | % floor |"
     sep = "|---|---|---|---:|---:|---|---|---:|"
     if comp:
         head += " vs compile [CI] | verdict vs compile |"
         sep += "---|---|"
-    out += [head + " note |", sep + "---|"]
+    if other:
+        head += " vs own loop [CI] |"
+        sep += "---|"
+    out += [head + " per call, torch eager -> fastgrad | note |", sep + "---|---|"]
     for r in _main_rows(res):
         host = r["workload"] in hosts
-        line = (f"| {r['workload']} | {r['op']} | {r['backend']} | {_num(_ms(_eager(res, r), host), '.3f')} | "
+        eager = _eager(res, r)
+        line = (f"| {r['workload']} | {r['op']} | {r['backend']} | {_num(_ms(eager, host), '.3f')} | "
                 f"{_num(_ms(r, host), '.3f')} | {_ratio(r)} | {_verdict(r)} | {_pct(r)} |")
         if comp:
             line += f" {_ratio(r, 'vs_compile')} | {_verdict(r, 'compile_verdict')} |"
-        out.append(line + f" {r['note']} |")
-    ref = [r for r in res.rows if r["role"] in (REFERENCE, COMPILED)]
+        if other:
+            line += f" {_ratio(r, 'vs_other')} |"
+        out.append(line + f" {_per_call_pair(eager, r)} | {r['note']} |")
+    ref = _side_rows(res)
     if ref:
-        out += ["", "## For reference: other backends (not the automatic choice)", "",
-                "A user gets these only by naming them (`backend=...`); torch.compile is compared with eager here.",
-                "", "| workload | op | impl | ms | vs eager [CI] | verdict | % floor | note |",
+        out += ["", "## Beside the headline: other torch baselines, torch.compile, other fastgrad backends", "",
+                "Each compared with torch eager. The other fastgrad backends are what a user gets only by naming "
+                "them (`backend=...`).", "", "| workload | op | impl | ms | vs eager [CI] | verdict | % floor | note |",
                 "|---|---|---|---:|---|---|---:|---|"]
         for r in ref:
             out.append(f"| {r['workload']} | {r['op']} | {r['impl']} | "
                        f"{_num(_ms(r, r['workload'] in hosts), '.3f')} | {_ratio(r)} | {_verdict(r)} | {_pct(r)} | "
                        f"{r['note']} |")
+    goals = goals_table(res)
+    if goals:
+        out += ["", "## % of the floor against the GPU goals", "",
+                f"fastgrad auto per (workload, op). 'host-bound': host time per call at least {HOST_BOUND:.0%} of "
+                "the device time, so the host's launches and Python work, not the bytes, set the call's time.",
+                ""] + goals
     out += ["", "## How to read the tables", ""] + [("- " if not line.startswith("  ") else "  ") + line.strip()
                                                     for line in legend_lines(res)]
     out += ["", "## Workloads", "", "| workload | description | tensors | grad MiB | full-size MiB | note |",
@@ -258,18 +385,18 @@ def markdown(res: Result) -> str:
         w = m["workloads"][name]
         out.append(f"| {name} | {w['title']} | {w['tensors']} | {w['grad_bytes'] / 2**20:.1f} | "
                    f"{w['full_grad_bytes'] / 2**20:.1f} | {w['note'] or 'full size'} |")
-    out += ["", "## Ops, floors and baselines", "", "| op | what | memory floor (bytes moved) | baseline |",
-            "|---|---|---|---|"]
-    for op in ops:
-        s = O.OPS[op]
-        out.append(f"| {op} | {s.title} | {s.floor_text} | {s.baseline} |")
+    out += ["", "## Ops: floor model and baselines", "",
+            "N = gradient bytes, P = parameter bytes. A read pass reads its bytes once; a read+write pass reads "
+            "and writes them once.", ""] + ops_table(ops)
     out += ["", "## All rows", "",
-            "| workload | op | impl | role | ms | host ms | rounds | spread % | floor ms | % floor |",
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| workload | op | impl | role | ms | host ms | rounds | spread % | GB/s | floor ms | % floor | "
+            "ops/call | kernels/call | syncs/call |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res.rows:
         out.append(f"| {r['workload']} | {r['op']} | {r['impl']} | {r['role']} | {_num(r['median_ms'], '.3f')} | "
                    f"{_num(r['host_ms'], '.3f')} | {r['rounds']} | {_num(r['spread_pct'], '.1f')} | "
-                   f"{_num(r['floor_ms'], '.3f')} | {_pct(r)} |")
+                   f"{_num(r['gbps'], '.1f')} | {_num(r['floor_ms'], '.3f')} | {_pct(r)} | "
+                   f"{_count(r['ops_per_call'])} | {_count(r['kernels_per_call'])} | {_count(r['syncs_per_call'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -283,24 +410,51 @@ def _pyplot():
     return plt, matplotlib.ticker
 
 
+#: Role of each kind of row, in the plots' legends.
+ROLE_LABEL = {BASELINE: "headline torch baseline", ALTERNATIVE: "other torch baseline",
+              COMPILED: "torch.compile baseline", AUTOMATIC: "fastgrad's automatic choice",
+              REFERENCE: "other fastgrad backend, by name only"}
+#: Legend text of the one hatching cue (the floor plot only).
+CACHE_HATCH_LABEL = "hatched: floor pass from the CPU cache (working set fits in the last-level cache)"
+
+
+def impl_colors(res: Result) -> dict[str, str]:
+    """One colour per implementation, the same in every plot of a run: greys for torch, colours for fastgrad."""
+    colors = {EAGER: "#4d4d4d", COMPILE: "#b3b3b3"}
+    greys = ["#8c8c8c", "#6f6f6f", "#a6a6a6"]
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    others = list(dict.fromkeys(r["impl"] for r in res.rows if r["role"] == ALTERNATIVE and r["impl"] not in colors))
+    for k, impl in enumerate(others):
+        colors[impl] = greys[k % len(greys)]
+    fast = [AUTO] + [i for i in dict.fromkeys(r["impl"] for r in res.rows if r["role"] == REFERENCE)]
+    for k, impl in enumerate(fast):
+        colors.setdefault(impl, palette[k % len(palette)])
+    return colors
+
+
+def _role_of(res: Result, impl: str) -> str:
+    return next((r["role"] for r in res.rows if r["impl"] == impl), "")
+
+
 def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, log: bool, ref: float,
-            ref_label: str, title: str, tick_fmt, hatch_of, hatch_label: str, interval=None) -> None:
+            ref_label: str, title: str, tick_fmt, hatch_of=None, hatch_label: str = "", interval=None,
+            ref_tag: str = "") -> None:
     """One panel per op, one group of bars per workload, one bar per implementation in ``impls``;
     ``value(row)`` gives the bar (NaN: none), ``interval(row)`` its (lo, hi) whisker, ``hatch_of(row)``
-    whether it is hatched."""
+    whether it is hatched (one meaning per plot, named by ``hatch_label``)."""
     plt, ticker = _pyplot()
+    import matplotlib.lines as mlines
+    import matplotlib.patches as mpatches
+
     rows = {(r["workload"], r["op"], r["impl"]): r for r in res.rows}
     ops = [op for op in dict.fromkeys(r["op"] for r in res.rows)
            if any(r["op"] == op and r["impl"] in impls and not math.isnan(value(r)) for r in res.rows)]
     ncols = min(4, len(ops))
     nrows = math.ceil(len(ops) / ncols)
-    width_in, height_in = 4.4 * ncols + 1.4, 3.6 * nrows + 2.2
+    width_in, height_in = 4.4 * ncols + 1.4, 3.6 * nrows + 2.6
     fig, axes = plt.subplots(nrows, ncols, figsize=(width_in, height_in), squeeze=False)
     width = 0.8 / len(impls)
-    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
-    colors = {EAGER: "#555555", COMPILE: "#aaaaaa"}
-    for i, impl in enumerate(i for i in impls if i not in colors):
-        colors[impl] = palette[i % len(palette)]
+    colors = impl_colors(res)
     hatched = False
     for k, op in enumerate(ops):
         ax = axes[k // ncols][k % ncols]
@@ -315,11 +469,11 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
                 xs.append(x + (j - (len(impls) - 1) / 2) * width)
                 y = value(r)
                 ys.append(y)
-                hs.append(bool(hatch_of(r)))
+                hs.append(bool(hatch_of(r)) if hatch_of else False)
                 lo, hi = interval(r) if interval else (float("nan"), float("nan"))
                 errs[0].append(0.0 if math.isnan(lo) else max(y - lo, 0.0))
                 errs[1].append(0.0 if math.isnan(hi) else max(hi - y, 0.0))
-            bars = ax.bar(xs, ys, width, label=impl, color=colors[impl], edgecolor="white", linewidth=0.3,
+            bars = ax.bar(xs, ys, width, color=colors.get(impl, "#999999"), edgecolor="white", linewidth=0.3,
                           yerr=errs if interval else None, error_kw={"elinewidth": 0.7, "capsize": 1.5})
             for b, h in zip(bars, hs):
                 if h:
@@ -327,7 +481,8 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
                     b.set_hatch("////")
                     b.set_edgecolor("black")
         ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
-        ax.text(1.0, ref, f" {ref_label}", transform=ax.get_yaxis_transform(), fontsize=7, va="center")
+        if ref_tag:
+            ax.text(1.0, ref, f" {ref_tag}", transform=ax.get_yaxis_transform(), fontsize=7, va="center")
         if log:
             ax.set_yscale("log")
             # Minor labels at 2 and 5 times a power of ten only: all eight crowd into each other.
@@ -343,18 +498,25 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
         ax.grid(axis="y", linewidth=0.3, alpha=0.5)
     for k in range(len(ops), nrows * ncols):
         axes[k // ncols][k % ncols].axis("off")
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    # The legend names every cue: colour = implementation (with its role), the dashed line, the whiskers,
+    # and the hatching where this plot uses it.
+    handles = [mpatches.Patch(facecolor=colors.get(i, "#999999"), edgecolor="white") for i in impls]
+    labels = [f"{i} ({ROLE_LABEL.get(_role_of(res, i), '')})" for i in impls]
+    handles.append(mlines.Line2D([], [], color="black", linewidth=0.8, linestyle="--"))
+    labels.append(f"dashed line: {ref_label}")
+    if interval:
+        handles.append(mlines.Line2D([], [], color="black", linewidth=0.7, marker="_", markersize=6))
+        labels.append(f"whiskers: {100 * res.meta.get('confidence', 0.95):.0f}% confidence interval")
     if hatched:
-        import matplotlib.patches as mpatches
-
         handles.append(mpatches.Patch(facecolor="white", edgecolor="black", hatch="////"))
         labels.append(hatch_label)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
     m = res.meta
     fig.suptitle(f"{title}\n{m['device']} | {m['date']} | load {m.get('load_average', '?')} | torch {m['torch']}",
                  fontsize=9)
     # Fixed margins in inches instead of tight_layout, which costs seconds of text measuring.
-    fig.subplots_adjust(left=0.8 / width_in, right=1 - 0.75 / width_in, bottom=1.5 / height_in,
+    legend_rows = math.ceil(len(labels) / 3)
+    fig.subplots_adjust(left=0.8 / width_in, right=1 - 0.75 / width_in, bottom=(1.3 + 0.2 * legend_rows) / height_in,
                         top=1 - (0.45 + 0.17 * (title.count("\n") + 2)) / height_in, wspace=0.45, hspace=0.9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -362,27 +524,25 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
 
 def plot(res: Result, path: Path) -> str | None:
     """fastgrad auto's speedup over torch eager with its interval, per workload (x) and op (panel); the
-    reference backends and torch.compile beside it. Returns None, or why no plot was written."""
+    other torch baselines, torch.compile and the reference backends beside it. Returns None, or why no plot
+    was written."""
     try:
         _pyplot()
     except Exception as exc:  # noqa: BLE001 - plotting is optional
         return f"matplotlib unavailable ({type(exc).__name__}: {exc})"
     if not any(not math.isnan(r["speedup"]) for r in res.rows):
         return "no implementation besides torch eager was measured"
-    impls = [AUTO] + [i for i in dict.fromkeys(r["impl"] for r in res.rows
-                                                     if r["role"] in (REFERENCE, COMPILED))]
+    impls = [AUTO] + [i for i in dict.fromkeys(r["impl"] for r in _side_rows(res))]
     _panels(res, path, impls, lambda r: r["speedup"], ylabel="speedup vs torch eager", log=True, ref=1.0,
-            ref_label="eager", title="Speedup over torch eager (log scale; > 1 = faster; whiskers: confidence "
-            "interval). Hatched: reference backends, not the automatic choice",
-            tick_fmt=lambda y, _: f"{y:g}x", hatch_of=lambda r: r["role"] == REFERENCE,
-            hatch_label="reference backend (by name only)", interval=lambda r: (r["speedup_lo"], r["speedup_hi"]))
+            ref_label="1x = torch eager", ref_tag="eager", title="Speedup over torch eager (log scale; > 1 = faster than torch "
+            "eager, the headline torch baseline of each op)",
+            tick_fmt=lambda y, _: f"{y:g}x", interval=lambda r: (r["speedup_lo"], r["speedup_hi"]))
     return None
 
 
-
 def plot_floor(res: Result, path: Path) -> str | None:
-    """Each implementation's % of its op's own memory floor (read stream for read passes, copy for
-    read+write passes), per workload (x) and op (panel); cache-resident workloads hatched."""
+    """Each implementation's % of its op's floor (its floor pass, timed in the same rounds), per workload (x)
+    and op (panel); bars whose floor pass ran from the CPU cache hatched."""
     try:
         _pyplot()
     except Exception as exc:  # noqa: BLE001
@@ -390,14 +550,12 @@ def plot_floor(res: Result, path: Path) -> str | None:
     if not any(not math.isnan(r["pct_floor"]) for r in res.rows):
         return "no floor figure was measured"
     impls = list(dict.fromkeys(r["impl"] for r in res.rows))
-    m = res.meta
-    _panels(res, path, impls, lambda r: r["pct_floor"], ylabel="% of the op's memory floor", log=False,
-            ref=100.0, ref_label="floor", title=(
-                f"Share of each op's memory floor (100% = its bytes at the measured rates: read-only stream "
-                f"{m['read_gbps']:.1f} GB/s for read passes,\nread+write pass {m['rw_gbps']:.1f} GB/s for "
-                "read+write passes)"),
-            tick_fmt=lambda y, _: f"{y:g}%", hatch_of=lambda r: r["in_cache"] or r["pct_floor"] > 100,
-            hatch_label="fits in the CPU cache (can pass 100%), or over 100% by timing noise")
+    _panels(res, path, impls, lambda r: r["pct_floor"], ylabel="% of the op's floor", log=False,
+            ref=100.0, ref_label="100% = the op's floor", ref_tag="floor", title=(
+                "Share of each op's floor: its floor pass (the op's bytes as contiguous streams over buffers of "
+                "its working set's size,\ntimed in the same rounds) over its time"),
+            tick_fmt=lambda y, _: f"{y:g}%", hatch_of=lambda r: r["floor_kind"] == CACHE_FLOOR,
+            hatch_label=CACHE_HATCH_LABEL)
     return None
 
 

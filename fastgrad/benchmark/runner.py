@@ -1,11 +1,17 @@
 """Runs the benchmark matrix (workload x op x implementation) and returns rows plus run metadata.
 
-Implementations per (workload, op): ``torch eager`` (the baseline), ``torch.compile`` of the same torch
-function (CUDA only by default: on the CPU it needs a C++ toolchain and minutes of compile time per case),
-``fastgrad auto`` (the call with ``backend=None``: what a user gets, the backend fastgrad picks
-automatically) and, for reference, ``fastgrad:<backend>`` for every other fastgrad backend usable on the
-device. The Triton backend is never benchmarked on the CPU: there it runs through the Triton interpreter, a
-testing tool.
+Implementations per (workload, op): ``torch eager`` (the headline baseline: the code a user reaches for,
+see ``ops.OPS[op].baselines``), other torch baselines of the op (``torch: own loop``: this benchmark's own
+loop, kept as a labelled row), ``torch.compile`` of the headline baseline (CUDA only by default: on the CPU
+it needs a C++ toolchain and minutes of compile time per case), ``fastgrad auto`` (the call with
+``backend=None``: what a user gets, the backend fastgrad picks automatically) and, for reference,
+``fastgrad:<backend>`` for every other fastgrad backend usable on the device. The Triton backend is never
+benchmarked on the CPU: there it runs through the Triton interpreter, a testing tool.
+
+Each case also times the op's floor pass (``ops.Floor.run``: the op's bytes as contiguous streams over
+buffers of its working set's size) in the same rounds, for its % of the floor; and, after the timed rounds,
+counts one call of every implementation (``counting``: torch operators, and on a GPU kernels and host
+syncs).
 
 The implementations of one (workload, op) are timed in interleaved rounds (``Timer.rounds``): the headline
 is fastgrad auto's speedup over torch eager (and over torch.compile where run), the median of the per-round
@@ -23,7 +29,9 @@ import importlib
 import importlib.util
 import os
 import platform
+import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,15 +41,25 @@ import torch
 import fastgrad
 from fastgrad import backends as _backends
 
+from . import counting
 from . import ops as O
 from . import workloads as W
 from .timing import (BAND, CONFIDENCE, Ratio, Timer, copy_bandwidth, inplace_bandwidth, paired_ratio,
                      read_bandwidth, verdict)
 
 EAGER, COMPILE, AUTO = "torch eager", "torch.compile", "fastgrad auto"
-#: Row roles: the baseline, the torch.compile baseline, fastgrad's automatic choice (the headline), and
-#: the other fastgrad backends (shown for reference: a user gets them only by naming them).
-BASELINE, COMPILED, AUTOMATIC, REFERENCE = "baseline", "compile", "auto", "reference"
+#: Row roles: the headline baseline, another torch baseline of the op (a labelled row beside it), the
+#: torch.compile baseline, fastgrad's automatic choice (the headline), and the other fastgrad backends (shown
+#: for reference: a user gets them only by naming them).
+BASELINE, ALTERNATIVE, COMPILED, AUTOMATIC, REFERENCE = "baseline", "other baseline", "compile", "auto", "reference"
+#: Where an op's floor pass runs from: the CPU's last-level cache (its working set fits there) or memory.
+CACHE_FLOOR, MEMORY_FLOOR = "cache", "memory"
+#: Calls of the floor pass per round on the CPU, the fastest kept: on a busy machine most calls of a few ms are
+#: preempted, and the floor should be an uninterrupted pass (a GPU's device time is not preempted).
+FLOOR_INNER = 5
+#: Working sets below this get no floor figure: there the floor pass's own fixed cost per call (a few torch
+#: operators), not its bytes, sets its time, so it is no floor.
+MIN_FLOOR_BYTES = 1 << 20
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Config:
     max_rounds: int = 200
     #: rounds the reference backends run in (None: min_rounds)
     ref_rounds: int | None = None
+    #: rounds the other torch baselines (the own loops, slow by design) run in (None: as ref_rounds)
+    other_rounds: int | None = None
     warmup: int = 2
     seed: int = 0
     command: str = ""
@@ -69,6 +89,8 @@ class Config:
     inner: int | None = None
     #: a warning about the machine's load, already shown to the user (recorded in the notes)
     busy_before: str | None = None
+    #: count torch operators (and on a GPU kernels and host syncs) of one call per implementation
+    counts: bool = True
 
 
 @dataclass
@@ -96,10 +118,11 @@ def usable_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:
 
 def default_max_bytes(device: torch.device, quick: bool) -> int:
     """Gradient bytes per workload that the device holds with room to spare: parameters + gradients + a
-    saved copy of the gradients (for restoring between repetitions) + temporaries of the baselines."""
+    saved copy of the gradients (for restoring between repetitions; the floor pass streams over it) + the
+    AGC floor pass's parameter-sized buffer + temporaries of the baselines."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * 0.85 / 3.5)
+        cap = int(free * 0.85 / 4.5)
         return min(cap, 2**30) if quick else cap
     avail = _mem_available()
     cap = int(avail * 0.5 / 4)
@@ -250,13 +273,14 @@ def auto_backend(op: str, st: O.OpState) -> str:
 
 def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: W.Workload) -> dict:
     nan = float("nan")
-    return {"workload": wname, "op": op, "impl": impl, "role": role, "backend": backend or "",
+    return {"workload": wname, "op": op, "impl": impl, "role": role, "backend": backend or "", "baseline": "",
             "tensors": w.n_tensors, "grad_mb": w.grad_bytes / 2**20, "median_ms": nan, "min_ms": nan,
             "host_ms": nan, "rounds": 0, "inner": 0, "spread_pct": nan,
             "speedup": nan, "speedup_lo": nan, "speedup_hi": nan, "verdict": "", "verdict_why": "",
             "vs_compile": nan, "vs_compile_lo": nan, "vs_compile_hi": nan, "compile_verdict": "",
-            "compile_verdict_why": "", "floor_read_mb": nan, "floor_rw_mb": nan, "floor_ms": nan,
-            "pct_floor": nan, "in_cache": False, "note": ""}
+            "compile_verdict_why": "", "vs_other": nan, "vs_other_lo": nan, "vs_other_hi": nan, "other_impl": "",
+            "read_mb": nan, "written_mb": nan, "gbps": nan, "floor_ms": nan, "pct_floor": nan, "floor_kind": "",
+            "ops_per_call": nan, "kernels_per_call": nan, "syncs_per_call": nan, "note": ""}
 
 
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
@@ -276,6 +300,9 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
     meta["cores"] = cpu_count()
     if cfg.busy_before:
         notes.append(cfg.busy_before)
+    if cfg.backends == []:
+        notes.append("no reference rows: only fastgrad's automatic choice was timed (--backends all adds the "
+                     "other usable backends)")
     # "fastgrad auto" must be the automatic choice: FASTGRAD_BACKEND would override it for the whole run.
     env_backend = os.environ.pop("FASTGRAD_BACKEND", None)
     if env_backend is not None:
@@ -291,8 +318,9 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
 def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, notes: list[str]) -> Result:
     device = cfg.device
     timer = Timer(device, warmup=cfg.warmup, min_reps=5, max_reps=20, budget_s=0.5)
-    # The floors' rates, on buffers well past the last-level cache (the GPU's L2 is flushed before every
-    # repetition anyway): a read-only stream, and read+write passes (a copy, an in-place multiply).
+    # The machine's memory rates, for the reader (each case's % of the floor comes from its own floor pass):
+    # on buffers well past the last-level cache (the GPU's L2 is flushed before every repetition anyway), a
+    # read-only stream and read+write passes (a copy, an in-place multiply).
     llc = last_level_cache_bytes() if device.type == "cpu" else 0
     if device.type == "cuda":
         stream_bytes = (256 << 20) if cfg.quick else (1 << 30)
@@ -301,7 +329,7 @@ def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, note
     meta["read_gbps"] = read_bandwidth(timer, stream_bytes)
     meta["copy_gbps"] = copy_bandwidth(timer, stream_bytes)
     meta["inplace_gbps"] = inplace_bandwidth(timer, stream_bytes)
-    # The read+write floor: the faster of the two ways memory does a read+write pass.
+    # The read+write rate: the faster of the two ways memory does a read+write pass.
     meta["rw_gbps"] = max(meta["copy_gbps"], meta["inplace_gbps"])
     meta["stream_bytes"] = stream_bytes
     meta["cache_bytes"] = llc
@@ -331,12 +359,10 @@ def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, note
                                 "host": w.host}
         params = W.materialize(w, device, seed=cfg.seed)
         st = O.OpState(params)
-        p_bytes = sum(p.numel() * p.element_size() for p in params)
-        if any(O.OPS[o].mutates for o in ops):
-            st.save()
+        st.save()  # for restoring the ops that write gradients, and the floor pass's buffer
         use_compile = cfg.compile and (cfg.compile_workloads is None or wname in cfg.compile_workloads)
         for op in ops:
-            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, p_bytes, meta, llc))
+            rows.extend(_run_case(cfg, timer, w, st, op, usable, use_compile, llc, meta))
             if progress:
                 progress(f"{wname} {op}")
         del params, st, w
@@ -358,47 +384,76 @@ def _ratio_fields(r: Ratio, prefix: str) -> dict:
     return {prefix: r.median, prefix + "_lo": r.lo, prefix + "_hi": r.hi}
 
 
+def floor_kind(device: torch.device, working_set: int, llc: int) -> str:
+    """Which floor the op's floor pass measures: ``cache`` when its working set fits in the CPU's last-level
+    cache (then the pass, like the op, runs largely from the cache), else ``memory``. On a GPU every
+    repetition starts with the L2 flushed: memory."""
+    if device.type == "cpu" and 0 < working_set <= llc:
+        return CACHE_FLOOR
+    return MEMORY_FLOOR
+
+
 def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, usable: list[str],
-              use_compile: bool, p_bytes: int, meta: dict, llc: int) -> list[dict]:
-    """Every implementation of one (workload, op), timed in interleaved rounds; rows with ratios, verdicts
-    and the % of the op's floor."""
+              use_compile: bool, llc: int, meta: dict) -> list[dict]:
+    """Every implementation of one (workload, op) and its floor pass, timed in interleaved rounds; rows with
+    ratios, verdicts, the % of the op's floor and the counts of one call."""
     spec = O.OPS[op]
     reset = st.restore if spec.mutates else None
     auto = auto_backend(op, st)
-    impls: list[tuple[str, str, str | None, Callable[[], Callable[[], object]]]] = [
-        (EAGER, BASELINE, None, lambda: O.torch_fn(op, st))]
+    impls: list[tuple[str, str, str | None, Callable[[], Callable[[], object]], str]] = []
+    for k, b in enumerate(spec.baselines):
+        impls.append((b.impl, BASELINE if k == 0 else ALTERNATIVE, None, lambda b=b: b.make(st), b.what))
     if use_compile:
-        impls.append((COMPILE, COMPILED, None, lambda: _compiled(O.torch_fn(op, st))))
-    impls.append((AUTO, AUTOMATIC, auto, lambda: O.fastgrad_fn(op, st, None)))
+        impls.append((COMPILE, COMPILED, None, lambda: _compiled(O.torch_fn(op, st)),
+                      "torch.compile of " + spec.baseline))
+    impls.append((AUTO, AUTOMATIC, auto, lambda: O.fastgrad_fn(op, st, None), ""))
     for b in usable:
         if b not in auto.split(","):  # the automatic row already times the backend it picks
-            impls.append((f"fastgrad:{b}", REFERENCE, b, lambda b=b: O.fastgrad_fn(op, st, b)))
-    rows = [_row(w.name, op, impl, role, backend, w) for impl, role, backend, _ in impls]
+            impls.append((f"fastgrad:{b}", REFERENCE, b, lambda b=b: O.fastgrad_fn(op, st, b), ""))
+    rows = [_row(w.name, op, impl, role, backend, w) | {"baseline": what}
+            for impl, role, backend, _, what in impls]
     fns: list[Callable[[], object]] = []
     idx: list[int] = []  # rows[idx[j]] is timed by fns[j]
-    for k, (_, _, _, make) in enumerate(impls):
+    for k, (_, _, _, make, _) in enumerate(impls):
         try:
             fns.append(make())
             idx.append(k)
         except Exception as exc:  # noqa: BLE001 - a failing case is reported, the run goes on
             rows[k]["note"] = _failed(exc)
-    pos = {impls[k][1] if impls[k][1] != REFERENCE else impls[k][0]: j for j, k in enumerate(idx)}
+    pos = {impls[k][1] if impls[k][1] not in (REFERENCE, ALTERNATIVE) else impls[k][0]: j
+           for j, k in enumerate(idx)}
+    alt = next((j for j, k in enumerate(idx) if impls[k][1] == ALTERNATIVE), None)
     pairs = []
     if AUTOMATIC in pos:
         pairs += [(pos[b], pos[AUTOMATIC]) for b in (BASELINE, COMPILED) if b in pos]
-    refs = tuple(j for j, k in enumerate(idx) if impls[k][1] == REFERENCE)
+    # Reference backends and the other torch baselines are not part of the headline: first rounds only.
+    refs = tuple(j for j, k in enumerate(idx) if impls[k][1] in (REFERENCE, ALTERNATIVE))
+    resets: list[Callable[[], None] | None] = [reset] * len(fns)
+    n_bytes, p_bytes = st.grad_bytes, st.param_bytes
+    floor_j = None
+    working_set = spec.floor.working_set(st.grad_bytes, st.param_bytes)
+    if not w.host and working_set >= MIN_FLOOR_BYTES:
+        # The floor pass, timed in every round beside the implementations (it is no row of its own).
+        floor_fn, warm = st.floor_fn(spec.floor)
+        fns.append(floor_fn)
+        resets.append(warm if timer.device.type == "cpu" else None)  # the GPU's L2 is flushed anyway
+        floor_j = len(fns) - 1
     # Host-overhead calls take microseconds: many more rounds fit the same budget.
     max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
-    rr = timer.rounds(fns, reset, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
+    # The floor pass too runs in the first rounds only: its fastest call is what counts, and by then it has
+    # had FLOOR_INNER times as many calls as the implementations.
+    if floor_j is not None:
+        refs = refs + (floor_j,)
+    rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
-                      confidence=cfg.confidence, inner=cfg.inner)
+                      confidence=cfg.confidence, inner=cfg.inner,
+                      rounds_of=None if cfg.other_rounds is None else {
+                          j: cfg.other_rounds for j, k in enumerate(idx) if impls[k][1] == ALTERNATIVE},
+                      min_inner=None if floor_j is None or timer.device.type != "cpu" else {floor_j: FLOOR_INNER})
     st.restore()
     series = rr.host_ms if w.host else rr.dev_ms
-    # Bytes the op touches (the gradients, and the parameters for AGC): under twice the last-level cache,
-    # part of them can still be in the cache from the previous repetition (or the restore before it).
-    reads_params = spec.read_bytes(0, 1) > 0
-    touched = w.grad_bytes + (p_bytes if reads_params else 0)
-    in_cache = 0 < touched <= 2 * llc
+    kind = floor_kind(timer.device, working_set, llc) if floor_j is not None else ""
+    floor_ok = floor_j is not None and rr.errors[floor_j] is None
     for j, k in enumerate(idx):
         r = rows[k]
         if rr.errors[j] is not None:
@@ -410,11 +465,14 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
         r.update(median_ms=m.median_ms, min_ms=m.min_ms, host_ms=m.host_ms, rounds=m.reps, inner=rr.inner,
                  spread_pct=100 * (m.host_spread if w.host else m.spread))
         if not w.host:
-            floor_s = spec.floor_s(w.grad_bytes, p_bytes, meta["read_gbps"], meta["rw_gbps"])
-            pct = 100 * floor_s / (m.median_ms * 1e-3)
-            r.update(floor_read_mb=spec.read_bytes(w.grad_bytes, p_bytes) / 2**20,
-                     floor_rw_mb=spec.rw_bytes(w.grad_bytes, p_bytes) / 2**20, floor_ms=1e3 * floor_s,
-                     pct_floor=pct, in_cache=in_cache)
+            moved = spec.floor.bytes_moved(n_bytes, p_bytes)
+            r.update(read_mb=spec.floor.bytes_read(n_bytes, p_bytes) / 2**20,
+                     written_mb=spec.floor.bytes_written(n_bytes, p_bytes) / 2**20,
+                     gbps=moved / (m.median_ms * 1e-3) / 1e9, floor_kind=kind)
+            if floor_j is not None and rr.errors[floor_j] is None:
+                best = floor_vs_median(series[floor_j], series[j])
+                if best is not None:
+                    r.update(floor_ms=best[0], pct_floor=100 * best[0] / best[1])
         b = pos.get(BASELINE)
         if b is not None and j != b and rr.errors[b] is None:
             ratio = paired_ratio(series[b], series[j], cfg.confidence)
@@ -425,11 +483,49 @@ def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, 
             ratio = paired_ratio(series[c], series[j], cfg.confidence)
             v, why = verdict(ratio, cfg.band)
             r.update(_ratio_fields(ratio, "vs_compile"), compile_verdict=v, compile_verdict_why=why)
+        if r["role"] == AUTOMATIC and alt is not None and rr.errors[alt] is None:
+            ratio = paired_ratio(series[alt], series[j], cfg.confidence)
+            r.update(_ratio_fields(ratio, "vs_other"), other_impl=impls[idx[alt]][0])
         if r["role"] == AUTOMATIC and rr.stopped in ("budget", "max_rounds") and not r["note"]:
             # Its verdict is the one to re-check: the interval was still near a threshold when timing ended.
             r["note"] = (f"unsettled after {rr.n_rounds} rounds "
                          f"({'time budget' if rr.stopped == 'budget' else 'round limit'})")
+    if floor_j is not None and not floor_ok:
+        for r in rows:
+            r["note"] = r["note"] or f"no floor: {_failed(rr.errors[floor_j])}"
+    if cfg.counts:
+        t0 = time.perf_counter()
+        _count(timer.device, rows, idx, fns, rr, reset)
+        st.restore()
+        # The run's seconds spent counting (not timing), for the reader of a slow run.
+        meta["count_s"] = round(meta.get("count_s", 0.0) + time.perf_counter() - t0, 2)
+    st.release_floor()
     return rows
+
+
+def floor_vs_median(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
+    """(the floor pass's fastest call, the implementation's median over all its rounds); None if either never
+    ran. The floor at its best against the op as it typically runs: a busy machine's preemptions (which only
+    add time) can make this read low, not high; on a quiet machine or a GPU the two ends nearly meet."""
+    f = [x for x in floor if x is not None]
+    i = [x for x in impl if x is not None]
+    if not f or not i:
+        return None
+    return min(f), statistics.median(i)
+
+
+def _count(device: torch.device, rows: list[dict], idx: list[int], fns, rr, reset) -> None:
+    """One counted call per implementation that ran (after the timed rounds: counting slows a call)."""
+    for j, k in enumerate(idx):
+        r = rows[k]
+        if rr.errors[j] is not None:
+            continue
+        try:
+            c = counting.count_call(fns[j], device, reset, ops=r["role"] != COMPILED)
+        except Exception as exc:  # noqa: BLE001 - a count that fails leaves the timing standing
+            r["note"] = (r["note"] + "; " if r["note"] else "") + f"not counted: {type(exc).__name__}: {exc}"[:200]
+            continue
+        r.update(c.as_row())
 
 
 def _failed(exc: BaseException) -> str:

@@ -207,13 +207,13 @@ class Timer:
         assert m is not None
         return m
 
-    def _warm(self, fns, reset, errors) -> list[float]:
+    def _warm(self, fns, resets, errors) -> list[float]:
         """Untimed warm-up calls; returns each function's last warm-up time in seconds."""
         est = [0.0] * len(fns)
         for i, fn in enumerate(fns):
             try:
                 for _ in range(max(self.warmup, 1)):
-                    self._prep(reset)
+                    self._prep(resets[i])
                     t0 = time.perf_counter()
                     fn()
                     self.sync()
@@ -222,27 +222,34 @@ class Timer:
                 errors[i] = exc
         return est
 
-    def rounds(self, fns: list[Callable[[], object]], reset: Callable[[], None] | None = None, *,
+    def rounds(self, fns: list[Callable[[], object]],
+               reset: Callable[[], None] | list[Callable[[], None] | None] | None = None, *,
                pairs: list[tuple[int, int]], min_rounds: int, max_rounds: int, budget_s: float,
                ref: tuple[int, ...] = (), ref_rounds: int | None = None, host: bool = False,
-               band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1) -> Rounds:
+               band: float = BAND, confidence: float = CONFIDENCE, inner: int | None = 1,
+               min_inner: dict[int, int] | None = None, rounds_of: dict[int, int] | None = None) -> Rounds:
         """Time ``fns`` in rounds (each round every live function once, the starting one rotating) after
         ``warmup`` untimed calls each. Stops once every ``(baseline, candidate)`` pair in ``pairs`` is
         :func:`settled` (at least ``min_rounds`` rounds), or ``budget_s`` seconds of rounds are spent (at
         least ``min_rounds``), or at ``max_rounds``. Functions in ``ref`` (reference implementations, not
         part of the headline) run in the first ``ref_rounds`` rounds only. A function that raises leaves the
-        rotation and its exception is returned; ``reset`` runs before every call, untimed. ``host``: judge
+        rotation and its exception is returned; ``reset`` runs before every call, untimed (a list: one reset per
+        function, e.g. the floor pass's own). ``host``: judge
         the pairs on host times (the host-overhead workloads).
 
         ``inner``: calls per function per round, back to back, of which the round keeps the fastest: the
         time of a call that the rest of a busy machine did not interrupt (preemption only ever adds time).
         None chooses: :data:`INNER` when the slowest function's warm-up call took under
-        :data:`INNER_BELOW_S`, else 1 (long calls are interrupted every time, and cost too much to repeat)."""
+        :data:`INNER_BELOW_S`, else 1 (long calls are interrupted every time, and cost too much to repeat).
+        ``min_inner``: at least that many calls per round for the functions it names (e.g. the floor pass,
+        short and cheap, whose fastest call should be an uninterrupted one). ``rounds_of``: the functions it
+        names run in that many first rounds only (overrides ``ref_rounds`` for them)."""
         n = len(fns)
         errors: list[BaseException | None] = [None] * n
         dev: list[list] = [[] for _ in range(n)]
         hst: list[list] = [[] for _ in range(n)]
-        est = self._warm(fns, reset, errors)
+        resets = list(reset) if isinstance(reset, (list, tuple)) else [reset] * n
+        est = self._warm(fns, resets, errors)
         if inner is None:
             inner = INNER if max(est, default=0.0) < INNER_BELOW_S else 1
         ref_rounds = min_rounds if ref_rounds is None else ref_rounds
@@ -250,7 +257,8 @@ class Timer:
         stopped = "max_rounds"
         r = 0
         while r < max_rounds:
-            live = [i for i in range(n) if errors[i] is None and (i not in ref or r < ref_rounds)]
+            live = [i for i in range(n) if errors[i] is None
+                    and r < (rounds_of or {}).get(i, ref_rounds if i in ref else max_rounds)]
             if not live:
                 stopped = "failed"
                 break
@@ -258,8 +266,8 @@ class Timer:
             got: dict[int, list[tuple]] = {}
             for i in order:
                 try:
-                    for _ in range(inner):
-                        self._prep(reset)
+                    for _ in range(max(inner, (min_inner or {}).get(i, 0))):
+                        self._prep(resets[i])
                         got.setdefault(i, []).append(self._once(fns[i]))
                 except Exception as exc:  # noqa: BLE001
                     errors[i] = exc
