@@ -15,8 +15,10 @@ Sharded gradients (``fastgrad.distributed``, docs/distributed.md): DTensor grads
 (FSDP2, TP, HSDP, expert parallel), plain tensors among them, and pipeline stages (``process_group=``) are
 reduced from their local shards to one global norm, the same on every rank, with one all-reduce for the usual
 layouts, and clipped in place; the result is a ``Replicate()`` DTensor when all grads are DTensors on one
-mesh (as torch), else a plain tensor. Plain tensors that are disjoint shards across ranks take
-``process_group=``. Plain single-process calls pay one type check.
+mesh (as torch), else a plain tensor. Plain tensors spread over ranks take ``process_group=`` (each rank its
+own tensors, e.g. a pipeline stage) or ``process_group=fastgrad.distributed.Shards(group)`` (pieces of the
+same tensors, ZeRO style; per-tensor results then describe the whole tensors). Ranks that disagree raise
+``fastgrad.distributed.RankMismatchError`` on every rank. Plain single-process calls pay one type check.
 """
 
 from __future__ import annotations
@@ -144,8 +146,9 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
 
     Returns a 0-dim tensor on the first tensor's device in the promoted dtype of the tensors
     (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched). DTensor input gives a
-    ``Replicate()`` DTensor; ``process_group=``: ``tensors`` are this rank's disjoint shards and the result
-    is the norm over every rank's shards (a collective: every rank of the group must call).
+    ``Replicate()`` DTensor; ``process_group=`` (or ``fastgrad.distributed.Shards(group)``): ``tensors`` are
+    this rank's part and the result is the norm over every rank's (a collective: every rank of the group must
+    call).
     """
     tensors = I.checked(I.as_list(tensors))
     p = I.check_norm_type(norm_type)
@@ -204,8 +207,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     is needed. No host sync unless ``error_if_nonfinite=True`` (which checks before anything is written).
     DTensor grads on any meshes (FSDP2, TP, HSDP, EP), mixed with plain ones: one all-reduce for the usual
     layouts, local shards clipped, a ``Replicate()`` DTensor returned when all are on one mesh.
-    ``process_group=``: plain grads are this rank's disjoint shards; with DTensors, the group that connects
-    pipeline stages (or the world). Every rank of the group must call (see fastgrad.distributed).
+    ``process_group=``: plain grads are this rank's own (a stage; ``Shards(group)``: pieces of the same
+    tensors); with DTensors, the group that connects pipeline stages (or the world). Every rank of the group
+    must call (see fastgrad.distributed).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
     params = parameters if type(parameters) is list else I.as_list(parameters, warn_empty_generator=True)
@@ -241,8 +245,10 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
                             foreach: bool | None, backend: str | None, process_group) -> Tensor:
     """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
     grads = _scan.grads_of(params)
-    if grads is None:  # not plain tensors (DTensor parameters, ...): one read of each .grad (a DTensor
-        grads = _grads_once(params)  # parameter's .grad costs about a microsecond)
+    if grads is None:  # not plain tensors: DTensor parameters' grads without torch-function handling, else
+        grads = D.dtensor_grads(params)  # one Python read of each .grad
+        if grads is None:
+            grads = _grads_once(params)
     if not grads and process_group is None:
         return torch.tensor(0.0)
     sh = None

@@ -79,8 +79,9 @@ from torch import Tensor
 from . import _scan
 from .backends import acc_dtype
 
-__all__ = ["is_dtensor", "has_dtensor", "Sharded", "Shards", "RankMismatchError", "prepare", "reduced_norm",
-           "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks", "clear_cache"]
+__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
+           "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
+           "clear_cache"]
 
 _INF = float("inf")
 _DT: type | None = None
@@ -166,6 +167,25 @@ def _unwrap(process_group):
             raise ValueError("Shards(group) needs a process group (e.g. dist.group.WORLD)")
         return process_group.group, True
     return process_group, False
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def dtensor_grads(params: Sequence[Tensor]) -> list[Tensor] | None:
+    """``[p.grad for p in params if p.grad is not None]`` when every parameter is a DTensor whose
+    ``__torch_function__`` is DTensor's own (disabled) one, read with torch-function handling switched off:
+    the same objects, at half the cost (the handling alone is about a microsecond per parameter). None
+    otherwise (the caller reads them the usual way)."""
+    cls = _dtensor_cls()
+    if cls is None or not params or torch.compiler.is_compiling():
+        return None
+    own = cls.__torch_function__
+    for t in set(map(type, params)):
+        if not issubclass(t, cls) or t.__torch_function__ is not own:
+            return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return [g for g in map(_GRAD, params) if g is not None]
 
 
 # ------------------------------------------------------------------------------- caches (host cost)
@@ -874,8 +894,10 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     if p == _INF or p == -_INF:
         if per_local is not None:
             total_local = (per_local.amax() if p == _INF else per_local.amin()) if len(sel) else None
-        t = total_local.to(dev, wide).reshape(1) if total_local is not None else torch.full((1,), identity, dtype=wide,
-                                                                                          device=dev)
+        if total_local is None:
+            t = torch.full((1,), identity, dtype=wide, device=dev)
+        else:
+            t = total_local.to(dev, wide).reshape(1)
         nan = torch.isnan(t)
         payload = torch.where(nan, identity, t)
         ors = nan.to(wide) if ors is None else torch.cat([nan.to(wide), ors])

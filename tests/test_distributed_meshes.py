@@ -760,3 +760,47 @@ def test_docs_table_is_pinned():
     amp = " ".join(_doc("amp.md").split())
     assert COUNTS["sharded_scaler"] == 1 and "one collective per call" in amp
     assert COUNTS["sharded_scaler_other_group"] == 2 and "(two collectives)" in amp
+
+
+@pytest.mark.parametrize("op", [D._SUM, D._MAX, D._MIN])
+def test_agreement_header_math(op):
+    """The header's verdict from reduced headers, simulated: all-equal contributors pass, any differing one
+    (in any field, in any group) fails, absent groups pass; exact for 16-bit values on many ranks."""
+    combine = {D._SUM: lambda a, b: a + b, D._MAX: torch.maximum, D._MIN: torch.minimum}[op]
+
+    def reduced(per_rank):
+        heads = [torch.tensor(D._header(op, groups), dtype=torch.float64) for groups in per_rank]
+        out = heads[0]
+        for h in heads[1:]:
+            out = combine(out, h)
+        return D._bad_groups(out, op).tolist()
+
+    same = [[(0xFFFF, 7), None, (3, 0xBEEF)]] * 1000
+    assert reduced(same) == [False, False, False]
+    for g, field in ((0, 0), (0, 1), (2, 0), (2, 1)):
+        other = [list(r) for r in same]
+        vals = list(other[500][g])
+        vals[field] = vals[field] - 1 if vals[field] else 1
+        other[500][g] = tuple(vals)
+        bad = reduced(other)
+        assert bad[g] and sum(bad) == 1, (g, field, bad)
+    # two values whose mean is an integer (the SUM check cannot be fooled by a symmetric spread)
+    spread = [[(10, 0)], [(12, 0)], [(11, 0)]]
+    assert reduced(spread) == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred verdict is the CUDA path")
+def test_deferred_verdict_on_cuda_without_host_sync():
+    """On CUDA a totals-only call does not wait for the agreement verdict: it is copied to pinned memory with
+    an event (no host sync) and the next sharded call raises it; a clean verdict raises nothing."""
+    D.clear_cache()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        D._settle(torch.zeros(3, dtype=torch.bool, device="cuda"), blocking=False)
+        D._settle(torch.tensor([False, True, False], device="cuda"), blocking=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    with pytest.raises(D.RankMismatchError, match="gradient lists differ.*previous sharded call"):
+        D._raise_pending()
+    assert not D._PENDING
