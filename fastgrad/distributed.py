@@ -46,7 +46,7 @@ shapes and dtypes. Encoded so that the reduced header tells whether every contri
 all equal iff max == min), it costs no extra collective, and every rank reads the same verdict, so a
 mismatch raises :class:`RankMismatchError` with the same text on every rank, before anything is written.
 Per-tensor vectors (``per_tensor=True``, ``norm_type=0``, ``grad_stats``) are reduced only after the
-header said their lengths agree (a collective of mismatched sizes aborts gloo and hangs NCCL): one more
+header said their lengths agree (a collective of mismatched sizes aborts the process under gloo): one more
 collective than the total alone, except where per-tensor results are local (plain pipeline stages).
 On CUDA the verdict of a totals-only call is read without waiting (a copy to pinned memory) and raised by
 the next sharded call of the process; a per-tensor call reads it before its vector collective (a host sync).
