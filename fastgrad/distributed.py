@@ -81,7 +81,7 @@ from .backends import acc_dtype
 
 __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
-           "clear_cache"]
+           "clear_cache", "nonfinite_poison"]
 
 _INF = float("inf")
 _DT: type | None = None
@@ -860,8 +860,8 @@ def _flags_in(flags: Tensor | None, dev, wide) -> Tensor | None:
 
 
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
-                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]], *,
-                 flags: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]],
+                 poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
     single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
@@ -871,7 +871,11 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     (SUM) or the max/min with a NaN flag (MAX/MIN), and the agreement header. Per-tensor results that combine
     shards (DTensors, :class:`Shards`) take one more, a vector reduced after the header said the lists agree;
     plain pipeline stages keep their own per-tensor norms (nothing more to reduce). ``norm_type=0`` (tensors
-    with a nonzero) counts from the reduced per-tensor vector, plus the stages' counts across stages."""
+    with a nonzero) counts from the reduced per-tensor vector, plus the stages' counts across stages.
+
+    ``poison`` (the step guard's): a 0-dim local tensor, 0 or NaN, added to this rank's contribution (and to
+    its per-tensor vector), so a NaN that only this rank can see reaches every rank's result in the same
+    collective (see :func:`nonfinite_poison`)."""
     plan = sh.plan
     dev, dtype = _local_dev_dtype(sh)
     wide = _wide(dtype, dev)
@@ -891,6 +895,8 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     elif local:  # a total only: the local total (its p-th power is what adds up; a max/min is exact)
         total_local, _ = local_norm(local, False)
     ors = _flags_in(flags, dev, wide)
+    if poison is not None:
+        poison = poison.to(dev, wide).reshape(1)  # (+0 leaves the non-negative values' bits alone)
     if p == _INF or p == -_INF:
         if per_local is not None:
             total_local = (per_local.amax() if p == _INF else per_local.amin()) if len(sel) else None
@@ -898,6 +904,8 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
             t = torch.full((1,), identity, dtype=wide, device=dev)
         else:
             t = total_local.to(dev, wide).reshape(1)
+        if poison is not None:
+            t = t + poison
         nan = torch.isnan(t)
         payload = torch.where(nan, identity, t)
         ors = nan.to(wide) if ors is None else torch.cat([nan.to(wide), ors])
@@ -911,6 +919,8 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     else:  # p == 0: the count is the whole story only where per-tensor values are local
         payload = ((per_local != 0).sum().to(wide).reshape(1) if per_local is not None and not combine
                    else torch.zeros(1, dtype=wide, device=dev))
+    if poison is not None and p not in (_INF, -_INF):
+        payload = payload + poison
     red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
     if p == _INF or p == -_INF:
         total = torch.where(ors_out[0] > 0, float("nan"), red[0])
@@ -926,6 +936,8 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         like = torch.empty(0, dtype=wide, device=dev)
         vals = _place(vals, sel, n, identity, like) if vals is not None else torch.full(
             (n,), identity, dtype=wide, device=dev)
+        if poison is not None:
+            vals = vals + poison
         vals = _combine(vals, p, plan.vec_steps)
         if p == 0:
             count = (vals != 0).sum().to(wide).reshape(1)
@@ -990,13 +1002,14 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
 
 
 def reduced_amp_norm(sh: Sharded, norm_type: float,
-                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]], *,
-                     flags: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
+                     poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
     values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max), the
     overflow flag and the agreement header together. Returns ``(global total, local found_inf, global
-    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the module's docstring. norm_type 0
-    has no sharded AMP form (the read pass yields totals, not per-tensor counts)."""
+    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the module's docstring; ``poison``: as
+    in :func:`reduced_norm` (a NaN only this rank sees is an overflow on every rank). norm_type 0 has no
+    sharded AMP form (the read pass yields totals, not per-tensor counts)."""
     p = norm_type
     if p == 0:
         raise ValueError("scaler_unscale_and_clip with norm_type=0 is not supported for sharded gradients")
@@ -1011,8 +1024,13 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
         total = torch.full((1,), identity, dtype=wide, device=dev)
         flag = torch.zeros((), dtype=torch.float32, device=dev)
     f = flag.to(wide).reshape(1)
+    if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
+        poison = poison.to(dev, wide).reshape(1)
+        f = torch.where(torch.isnan(poison), 1.0, f)
     extra = _flags_in(flags, dev, wide)
     if p == _INF or p == -_INF:
+        if poison is not None:
+            total = total + poison
         nan = torch.isnan(total)
         ors = torch.cat([nan.to(wide), f] + ([extra] if extra is not None else []))
         red, out = _phase_a(sh, _AMP, p, False, torch.where(nan, identity, total), ors)
@@ -1020,6 +1038,8 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
         g_flag, rest = out[1], out[2:]
     else:
         pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
+        if poison is not None:
+            pw = pw + poison
         ors = f if extra is None else torch.cat([f, extra])
         red, out = _phase_a(sh, _AMP, p, False, pw, ors)
         g_total = red[0].pow(1.0 / p)
@@ -1047,3 +1067,18 @@ def to_local_norm(total_norm):
     return total_norm
 
 
+# ------------------------------------------------------------------------------------- the step guard's flag
+def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) -> Tensor | None:
+    """For the step guard, whose decision must be the same on every rank: the local tensors this rank holds
+    but does not count (copies of ``Replicate()`` pieces, plain tensors beside DTensors, a replicated mesh
+    slice) are counted on another rank only, so a NaN/Inf in this rank's copy alone would reach no norm.
+    Returns NaN when ``local_norm`` of those copies is non-finite, else 0 (a 0-dim tensor in the wide dtype),
+    for ``reduced_norm(poison=)``; None when this rank holds no such copy (then nothing is added). One more
+    read of the copies, no collective."""
+    if sh.sel is None:  # this rank counts everything it holds
+        return None
+    spare = [r for r, c in zip(sh.reads, sh.counts) if not c and r.numel()]
+    if not spare:
+        return None
+    n = local_norm(_scan.checked(spare)).reshape(())
+    return torch.where(torch.isfinite(n), 0.0, float("nan")).to(_wide(n.dtype, n.device))

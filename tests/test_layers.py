@@ -45,6 +45,11 @@ LAYERS: list[list[str]] = [
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp", "fastgrad.nonfinite"],
     ["fastgrad.optim_clip"],
+    # the step guard: its parts, each mode one object, then the core and the package
+    ["fastgrad.guard._state", "fastgrad.guard.counters", "fastgrad.guard.skip"],
+    ["fastgrad.guard.norm", "fastgrad.guard.zclip", "fastgrad.guard.autoclip", "fastgrad.guard.adagc"],
+    ["fastgrad.guard.options", "fastgrad.guard.read"],
+    ["fastgrad.guard.core"],
     ["fastgrad.guard"],
     # 8: reports and monitoring, above the ops they call
     ["fastgrad.report"],
@@ -53,6 +58,9 @@ LAYERS: list[list[str]] = [
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],
+    # optional adapters of the step guard to training frameworks (imported only by their users)
+    ["fastgrad.integrations", "fastgrad.integrations._common"],
+    ["fastgrad.integrations.lightning", "fastgrad.integrations.transformers"],
     ["fastgrad.benchmark.timing", "fastgrad.benchmark.workloads", "fastgrad.benchmark.ops"],
     ["fastgrad.benchmark.runner"],
     ["fastgrad.benchmark.report"],

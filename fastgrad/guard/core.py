@@ -1,0 +1,349 @@
+"""``StepGuard``: clip, and keep a bad step (non-finite norm, or a spike) out of the weights and the optimizer
+state, decided on the device from the norm of the clip's own read pass. See docs/guard.md.
+
+One guard per optimizer::
+
+    guard = fastgrad.StepGuard(optimizer, max_norm=1.0)            # or mode="zclip" / "autoclip" / "adagc"
+    for batch in data:
+        loss(batch).backward()
+        guard.clip_()                  # or guard.clip_(scaler) after scaler.scale(loss).backward()
+        optimizer.step()               # or scaler.step(optimizer); scaler.update()
+        optimizer.zero_grad()
+
+The parts: ``options`` (validation, before any work), one object per mode with its state on the device
+(``norm``, ``zclip``, ``autoclip``, ``adagc``), ``read`` (the read passes that compute the norm and write
+or hand over the clip), ``counters`` (device counters, folded lazily) and ``skip`` (the step hooks that
+make the optimizer obey the decision). Nothing here reads device data on the host except where the methods'
+docs say so.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .. import _inputs as I
+from .. import distributed as D
+from ..amp import _check_ready, _inv_scale, _is_sharded, _known_unscale, _optimizer_state, optimizer_params
+from ..amp import zero_write_applies as _amp_zero_write_applies
+from ..optim_clip import zero_write_applies
+from . import read
+from .counters import COUNTERS, Counters
+from .options import MODES, check_options, make_mode
+from .skip import Skipper, is_fused
+
+__all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
+
+_GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def guard_for(optimizer) -> "StepGuard | None":
+    """The StepGuard attached to ``optimizer``, or None: how a monitor or checker finds the skip counters of
+    an optimizer it is handed (``guard_for(opt).counters()`` / ``.state()``)."""
+    ref = _GUARDS.get(unwrap_optimizer(optimizer)[0])
+    return ref() if ref is not None else None
+
+
+def unwrap_optimizer(optimizer):
+    """(the torch optimizer inside a framework's wrapper, the wrapper's GradScaler or None). accelerate's
+    ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` without its hook tables and calls the
+    wrapped optimizer's ``step`` (through its GradScaler under fp16); Lightning's ``LightningOptimizer``
+    forwards to ``_optimizer``. The guard hooks the optimizer that actually steps."""
+    scaler = None
+    for _ in range(4):
+        mod = type(optimizer).__module__
+        if mod.startswith("accelerate.") and isinstance(getattr(optimizer, "optimizer", None),
+                                                        torch.optim.Optimizer):
+            scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+            optimizer = optimizer.optimizer
+        elif mod.startswith(("lightning.", "pytorch_lightning.")) and \
+                isinstance(getattr(optimizer, "_optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer._optimizer
+        else:
+            break
+    return optimizer, scaler
+
+
+class StepGuard:
+    """Gradient clipping with a step guard. See the module docstring and docs/guard.md.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (not LBFGS: its ``step(closure)`` recomputes the gradients; not
+            SparseAdam), or accelerate's prepared optimizer (its GradScaler, if any, is used by ``clip_``).
+        max_norm: ``mode="norm"``: the clip threshold (required). zclip/autoclip: an optional hard cap on top
+            of the adaptive threshold. adagc: the global threshold of its warm-up (``lambda_abs``, default 1.0).
+        norm_type: as ``clip_grad_norm_`` (adaptive modes: 2 only, as their papers).
+        mode: "norm" (fixed threshold), "zclip" (Kumar et al. 2025, arXiv 2504.02507), "autoclip" (Seetharaman
+            et al. 2020, arXiv 2007.14469), "adagc" (Wang et al. 2025, arXiv 2502.11034).
+        skip_factor: also skip a finite step whose norm exceeds ``skip_factor`` times the mode's reference
+            (norm: the run's own level, warm-up mean then EMA; zclip: the EMA mean; autoclip: the percentile
+            threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
+            clipped by the mode's rule.
+        max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
+            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None: never.
+        non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
+        zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
+            as ``clip_optimizer_grad_norm_`` does (not for adagc, whose coefficients are per tensor).
+        process_group: the gradients are this rank's disjoint shards (as ``clip_grad_norm_``); DTensor
+            gradients need nothing. The decision then comes from the global norm on every rank.
+        alpha, z_thresh, warmup_steps, eps, clip_factor: ZClip (defaults 0.97, 2.5, 25, 1e-6, 1.0).
+        alpha, warmup_steps (mode "norm" with skip_factor): the spike reference, the mean of the first
+            warmup_steps finite norms then their EMA (defaults 0.97, 25).
+        percentile, history_size: AutoClip (defaults 10, 1000).
+        lambda_rel, beta, warmup_steps, eps: AdaGC (defaults 1.05, 0.98, 100, 1e-8).
+    """
+
+    def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = "norm",
+                 skip_factor: float | None = None, max_consecutive_skips: int | None = None,
+                 non_fused: str = "sync", zero_write: bool = True, process_group=None, backend: str | None = None,
+                 alpha: float | None = None, z_thresh: float | None = None, warmup_steps: int | None = None,
+                 eps: float | None = None, clip_factor: float | None = None, percentile: float | None = None,
+                 history_size: int | None = None, lambda_rel: float | None = None, beta: float | None = None):
+        optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
+                raise TypeError("StepGuard(optimizer, ...): got a GradScaler; pass the optimizer here and the "
+                                "scaler to guard.clip_(scaler)")
+            raise TypeError(f"StepGuard(optimizer, ...): optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}; the guard skips a step through the optimizer's step "
+                            "hooks, which only torch.optim.Optimizer has")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("StepGuard cannot guard LBFGS: its step(closure) re-evaluates the gradients, so a "
+                             "decision made on the clip's gradients does not hold for the step; clip inside the "
+                             "closure with fastgrad.clip_grad_norm_ instead")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise TypeError("StepGuard cannot guard SparseAdam: it takes sparse gradients, and the guard reads "
+                            "dense ones only (its norm, flag and clip are dense read passes); clip sparse "
+                            "gradients with fastgrad.clip_grad_norm_")
+        if guard_for(optimizer) is not None:
+            raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
+        o = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
+                          max_consecutive_skips=max_consecutive_skips, non_fused=non_fused, zero_write=zero_write,
+                          backend=backend,
+                          alpha=alpha, z_thresh=z_thresh, warmup_steps=warmup_steps, eps=eps,
+                          clip_factor=clip_factor, percentile=percentile, history_size=history_size,
+                          lambda_rel=lambda_rel, beta=beta)
+        self.mode = mode
+        self.norm_type = o.norm_type
+        self.max_norm = o.max_norm
+        self.skip_factor = o.skip_factor
+        self.max_consecutive_skips = o.max_consecutive_skips
+        self.options = o.mode_options
+        self.non_fused = non_fused
+        self.zero_write = zero_write
+        self.process_group = process_group
+        self.backend = backend
+        self._optimizer = optimizer
+        self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
+        self._counters = Counters(self.max_norm)
+        self._skip = Skipper(non_fused)
+        self.calls = 0
+        self._device: torch.device | None = None
+        self._one = None
+        self._flags = None
+
+        ref = weakref.ref(self)
+
+        def pre(opt, args, kwargs):
+            g = ref()
+            if g is not None:
+                return g._skip.pre_step(opt, args, kwargs)
+
+        def post(opt, args, kwargs):
+            g = ref()
+            if g is not None:
+                g._skip.post_step(opt)
+
+        self._hooks = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
+        _GUARDS[optimizer] = weakref.ref(self)  # the guard holds the optimizer, not the other way
+
+    # ------------------------------------------------------------------ public
+    def remove(self) -> None:
+        """Detach from the optimizer (its hooks and the registry entry); a pending decision is dropped."""
+        for h in self._hooks:
+            h.remove()
+        opt = self._optimizer
+        if guard_for(opt) is self:
+            del _GUARDS[opt]
+        self._skip.clear()
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    def state_dict(self) -> dict:
+        """The guard's statistics (the mode's EMAs / history / per-tensor gammas) and counters, for a
+        checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
+        self._counters.fold()
+        counts = self._counters.counts
+        return {"mode": self.mode, "options": dict(self.options),
+                "stats": {k: v.clone() for k, v in self._mode.state.items()},
+                "counts": None if counts is None else counts.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients)."""
+        if state.get("mode") != self.mode:
+            raise ValueError(f"state_dict is for mode={state.get('mode')!r}, this guard is mode={self.mode!r}")
+        if state.get("options") != self.options:
+            raise ValueError(f"state_dict was made with options {state.get('options')}, this guard has "
+                             f"{self.options}")
+        self._mode.state = {k: v.clone() for k, v in state["stats"].items()}
+        self._counters.clear(None if state["counts"] is None else state["counts"].clone())
+        self._device = None if self._counters.counts is None else self._counters.counts.device
+
+    def clip_(self, scaler=None) -> Tensor:
+        """Clip the optimizer's gradients by the mode's rule and decide whether its next step is skipped.
+
+        Returns the total norm before clipping (0-dim, promoted grad dtype; with a GradScaler the norm of the
+        unscaled gradients), like ``clip_grad_norm_``. With ``scaler`` (an enabled torch GradScaler) this
+        also does ``scaler.unscale_(optimizer)``'s work in the same read pass, leaving the scaler state as
+        ``fastgrad.scaler_unscale_and_clip`` does: its ``found_inf_per_device`` holds the OVERFLOW flag only,
+        so ``scaler.update()`` backs the scale off on an overflow and not on a spike skip.
+
+        On a skipped step the gradients are clipped by the step's coefficient as ``clip_grad_norm_`` would (a
+        NaN norm makes them NaN), except on the CPU write path of mode "norm", which leaves them untouched;
+        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except:
+        ``max_consecutive_skips`` reads the counter copy made at the previous call (on CUDA only once that
+        copy has landed, checked with an event, so never waiting; on the CPU a plain read), and the
+        non-fused paths described in fastgrad.guard.skip.
+        """
+        opt = self._optimizer
+        if opt is None:
+            raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
+        if scaler is None and self._wrapper_scaler is not None:  # accelerate's fp16: its own scaler
+            scaler = self._wrapper_scaler
+        self._counters.check_consecutive(self.max_consecutive_skips)
+        self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
+        self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
+        params = optimizer_params(opt)
+        if self.mode == "norm" and scaler is None and self.process_group is None and not is_fused(opt):
+            # the common CPU case first: clip_grad_norm_'s one-call C++ clip, which answers None (nothing
+            # done) for anything but plain dense CPU gradients, before any Python pass over the list
+            out = read.cpu_write(self, params)
+            if out is not None:
+                return out
+        grads = I.grads_of(params)
+        if grads and I.check_tensors(grads):
+            raise TypeError("StepGuard supports dense real floating gradients (float16/bfloat16/float32/float64); "
+                            "got sparse, complex or other gradients. Clip those with fastgrad.clip_grad_norm_ "
+                            "(nothing was modified)")
+        sharded = self.process_group is not None or D.has_dtensor(grads)
+        use_scaler = scaler is not None and scaler.is_enabled()
+        if use_scaler and sharded and (self.mode == "adagc" or _is_sharded(scaler)):
+            raise NotImplementedError("StepGuard.clip_(scaler) with sharded (DTensor or process_group) gradients "
+                                      "supports torch's plain GradScaler and the total-norm modes; for "
+                                      f"{'mode=adagc' if self.mode == 'adagc' else 'a ShardedGradScaler'} call "
+                                      "fastgrad.scaler_unscale_and_clip first, then guard.clip_() (nothing was "
+                                      "modified)")
+        if not grads and not sharded:
+            if use_scaler:  # unscale_ records an empty flag set; so do we
+                state = _optimizer_state(scaler, opt, False)
+                _check_ready(scaler, state)
+                state["found_inf_per_device"] = {}
+                from torch.amp.grad_scaler import OptState
+                state["stage"] = OptState.UNSCALED
+            return torch.tensor(0.0)
+        if use_scaler and not _known_unscale(scaler):
+            raise TypeError(f"StepGuard.clip_(scaler): {type(scaler).__name__} overrides unscale_; only torch's "
+                            "GradScaler is supported (nothing was modified)")
+        inv_scale = None
+        state = None
+        if use_scaler:
+            state = _optimizer_state(scaler, opt, False)
+            _check_ready(scaler, state)
+            if I.has_dtype(grads, torch.float16):
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            inv_scale = _inv_scale(scaler)
+        fused = is_fused(opt)
+        # decided on the host before the read pass (checks of types and attributes only)
+        hand_over = (fused and self.zero_write and not sharded and self.mode != "adagc" and
+                     (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
+        if self.mode == "norm" and not sharded:
+            # (outside no_grad, as clip_grad_norm_'s one-call path: these calls record nothing for autograd)
+            out = read.one_call(self, params, grads, inv_scale, scaler, state, hand_over)
+            if out is not None:
+                return out
+        with torch.no_grad():
+            return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler)
+
+    def _decided(self, total, coef, inv, bad, spike, scale, grads) -> None:
+        """A read pass's outcome: record it for the counters and leave the flag for the next step."""
+        self._counters.record(total, coef, inv, bad, spike)
+        self._skip.pend(bad, scale, grads)
+        if self.max_consecutive_skips is not None:
+            self._counters.copy_consecutive()
+
+    def _ensure_state(self, total: Tensor, n_params: int) -> None:
+        """The counters and the mode's state on the norm's device (created, or moved after a load)."""
+        dev = total.device
+        c = self._counters
+        if c.counts is not None and self._device == dev:
+            return
+        c.fold()
+        if c.counts is not None and self._mode.fits(n_params):  # loaded or moved: keep, on this device
+            c.counts = c.counts.to(dev)
+            self._mode.state = {k: v.to(dev) for k, v in self._mode.state.items()}
+            self._device = dev
+            return
+        self._device = dev
+        c.start(dev)
+        self._mode.init(total, n_params)
+
+    # ------------------------------------------------------------------ reading the guard
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``clip_`` decided to skip its step. SYNCS (reads one device value); for a
+        sync-free signal use the ``skipped`` attribute (a 0-dim device bool tensor)."""
+        return bool(self.skipped.item()) if self.skipped is not None else False
+
+    @property
+    def total_norm(self) -> Tensor | None:
+        """The last step's total norm before clipping (0-dim device tensor; no sync)."""
+        return self._counters.total_norm()
+
+    @property
+    def skipped(self) -> Tensor | None:
+        """Whether the last step is (was) skipped, as a 0-dim device bool tensor (no sync)."""
+        return self._counters.skipped()
+
+    @property
+    def clipped_norm(self) -> Tensor | None:
+        """The last step's norm after clipping (device tensor; folds the records, no sync)."""
+        return self._counters.folded(1)
+
+    @property
+    def coef(self) -> Tensor | None:
+        """The last step's clip coefficient (AdaGC: post/pre norm ratio; device tensor, no sync)."""
+        return self._counters.folded(2)
+
+    @property
+    def clipped(self) -> Tensor | None:
+        """Whether the last step was clipped (and not skipped): device bool tensor, no sync."""
+        return self._counters.folded(3)
+
+    def counters(self) -> Tensor | None:
+        """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``), or None before the first
+        clip_. Reading it (``.tolist()``) is one transfer."""
+        self._counters.fold()
+        return self._counters.counts
+
+    def state(self) -> dict:
+        """Everything the guard knows, read in ONE device-to-host transfer: the last step's ``total_norm``
+        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped``, and the counters
+        (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``, ``nonfinite_steps``,
+        ``spike_steps``). Syncs, once."""
+        c = self._counters
+        if c.counts is None:
+            return {}
+        c.fold()
+        dt = c.counts.dtype
+        vals = torch.cat([torch.stack([x.to(dt) for x in c.last]), c.counts]).tolist()
+        names = ["total_norm", "clipped_norm", "coef", "clipped", "skipped", "steps", "clipped_steps",
+                 "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps"]
+        out = dict(zip(names, vals))
+        for k in ("clipped", "skipped"):
+            out[k] = bool(out[k])
+        for k in names[5:]:
+            out[k] = int(out[k])
+        return out

@@ -1,0 +1,175 @@
+"""The guard's read passes: the norm (per tensor for AdaGC) of the gradients, the mode's rule, and the
+write or the zero-write hand-over, each in as few backend calls as the layout allows.
+
+* :func:`cpu_write`: mode "norm", gradients written, plain CPU tensors: clip_grad_norm_'s own one-call C++
+  clip with its finiteness check.
+* :func:`one_call`: mode "norm" on one device: the read pass, the non-finite flag, the coefficient and the
+  write in ONE backend call (the fused AMP primitive).
+* :func:`general`: every mode, any layout (sharded, GradScaler, per-tensor norms), through clip.py's
+  dispatch and the mode's rule in device ops.
+
+Each returns the total norm and leaves the decision with the guard (``g._decided``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _inputs as I
+from .. import _scan
+from .. import distributed as D
+from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
+from ..backends import acc_dtype
+from ..clip import _norm, _scale
+
+
+def cpu_write(g, params, grads=None) -> Tensor | None:
+    """mode="norm", gradients written, CPU: clip_grad_norm_'s one-call C++ clip with its finiteness check
+    (a non-finite norm writes nothing and says so; CPU memory: no device to wait for). The flag is then one
+    of two cached constant tensors. None when that path cannot serve (nothing done)."""
+    fast = _scan.clip_norm_cpu(params, g.max_norm, g.norm_type, True, g.backend)
+    if fast is None:
+        return None
+    total, nonfinite = fast
+    if grads is None:
+        grads = _scan.plain_grads_of(params) or I.grads_of(params)  # (validated by the C++ clip)
+    g._ensure_state(total, 0)
+    if g._flags is None:
+        g._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
+    bad = g._flags[bool(nonfinite)]
+    spike = None
+    if g.skip_factor is not None:
+        spike = g._mode.spike(total, torch.isfinite(total)).to(torch.float32)
+        bad = torch.maximum(bad, spike)
+    g._decided(total, None, None, bad, spike, None, grads)
+    return total
+
+
+def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | None:
+    """mode="norm" on one device: the read pass, the non-finite flag, the coefficient and the write in ONE
+    backend call (the fused AMP primitive, with an unscale factor of exactly 1 when there is no scaler:
+    ``g * 1`` is ``g``, so the norm is clip_grad_norm_'s bit for bit), and no torch op after it unless
+    ``skip_factor`` is set. None when two backends would serve the read and the write."""
+    p = g.norm_type
+    if inv_scale is None and not hand_over and grads[0].device.type == "cpu":
+        out = cpu_write(g, params, grads)
+        if out is not None:
+            return out
+    if len(I.split_by_device(grads)) != 1:
+        return None
+    b = I.pick("amp_norm", grads, g.backend, norm_type=p)
+    if I.pick("scale", grads, g.backend) is not b:
+        return None
+    dev = grads[0].device
+    if g._one is None or g._one.device != dev:
+        g._one = torch.ones((), dtype=torch.float32, device=dev)
+    inv = g._one if inv_scale is None else inv_scale.to(dev, non_blocking=True)
+    total, found, factor = b.amp_clip_(grads, inv, g.max_norm, p, not hand_over)
+    if state is not None:
+        _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale,
+                          g.backend)
+    g._ensure_state(total, 0)
+    spike = None
+    bad = found
+    if g.skip_factor is not None:
+        spike = g._mode.spike(total, torch.isfinite(total)).to(torch.float32)
+        bad = torch.maximum(found, spike)
+    g._decided(total, factor, None if inv_scale is None else inv, bad, spike,
+               factor.reciprocal() if hand_over else None, grads)
+    return total.to(I.promoted_dtype(grads))
+
+
+def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler) -> Tensor:
+    """Every mode, any layout: norms (per tensor for AdaGC) through clip.py's dispatch, the mode's rule in
+    device ops, then the write or the hand-over."""
+    p = g.norm_type
+    per_tensor = g.mode == "adagc"
+    if use_scaler and sharded:
+        # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
+        # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
+        sh = D.prepare(grads, g.process_group)
+        backend = g.backend
+
+        def local_amp(ts):
+            groups = I.split_by_device(ts)
+            parts = device_amp_norms(groups, inv_scale, p, backend)
+            total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
+            return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
+
+        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, _, flag = D.reduced_amp_norm(sh, p, local_amp, poison)
+        groups = I.split_by_device(sh.writes)
+        found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
+        _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
+        writes, per = sh.writes, None
+    elif use_scaler:
+        groups = I.split_by_device(grads)
+        if per_tensor:
+            total, per, found = _amp_norms_per_tensor(g, grads, inv_scale)
+        else:
+            parts = device_amp_norms(groups, inv_scale, p, g.backend)
+            total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
+            found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
+            per = None
+        _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
+        writes, sh = grads, None
+    elif sharded:
+        # clip.py's sharded norm, plus the flag of the copies this rank holds but does not count, folded
+        # into the same all-reduce: every rank takes the same decision (fastgrad.distributed.nonfinite_poison)
+        sh = D.prepare(grads, g.process_group)
+        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, per = D.reduced_norm(sh, p, per_tensor, lambda ts, per_t: _norm(ts, p, g.backend, None, per_t),
+                                    poison)
+        writes = sh.writes
+    else:
+        total, per = _norm(grads, p, g.backend, None, per_tensor)
+        writes, sh = grads, None
+
+    g._ensure_state(total, len(params))
+    if per_tensor:
+        index = _param_index(g, params, grads)
+        coefs, bad, clipped_norm, spike = g._mode.update(total, per, index)
+        if inv_scale is not None:
+            coefs = coefs * inv_scale.to(coefs.device, coefs.dtype)
+        _scale_per_tensor(writes, coefs)
+        coef = clipped_norm / total
+        factor = None
+    else:
+        coef, bad, spike = g._mode.update(total, torch.isfinite(total))
+        factor = coef if inv_scale is None else inv_scale.to(coef.device, coef.dtype) * coef
+        if not hand_over and writes:
+            _scale(writes, factor, g.backend, None)
+    g._decided(total, coef, None, bad.to(torch.float32), spike, factor.reciprocal() if hand_over else None, grads)
+    out = total.to(I.promoted_dtype(grads)) if grads else total
+    return D.wrap_like(out, sh) if sh is not None else out
+
+
+def _param_index(g, params: list, grads: list) -> Tensor | None:
+    if len(grads) == len(params):
+        return None
+    # built on the host, then copied without a wait (a blocking host-to-device copy is a sync on CUDA)
+    idx = torch.tensor([i for i, q in enumerate(params) if q.grad is not None], dtype=torch.int64)
+    return idx.to(g._device, non_blocking=True)
+
+
+def _amp_norms_per_tensor(g, grads, inv_scale):
+    """AdaGC under a GradScaler: the overflow flags from the AMP read pass, then the per-tensor norms of the
+    unscaled values (a second read: the AMP primitive has no per-tensor output)."""
+    p = g.norm_type
+    groups = I.split_by_device(grads)
+    parts = device_amp_norms(groups, inv_scale, p, g.backend)
+    found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
+    total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
+    _, per = _norm(grads, p, g.backend, None, True)
+    per = per * inv_scale.to(per.device, per.dtype)
+    return total, per, found
+
+
+def _scale_per_tensor(writes: list[Tensor], coefs: Tensor) -> None:
+    if not writes:
+        return
+    if len({x.device for x in writes}) == 1:  # one foreach call (same bits as one mul_ per tensor)
+        torch._foreach_mul_(writes, list(coefs.to(writes[0].device).unbind(0)))
+        return
+    for x, c in zip(writes, coefs.unbind(0)):
+        x.mul_(c.to(x.device))

@@ -1,0 +1,79 @@
+"""``StepGuardCallback``: fastgrad's step guard in a Lightning ``Trainer`` (automatic optimization).
+
+    trainer = lightning.Trainer(callbacks=[StepGuardCallback(max_norm=1.0)])
+
+At fit start it guards the module's optimizer (``fastgrad.StepGuard(optimizer, max_norm, **options)``,
+exposed as ``.guard``). Lightning's automatic optimization calls ``optimizer.step(closure)``; the closure
+runs forward and backward and then ``on_before_optimizer_step``, where this callback calls ``guard.clip_()``,
+so the decision is applied inside the step, before the update (sync-free with a fused optimizer). Under
+"16-mixed" Lightning unscales the gradients before that hook; the guard then sees the unscaled ones. At
+the Trainer's logging steps (``log_every_n_steps``) the counters go to the module's loggers as
+``guard/skipped_steps`` etc. (one device-to-host read per logging step).
+"""
+
+from __future__ import annotations
+
+from ..guard import StepGuard
+from ._common import counters, require
+
+_pl = require("lightning.pytorch", "lightning", "fastgrad.integrations.lightning")
+
+__all__ = ["StepGuardCallback"]
+
+
+class StepGuardCallback(_pl.Callback):
+    """Args: ``max_norm`` and any :class:`fastgrad.StepGuard` option (``mode``, ``skip_factor``,
+    ``max_consecutive_skips``, ...), checked here, before the Trainer starts."""
+
+    def __init__(self, max_norm: float | None = None, **options):
+        self.max_norm = max_norm
+        self.options = options
+        # the options are checked now, not at fit start: a throwaway guard on a throwaway optimizer
+        import torch
+
+        probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        StepGuard(probe, max_norm, **options).remove()
+        self.guard: StepGuard | None = None
+        self._logged_step = -1
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        clip = trainer.gradient_clip_val
+        if clip is not None and clip != 0:
+            raise ValueError(
+                f"StepGuardCallback clips the gradients itself, but the Trainer also clips them "
+                f"(gradient_clip_val={clip}); the second clip would apply after the guard's decision. Remove "
+                "gradient_clip_val from the Trainer and pass max_norm to StepGuardCallback")
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "StepGuardCallback works with Lightning's automatic optimization; with manual optimization "
+                "build fastgrad.StepGuard(optimizer, ...) yourself and call guard.clip_() before "
+                "optimizer.step()")
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"StepGuardCallback guards one optimizer; this module configures "
+                             f"{len(trainer.optimizers)}")
+        if self.guard is None or self.guard.optimizer is not trainer.optimizers[0]:
+            if self.guard is not None:
+                self.guard.remove()
+            self.guard = StepGuard(trainer.optimizers[0], self.max_norm, **self.options)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.guard.clip_()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        every = trainer.log_every_n_steps
+        if not trainer.loggers or not every or step == self._logged_step or step % every:
+            return
+        self._logged_step = step
+        metrics = counters(self.guard, "guard/")
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.loggers or trainer.global_step == self._logged_step:
+            return
+        metrics = counters(self.guard, "guard/")  # the final counters, whatever the logging interval
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

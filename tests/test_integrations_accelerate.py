@@ -1,0 +1,69 @@
+"""fastgrad.StepGuard on accelerate's prepared optimizer (CPU, a tiny model): accelerator.backward, gradient
+accumulation (accelerator.accumulate) and bf16 mixed precision. A NaN batch at a known micro-step makes its
+optimizer step a skip: parameters and optimizer state right after it equal those right before it, the run
+ends finite; the same loop with accelerate's own clip goes NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+
+import fastgrad  # noqa: E402
+
+from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+
+STEPS = 4
+
+
+def _fresh():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _run(bad, guarded, accumulation, precision, fused):
+    _fresh()
+    acc = accelerate.Accelerator(cpu=True, mixed_precision=precision, gradient_accumulation_steps=accumulation)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused) if fused else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = batches(STEPS * accumulation, bad)
+    model, opt = acc.prepare(model, opt)
+    guard = fastgrad.StepGuard(opt, max_norm=1.0) if guarded else None
+    per_step = []
+    for i, (x, y) in enumerate(data):
+        with acc.accumulate(model):
+            with acc.autocast():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            if acc.sync_gradients:
+                if guard is not None:
+                    guard.clip_()
+                else:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                before = snapshot(list(model.parameters()), opt.optimizer)
+            opt.step()
+            if acc.sync_gradients:
+                per_step.append((before, snapshot(list(model.parameters()), opt.optimizer)))
+            opt.zero_grad()
+    return model, guard, per_step
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("accumulation,bad,bad_steps", [(1, {0}, {0}), (2, {3}, {1}), (2, {4, 5}, {2})])
+def test_nan_batch_is_skipped_with_accelerate(accumulation, bad, bad_steps, precision, fused):
+    model, guard, per_step = _run(bad, True, accumulation, precision, fused)
+    assert len(per_step) == STEPS
+    for i, (before, after) in enumerate(per_step):
+        assert same(after, before) == (i in bad_steps), i
+    assert finite(model.parameters())
+    st = guard.state()
+    assert st["steps"] == STEPS and st["skipped_steps"] == len(bad_steps)
+    assert fastgrad.guard.guard_for(guard.optimizer) is guard
+    control, _, _ = _run(bad, False, accumulation, precision, fused)
+    assert not finite(control.parameters())

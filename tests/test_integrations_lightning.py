@@ -1,0 +1,134 @@
+"""fastgrad.integrations.lightning.StepGuardCallback in a real Lightning Trainer (CPU, automatic
+optimization, a tiny model): a NaN batch at a known step leaves the parameters and the optimizer state
+exactly as they were right before it, the run ends finite and the counters reach the logger; the same run
+without the callback goes NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from fastgrad.integrations.lightning import StepGuardCallback  # noqa: E402
+
+from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+
+STEPS = 6
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, make_opt):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 2)
+        self.make_opt = make_opt
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.make_opt(self.parameters())
+
+
+class Recorder(pl.Callback):
+    """Parameters and optimizer state right before and right after every training batch."""
+
+    def __init__(self):
+        self.before, self.after = {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before[batch_idx] = snapshot(list(pl_module.parameters()), trainer.optimizers[0])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[batch_idx] = snapshot(list(pl_module.parameters()), trainer.optimizers[0])
+
+
+class MemoryLogger(pl.loggers.logger.Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name = "memory"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def _fit(model, data, callbacks, **kw):
+    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, callbacks=callbacks, logger=kw.pop("logger", False),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=2, **kw)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+    return trainer
+
+
+OPTS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("bad", [{0}, {2}])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_nan_batch_is_skipped_in_a_lightning_run(opt, bad):
+    data = batches(STEPS, bad)
+    guarded, rec, log = Tiny(OPTS[opt]), Recorder(), MemoryLogger()
+    cb = StepGuardCallback(max_norm=1.0)
+    trainer = _fit(guarded, data, [cb, rec], logger=log)
+    for i in bad:
+        assert same(rec.after[i], rec.before[i]), i
+    for i in set(range(STEPS)) - bad:
+        assert not same(rec.after[i], rec.before[i]), i
+    assert finite(guarded.parameters())
+    st = cb.guard.state()
+    assert st["steps"] == STEPS and st["skipped_steps"] == len(bad) and st["nonfinite_steps"] == len(bad)
+    assert cb.guard.optimizer is trainer.optimizers[0]
+    logged = [m for _, m in log.rows if "guard/skipped_steps" in m]
+    assert logged and logged[-1]["guard/skipped_steps"] == len(bad) and logged[-1]["guard/steps"] == STEPS
+    # the control: the same run without the guard goes NaN
+    control = Tiny(OPTS[opt])
+    _fit(control, data, [], gradient_clip_val=1.0)
+    assert not finite(control.parameters())
+
+
+def test_bf16_mixed_precision_run():
+    data = batches(STEPS, {3})
+    model, rec = Tiny(OPTS["adamw-fused"]), Recorder()
+    cb = StepGuardCallback(max_norm=1.0, skip_factor=10.0, warmup_steps=2)
+    _fit(model, data, [cb, rec], precision="bf16-mixed")
+    assert same(rec.after[3], rec.before[3]) and finite(model.parameters())
+    assert cb.guard.state()["skipped_steps"] == 1
+
+
+def test_trainer_that_also_clips_is_refused_at_fit_start():
+    with pytest.raises(ValueError, match="gradient_clip_val=0.5"):
+        _fit(Tiny(OPTS["sgd-momentum"]), batches(2, set()), [StepGuardCallback(max_norm=1.0)],
+             gradient_clip_val=0.5)
+
+
+def test_options_are_checked_when_the_callback_is_built():
+    with pytest.raises(ValueError, match="skip_factor"):
+        StepGuardCallback(max_norm=1.0, skip_factor=1.0)
+    with pytest.raises(ValueError, match="needs max_norm"):
+        StepGuardCallback()
+
+
+def test_missing_framework_names_the_package(monkeypatch):
+    import importlib
+    import sys
+
+    for mod in ("fastgrad.integrations.lightning", "fastgrad.integrations.transformers"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match="needs the 'lightning' package.*pip install lightning"):
+        importlib.import_module("fastgrad.integrations.lightning")
+    with pytest.raises(ImportError, match="needs the 'transformers' package.*pip install transformers"):
+        importlib.import_module("fastgrad.integrations.transformers")
+    import fastgrad  # noqa: F401  (fastgrad itself imports no framework)

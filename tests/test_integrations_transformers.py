@@ -1,0 +1,83 @@
+"""fastgrad.integrations.transformers.StepGuardCallback in a real Hugging Face Trainer (CPU, a tiny model,
+batches in order): a NaN batch at a known step leaves the parameters and the optimizer state exactly as
+they were right before it, the run ends finite and the counters reach the Trainer's logs; the same run
+without the callback (the Trainer's own clip) goes NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastgrad.integrations.transformers import StepGuardCallback  # noqa: E402
+
+from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+
+STEPS = 6
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 2)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+
+class InOrder(transformers.Trainer):
+    """Batches in data-set order, so the NaN batch lands at a known step."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class Recorder(transformers.TrainerCallback):
+    def __init__(self):
+        self.before, self.after = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.before.append(snapshot(list(model.parameters()), optimizer))
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.after.append(snapshot(list(model.parameters()), optimizer))
+
+
+def _train(tmp_path, bad, callbacks, accumulation=1, **kw):
+    data = [{"x": x, "labels": y} for x, y in batches(STEPS * accumulation, bad)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=1,
+        gradient_accumulation_steps=accumulation, learning_rate=1e-2, logging_steps=2, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, optim="adamw_torch_fused", lr_scheduler_type="constant",
+        **kw)
+    model = Tiny()
+    trainer = InOrder(model=model, args=args, train_dataset=data, callbacks=callbacks,
+                      data_collator=lambda rows: {k: rows[0][k] for k in rows[0]})
+    trainer.train()
+    return model, trainer
+
+
+@pytest.mark.parametrize("accumulation,bad,bad_steps", [(1, {0}, {0}), (1, {3}, {3}), (2, {5}, {2})])
+def test_nan_batch_is_skipped_in_a_trainer_run(tmp_path, accumulation, bad, bad_steps):
+    rec = Recorder()
+    cb = StepGuardCallback(max_norm=1.0)
+    model, trainer = _train(tmp_path, bad, [cb, rec], accumulation, max_grad_norm=0)
+    assert len(rec.before) == STEPS
+    for i in range(STEPS):
+        assert same(rec.after[i], rec.before[i]) == (i in bad_steps), i
+    assert finite(model.parameters())
+    st = cb.guard.state()
+    assert st["steps"] == STEPS and st["skipped_steps"] == len(bad_steps)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and logs[-1]["guard_skipped_steps"] == len(bad_steps) and logs[-1]["guard_steps"] == STEPS
+    control, _ = _train(tmp_path, bad, [], accumulation, max_grad_norm=1.0)
+    assert not finite(control.parameters())
+
+
+def test_trainer_that_also_clips_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_grad_norm=1.0"):
+        _train(tmp_path, set(), [StepGuardCallback(max_norm=1.0)], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="skip_factor"):
+        StepGuardCallback(max_norm=1.0, skip_factor=0.9)
