@@ -13,6 +13,15 @@ so load changes hit both; the median and the best repetition are reported. torch
 DTensor ``torch.stack`` of per-parameter norms and per-parameter dispatch), so its repetitions are capped
 (``--torch-reps``, default 2; the first call, which pays DTensor's sharding propagation, is a separate
 untimed warm-up for both). Rank 0 writes the results; both ranks time the same calls (a collective).
+
+Where fastgrad's time goes, measured in the same run on the same rank: ``local clip`` is fastgrad's
+single-process ``clip_grad_norm_`` of the very same local tensors (plain tensors, no collective: the floor of
+the read and write work, one C++ call on the CPU), ``kernel calls`` is the two backend calls the sharded clip
+must make around its all-reduce (the local norm, then the scale of the local tensors, each a
+``torch.ops.fastgrad`` call over the list), ``prepare`` is the sharded layer's per-call host work alone
+(``fastgrad.distributed.prepare`` on a repeat call: the cached layout's checks and the local tensors), and
+``fresh grads`` times the clip when every gradient is a new DTensor object built on its parameter's spec
+before each call, as FSDP2's reduce-scatter hands them out each step (the cached layout keys on the spec).
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ from datetime import datetime, timedelta, timezone
 import torch
 
 
+NAMES = ("fastgrad", "torch", "local_clip", "kernel_calls", "prepare", "fresh_grads")
+
+
 def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> None:
     import torch.distributed as dist
 
@@ -38,6 +50,9 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     import fastgrad
+    from fastgrad import _scan
+    from fastgrad import clip as fg_clip
+    from fastgrad import distributed as D
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -56,42 +71,77 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
             params.append(prm)
         dist.barrier()
 
+        locals_ = [prm.grad._local_tensor for prm in params]
+        local_params = []
+        for loc in locals_:  # the same local tensors as plain gradients, for the single-process floor
+            q = torch.nn.Parameter(torch.zeros_like(loc))
+            q.grad = loc
+            local_params.append(q)
+        specs = [prm.grad._spec for prm in params]
+
         def ours():
             fastgrad.clip_grad_norm_(params, 1e-3)
 
         def theirs():
             torch.nn.utils.clip_grad_norm_(params, 1e-3)
 
-        def timed(fn) -> float:
+        def local_clip():
+            fastgrad.clip_grad_norm_(local_params, 1e-3)
+
+        checked_locals = _scan.checked(locals_)
+        coef = torch.tensor(0.5)
+
+        def kernel_calls():
+            fg_clip._norm(checked_locals, 2.0, None, None)
+            fg_clip._scale(checked_locals, coef, None, None)
+
+        grads = [prm.grad for prm in params]
+
+        def prepare():
+            D.prepare(grads)
+
+        def refresh():  # FSDP2 hands out new gradient DTensors on the parameter's spec each step
+            for prm, loc, spec in zip(params, locals_, specs):
+                prm.grad = DTensor(loc, spec, requires_grad=False)
+
+        def timed(fn, before=None) -> tuple[float, float]:
+            """(wall, CPU) seconds of one call. The CPU time of the process is the host cost proper: on a
+            loaded machine the wall time of a call with a collective also holds the wait for the other rank
+            to be scheduled."""
+            if before is not None:
+                before()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
 
         with_torch = n <= args.torch_max_params
-        first = {"fastgrad": timed(ours)}  # warm-up (sharding propagation caches)
+        first = {"fastgrad": timed(ours)[0]}  # warm-up (sharding propagation caches)
         if with_torch:
-            first["torch"] = timed(theirs)
-        t_ours, t_torch = [], []
+            first["torch"] = timed(theirs)[0]
+        timed(local_clip)
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in NAMES}
         for r in range(args.reps):
-            t_ours.append(timed(ours))
+            runs["fastgrad"].append(timed(ours))
+            runs["local_clip"].append(timed(local_clip))
+            runs["kernel_calls"].append(timed(kernel_calls))
+            runs["prepare"].append(timed(prepare))
+            runs["fresh_grads"].append(timed(ours, refresh))
             if with_torch and r < args.torch_reps:
-                t_torch.append(timed(theirs))
-        row = {
-            "params": n, "fastgrad_median_ms": 1e3 * statistics.median(t_ours), "fastgrad_best_ms": 1e3 * min(t_ours),
-            "fastgrad_reps": len(t_ours), "first_call_ms": {k: 1e3 * v for k, v in first.items()},
-            "torch_median_ms": 1e3 * statistics.median(t_torch) if t_torch else None,
-            "torch_best_ms": 1e3 * min(t_torch) if t_torch else None, "torch_reps": len(t_torch),
-        }
-        row["speedup_median"] = row["torch_median_ms"] / row["fastgrad_median_ms"] if t_torch else None
-        row["fastgrad_us_per_param"] = 1e3 * row["fastgrad_median_ms"] / n
+                runs["torch"].append(timed(theirs))
+        med = statistics.median
+        row = {"params": n, "reps": args.reps, "torch_reps": len(runs["torch"]),
+               "first_call_ms": {k: 1e3 * v for k, v in first.items()},
+               "fastgrad_best_wall_ms": 1e3 * min(w for w, _ in runs["fastgrad"])}
+        for k, v in runs.items():
+            row[f"{k}_wall_us_per_param"] = 1e6 * med([w for w, _ in v]) / n if v else None
+            row[f"{k}_cpu_us_per_param"] = 1e6 * med([c for _, c in v]) / n if v else None
+        row["torch_over_fastgrad_cpu"] = (row["torch_cpu_us_per_param"] / row["fastgrad_cpu_us_per_param"]
+                                          if runs["torch"] else None)
         if rank == 0:
-            tt = (f"torch {row['torch_median_ms']:10.2f} ms (best {row['torch_best_ms']:.2f}, {len(t_torch)} reps, "
-                  f"first call {row['first_call_ms']['torch']:.0f} ms)   torch/fastgrad {row['speedup_median']:.1f}x"
-                  if t_torch else f"torch not run (above --torch-max-params {args.torch_max_params})")
-            print(f"{n:>6} params: fastgrad {row['fastgrad_median_ms']:9.2f} ms (best {row['fastgrad_best_ms']:.2f},"
-                  f" {row['fastgrad_us_per_param']:.2f} us/param, first call {row['first_call_ms']['fastgrad']:.0f} ms)"
-                  f"   {tt}", flush=True)
+            print(f"{n:>6} params: " + ", ".join(
+                f"{k} {row[f'{k}_wall_us_per_param']:.2f} wall / {row[f'{k}_cpu_us_per_param']:.2f} CPU us/param"
+                for k in NAMES if runs[k]) + f"; first call {row['first_call_ms']}", flush=True)
             with open(out_file, "a") as f:  # row by row: a run cut short keeps what it measured
                 f.write(json.dumps(row) + "\n")
         del params
@@ -141,17 +191,26 @@ def main(argv=None) -> int:
         "# Host cost of one clip call on small DTensor gradients (2 gloo ranks, CPU)", "",
         f"Command: `{meta['command']}`; {meta['date_utc']} UTC; torch {meta['torch']}; commit {meta['git_commit']}; "
         f"{meta['cpu_count']} CPUs, 1 thread per rank; load average before {load_before[0]:.2f}, after "
-        f"{meta['loadavg_after'][0]:.2f}. Median (best) of {args.reps} fastgrad and at most {args.torch_reps} "
-        "torch repetitions; the first call of each is an untimed warm-up (its time in the \"first call\" columns).", "",
-        "| params | fastgrad ms | us/param | first call ms | torch ms | torch reps | torch first call ms "
-        "| torch / fastgrad |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{meta['loadavg_after'][0]:.2f}. Per parameter, the median of {args.reps} repetitions (torch: at most "
+        f"{args.torch_reps}) of rank 0's CPU time (process time: the host cost) and, in brackets, its wall time; "
+        "the first call of each is an untimed warm-up (its wall time in the last column).", "",
+        "| params | fastgrad clip, us/param: CPU (wall) | torch clip: CPU (wall) | torch / fastgrad (CPU) "
+        "| local clip CPU | kernel calls CPU | prepare CPU | fresh grads CPU | first call ms: fastgrad, torch |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(r, k):
+        if r[f"{k}_cpu_us_per_param"] is None:
+            return "not run"
+        return f"{r[f'{k}_cpu_us_per_param']:.2f} ({r[f'{k}_wall_us_per_param']:.2f})"
+
     for r in rows:
         fc = r["first_call_ms"]
-        torch_cols = (f"{r['torch_median_ms']:.1f} ({r['torch_best_ms']:.1f}) | {r['torch_reps']} | {fc['torch']:.0f} | "
-                      f"{r['speedup_median']:.1f}x" if r["torch_reps"] else "not run | 0 | - | -")
-        lines.append(f"| {r['params']:,} | {r['fastgrad_median_ms']:.2f} ({r['fastgrad_best_ms']:.2f}) | "
-                     f"{r['fastgrad_us_per_param']:.2f} | {fc['fastgrad']:.0f} | {torch_cols} |")
+        ratio = f"{r['torch_over_fastgrad_cpu']:.1f}x" if r["torch_over_fastgrad_cpu"] else "-"
+        firsts = f"{fc['fastgrad']:.0f}, " + (f"{fc['torch']:.0f}" if "torch" in fc else "-")
+        lines.append(f"| {r['params']:,} | {cell(r, 'fastgrad')} | {cell(r, 'torch')} | {ratio} | "
+                     f"{r['local_clip_cpu_us_per_param']:.2f} | {r['kernel_calls_cpu_us_per_param']:.2f} | "
+                     f"{r['prepare_cpu_us_per_param']:.2f} | {r['fresh_grads_cpu_us_per_param']:.2f} | {firsts} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

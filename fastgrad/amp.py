@@ -285,8 +285,9 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     Sharded gradients (DTensors on any meshes, plain ones among them, pipeline stages with
     ``process_group=``, or this rank's disjoint shards with ``process_group=``; docs/distributed.md): the
     norm and the overflow flag come from the local shards with ONE all-reduce for the usual layouts, so
-    every rank sees the same norm and the same found_inf (a ShardedGradScaler keeps its own SUM reduction of
-    local flags); the local shards are written; the norm is a Replicate() DTensor when all grads are
+    every rank sees the same norm and the same found_inf (a ShardedGradScaler's own reduction of the flags
+    rides in that all-reduce too when its process group is the ranks the norm reaches, else it runs as
+    torch's, a second collective); the local shards are written; the norm is a Replicate() DTensor when all grads are
     DTensors on one mesh. ``zero_write`` does not
     apply there; norm_type 0 is not supported there.
     """
@@ -378,6 +379,21 @@ def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, 
     return total.to(I.promoted_dtype(grads))
 
 
+def _scaler_group_is_span(scaler, sh) -> bool:
+    """Whether a ShardedGradScaler's process group is exactly the ranks the norm's reduction reached."""
+    import torch.distributed as dist
+
+    span = D.span_ranks(sh)
+    if span is None:
+        return False
+    pg = getattr(scaler, "process_group", None)
+    if pg is None or pg is dist.group.WORLD:
+        ranks = frozenset(range(dist.get_world_size()))
+    else:
+        ranks = frozenset(dist.get_process_group_ranks(pg))
+    return ranks == span
+
+
 def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite,
                               backend, process_group, flag_shape):
     """scaler_unscale_and_clip over local shards (fastgrad.distributed): the same read pass per rank, one
@@ -392,13 +408,19 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
         return total, flag
 
     total, local_flag, global_flag = D.reduced_amp_norm(sh, p, local_amp)
-    flag = local_flag if sharded else global_flag  # ShardedGradScaler sums the local flags itself
+    # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly
+    # the ranks the norm's all-reduce reached, the global flag that came back with the norm IS that
+    # reduction (as 0/1 where torch records the number of ranks that overflowed; step and update read both
+    # as "overflow or not"): no second collective. Otherwise the scaler's own reduction of the local flags.
+    folded = sharded and _scaler_group_is_span(scaler, sh)
+    flag = local_flag if sharded and not folded else global_flag
     groups = I.split_by_device(sh.writes)
     found = {g[0].device: flag.to(g[0].device).reshape(flag_shape) for g in groups}
-    if sharded and not found:
-        found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
+    if sharded and not found:  # it records a flag on the scale's device even with nothing to check
+        found[scaler._scale.device] = flag.to(scaler._scale.device).reshape(flag_shape)
     # the total is the same on every rank, so with error_if_nonfinite all ranks raise alike
-    _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
+    _record_read_pass(scaler, state, sharded and not folded, found, total, p, error_if_nonfinite, groups,
+                      inv_scale, backend)
     if groups:
         dev = groups[0][0].device
         _scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)

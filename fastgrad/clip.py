@@ -15,8 +15,10 @@ Sharded gradients (``fastgrad.distributed``, docs/distributed.md): DTensor grads
 (FSDP2, TP, HSDP, expert parallel), plain tensors among them, and pipeline stages (``process_group=``) are
 reduced from their local shards to one global norm, the same on every rank, with one all-reduce for the usual
 layouts, and clipped in place; the result is a ``Replicate()`` DTensor when all grads are DTensors on one
-mesh (as torch), else a plain tensor. Plain tensors that are disjoint shards across ranks take
-``process_group=``. Plain single-process calls pay one type check.
+mesh (as torch), else a plain tensor. Plain tensors spread over ranks take ``process_group=`` (each rank its
+own tensors, e.g. a pipeline stage) or ``process_group=fastgrad.distributed.Shards(group)`` (pieces of the
+same tensors, ZeRO style; per-tensor results then describe the whole tensors). Ranks that disagree raise
+``fastgrad.distributed.RankMismatchError`` on every rank. Plain single-process calls pay one type check.
 """
 
 from __future__ import annotations
@@ -76,13 +78,34 @@ def _norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach:
 
 
 def _sharded_norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach: bool | None,
-                  per_tensor: bool, process_group) -> tuple[Tensor, Tensor | None, D.Sharded]:
+                  per_tensor: bool, process_group, sh: D.Sharded | None = None
+                  ) -> tuple[Tensor, Tensor | None, D.Sharded]:
     """Global norm of DTensor or hand-sharded ``tensors``: local norms through the backends, one
-    all-reduce (fastgrad.distributed)."""
-    sh = D.prepare(tensors, process_group)
+    all-reduce (fastgrad.distributed). ``sh``: the list's local view when the caller already prepared it."""
+    if sh is None:
+        sh = D.prepare(tensors, process_group)
     total, per = D.reduced_norm(sh, norm_type, per_tensor,
                                 lambda ts, per_t: _norm(ts, norm_type, backend, foreach, per_t))
     return total, per, sh
+
+
+def _sharded_view(tensors: list[Tensor], process_group) -> D.Sharded | None:
+    """The local view of a sharded list, or None when some tensor needs torch's own implementation (sparse,
+    complex, other floating dtypes). The compiled scan of the local tensors validates the usual list in one
+    C++ pass; only a list it declines pays the Python check (a DTensor's dtype and layout are its local
+    tensor's, and reading them through the DTensor costs about a microsecond each)."""
+    sh = D.prepare(tensors, process_group)
+    if not sh.checked and I.check_tensors(tensors):
+        _no_sharded_fallback(process_group)
+        return None
+    return sh
+
+
+def _sharded_dtype(sh: D.Sharded, tensors: list[Tensor]) -> torch.dtype:
+    """The promoted dtype of a sharded list, from the scan of its local tensors when there is one."""
+    if sh.checked:
+        return _scan.promoted_dtype_of(sh.writes)
+    return I.promoted_dtype(tensors)
 
 
 def _no_sharded_fallback(process_group) -> None:
@@ -123,22 +146,26 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
 
     Returns a 0-dim tensor on the first tensor's device in the promoted dtype of the tensors
     (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched). DTensor input gives a
-    ``Replicate()`` DTensor; ``process_group=``: ``tensors`` are this rank's disjoint shards and the result
-    is the norm over every rank's shards (a collective: every rank of the group must call).
+    ``Replicate()`` DTensor; ``process_group=`` (or ``fastgrad.distributed.Shards(group)``): ``tensors`` are
+    this rank's part and the result is the norm over every rank's (a collective: every rank of the group must
+    call).
     """
     tensors = I.checked(I.as_list(tensors))
     p = I.check_norm_type(norm_type)
     if not tensors and process_group is None:
         return torch.tensor(0.0)
-    if I.check_tensors(tensors, "tensors"):
+    sh = None
+    if process_group is not None or D.has_dtensor(tensors):
+        sh = _sharded_view(tensors, process_group)
+    if sh is None and I.check_tensors(tensors, "tensors"):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "get_total_norm")
         return _torch_utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
-    if process_group is not None or D.has_dtensor(tensors):
-        total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group)
+    if sh is not None:
+        total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group, sh)
         if error_if_nonfinite:
             _check_finite(total, p)
-        return D.wrap_like(total.to(I.promoted_dtype(tensors)) if tensors else total, sh)
+        return D.wrap_like(total.to(_sharded_dtype(sh, tensors)) if tensors else total, sh)
     total, _ = _norm(tensors, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)
@@ -180,8 +207,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     is needed. No host sync unless ``error_if_nonfinite=True`` (which checks before anything is written).
     DTensor grads on any meshes (FSDP2, TP, HSDP, EP), mixed with plain ones: one all-reduce for the usual
     layouts, local shards clipped, a ``Replicate()`` DTensor returned when all are on one mesh.
-    ``process_group=``: plain grads are this rank's disjoint shards; with DTensors, the group that connects
-    pipeline stages (or the world). Every rank of the group must call (see fastgrad.distributed).
+    ``process_group=``: plain grads are this rank's own (a stage; ``Shards(group)``: pieces of the same
+    tensors); with DTensors, the group that connects pipeline stages (or the world). Every rank of the group
+    must call (see fastgrad.distributed).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
     params = parameters if type(parameters) is list else I.as_list(parameters, warn_empty_generator=True)
@@ -199,23 +227,44 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         return _clip_grad_norm_general(params, max_norm, p, error_if_nonfinite, foreach, backend, process_group)
 
 
+def _grads_once(params: list) -> list[Tensor]:
+    """``I.grads_of``'s Python path, reading each ``.grad`` once."""
+    out = []
+    try:
+        for prm in params:
+            g = prm.grad
+            if g is not None:
+                out.append(g)
+    except AttributeError:
+        I.reject_non_tensors(params)  # names the bad item and the fix
+        raise
+    return out
+
+
 def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
                             foreach: bool | None, backend: str | None, process_group) -> Tensor:
     """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
-    grads = I.grads_of(params)
+    grads = _scan.grads_of(params)
+    if grads is None:  # not plain tensors: DTensor parameters' grads without torch-function handling, else
+        grads = D.dtensor_grads(params)  # one Python read of each .grad
+        if grads is None:
+            grads = _grads_once(params)
     if not grads and process_group is None:
         return torch.tensor(0.0)
-    if I.check_tensors(grads):
+    sh = None
+    if process_group is not None or D.has_dtensor(grads):
+        sh = _sharded_view(grads, process_group)
+    if sh is None and I.check_tensors(grads):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "clip_grad_norm_")
         return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
-    if process_group is not None or D.has_dtensor(grads):
-        total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group)
+    if sh is not None:
+        total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
         if error_if_nonfinite:
             _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
         if sh.writes:
             _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
-        return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
+        return D.wrap_like(total.to(_sharded_dtype(sh, grads)) if grads else total, sh)
     total = None if error_if_nonfinite else _clip_one_backend(grads, max_norm, p, backend, foreach)
     if total is None:
         total, _ = _norm(grads, p, backend, foreach)
@@ -259,18 +308,23 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
     in input order. Unlike get_total_norm the result keeps the accumulation dtype. Dense real floating
     tensors only.
 
-    DTensor input: both results are ``Replicate()`` DTensors (norms of the whole tensors). With
-    ``process_group=`` the tensors are this rank's disjoint shards; for ``per_tensor=True`` (and
-    ``norm_type=0``) tensor i on every rank must be a shard of the same tensor."""
+    DTensor input: both results are ``Replicate()`` DTensors (norms of the whole tensors). Plain tensors
+    with ``process_group=G``: each rank holds its own tensors (a pipeline stage): the per-tensor norms are
+    this rank's own tensors', the total is over every rank of ``G``. ``process_group=
+    fastgrad.distributed.Shards(G)``: tensor i on every rank of ``G`` is a piece of one tensor (ZeRO-style
+    hand sharding): the per-tensor norms are the whole tensors', and the ranks' lists must match."""
     tensors = I.checked(I.as_list(tensors))
     p = I.check_norm_type(norm_type)
     if not tensors and process_group is None:
         total = torch.tensor(0.0)
         return (total, torch.zeros(0)) if per_tensor else total
-    I.check_tensors(tensors, "tensors", allow_fallback=False)
     if process_group is not None or D.has_dtensor(tensors):
-        total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group)
+        sh = D.prepare(tensors, process_group)
+        if not sh.checked:
+            I.check_tensors(tensors, "tensors", allow_fallback=False)
+        total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)
         total = D.wrap_like(total, sh)
         return (total, D.wrap_like(per, sh)) if per_tensor else total
+    I.check_tensors(tensors, "tensors", allow_fallback=False)
     total, per = _norm(tensors, p, backend, None, per_tensor)
     return (total, per) if per_tensor else total

@@ -17,7 +17,10 @@ of all ranks add up (max/min for the inf/-inf norms) to the norm of the whole mo
   DTensor on a mesh that spans only part of the ranks of this rank's meshes (TP + FSDP2: a LayerNorm that
   ``fully_shard`` put on the dp slice is replicated across tp, each tp rank holding its own dp slice) is
   a copy: only the slice holding the lowest of those ranks contributes.
-* A plain list with ``process_group=``: every rank holds its own elements (ZeRO shards, a pipeline stage).
+* A plain list with ``process_group=G``: every rank holds its own tensors (a pipeline stage, whole tensors
+  dealt to ranks): per-tensor results are this rank's own tensors' norms, the total is over ``G``.
+  ``process_group=Shards(G)``: tensor i on every rank of ``G`` is a piece of one tensor (ZeRO-style hand
+  sharding): per-tensor results are the whole tensors' norms, and the lists must match (length, dtypes).
 
 Which ranks reduce together (the plan, cached per set of meshes and group):
 
@@ -32,11 +35,26 @@ Which ranks reduce together (the plan, cached per set of meshes and group):
   one per dimension otherwise). If such a mesh is a slice of a larger mesh (e.g. the dp x tp slice of a
   pp x dp x tp mesh) and no ``process_group=`` says otherwise, the norm would leave out the other slices'
   gradients: that raises (pass the pipeline group, or the mesh's own group to mean "these ranks only").
-* Per-tensor results (``per_tensor=True``, ``norm_type=0``, ``grad_stats``) need the same list on every rank
-  taking part; across pipeline stages the per-tensor vector is reduced within the stage and the stage
-  totals in a second collective over ``process_group`` (2 instead of 1).
 * The inf/-inf norm reduces with MAX/MIN, the finite ones with SUM; a NaN travels as a flag packed into the
   same buffer (MAX/MIN collectives do not promise to propagate NaN), so it is still one collective.
+
+Agreement between ranks. The reduction buffer carries a small header besides the values: a signature of the
+call (kind, norm order, per-tensor or not, the plan's kind) and, per group of ranks that must hold the same
+list (the whole span, or each pipeline stage in its own slot), the list's length and a fingerprint of its
+shapes and dtypes. Encoded so that the reduced header tells whether every contributor sent the same value
+(a SUM carries ``(count, v, v^2)``: all equal iff ``sum(v^2) == count * mean^2``; a MAX carries ``(v, -v)``:
+all equal iff max == min), it costs no extra collective, and every rank reads the same verdict, so a
+mismatch raises :class:`RankMismatchError` with the same text on every rank, before anything is written.
+Per-tensor vectors (``per_tensor=True``, ``norm_type=0``, ``grad_stats``) are reduced only after the
+header said their lengths agree (a collective of mismatched sizes aborts the process under gloo): one more
+collective than the total alone, except where per-tensor results are local (plain pipeline stages).
+On CUDA the verdict of a totals-only call is read without waiting (a copy to pinned memory) and raised by
+the next sharded call of the process; a per-tensor call reads it before its vector collective (a host sync).
+
+Host cost. A call's layout (which tensors are DTensors, their meshes and placements, what this rank counts,
+the plan, the fingerprint) is cached; a repeat call with the same layout checks it with C-level passes over
+the list (types, spec objects, then mesh and placements if a spec object changed) and reads the local
+tensors the same way. Anything that differs (length, a type, a mesh, a placement, the group) rebuilds it.
 
 A rank with an empty list still takes part: with DTensors elsewhere it knows no mesh, so every rank passes
 the same ``process_group=`` (e.g. ``dist.group.WORLD``) and the empty rank contributes zero over it.
@@ -44,10 +62,15 @@ the same ``process_group=`` (e.g. ``dist.group.WORLD``) and the empty rank contr
 Results: a ``Replicate()`` DTensor on the mesh when all gradients are DTensors on ONE mesh (what torch's
 ``clip_grad_norm_`` returns; torch gives ``Partial(max)`` for the inf norm, whose ``full_tensor()`` is the
 same value), else a plain 0-dim tensor; in both cases the same value on every rank, ready to log.
+
+Seam for callers that decide more than the norm (e.g. a step guard's bad-step flag): ``reduced_norm`` and
+``reduced_amp_norm`` take ``flags=``, a 1-D tensor of 0/1 values that travels in the same buffer and comes
+back OR-ed over every rank in ``sh.flags`` (no extra collective).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -56,8 +79,9 @@ from torch import Tensor
 from . import _scan
 from .backends import acc_dtype
 
-__all__ = ["is_dtensor", "has_dtensor", "Sharded", "prepare", "reduced_norm", "reduced_amp_norm",
-           "reduced_stats", "wrap_like", "to_local_norm", "clear_cache", "nonfinite_poison"]
+__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
+           "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
+           "clear_cache", "nonfinite_poison"]
 
 _INF = float("inf")
 _DT: type | None = None
@@ -112,20 +136,77 @@ def has_dtensor(tensors: Sequence[Tensor]) -> bool:
     return False
 
 
+class Shards:
+    """``process_group=Shards(group)``: the plain tensors at position i of every rank's list are pieces of
+    ONE tensor (ZeRO-style hand sharding), so per-tensor results (``per_tensor=True``, ``norm_type=0``,
+    ``grad_stats``) are the whole tensors' and every rank of ``group`` must pass a list of the same length
+    and dtypes (checked in the collective). A bare ``group`` means each rank holds its own tensors (pipeline
+    stages); totals are the same either way."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        if isinstance(group, Shards):
+            group = group.group
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"Shards({self.group!r})"
+
+
+class RankMismatchError(RuntimeError):
+    """The ranks of one sharded call disagree (different calls, lists of different lengths, shapes or
+    dtypes where they must be the same). Raised with the same text on every rank taking part, before any
+    gradient is written."""
+
+
+def _unwrap(process_group):
+    """``(group, pieces)``: the process group, and whether plain lists are pieces of the same tensors."""
+    if isinstance(process_group, Shards):
+        if process_group.group is None:
+            raise ValueError("Shards(group) needs a process group (e.g. dist.group.WORLD)")
+        return process_group.group, True
+    return process_group, False
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def dtensor_grads(params: Sequence[Tensor]) -> list[Tensor] | None:
+    """``[p.grad for p in params if p.grad is not None]`` when every parameter is a DTensor whose
+    ``__torch_function__`` is DTensor's own (disabled) one, read with torch-function handling switched off:
+    the same objects, at half the cost (the handling alone is about a microsecond per parameter). None
+    otherwise (the caller reads them the usual way)."""
+    cls = _dtensor_cls()
+    if cls is None or not params or torch.compiler.is_compiling():
+        return None
+    own = cls.__torch_function__
+    for t in set(map(type, params)):
+        if not issubclass(t, cls) or t.__torch_function__ is not own:
+            return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return [g for g in map(_GRAD, params) if g is not None]
+
+
 # ------------------------------------------------------------------------------- caches (host cost)
 # Keyed by object identity; the value keeps the object so that an id reused after garbage collection can
-# not alias (the entry is checked with `is`). Small: one entry per (mesh, placements) kind and per plan.
+# not alias (the entry is checked with `is`). Small: one entry per (mesh, placements) kind, per plan and per
+# list layout.
 _SPEC_CACHE: dict = {}
 _MESH_RANKS: dict = {}
 _PLAN_CACHE: dict = {}
+_LAYOUTS: dict = {}
+_PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, what)
 
 
 def clear_cache() -> None:
-    """Forget the cached placement decisions, mesh rank sets and reduction plans (e.g. after destroying
-    and re-creating process groups with the same objects' ids)."""
+    """Forget the cached placement decisions, mesh rank sets, reduction plans and list layouts (e.g. after
+    destroying and re-creating process groups with the same objects' ids)."""
     _SPEC_CACHE.clear()
     _MESH_RANKS.clear()
     _PLAN_CACHE.clear()
+    _LAYOUTS.clear()
+    _PENDING.clear()
 
 
 def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
@@ -178,52 +259,42 @@ def _root_ranks(mesh) -> frozenset | None:
     return None if root is None else _ranks_of_mesh(root)
 
 
-# ------------------------------------------------------------------------------------ the local view
-class Sharded:
-    """Local view of a sharded gradient list.
-
-    ``reads[i]``: local tensor whose values enter the norm; ``writes[i]``: local tensor scaled in place;
-    ``counts[i]``: whether this rank's ``reads[i]`` contributes; ``mesh``: the one mesh of an all-DTensor
-    single-mesh list (the result is a Replicate DTensor on it), else None; ``plan``: the collectives."""
-
-    __slots__ = ("reads", "writes", "counts", "mesh", "plan")
-
-    def __init__(self, reads, writes, counts, mesh, plan):
-        self.reads: list[Tensor] = reads
-        self.writes: list[Tensor] = writes
-        self.counts: list[bool] = counts
-        self.mesh = mesh
-        self.plan: _Plan = plan
-
-
+# ------------------------------------------------------------------------------------------ the plan
 class _Plan:
-    """The collectives of one call. ``steps``: groups to all-reduce the (scalar or same-length vector)
-    buffer over in turn, each rank's contribution pre-weighted so the sum is the whole model's (``None``
-    is the default group). For per-tensor vectors across pipeline stages (lists that differ per stage):
-    ``stage_steps`` reduce within the stage, then ``cross`` reduces the stage totals, to which only this
-    rank contributes when ``cross_contrib``. ``plain_counted``: whether plain tensors count on this rank;
-    ``mesh_counted``: the same per mesh (False for a copy of a slice, see the module's docstring).
-    ``device``: where a rank without local tensors builds its buffer."""
+    """The collectives of one call.
 
-    __slots__ = ("steps", "stage_steps", "cross", "cross_contrib", "plain_counted", "device", "keep",
-                 "mesh_counted")
+    ``steps``: the groups the fixed-size buffer (totals, flags, header) is all-reduced over in turn, each
+    rank's contribution pre-weighted so that the result is the whole model's (``None``: the default group).
+    ``vec_steps``: the groups per-tensor vectors are reduced over; ``[]`` when per-tensor results are this
+    rank's own (plain pipeline stages, an empty rank). ``staged``: the ranks of the span hold different
+    lists (pipeline stages): each stage's agreement travels in its own header ``slot`` of ``slots`` (one per
+    rank of the process group, so every rank of the group builds the same buffer); p = 0's stage counts are
+    combined over ``cross`` (this rank contributing when ``cross_contrib``). ``plain_counted``: whether
+    plain tensors count on this rank; ``mesh_counted``: the same per mesh (False for a copy of a slice, see
+    the module's docstring). ``device``: where a rank without local tensors builds its buffer. ``span``:
+    the ranks the steps reach (None when this rank cannot tell)."""
 
-    def __init__(self, steps, stage_steps, cross, cross_contrib, plain_counted, device, keep):
+    __slots__ = ("steps", "vec_steps", "staged", "slots", "slot", "cross", "cross_contrib", "plain_counted",
+                 "mesh_counted", "device", "keep", "span", "pieces")
+
+    def __init__(self, steps, vec_steps, *, staged, slots, slot, cross, cross_contrib, plain_counted, device,
+                 keep, span, pieces=False):
         self.steps = steps
-        # per mesh of keep[0]: whether its tensors count here (the copy of a slice holding the lowest rank)
-        meshes = keep[0]
-        union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes)) if meshes else frozenset()
-        self.mesh_counted = tuple(min(union) in _ranks_of_mesh(m) for m in meshes)
-        self.stage_steps = stage_steps
+        self.vec_steps = vec_steps
+        self.staged = staged
+        self.slots = slots
+        self.slot = slot
         self.cross = cross
         self.cross_contrib = cross_contrib
         self.plain_counted = plain_counted
         self.device = device
         self.keep = keep  # the meshes and group the plan was built for (keeps their ids valid)
-
-    @property
-    def staged(self) -> bool:
-        return self.cross is not None
+        self.span = span
+        self.pieces = pieces
+        # per mesh of keep[0]: whether its tensors count here (the copy of a slice holding the lowest rank)
+        meshes = keep[0]
+        union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes)) if meshes else frozenset()
+        self.mesh_counted = tuple(min(union) in _ranks_of_mesh(m) for m in meshes)
 
 
 def _group_ranks(group) -> frozenset:
@@ -256,7 +327,7 @@ def _mesh_steps(meshes: list, union: frozenset) -> list:
     return [best.get_group(d) for d in range(best.ndim)]
 
 
-def _build_plan(meshes: list, group, empty: bool) -> _Plan:
+def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -265,14 +336,25 @@ def _build_plan(meshes: list, group, empty: bool) -> _Plan:
     me = dist.get_rank()
     if group is not None and (group is dist.GroupMember.NON_GROUP_MEMBER or me not in _group_ranks(group)):
         raise ValueError(f"this rank ({me}) is not a member of process_group")
-    dev_group = group
+    if pieces and meshes:
+        raise ValueError("process_group=Shards(group) is for plain tensors that are pieces of one another; "
+                         "DTensors carry their own placements: pass the group itself")
+    granks = _group_ranks(group)
+    order = sorted(granks)
+    slots = 0 if (group is None or pieces) else len(granks)
+    dev = _group_device(group)
     if not meshes:
-        if empty:  # a rank with nothing to add: its per-tensor part is empty, it joins the stage totals only
-            return _Plan([group], [], group, True, True, _group_device(group), ((), group))
-        # plain tensors: disjoint across the group (ZeRO shards, pipeline stages)
-        return _Plan([group], None, None, True, True, _group_device(group), ((), group))
+        if group is None:  # plain tensors without a group never get here (single-process path)
+            raise ValueError("plain tensors need process_group= to be reduced across ranks")
+        if pieces:  # ZeRO pieces: tensor i on every rank is one tensor; one reduction over the group
+            return _Plan([group], [group], staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+                         plain_counted=True, device=dev, keep=((), group), span=granks, pieces=True)
+        # each rank its own tensors (a stage, or nothing): per-tensor results are local
+        return _Plan([group], [], staged=True, slots=slots, slot=order.index(me), cross=group,
+                     cross_contrib=True, plain_counted=True, device=dev, keep=((), group), span=granks)
     union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes))
     plain_counted = me == min(union)
+    keep = (tuple(meshes), group)
     if group is None:
         if len(union) < world:
             for m in meshes:
@@ -285,15 +367,17 @@ def _build_plan(meshes: list, group, empty: bool) -> _Plan:
                         "dist.group.WORLD); to reduce over these ranks only, pass the mesh's own group"
                     )
         steps = _mesh_steps(meshes, union)
-        return _Plan(steps, None, None, False, plain_counted, _group_device(steps[0]), (tuple(meshes), group))
-    granks = _group_ranks(group)
+        return _Plan(steps, steps, staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+                     plain_counted=plain_counted, device=_group_device(steps[0]), keep=keep, span=union)
     if union <= granks:
         # The group contains the meshes: one all-reduce over it. Ranks of the group outside the meshes hold
-        # other parameters (stages); per-tensor vectors are reduced within the meshes first then.
+        # other parameters (stages); per-tensor vectors are reduced within the meshes then.
         if granks == union:
-            return _Plan([group], None, None, False, plain_counted, _group_device(group), (tuple(meshes), group))
+            return _Plan([group], [group], staged=False, slots=slots, slot=None, cross=None, cross_contrib=False,
+                         plain_counted=plain_counted, device=dev, keep=keep, span=granks)
         stage = _mesh_steps(meshes, union)
-        return _Plan([group], stage, group, plain_counted, plain_counted, _group_device(group), (tuple(meshes), group))
+        return _Plan([group], stage, staged=True, slots=slots, slot=order.index(min(union)), cross=group,
+                     cross_contrib=plain_counted, plain_counted=plain_counted, device=dev, keep=keep, span=granks)
     if granks & union != {me}:
         raise ValueError(
             f"process_group (ranks {sorted(granks)}) shares ranks with the gradients' meshes (ranks "
@@ -301,41 +385,100 @@ def _build_plan(meshes: list, group, empty: bool) -> _Plan:
             "dist.group.WORLD) or connect ranks holding different parameters, one per stage (a pipeline group)"
         )
     stage = _mesh_steps(meshes, union)
-    steps = [None] if len(granks) * len(union) == world else stage + [group]
-    return _Plan(steps, stage, group, True, plain_counted, _group_device(dev_group), (tuple(meshes), group))
+    tiled = len(granks) * len(union) == world
+    steps = [None] if tiled else stage + [group]
+    return _Plan(steps, stage, staged=True, slots=slots, slot=order.index(me), cross=group, cross_contrib=True,
+                 plain_counted=plain_counted, device=dev, keep=keep,
+                 span=frozenset(range(world)) if tiled else None)
 
 
-def _plan_for(meshes: list, group, empty: bool) -> _Plan:
-    key = (tuple(id(m) for m in meshes), id(group), empty)
+def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
+    key = (tuple(id(m) for m in meshes), id(group), pieces)
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit.keep[-1] is group and all(a is b for a, b in zip(hit.keep[0], meshes)):
         return hit
-    plan = _build_plan(meshes, group, empty)
+    plan = _build_plan(meshes, group, pieces)
     if len(_PLAN_CACHE) > 256:
         _PLAN_CACHE.clear()
     _PLAN_CACHE[key] = plan
     return plan
 
 
-def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = True) -> Sharded:
-    """Local shards of ``tensors`` (DTensors on any meshes, plain tensors, mixed) and the plan of the
-    reduction. ``for_norm=False`` skips the redistribution of Partial tensors and the plan (only the write
-    targets are needed). Host cost: a few attribute reads per tensor; the placements' meaning and the plan
-    are cached (no DTensor dispatch)."""
-    cls = _dtensor_cls()
-    reads, writes, counts = [], [], []
+def span_ranks(sh: "Sharded") -> frozenset | None:
+    """The ranks whose contributions the call's total combines (None when this rank cannot tell, e.g. a
+    pipeline whose stages do not tile the world): a caller may fold another reduction over exactly these
+    ranks into the norm's (fastgrad.amp does so for a ShardedGradScaler's overflow flags)."""
+    return sh.plan.span
+
+
+# ------------------------------------------------------------------------------------ the local view
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
+_MESH_PL = operator.attrgetter("mesh", "placements")
+_NUMEL = torch.Tensor.numel
+_DCODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _dcode(dtype) -> int:
+    code = _DCODE.get(dtype)
+    if code is None:  # (not str's hash: that one differs between processes)
+        import zlib
+
+        code = 16 + zlib.crc32(str(dtype).encode()) % 1000
+    return code
+
+
+def _fingerprint(n: int, tokens) -> int:
+    """16 bits that every rank computes alike for the same list: the hash of a tuple of ints (Python's
+    int and tuple hashes do not depend on the process, unlike str's)."""
+    return hash((n, tuple(tokens))) & 0xFFFF
+
+
+class Sharded:
+    """Local view of a sharded gradient list.
+
+    ``reads[i]``: local tensor whose values enter the norm; ``writes[i]``: local tensor scaled in place
+    (a :class:`fastgrad._scan.Checked` list when the compiled scan accepted them: ``checked``);
+    ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
+    ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
+    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``flags``: after
+    a reduction given ``flags=``, their OR over every rank."""
+
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags")
+
+    def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
+        self.reads: list[Tensor] = reads
+        self.writes: list[Tensor] = writes
+        self.counts: list[bool] = counts
+        self.sel: list[int] | None = sel
+        self.mesh = mesh
+        self.plan: _Plan = plan
+        self.fp = fp
+        self.checked = type(writes) is _scan.Checked
+        self.flags: Tensor | None = None
+
+
+class _Layout:
+    """What a list's structure decides, cached between calls: the DTensor positions, their spec objects and
+    (mesh, placements), which of them count on this rank, the Partial ones, the plan, the result mesh and
+    the DTensor part of the fingerprint."""
+
+    __slots__ = ("types", "dt_pos", "plain_pos", "specs", "mesh_pl", "counted", "partial", "plan", "mesh",
+                 "group", "tokens", "fp", "empties", "counts", "sel", "counted_eff")
+
+
+def _build_layout(tensors, types, cls, group, pieces) -> _Layout:
+    lay = _Layout()
+    lay.types = types
+    lay.group = group
+    dt_pos, plain_pos, specs, where = [], [], [], []
     meshes: list = []
-    plain: list[int] = []
+    info_of: list = []
     last_mesh = last_pl = info = None
     pos = -1
-    where: list[int] = []  # per tensor: its mesh's position in `meshes` (-1: plain)
-    for t in tensors:
-        if type(t) is Tensor or cls is None or not isinstance(t, cls):
-            reads.append(t)
-            writes.append(t)
-            counts.append(True)
-            plain.append(len(counts) - 1)
-            where.append(-1)
+    for i, t in enumerate(tensors):
+        if cls is None or not isinstance(t, cls):
+            plain_pos.append(i)
             continue
         spec = t._spec
         m = spec.mesh
@@ -354,39 +497,163 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
                         pos = len(meshes)
                         meshes.append(m)
             info = _spec_info(m, pl)
-            last_mesh, last_pl = m, pl
-        local = t._local_tensor  # what to_local() returns, without an autograd node
-        read = local
-        if info[1] and for_norm:
-            read = t.redistribute(m, info[2])._local_tensor
-        reads.append(read)
-        writes.append(local)
-        counts.append(info[0] and read.numel() > 0)
+            last_mesh, last_pl = spec.mesh, pl
+        dt_pos.append(i)
+        specs.append(spec)
         where.append(pos)
+        info_of.append(info)
+    lay.plan = _plan_for(meshes, group, pieces) if (meshes or group is not None) else None
+    mesh_counted = lay.plan.mesh_counted if lay.plan is not None else ()
+    lay.dt_pos = None if len(dt_pos) == len(tensors) else dt_pos
+    lay.plain_pos = plain_pos
+    lay.specs = specs
+    lay.mesh_pl = list(map(_MESH_PL, specs))
+    lay.counted = [inf[0] and mesh_counted[k] for inf, k in zip(info_of, where)]
+    lay.partial = [(j, meshes[where[j]], inf[2]) for j, inf in enumerate(info_of) if inf[1]]
+    lay.mesh = meshes[0] if len(meshes) == 1 and not plain_pos else None
+    lay.tokens = _dt_tokens(tensors, dt_pos, specs)
+    lay.fp = None if plain_pos else _fingerprint(len(tensors), lay.tokens)
+    lay.empties = lay.counts = lay.sel = lay.counted_eff = None  # set from the local tensors (prepare)
+    return lay
+
+
+def _dt_tokens(tensors, dt_pos, specs) -> list:
+    """The DTensors' part of the fingerprint: global shape and dtype, from the spec (no DTensor dispatch)."""
+    out = []
+    for i, spec in zip(dt_pos, specs):
+        meta = spec.tensor_meta
+        if meta is None:
+            t = tensors[i]
+            out.append((i, tuple(t.shape), _dcode(t.dtype)))
+        else:
+            out.append((i, tuple(meta.shape), _dcode(meta.dtype)))
+    return out
+
+
+def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = True) -> Sharded:
+    """Local shards of ``tensors`` (DTensors on any meshes, plain tensors, mixed) and the plan of the
+    reduction. ``process_group``: a group, or :class:`Shards` (plain tensors that are pieces of one another).
+    ``for_norm=False`` gives only the write targets (no plan, no redistribution of Partial tensors).
+
+    Host cost: the layout (see the module's docstring) is cached, so a repeat call costs a few C-level passes
+    over the list (its types, its DTensors' spec objects, their local tensors) and the compiled scan of the
+    local tensors; no DTensor dispatch."""
+    if _PENDING:
+        _raise_pending()
+    group, pieces = _unwrap(process_group)
+    cls = _dtensor_cls()
     if not for_norm:
-        return Sharded(reads, _scan.checked(writes) if writes else writes, counts, None, None)
-    plan = _plan_for(meshes, process_group, not counts)
-    if plain and not plan.plain_counted:
-        for i in plain:
-            counts[i] = False
-    if not all(plan.mesh_counted):  # tensors on a copy of a slice (replicated outside their mesh)
-        skip = plan.mesh_counted
-        for i, k in enumerate(where):
-            if k >= 0 and not skip[k]:
-                counts[i] = False
-    for i in plain:
-        if counts[i] and reads[i].numel() == 0:
-            counts[i] = False
-    mesh = meshes[0] if len(meshes) == 1 and not plain else None
-    return Sharded(reads, _scan.checked(writes) if writes else writes, counts, mesh, plan)
+        writes = [t._local_tensor if cls is not None and isinstance(t, cls) else t for t in tensors]
+        return Sharded(writes, _scan.checked(writes) if writes else writes, [], None, None, None)
+    n = len(tensors)
+    first = getattr(tensors[0], "_spec", None) if n else None
+    key = (n, id(group), pieces, id(first))
+    lay = _LAYOUTS.get(key)
+    if lay is not None and lay.group is group:
+        specs = None
+        if lay.dt_pos is None:  # all DTensors: reading the specs is the type check too
+            dts = tensors
+            try:
+                specs = list(map(_SPEC, tensors))
+            except AttributeError:
+                lay = None
+        elif list(map(type, tensors)) == lay.types:
+            dts = [tensors[i] for i in lay.dt_pos]
+            specs = list(map(_SPEC, dts))
+        else:
+            lay = None
+        if lay is not None and not all(map(operator.is_, specs, lay.specs)):
+            # new spec objects: the same layout when every (mesh, placements) is the same objects or equal
+            lay = _refresh(lay, tensors, dts, specs) if list(map(_MESH_PL, specs)) == lay.mesh_pl else None
+    else:
+        lay = None
+    if lay is None:
+        lay = _build_layout(tensors, list(map(type, tensors)), cls, group, pieces)
+        if len(_LAYOUTS) > 64:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = lay
+        dts = tensors if lay.dt_pos is None else [tensors[i] for i in lay.dt_pos]
+    plan = lay.plan
+    locs = list(map(_LOCAL, dts))
+    if lay.empties is None:  # local shapes follow from the specs: which local shards are empty is cached
+        lay.empties = frozenset(j for j, loc in enumerate(locs) if loc.numel() == 0)
+        counted = [c and j not in lay.empties for j, c in enumerate(lay.counted)]
+        lay.counts = counted if lay.dt_pos is None else None
+        lay.sel = None if all(counted) else [j for j, c in enumerate(counted) if c]
+        lay.counted_eff = counted
+    if lay.dt_pos is None:
+        writes = locs
+    else:
+        writes = list(tensors)
+        for i, loc in zip(lay.dt_pos, locs):
+            writes[i] = loc
+    writes = _scan.checked(writes) if writes else writes
+    reads = writes
+    if lay.partial:  # the norm of a Partial tensor is read from its Replicate copy (a collective each)
+        reads = list(writes)
+        pos = lay.dt_pos if lay.dt_pos is not None else range(n)
+        for j, m, pl in lay.partial:
+            reads[pos[j]] = dts[j].redistribute(m, pl)._local_tensor
+
+    # What this rank counts: the layout's decision per DTensor, plain tensors on the plan's say; empty local
+    # tensors never (they add nothing, and an empty one would only make the local pass special-case it).
+    if lay.counts is not None:
+        counts, sel = lay.counts, lay.sel
+    else:
+        counts = [True] * n
+        for i, c in zip(lay.dt_pos, lay.counted_eff):
+            counts[i] = c
+        keep_plain = plan is None or plan.plain_counted
+        for i in lay.plain_pos:
+            counts[i] = keep_plain and reads[i].numel() > 0
+        sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
+    fp = _list_fingerprint(lay, reads, n, pieces)
+    return Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
+
+
+def _refresh(lay: _Layout, tensors, dts, specs) -> _Layout:
+    """A layout whose DTensors came with new spec objects on the same meshes and placements: the decisions
+    stand; the fingerprint (global shapes) and the empty local shards are read again."""
+    lay.specs = specs
+    lay.tokens = _dt_tokens(tensors, lay.dt_pos if lay.dt_pos is not None else range(len(tensors)), specs)
+    lay.fp = None if lay.plain_pos else _fingerprint(len(tensors), lay.tokens)
+    lay.empties = None
+    return lay
+
+
+def _list_fingerprint(lay: _Layout, reads, n: int, pieces: bool) -> int:
+    """What the ranks that must hold the same list compare: its length, and the global shapes and dtypes of
+    its DTensors and plain tensors (only the dtypes for ZeRO pieces, whose local shapes differ)."""
+    if pieces:
+        return _fingerprint(n, map(_dcode, map(operator.attrgetter("dtype"), reads)))
+    if lay.fp is not None:  # DTensors only: the layout's (their shapes and dtypes are the specs')
+        return lay.fp
+    if lay.plan is not None and lay.plan.staged and not lay.specs:
+        return _fingerprint(n, ())  # a plain stage: nobody else holds this list
+    plain = [(i, tuple(reads[i].shape), _dcode(reads[i].dtype)) for i in lay.plain_pos]
+    return _fingerprint(n, lay.tokens + plain)
 
 
 # ------------------------------------------------------------------------------------- collectives
+_SUM, _MAX, _MIN = 0, 1, 2
+_OPS = ("SUM", "MAX", "MIN")
+
+
+def _op_of(p: float) -> int:
+    return _MAX if p == _INF else _MIN if p == -_INF else _SUM
+
+
 def _all_reduce(t: Tensor, op, steps: list) -> None:
     import torch.distributed as dist
 
     for g in steps:
         dist.all_reduce(t, op=op, group=g)
+
+
+def _reduce_op(op: int):
+    import torch.distributed as dist
+
+    return (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)[op]
 
 
 def _group_device(group) -> torch.device:
@@ -403,6 +670,138 @@ def _wide(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     # The tiny combine vector is reduced in float64 (squaring an fp32 norm there is exact), which keeps the
     # result at least as accurate as torch's; MPS has no float64.
     return dtype if device.type == "mps" else torch.float64
+
+
+# --- the agreement header. Groups of two 16-bit fields each: 0 = the call's signature (every rank), 1 = the
+# list (ranks that all hold the same list: the span of an unstaged plan), 2 + s = pipeline stage s's list.
+# SUM encodes a group as (count, v1, v1^2, v2, v2^2), MAX as (v1, -v1, v2, -v2) with -inf when absent; MIN
+# stores the MAX encoding negated (min(-x) = -max(x)). Integers below 2^16 on at most 2^20 ranks stay exact
+# in float64 whatever the order of the additions.
+_WIDTH = {_SUM: 5, _MAX: 4, _MIN: 4}
+
+
+def _header(op: int, groups: list) -> list[float]:
+    """``groups``: per group, its two values, or None where this rank does not contribute."""
+    out: list[float] = []
+    for vals in groups:
+        if op == _SUM:
+            if vals is None:
+                out += (0.0, 0.0, 0.0, 0.0, 0.0)
+            else:
+                a, b = vals
+                out += (1.0, float(a), float(a * a), float(b), float(b * b))
+        elif vals is None:
+            out += (-_INF, -_INF, -_INF, -_INF)
+        else:
+            a, b = vals
+            out += (float(a), float(-a), float(b), float(-b))
+    if op == _MIN:
+        out = [-x for x in out]
+    return out
+
+
+def _bad_groups(head: Tensor, op: int) -> Tensor:
+    """Per header group: True where its contributors did not all send the same values."""
+    if op == _MIN:
+        head = -head
+    h = head.reshape(-1, _WIDTH[op])
+    if op == _SUM:
+        c = h[:, 0:1]
+        s1 = h[:, 1::2]
+        s2 = h[:, 2::2]
+        mean = s1 / c.clamp_min(1)
+        ok = (mean == mean.round()) & (s2 == c * mean * mean)
+        return ~(ok.all(1) | (h[:, 0] == 0))
+    hi = h[:, 0::2]
+    lo = -h[:, 1::2]
+    present = h[:, 0] > -_INF
+    return present & ~(hi == lo).all(1)
+
+
+def _mismatch_text(bad: list[int]) -> str:
+    """The error text from the reduced header alone, so every rank raises the same one."""
+    parts = []
+    for g in bad:
+        if g == 0:
+            parts.append("the ranks made different calls (a different function, norm_type, per_tensor, or kind of "
+                         "process_group/layout); every rank taking part must make the same call")
+        elif g == 1:
+            parts.append("the ranks' gradient lists differ (length, order, shapes or dtypes) where every rank "
+                         "must hold the same list (the same parameters, with a gradient on the same ones)")
+        else:
+            parts.append(f"the ranks of pipeline stage {g - 2} (in process_group order) hold different lists "
+                         "(length, order, shapes or dtypes); every rank of a stage must pass the same parameters")
+    return "sharded gradient norm: " + "; ".join(parts) + " (nothing was written)"
+
+
+def _settle(bad: Tensor, blocking: bool) -> None:
+    """Raise RankMismatchError when a header group disagrees. On the CPU (gloo) the verdict is read now;
+    on a device it is read now only when ``blocking`` (a vector collective is about to depend on it), else
+    copied to pinned memory and read, without waiting, by the next sharded call."""
+    if bad.device.type == "cpu" or blocking:
+        idx = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+        if idx:
+            raise RankMismatchError(_mismatch_text(idx))
+        return
+    host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(bad, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    _PENDING.append((ev, host))
+
+
+def _raise_pending() -> None:
+    """Verdicts of earlier device calls whose copy has landed (never waits for one that has not)."""
+    done = [(ev, host) for ev, host in _PENDING if ev.query()]
+    for item in done:
+        _PENDING.remove(item)
+    for _, host in done:
+        idx = host.nonzero().flatten().tolist()
+        if idx:
+            raise RankMismatchError(_mismatch_text(idx) + " [detected by the previous sharded call]")
+
+
+def _signature(kind: int, p: float, vector: bool, plan: _Plan) -> int:
+    return hash((kind, p, vector, plan.staged, plan.pieces, plan.slots)) & 0xFFFF
+
+
+def _phase_a(sh: Sharded, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor | None
+             ) -> tuple[Tensor, Tensor | None]:
+    """THE collective of a call: ``payload`` (already in its reduction's form: p-th power sums, a max/min with
+    its identity where this rank adds nothing), ``ors`` (0/1 flags to OR over the ranks) and the agreement
+    header, in one buffer, over the plan's steps. Returns the reduced payload and flags; raises
+    RankMismatchError (on every rank alike) when the header disagrees."""
+    plan = sh.plan
+    op = _op_of(p) if kind != _STATS else _SUM
+    wide = payload.dtype
+    n = len(sh.reads)
+    groups: list = [(_signature(kind, p, vector, plan), 0), None if plan.staged else (n & 0xFFFF, sh.fp)]
+    if plan.slots:
+        slots: list = [None] * plan.slots
+        if plan.slot is not None:
+            slots[plan.slot] = (n & 0xFFFF, sh.fp)
+        groups += slots
+    check = wide == torch.float64
+    head = torch.tensor(_header(op, groups), dtype=wide) if check else payload.new_zeros(0)
+    parts = [payload]
+    k = 0
+    if ors is not None:
+        k = ors.numel()
+        parts.append(-ors if op == _MIN else ors)
+    parts.append(head.to(payload.device, non_blocking=True))
+    buf = torch.cat(parts)
+    _all_reduce(buf, _reduce_op(op), plan.steps)
+    m = payload.numel()
+    out_ors = None
+    if ors is not None:
+        r = buf[m:m + k]
+        out_ors = ((-r if op == _MIN else r) > 0).to(ors.dtype)
+    if check:
+        _settle(_bad_groups(buf[m + k:], op), blocking=vector and bool(plan.vec_steps))
+    return buf[:m], out_ors
+
+
+_NORM, _AMP, _STATS = 1, 2, 3
 
 
 def _combine(vals: Tensor, p: float, steps: list) -> Tensor:
@@ -426,23 +825,6 @@ def _combine(vals: Tensor, p: float, steps: list) -> Tensor:
     return vals
 
 
-def _stage_total(vals: Tensor, p: float) -> Tensor:
-    """The total (in the reduction's form: a power sum, a count, a max/min) of reduced per-tensor ``vals``."""
-    if p == _INF:
-        return vals.amax().reshape(1) if vals.numel() else vals.new_zeros(1)
-    if p == -_INF:
-        return vals.amin().reshape(1) if vals.numel() else vals.new_full((1,), _INF)
-    if p == 0:
-        return (vals != 0).sum().to(vals.dtype).reshape(1)
-    return vals.sum().reshape(1)
-
-
-def _finish(total_form: Tensor, p: float) -> Tensor:
-    if p == _INF or p == -_INF or p == 0:
-        return total_form.reshape(())
-    return total_form.reshape(()).pow(1.0 / p)
-
-
 def _local_dev_dtype(sh: Sharded) -> tuple[torch.device, torch.dtype]:
     if sh.reads:
         return sh.reads[0].device, acc_dtype(sh.reads)
@@ -450,89 +832,136 @@ def _local_dev_dtype(sh: Sharded) -> tuple[torch.device, torch.dtype]:
 
 
 def _counted(sh: Sharded, dtype: torch.dtype, dev: torch.device) -> tuple[list[int], list[Tensor]]:
-    sel = [i for i, c in enumerate(sh.counts) if c]
+    """Indices and local tensors of what this rank counts (a Checked list for the compiled one-pass scan)."""
+    if sh.sel is None:
+        return range(len(sh.reads)), sh.reads
+    sel = sh.sel
     local = [sh.reads[i] for i in sel]
     if local and dtype == torch.float64 and acc_dtype(local) != dtype:
         # This rank holds no piece of the float64 tensors, but every rank must accumulate as the whole
         # list dictates: an empty float64 tensor makes the backend accumulate in float64 (entry dropped).
         local = local + [torch.empty(0, dtype=torch.float64, device=dev)]
-    return sel, _scan.checked(local) if local else local  # plain local tensors: the compiled one-pass scan
+    return sel, _scan.checked(local) if local else local
+
+
+def _place(per: Tensor, sel, n: int, identity: float, like: Tensor) -> Tensor:
+    """Per-tensor values of the counted tensors (``per``, in ``sel`` order) at their places in a vector of
+    ``n``; the others hold ``identity`` (what a rank that adds nothing contributes)."""
+    if len(sel) == n:
+        return per
+    vals = torch.full((n,), identity, dtype=like.dtype, device=like.device)
+    if len(sel):
+        vals[torch.tensor(list(sel), dtype=torch.int64).to(like.device, non_blocking=True)] = per
+    return vals
+
+
+def _flags_in(flags: Tensor | None, dev, wide) -> Tensor | None:
+    return None if flags is None else flags.reshape(-1).to(dev, wide)
 
 
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
                  local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]],
-                 poison: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                 poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
-    single-process norm of a list of local tensors (fastgrad.clip's backend dispatch).
+    single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
+    module's docstring (the OR over ranks lands in ``sh.flags``).
 
-    One collective per step of the plan (one in all for the usual layouts): a SUM of p-th-power sums for
-    finite p (of per-tensor nonzero counts for p = 0), a MAX (MIN for -inf) with the NaN flags packed in.
-    Per-tensor results across pipeline stages: the stage's vector, then one more for the stage totals.
+    The total: ONE collective per step of the plan (one for the usual layouts) carrying the p-th-power sum
+    (SUM) or the max/min with a NaN flag (MAX/MIN), and the agreement header. Per-tensor results that combine
+    shards (DTensors, :class:`Shards`) take one more, a vector reduced after the header said the lists agree;
+    plain pipeline stages keep their own per-tensor norms (nothing more to reduce). ``norm_type=0`` (tensors
+    with a nonzero) counts from the reduced per-tensor vector, plus the stages' counts across stages.
 
-    ``poison`` (the step guard's): a 0-dim local tensor, 0 or NaN, added to this rank's contribution, so a
-    NaN that only this rank can see reaches every rank's result in the same collective (see
-    :func:`nonfinite_poison`)."""
+    ``poison`` (the step guard's): a 0-dim local tensor, 0 or NaN, added to this rank's contribution (and to
+    its per-tensor vector), so a NaN that only this rank can see reaches every rank's result in the same
+    collective (see :func:`nonfinite_poison`)."""
     plan = sh.plan
     dev, dtype = _local_dev_dtype(sh)
     wide = _wide(dtype, dev)
     p = norm_type
+    n = len(sh.reads)
     sel, local = _counted(sh, dtype, dev)
     vector = per_tensor or p == 0  # p = 0 counts tensors with a nonzero: needs per-tensor counts
-    # Finite p != 0 travels as p-th powers (their sum is what adds up across ranks); 0 counts, inf/-inf
-    # as norms (max/min). `identity` is what a rank with nothing to add contributes.
+    combine = vector and bool(plan.vec_steps)  # per-tensor vectors reduced across ranks (else local)
     powers = p != 0 and p not in (_INF, -_INF)
     identity = _INF if p == -_INF else 0.0
 
-    if vector or powers:
-        n = len(sh.reads) if vector else 1
-        if local:
-            _, per = local_norm(local, True)
-            per = per[: len(sel)].to(wide)
-            if powers:
-                per = per.pow(p)  # in float64: exact for p = 2 from an fp32 norm
-            if not vector:
-                vals = per.sum().reshape(1)
-            elif len(sel) != n:  # put the counted ones in place; the rest contribute the identity
-                vals = torch.full((n,), identity, dtype=wide, device=dev)
-                vals[torch.tensor(sel, dtype=torch.int64).to(dev, non_blocking=True)] = per
-            else:
-                vals = per
-        else:
-            vals = torch.full((n,), identity, dtype=wide, device=dev)
-    else:  # inf / -inf total: a max/min is exact, the local total will do
-        if local:
-            total, _ = local_norm(local, False)
-            vals = total.to(wide).reshape(1)
-        else:
-            vals = torch.full((1,), identity, dtype=wide, device=dev)
-
+    per_local = None  # this rank's per-tensor values (norms; counts for p = 0), counted ones in `sel` order
+    total_local = None
+    if local and vector:
+        _, per_local = local_norm(local, True)
+        per_local = per_local[: len(sel)]
+    elif local:  # a total only: the local total (its p-th power is what adds up; a max/min is exact)
+        total_local, _ = local_norm(local, False)
+    ors = _flags_in(flags, dev, wide)
     if poison is not None:
-        vals = vals + poison.to(vals.device, vals.dtype)  # (+0 leaves the non-negative values' bits alone)
-    per_out = None
-    if vector:
-        vals = _combine(vals, p, plan.stage_steps if plan.staged else plan.steps)
-        per_out = vals
-        form = _stage_total(vals, p)
-        if plan.staged:  # the stages' totals: one more collective (their lists differ in length)
-            if not plan.cross_contrib:
-                form = torch.full_like(form, identity)
-            form = _combine(form, p, [plan.cross])
+        poison = poison.to(dev, wide).reshape(1)  # (+0 leaves the non-negative values' bits alone)
+    if p == _INF or p == -_INF:
+        if per_local is not None:
+            total_local = (per_local.amax() if p == _INF else per_local.amin()) if len(sel) else None
+        if total_local is None:
+            t = torch.full((1,), identity, dtype=wide, device=dev)
+        else:
+            t = total_local.to(dev, wide).reshape(1)
+        if poison is not None:
+            t = t + poison
+        nan = torch.isnan(t)
+        payload = torch.where(nan, identity, t)
+        ors = nan.to(wide) if ors is None else torch.cat([nan.to(wide), ors])
+    elif powers:
+        if per_local is not None:  # in float64: exact squares of fp32 norms
+            payload = per_local.to(wide).pow(p).sum().reshape(1)
+        elif total_local is not None:
+            payload = total_local.to(dev, wide).pow(p).reshape(1)
+        else:
+            payload = torch.zeros(1, dtype=wide, device=dev)
+    else:  # p == 0: the count is the whole story only where per-tensor values are local
+        payload = ((per_local != 0).sum().to(wide).reshape(1) if per_local is not None and not combine
+                   else torch.zeros(1, dtype=wide, device=dev))
+    if poison is not None and p not in (_INF, -_INF):
+        payload = payload + poison
+    red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
+    if p == _INF or p == -_INF:
+        total = torch.where(ors_out[0] > 0, float("nan"), red[0])
+        sh.flags = ors_out[1:] if flags is not None else None
     else:
-        form = _combine(vals, p, plan.steps)
-    total = _finish(form, p).to(dtype)
+        total = red[0].pow(1.0 / p) if powers else red[0]
+        sh.flags = ors_out
     per = None
-    if per_tensor:
-        per = (per_out.pow(1.0 / p) if powers else per_out).to(dtype)
-    return total, per
+    if combine:
+        vals = per_local.to(wide) if per_local is not None else None
+        if vals is not None and powers:
+            vals = vals.pow(p)  # in float64: exact for p = 2 from an fp32 norm
+        like = torch.empty(0, dtype=wide, device=dev)
+        vals = _place(vals, sel, n, identity, like) if vals is not None else torch.full(
+            (n,), identity, dtype=wide, device=dev)
+        if poison is not None:
+            vals = vals + poison
+        vals = _combine(vals, p, plan.vec_steps)
+        if p == 0:
+            count = (vals != 0).sum().to(wide).reshape(1)
+            if plan.staged:  # each stage counted its own tensors: add the stages' counts
+                if not plan.cross_contrib:
+                    count = torch.zeros_like(count)
+                count = _combine(count, 0.0, [plan.cross])
+            total = count[0]
+        if per_tensor:
+            per = vals.pow(1.0 / p) if powers else vals
+    elif per_tensor:
+        like = torch.empty(0, dtype=wide, device=dev)
+        per = _place(per_local.to(wide), sel, n, identity, like) if per_local is not None else torch.full(
+            (n,), identity, dtype=wide, device=dev)
+    return total.to(dtype), None if per is None else per.to(dtype)
 
 
 def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, Tensor]]) -> dict[str, Tensor]:
     """grad_stats over shards: the columns of :func:`fastgrad.stats.tensor_stats` for the WHOLE tensors, in
     input order, the same on every rank (``numel`` too: the counted shards' sizes add up to the tensor's).
 
-    Two collectives (three across pipeline stages): a SUM of the squared norms and the NaN/Inf/zero counts,
-    and a MAX of max|g| with its NaN flags (a max cannot ride a sum); then, across stages, the stage totals."""
+    The total (a SUM of squared norms, with the agreement header): one collective. Columns that combine shards
+    (DTensors, :class:`Shards`): two more, a SUM (squared norms, NaN/Inf/zero counts, numel) and a MAX of
+    max|g| with its NaN flags (a max cannot ride a sum). Plain pipeline stages: their own columns, no more."""
     import torch.distributed as dist
 
     plan = sh.plan
@@ -540,34 +969,83 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
     wide = _wide(dtype, dev)
     sel, local = _counted(sh, dtype, dev)
     n = len(sh.reads)
+    k = len(sel)
+    cols = local_stats(local) if local else None
+    if cols is not None:
+        sq = cols["norm"][:k].to(wide).square()
+        payload = sq.sum().reshape(1)
+    else:
+        payload = torch.zeros(1, dtype=wide, device=dev)
+    combine = bool(plan.vec_steps)
+    red, _ = _phase_a(sh, _STATS, 2.0, True, payload, None)
+    total = red[0].sqrt().to(dtype)
     sums = torch.zeros((5, n), dtype=wide, device=dev)
     peak = torch.zeros((n,), dtype=wide, device=dev)
-    if local:
-        cols = local_stats(local)
-        k = len(sel)
-        loc = torch.stack([cols["norm"][:k].to(wide).square(), cols["nan"][:k].to(wide), cols["inf"][:k].to(wide),
-                           cols["zero"][:k].to(wide), cols["numel"][:k].to(dev, wide)])
+    if cols is not None:
+        loc = torch.stack([sq, cols["nan"][:k].to(wide), cols["inf"][:k].to(wide), cols["zero"][:k].to(wide),
+                           cols["numel"][:k].to(dev, wide)])
         mx = cols["max_abs"][:k].to(wide)
         if k == n:
             sums, peak = loc, mx
         else:
-            idx = torch.tensor(sel, dtype=torch.int64).to(dev, non_blocking=True)
+            idx = torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)
             sums[:, idx] = loc
             peak[idx] = mx
-    steps = plan.stage_steps if plan.staged else plan.steps
-    sums = sums.reshape(-1)
-    _all_reduce(sums, dist.ReduceOp.SUM, steps)
-    sums = sums.reshape(5, n)
-    peak = _combine(peak, _INF, steps)
-    sq = sums[0]
-    form = sq.sum().reshape(1)
-    if plan.staged:
-        if not plan.cross_contrib:
-            form = torch.zeros_like(form)
-        _all_reduce(form, dist.ReduceOp.SUM, [plan.cross])
+    if combine:
+        sums = sums.reshape(-1)
+        _all_reduce(sums, dist.ReduceOp.SUM, plan.vec_steps)
+        sums = sums.reshape(5, n)
+        peak = _combine(peak, _INF, plan.vec_steps)
     counts = sums[1:].to(torch.int64)
-    return {"norm": sq.sqrt().to(dtype), "max_abs": peak.to(dtype), "nan": counts[0], "inf": counts[1],
-            "zero": counts[2], "numel": counts[3], "total_norm": form.reshape(()).sqrt().to(dtype)}
+    return {"norm": sums[0].sqrt().to(dtype), "max_abs": peak.to(dtype), "nan": counts[0], "inf": counts[1],
+            "zero": counts[2], "numel": counts[3], "total_norm": total}
+
+
+def reduced_amp_norm(sh: Sharded, norm_type: float,
+                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
+                     poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
+    values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max), the
+    overflow flag and the agreement header together. Returns ``(global total, local found_inf, global
+    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the module's docstring; ``poison``: as
+    in :func:`reduced_norm` (a NaN only this rank sees is an overflow on every rank). norm_type 0 has no
+    sharded AMP form (the read pass yields totals, not per-tensor counts)."""
+    p = norm_type
+    if p == 0:
+        raise ValueError("scaler_unscale_and_clip with norm_type=0 is not supported for sharded gradients")
+    dev, dtype = _local_dev_dtype(sh)
+    wide = _wide(dtype, dev)
+    _, local = _counted(sh, dtype, dev)
+    identity = _INF if p == -_INF else 0.0
+    if local:
+        total, flag = local_amp(local)
+        total, flag = total.to(dev, wide).reshape(1), flag.to(dev, torch.float32).reshape(())
+    else:
+        total = torch.full((1,), identity, dtype=wide, device=dev)
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+    f = flag.to(wide).reshape(1)
+    if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
+        poison = poison.to(dev, wide).reshape(1)
+        f = torch.where(torch.isnan(poison), 1.0, f)
+    extra = _flags_in(flags, dev, wide)
+    if p == _INF or p == -_INF:
+        if poison is not None:
+            total = total + poison
+        nan = torch.isnan(total)
+        ors = torch.cat([nan.to(wide), f] + ([extra] if extra is not None else []))
+        red, out = _phase_a(sh, _AMP, p, False, torch.where(nan, identity, total), ors)
+        g_total = torch.where(out[0] > 0, float("nan"), red[0])
+        g_flag, rest = out[1], out[2:]
+    else:
+        pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
+        if poison is not None:
+            pw = pw + poison
+        ors = f if extra is None else torch.cat([f, extra])
+        red, out = _phase_a(sh, _AMP, p, False, pw, ors)
+        g_total = red[0].pow(1.0 / p)
+        g_flag, rest = out[0], out[1:]
+    sh.flags = rest if flags is not None else None
+    return g_total.to(dtype), flag, g_flag.to(torch.float32)
 
 
 def wrap_like(value: Tensor, sh: Sharded):
@@ -589,58 +1067,6 @@ def to_local_norm(total_norm):
     return total_norm
 
 
-def reduced_amp_norm(sh: Sharded, norm_type: float,
-                     local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
-                     poison: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
-    values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max) and the
-    overflow flag together. Returns ``(global total, local found_inf, global found_inf)``, the flags 0-dim
-    float32 exactly 0 or 1. norm_type 0 has no sharded AMP form (the read pass yields totals, not
-    per-tensor counts)."""
-    import torch.distributed as dist
-
-    p = norm_type
-    if p == 0:
-        raise ValueError("scaler_unscale_and_clip with norm_type=0 is not supported for sharded gradients")
-    steps = sh.plan.steps
-    dev, dtype = _local_dev_dtype(sh)
-    wide = _wide(dtype, dev)
-    _, local = _counted(sh, dtype, dev)
-    if local:
-        total, flag = local_amp(local)
-        total, flag = total.to(dev, wide).reshape(1), flag.to(dev, torch.float32).reshape(())
-    else:
-        total = torch.full((1,), _INF if p == -_INF else 0.0, dtype=wide, device=dev)
-        flag = torch.zeros((), dtype=torch.float32, device=dev)
-    f = flag.to(wide).reshape(1)
-    if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
-        poison = poison.to(dev, wide)
-        f = torch.where(torch.isnan(poison), 1.0, f)
-    if p == _INF or p == -_INF:
-        if poison is not None:
-            total = total + poison
-        nan = torch.isnan(total).to(wide)
-        if p == _INF:
-            buf = torch.cat([torch.where(nan > 0, 0.0, total), nan, f])
-            _all_reduce(buf, dist.ReduceOp.MAX, steps)
-        else:  # MIN for the value; flags ride negated
-            buf = torch.cat([torch.where(nan > 0, _INF, total), -nan, -f])
-            _all_reduce(buf, dist.ReduceOp.MIN, steps)
-            buf = torch.cat([buf[:1], -buf[1:]])
-        g_total = torch.where(buf[1] > 0, float("nan"), buf[0])
-        g_flag = buf[2]
-    else:
-        pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
-        if poison is not None:
-            pw = pw + poison
-        buf = torch.cat([pw, f])
-        _all_reduce(buf, dist.ReduceOp.SUM, steps)
-        g_total = buf[0].pow(1.0 / p)
-        g_flag = buf[1]
-    g_flag = (g_flag > 0).to(torch.float32)
-    return g_total.to(dtype), flag, g_flag
-
-
 # ------------------------------------------------------------------------------------- the step guard's flag
 def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) -> Tensor | None:
     """For the step guard, whose decision must be the same on every rank: the local tensors this rank holds
@@ -649,6 +1075,8 @@ def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) 
     Returns NaN when ``local_norm`` of those copies is non-finite, else 0 (a 0-dim tensor in the wide dtype),
     for ``reduced_norm(poison=)``; None when this rank holds no such copy (then nothing is added). One more
     read of the copies, no collective."""
+    if sh.sel is None:  # this rank counts everything it holds
+        return None
     spare = [r for r, c in zip(sh.reads, sh.counts) if not c and r.numel()]
     if not spare:
         return None

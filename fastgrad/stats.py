@@ -101,11 +101,13 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     Accepts an ``nn.Module`` (its ``named_parameters()``), an iterable of ``(name, parameter)`` pairs, an
     iterable of parameters (named by position), or one tensor.
 
-    Sharded gradients (DTensors on any meshes, mixed with plain tensors, or plain shards with
+    Sharded gradients (DTensors on any meshes, mixed with plain tensors, or plain tensors with
     ``process_group=``; see ``fastgrad.distributed``): every column describes the WHOLE tensors (shapes are
-    the DTensors' global shapes), the same on every rank; a collective, so every rank must call, with the
-    same parameter list (per pipeline stage: ``total_norm`` then covers every stage, the columns the stage's
-    own tensors). Two collectives (a sum and a max), three across pipeline stages.
+    the DTensors' global shapes), the same on every rank holding them; a collective, so every rank must call,
+    with the same parameter list (per pipeline stage: ``total_norm`` then covers every stage, the columns the
+    stage's own tensors; plain tensors with a bare group are each rank's own tensors, with
+    ``fastgrad.distributed.Shards(group)`` pieces of the same tensors). Three collectives (the total with the
+    ranks' agreement check, then a sum and a max of the columns); one for plain pipeline stages.
     """
     obj = parameters_or_named_parameters_or_module
     named = _named(obj)

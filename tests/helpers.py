@@ -330,3 +330,31 @@ def spawn_ranks(worker, world: int, out_dir: str, wall_limit_s: float) -> str:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+class CollectiveCount:
+    """Counts the collectives a block really runs, from torch.profiler's ``gloo:*`` events (one per
+    collective the gloo backend executes: ``gloo:all_reduce``, ``gloo:broadcast``, ...), not from a wrapped
+    Python function, so a collective issued by torch itself (e.g. a DTensor redistribute) counts too.
+
+        with CollectiveCount() as c:
+            fastgrad.clip_grad_norm_(...)
+        assert c.n == 1 and c.kinds == {"all_reduce": 1}
+    """
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU])
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        names = [e.name for e in self._prof.events() if e.name.startswith("gloo:")]
+        self.kinds: dict[str, int] = {}
+        for name in names:
+            kind = name.split(":", 1)[1]
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.n = len(names)
+        return False

@@ -25,7 +25,8 @@ from fastgrad import distributed as D
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
-from .helpers import assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch, spawn_ranks
+from .helpers import (CollectiveCount, assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch,
+                      spawn_ranks)
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -410,6 +411,9 @@ def _by_hand(shards, p, group, acc, per_tensor=False):
 def _scenario_process_group(rank, world, backend):
     shapes = [(13, 7), (5,), (3,), (64, 9), (1,), (0,), (6, 5)]
     world_group = dist.group.WORLD
+    # Tensor i on every rank is a piece of one tensor: per-tensor results (and norm_type 0's count of tensors
+    # with a nonzero) are the whole tensors'. Totals are the same with the bare group (tested below).
+    pieces = D.Shards(world_group)
     for dtypes in ([torch.float32], [torch.float32, torch.bfloat16, torch.float64]):
         fulls = _full_tensors(shapes, dtypes, seed=2, zero_index=6)
         acc = torch.float64 if torch.float64 in dtypes else torch.float32
@@ -417,10 +421,19 @@ def _scenario_process_group(rank, world, backend):
         same = len(dtypes) == 1
         for p in _norms(backend):
             shards = [_shard_of(f, rank, world) for f in fulls]
-            ours = fastgrad.get_total_norm(shards, p, backend=backend, process_group=world_group)
+            with CollectiveCount() as c:
+                ours = fastgrad.get_total_norm(shards, p, backend=backend, process_group=pieces)
+            # docs/distributed.md: a total is one collective; per-tensor results of pieces, and norm_type 0's
+            # count of tensors with a nonzero, one more (the vector, once the header said the lists agree)
+            assert c.n == (2 if p == 0 else 1), (p, c.kinds)
             assert type(ours) is torch.Tensor
-            total, per = fastgrad.multi_tensor_norm(shards, p, per_tensor=True, backend=backend,
-                                                    process_group=world_group)
+            with CollectiveCount() as c:
+                total, per = fastgrad.multi_tensor_norm(shards, p, per_tensor=True, backend=backend,
+                                                        process_group=pieces)
+            assert c.n == 2, (p, c.kinds)
+            if p != 0:  # a total is the same whether the lists are pieces of one another or not
+                assert torch.equal(fastgrad.get_total_norm(shards, p, backend=backend, process_group=world_group),
+                                   ours)
             assert per.dtype == total.dtype == acc
             want = oracle.total_norm(fulls, p)
             per_want = [oracle.tensor_norm(f, p) for f in fulls]

@@ -4,12 +4,13 @@ parameters, a rank with an empty list, on 4 gloo ranks spawned ONCE for the whol
 
 Every scenario builds the whole model's gradients on every rank (one seed), so each rank can compute the
 single-process float64 reference (tests/oracle.py) of the norm and of the clipped gradients. Checks: within
-rtol 1e-6 of that reference (fp32), the same bits on every rank, and the number of ``all_reduce`` calls the
-documentation of fastgrad.distributed promises (``torch.distributed.all_reduce`` is wrapped with a counter).
+rtol 1e-6 of that reference (fp32), the same bits on every rank, and the number of collectives the
+documentation promises (docs/distributed.md's table), counted from torch.profiler's gloo events.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -25,7 +26,7 @@ from fastgrad import distributed as D
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
-from .helpers import randn, spawn_ranks
+from .helpers import CollectiveCount, randn, spawn_ranks
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -44,7 +45,6 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
     store = dist.FileStore(os.path.join(out_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    _install_counter()
     try:
         torch.set_num_threads(1)  # several ranks share few cores
         only = os.environ.get("FASTGRAD_TEST_MESHES_ONLY")  # narrowing while debugging
@@ -88,27 +88,9 @@ def _outcome(spawned, name: str, backend: str) -> None:
     pytest.fail(f"{key} did not run: {error or 'an earlier scenario failed'}")
 
 
-_CALLS = {"all_reduce": 0}
-
-
-def _install_counter() -> None:
-    """Count torch.distributed.all_reduce calls (fastgrad looks the function up at call time)."""
-    original = dist.all_reduce
-
-    def counted(*args, **kwargs):
-        _CALLS["all_reduce"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counted
-
-
-class _Count:
-    def __enter__(self):
-        self.start = _CALLS["all_reduce"]
-        return self
-
-    def __exit__(self, *exc):
-        self.n = _CALLS["all_reduce"] - self.start
+def _Count():
+    """The collectives a block really runs (torch.profiler's gloo events; tests/helpers.py)."""
+    return CollectiveCount()
 
 
 class Holder:
@@ -154,18 +136,34 @@ def _close(ours, want, what, rtol=1e-6):
     torch.testing.assert_close(ours, want, rtol=rtol, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def _check(rank, backend, fulls, mine, make, tag, *, group=None, n_norm=1, n_per=None, stage_fulls=None):
+# The collectives per call that docs/distributed.md's table documents (test_docs_table_is_pinned reads the
+# table and compares): a total (clip_grad_norm_, get_total_norm, scaler_unscale_and_clip) takes ONE; results
+# per tensor that combine shards take one more (the vector, reduced once the header said the lists agree),
+# norm_type=0 across DTensor stages one more again (the stages' counts); grad_stats two more (a SUM and a MAX);
+# plain pipeline stages keep their own per-tensor results (nothing more to reduce).
+COUNTS = {
+    "total": 1, "per_tensor": 2, "per_tensor_plain_stages": 1, "zero_dtensor_stages": 3,
+    "grad_stats": 3, "grad_stats_plain_stages": 1, "monitor_clip": 4, "sharded_scaler": 1,
+    "sharded_scaler_other_group": 2,
+}
+
+
+def _check(rank, backend, fulls, mine, make, tag, *, group=None, staged=False, plain=False):
     """The checks of one layout. ``fulls``: every gradient of the model; ``mine``: the indices this rank's
     list holds (in order); ``make(i)``: this rank's gradient object for ``fulls[i]`` (fresh each call);
-    ``group``: the process_group= to pass; ``n_norm``: all_reduce calls of a total norm; ``n_per``: of a
-    per-tensor norm (default n_norm)."""
-    n_per = n_norm if n_per is None else n_per
+    ``group``: the process_group= to pass; ``staged``: the ranks hold different stages' DTensors;
+    ``plain``: each rank holds its own plain tensors (per-tensor results are local)."""
+    n_norm = COUNTS["total"]
+    n_per = COUNTS["per_tensor_plain_stages"] if plain else COUNTS["per_tensor"]
+    n_zero = n_per if plain or not staged else COUNTS["zero_dtensor_stages"]
+    n_stats = COUNTS["grad_stats_plain_stages"] if plain else COUNTS["grad_stats"]
     kw = {} if group is None else {"process_group": group}
     for p in NORMS:
         want = oracle.total_norm(fulls, p)
+        grads = [make(i) for i in mine]  # (built outside: distribute_tensor runs collectives of its own)
         with _Count() as c:
-            ours = fastgrad.get_total_norm([make(i) for i in mine], p, backend=backend, **kw)
-        assert c.n == n_norm, f"{tag} get_total_norm p={p}: {c.n} all_reduce calls, documented {n_norm}"
+            ours = fastgrad.get_total_norm(grads, p, backend=backend, **kw)
+        assert c.n == n_norm, f"{tag} get_total_norm p={p}: {c.n} collectives {c.kinds}, documented {n_norm}"
         ours = _value(ours)
         _close(ours, want, f"{tag} get_total_norm p={p}")
         _same_on_every_rank(ours, f"{tag} get_total_norm p={p}")
@@ -174,7 +172,7 @@ def _check(rank, backend, fulls, mine, make, tag, *, group=None, n_norm=1, n_per
         holders = [Holder(make(i)) for i in mine]
         with _Count() as c:
             total = fastgrad.clip_grad_norm_(holders, max_norm, p, backend=backend, **kw)
-        assert c.n == n_norm, f"{tag} clip p={p}: {c.n} all_reduce calls"
+        assert c.n == n_norm, f"{tag} clip p={p}: {c.n} collectives {c.kinds}"
         total = _value(total)
         want_total, want_grads = oracle.clipped(fulls, max_norm, p)
         _close(total, want_total, f"{tag} clip total p={p}")
@@ -182,26 +180,26 @@ def _check(rank, backend, fulls, mine, make, tag, *, group=None, n_norm=1, n_per
         for h, i in zip(holders, mine):
             _close(_full(h.grad), want_grads[i], f"{tag} clipped grad {i} p={p}")
 
-    if backend == "torch":  # norm_type 0 (tensors with a nonzero; torch's semantics): per-tensor counts
+        # Per-tensor norms of this rank's list (across pipeline stages: its stage's), the total over all.
+        grads = [make(i) for i in mine]
         with _Count() as c:
-            zero = fastgrad.get_total_norm([make(i) for i in mine], 0.0, backend=backend, **kw)
-        assert c.n == n_per, f"{tag} p=0: {c.n} all_reduce calls, documented {n_per}"
+            total, per = fastgrad.multi_tensor_norm(grads, p, per_tensor=True, backend=backend, **kw)
+        assert c.n == n_per, f"{tag} per-tensor p={p}: {c.n} collectives {c.kinds}, documented {n_per}"
+        _close(_value(total), want, f"{tag} multi_tensor_norm total p={p}")
+        _close(_value(per), [oracle.tensor_norm(fulls[i], p) for i in mine], f"{tag} per-tensor norms p={p}")
+        _same_on_every_rank(_value(total), f"{tag} multi_tensor_norm total p={p}")
+
+    if backend == "torch":  # norm_type 0 (tensors with a nonzero; torch's semantics): per-tensor counts
+        grads = [make(i) for i in mine]
+        with _Count() as c:
+            zero = fastgrad.get_total_norm(grads, 0.0, backend=backend, **kw)
+        assert c.n == n_zero, f"{tag} p=0: {c.n} collectives {c.kinds}, documented {n_zero}"
         assert float(_value(zero)) == oracle.total_norm(fulls, 0.0), f"{tag} p=0"
 
-    # Per-tensor norms of this rank's list (across pipeline stages: its stage's), the total over all.
+    params = [_param(make(i)) for i in mine]
     with _Count() as c:
-        total, per = fastgrad.multi_tensor_norm([make(i) for i in mine], 2.0, per_tensor=True, backend=backend,
-                                                **kw)
-    assert c.n == n_per, f"{tag} per-tensor: {c.n} all_reduce calls, documented {n_per}"
-    _close(_value(total), oracle.total_norm(fulls, 2.0), f"{tag} multi_tensor_norm total")
-    _close(_value(per), [oracle.tensor_norm(fulls[i], 2.0) for i in mine], f"{tag} per-tensor norms")
-    _same_on_every_rank(_value(total), f"{tag} multi_tensor_norm total")
-
-    # grad_stats: whole-tensor columns, one SUM and one MAX (one more across stages).
-    with _Count() as c:
-        st = fastgrad.grad_stats([_param(make(i)) for i in mine], backend=backend, **kw)
-    n_stats = 3 if n_per > n_norm else 2
-    assert c.n == n_stats, f"{tag} grad_stats: {c.n} all_reduce calls, documented {n_stats}"
+        st = fastgrad.grad_stats(params, backend=backend, **kw)
+    assert c.n == n_stats, f"{tag} grad_stats: {c.n} collectives {c.kinds}, documented {n_stats}"
     _close(st.total_norm, oracle.total_norm(fulls, 2.0), f"{tag} grad_stats total")
     _close(st.norm, [oracle.tensor_norm(fulls[i], 2.0) for i in mine], f"{tag} grad_stats norms")
     _close(st.max_abs, [fulls[i].abs().max().item() for i in mine], f"{tag} grad_stats max_abs", rtol=0)
@@ -257,7 +255,7 @@ def _scenario_moe(rank, backend):
         return distribute_tensor(fulls[i].clone(), ep_mesh, placements[i - nd])
 
     mine = list(range(len(fulls)))
-    _check(rank, backend, fulls, mine, make, "moe", n_norm=1)
+    _check(rank, backend, fulls, mine, make, "moe")
     # the expert mesh alone (torch's 2-D case): the result is torch's Replicate DTensor on that mesh
     out = fastgrad.get_total_norm([make(i) for i in range(nd, len(fulls))], backend=backend)
     assert D.is_dtensor(out) and out.device_mesh is ep_mesh
@@ -274,7 +272,7 @@ def _scenario_moe(rank, backend):
     want_total, want_grads = oracle.clipped(fulls, 0.5, 2.0)
     with _Count() as c:
         total = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, backend=backend)
-    assert c.n == 1, f"moe amp: {c.n} all_reduce calls"
+    assert c.n == COUNTS["total"], f"moe amp: {c.n} collectives {c.kinds}"
     _close(_value(total), want_total, "moe amp total")
     _same_on_every_rank(_value(total), "moe amp total")
     for q, i in zip(params_amp, mine):
@@ -313,8 +311,8 @@ def _scenario_pipeline(rank, backend):
     def make(i):
         return distribute_tensor(fulls[i].clone(), dp, [placements[i]])
 
-    _check(rank, backend, fulls, mine, make, "pipeline pp group", group=pp_group, n_norm=1, n_per=2)
-    _check(rank, backend, fulls, mine, make, "pipeline world", group=dist.group.WORLD, n_norm=1, n_per=2)
+    _check(rank, backend, fulls, mine, make, "pipeline pp group", group=pp_group, staged=True)
+    _check(rank, backend, fulls, mine, make, "pipeline world", group=dist.group.WORLD, staged=True)
 
     # Forgetting the pipeline group would give this stage's norm only: an error, nothing written.
     grads = [make(i) for i in mine]
@@ -331,16 +329,51 @@ def _scenario_pipeline(rank, backend):
     # Plain (unsharded) stages: each stage's 2 dp ranks hold the same whole tensors, which is a DTensor
     # replicated on the stage's slice; as plain tensors they are disjoint across stages only, so the
     # pipeline group is the group: ranks 0 and 1 are stage 0's two replicas, in different pp groups.
-    plain_mine = [torch.nn.Parameter(fulls[i].clone()) for i in mine]
-    for prm in plain_mine:
-        prm.grad = prm.detach().clone()
-    with _Count() as c:
-        t = fastgrad.clip_grad_norm_(plain_mine, 1.0, backend=backend, process_group=pp_group)
-    assert c.n == 1
-    want_total, want_grads = oracle.clipped(fulls, 1.0, 2.0)
-    _close(t, want_total, "pipeline plain total")
-    for prm, i in zip(plain_mine, mine):
-        _close(prm.grad, want_grads[i], f"pipeline plain grad {i}")
+    _check(rank, backend, fulls, mine, lambda i: fulls[i].clone(), "pipeline plain", group=pp_group, plain=True)
+
+
+def _scenario_plain_stages(rank, backend):
+    """Each rank holds a different pipeline stage's plain tensors (issue 31): per-tensor norms are the rank's
+    own, the total is over every stage; lists of different lengths (1, 2, 3 and 2 tensors), then of equal
+    lengths (where element-wise reduction across stages would silently give wrong per-tensor numbers)."""
+    fulls = _fulls([(5, 4), (7,), (3, 3), (6, 2), (9,), (2, 5), (4,), (8, 3)], seed=15)
+    layouts = {"different lengths": [[0], [1, 2], [3, 4, 5], [6, 7]],
+               "equal lengths": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    for name, stages in layouts.items():
+        mine = stages[rank]
+        _check(rank, backend, fulls, mine, lambda i: fulls[i].clone(), f"plain stages, {name}",
+               group=dist.group.WORLD, plain=True)
+    # A stage without parameters still takes part (and adds nothing).
+    mine = [[0, 1, 2], [], [3, 4], [5, 6, 7]][rank]
+    t = fastgrad.get_total_norm([fulls[i].clone() for i in mine], backend=backend, process_group=dist.group.WORLD)
+    _close(t, oracle.total_norm(fulls, 2.0), "plain stages with an empty stage")
+
+
+def _scenario_fsdp2_stages(rank, backend):
+    """2 pipeline stages of different depth (2 and 3 Linear layers), each fully_shard'ed on its dp slice of a
+    pp x dp mesh: per-tensor norms of the stage's whole tensors on its ranks, the total over both stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("pp", "dp"))
+    stage = rank // 2
+    models, fulls_of = [], []
+    for s in range(2):  # every rank builds both stages (one seed), shards and runs only its own
+        torch.manual_seed(20 + s)
+        widths = [16, 12, 16] if s == 0 else [16, 9, 7, 16]
+        models.append(torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]))
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))  # _model_grads' batch
+    for s, m in enumerate(models):  # the single-process reference of every stage's gradients
+        ref = copy.deepcopy(m)
+        ref(x).pow(2).sum().backward()
+        fulls_of.append([q.grad.clone() for q in ref.parameters()])
+    fulls = fulls_of[0] + fulls_of[1]
+    offset = 0 if stage == 0 else len(fulls_of[0])
+    params, got = _model_grads(models[stage], lambda m: _fully_shard()(m, mesh=mesh["dp"]))
+    for g, w in zip(got, fulls_of[stage]):
+        _close(g, w.double().numpy(), "fsdp2 stage gradient vs single process", rtol=1e-5)
+    mine = [offset + j for j in range(len(params))]
+    _check(rank, backend, fulls, mine, lambda i: params[i - offset].grad.clone(), "fsdp2 stages",
+           group=mesh["pp"].get_group(), staged=True)
 
 
 def _scenario_hsdp(rank, backend):
@@ -353,7 +386,7 @@ def _scenario_hsdp(rank, backend):
                                 torch.nn.Linear(13, 5))
     params, fulls = _model_grads(model, lambda m: _fully_shard()(m, mesh=mesh))
     assert params[0].grad.placements[0].is_replicate() and params[0].grad.placements[1].is_shard()
-    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "hsdp", n_norm=1)
+    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "hsdp")
 
     # GradientMonitor through grad_stats: the statistics (a SUM and a MAX) then the clip (one more).
     mon = fastgrad.GradientMonitor(model, every=None, backend=backend)
@@ -361,7 +394,7 @@ def _scenario_hsdp(rank, backend):
     want_total, want_grads = oracle.clipped(fulls, max_norm, 2.0)
     with _Count() as c:
         total = mon.clip_grad_norm_(max_norm)
-    assert c.n == 3, f"hsdp monitor clip: {c.n} all_reduce calls"
+    assert c.n == COUNTS["monitor_clip"], f"hsdp monitor clip: {c.n} collectives {c.kinds}"
     _close(_value(total), want_total, "hsdp monitor clip total")
     for q, w in zip(model.parameters(), want_grads):
         _close(_full(q.grad), w, "hsdp monitor clipped grad")
@@ -383,7 +416,7 @@ def _scenario_tp_fsdp(rank, backend):
 
     params, fulls = _model_grads(model, shard)
     assert any(len(p.grad.placements) == 2 for p in params)
-    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "tp+fsdp", n_norm=1)
+    _check(rank, backend, fulls, list(range(len(fulls))), _from_param(params), "tp+fsdp")
 
 
 def _scenario_mixed(rank, backend):
@@ -399,7 +432,7 @@ def _scenario_mixed(rank, backend):
     def make(i):
         return distribute_tensor(fulls[i].clone(), mesh, [Shard(0)]) if i in dtensors else fulls[i].clone()
 
-    _check(rank, backend, fulls, list(range(len(fulls))), make, "mixed", n_norm=1)
+    _check(rank, backend, fulls, list(range(len(fulls))), make, "mixed")
 
 
 def _scenario_tied(rank, backend):
@@ -430,13 +463,13 @@ def _scenario_tied(rank, backend):
     params = list(model.parameters())
     assert len(params) == 3  # the tied weight once
     fulls = [p.grad.full_tensor() for p in params]
-    _check(rank, backend, fulls, list(range(3)), _from_param(params), "tied", n_norm=1)
+    _check(rank, backend, fulls, list(range(3)), _from_param(params), "tied")
 
     mesh2 = init_device_mesh("cpu", (2, WORLD // 2))
     rep = _fulls([(6, 4), (5,), (8, 2)], seed=9)
     pls = [(Replicate(), Replicate()), (Replicate(), Shard(0)), (Shard(1), Replicate())]
     _check(rank, backend, rep, [0, 1, 2], lambda i: distribute_tensor(rep[i].clone(), mesh2, pls[i]), "replicated",
-           n_norm=1)
+)
 
 
 def _scenario_empty_rank(rank, backend):
@@ -454,8 +487,9 @@ def _scenario_empty_rank(rank, backend):
         return distribute_tensor(fulls[i].clone(), mesh, [pls[i]])
 
     for p in (2.0, INF, 1.0):
+        grads = [make(i) for i in mine]
         with _Count() as c:
-            t = fastgrad.get_total_norm([make(i) for i in mine], p, backend=backend, process_group=dist.group.WORLD)
+            t = fastgrad.get_total_norm(grads, p, backend=backend, process_group=dist.group.WORLD)
         assert c.n == 1
         _close(_value(t), oracle.total_norm(fulls, p), f"empty rank p={p}")
         _same_on_every_rank(_value(t), f"empty rank p={p}")
@@ -491,15 +525,189 @@ def _scenario_errors(rank, backend):
     assert torch.equal(g._local_tensor, before)
 
 
+def _same_error_everywhere(fn, tag: str, n: int | None = None) -> str:
+    """``fn()`` raises RankMismatchError on every rank, with the same text, after ``n`` collectives (if
+    given: the header rides in the norm's own); returns the text."""
+    try:
+        with _Count() as c:
+            fn()
+        text = None
+    except D.RankMismatchError as e:
+        text = str(e)
+    assert n is None or c.n == n, f"{tag}: {c.n} collectives {c.kinds} before the error, documented {n}"
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, text)
+    assert got[0] is not None and all(g == got[0] for g in got), f"{tag}: not the same error on every rank: {got}"
+    return got[0]
+
+
+def _scenario_mismatch(rank, backend):
+    """Ranks that disagree (issue 31): the same RankMismatchError on every rank, raised from the header that
+    rides in the norm's own collective, before anything is written; never a hang or a wrong number."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fulls = _fulls([(8, 3), (12,), (4, 5), (8, 2)], seed=17)
+
+    def local_dt(full, m, coord):
+        # no collective (unlike distribute_tensor): ranks build lists that differ
+        piece = full.chunk(m.size())[coord].clone()
+        return DTensor.from_local(piece, m, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+    def make(i):
+        return local_dt(fulls[i], mesh, rank)
+
+    # One rank's list has a tensor more (the total would silently be wrong): clip raises, nothing written.
+    for p in (2.0, INF):
+        grads = [make(i) for i in (range(4) if rank == 1 else range(3))]
+        before = [g._local_tensor.clone() for g in grads]
+        holders = [Holder(g) for g in grads]
+        text = _same_error_everywhere(lambda: fastgrad.clip_grad_norm_(holders, 1e-3, p, backend=backend), "extra",
+                                      COUNTS["total"])
+        assert "gradient lists differ" in text, text
+        assert all(torch.equal(g._local_tensor, b) for g, b in zip(grads, before))
+    # Same length, another order: the per-tensor vector would add up different tensors.
+    order = [0, 1, 2] if rank != 2 else [0, 2, 1]
+    _same_error_everywhere(lambda: fastgrad.multi_tensor_norm([make(i) for i in order], per_tensor=True,
+                                                              backend=backend), "order")
+    # Different calls: another norm_type; per_tensor on one rank only.
+    _same_error_everywhere(lambda: fastgrad.get_total_norm([make(i) for i in range(3)], 1.0 if rank == 3 else 2.0,
+                                                           backend=backend), "norm_type")
+    _same_error_everywhere(lambda: fastgrad.multi_tensor_norm([make(i) for i in range(3)], per_tensor=rank == 0,
+                                                              backend=backend), "per_tensor")
+    _same_error_everywhere(lambda: fastgrad.grad_stats([_param(make(i)) for i in range(2 + (rank == 0))],
+                                                       backend=backend), "grad_stats")
+    # ZeRO-style pieces (Shards): lists of different lengths, then the same length with another dtype.
+    pieces = [fulls[i][rank::WORLD].clone() for i in range(3)]
+    whole = D.Shards(dist.group.WORLD)
+    _same_error_everywhere(lambda: fastgrad.multi_tensor_norm(pieces[: 2 + (rank == 1)], per_tensor=True,
+                                                              backend=backend, process_group=whole), "shards length")
+    typed = [x.double() if rank == 3 and i == 1 else x for i, x in enumerate(pieces)]
+    _same_error_everywhere(lambda: fastgrad.get_total_norm(typed, backend=backend, process_group=whole),
+                           "shards dtype")
+    # A pipeline stage whose ranks disagree: stage 1's rank 3 lacks a tensor (the others agree).
+    pp_mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("pp", "dp"))
+    stage_list = [0, 1] if rank < 2 else ([2, 3] if rank == 2 else [2])
+    text = _same_error_everywhere(
+        lambda: fastgrad.multi_tensor_norm([local_dt(fulls[i], pp_mesh["dp"], rank % 2) for i in stage_list],
+                                           per_tensor=True, backend=backend, process_group=pp_mesh["pp"].get_group()),
+        "stage")
+    assert "pipeline stage 1" in text, text
+    # The fused AMP path: the scaler's state is left as it was (no flags recorded).
+    params = [_param(make(i) * 8.0) for i in range(3 + (rank == 0))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    _same_error_everywhere(lambda: fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0, backend=backend), "amp")
+    assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
+    # ... and a good call right after works (nothing stale).
+    t = fastgrad.get_total_norm([make(i) for i in range(4)], backend=backend)
+    _close(_value(t), oracle.total_norm(fulls, 2.0), "after the errors")
+
+
+def _scenario_sharded_scaler(rank, backend):
+    """ShardedGradScaler over FSDP-style DTensor gradients: its overflow reduction rides in the norm's
+    all-reduce (ONE collective; found_inf 0/1 on every rank, the step skipped everywhere on an overflow in
+    one rank's shard); a scaler whose process group is not the ranks the norm reaches keeps its own (2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    base = _fulls([(8, 5), (7,), (12, 3)], seed=19)
+    pls = [Shard(0), Replicate(), Shard(0)]
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]  # every rank creates both
+    scale = 256.0
+    for scaler_group, n_want in ((dist.group.WORLD, COUNTS["sharded_scaler"]),
+                                 (pair, COUNTS["sharded_scaler_other_group"])):
+        for overflow in (False, True):
+            fulls = [f.clone() for f in base]
+            if overflow:
+                fulls[2][7, 1] = INF  # rows 6..7 of 8: rank 3's shard only
+            params = [_param(distribute_tensor(f * scale, mesh, [pl])) for f, pl in zip(fulls, pls)]
+            opt = torch.optim.SGD(params, lr=0.1)
+            scaler = ShardedGradScaler(device="cpu", init_scale=scale, process_group=scaler_group)
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+            with _Count() as c:
+                total = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, backend=backend)
+            assert c.n == n_want, f"sharded scaler: {c.n} collectives {c.kinds}, documented {n_want}"
+            found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            flags = [float(v.sum()) for v in found.values()]
+            if scaler_group is dist.group.WORLD:
+                assert flags == [float(overflow)], flags
+            else:  # torch's own reduction over the pair: the number of its ranks that overflowed
+                assert flags == [float(overflow and rank >= 2)], flags
+            if not overflow:
+                want_total, want_grads = oracle.clipped(fulls, 0.5, 2.0)
+                _close(_value(total), want_total, "sharded scaler total")
+                for q, w in zip(params, want_grads):
+                    _close(_full(q.grad), w, "sharded scaler grad", rtol=2e-6)
+            before = [q._local_tensor.clone() for q in params]
+            scaler.step(opt)
+            scaler.update()
+            skipped = overflow and (scaler_group is dist.group.WORLD or rank >= 2)  # where found_inf says so
+            assert float(scaler.get_scale()) == (scale / 2 if skipped else scale)
+            if scaler_group is dist.group.WORLD:  # (elsewhere a clip by an inf norm zeroes the gradients)
+                unchanged = all(torch.equal(q._local_tensor, b) for q, b in zip(params, before))
+                assert unchanged == overflow, "step skipped iff overflow, on every rank"
+
+
+def _scenario_cache(rank, backend):
+    """The cached layout never gives a stale answer: the same list again (a hit), fresh gradient objects with
+    the same spec objects, new specs with the same placements, then a changed placement, a changed mesh and
+    a changed list, each checked against the float64 reference."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fulls = _fulls([(8, 3), (6,), (4, 4)], seed=23)
+    grads = [distribute_tensor(f.clone(), mesh, [Shard(0)]) for f in fulls]
+    want = oracle.total_norm(fulls, 2.0)
+    for _ in range(2):
+        _close(_value(fastgrad.get_total_norm(grads, backend=backend)), want, "cache: same list")
+    same_specs = [DTensor(g._local_tensor.clone(), g._spec, requires_grad=False) for g in grads]
+    _close(_value(fastgrad.get_total_norm(same_specs, backend=backend)), want, "cache: same spec objects")
+    new_specs = [DTensor.from_local(g._local_tensor.clone(), mesh, [Shard(0)], run_check=False,
+                                    shape=g.shape, stride=g.stride()) for g in grads]
+    _close(_value(fastgrad.get_total_norm(new_specs, backend=backend)), want, "cache: equal new specs")
+    # Replicate() on the last one: counted on rank 0 only now (a stale layout would count it 4 times).
+    changed = grads[:2] + [distribute_tensor(fulls[2].clone(), mesh, [Replicate()])]
+    _close(_value(fastgrad.get_total_norm(changed, backend=backend)), want, "cache: changed placement")
+    other = DeviceMesh("cpu", list(range(WORLD)))  # another mesh object over the same ranks
+    moved = [distribute_tensor(f.clone(), other, [Replicate()]) for f in fulls]
+    _close(_value(fastgrad.get_total_norm(moved, backend=backend)), want, "cache: another mesh")
+    shorter = grads[:2]
+    _close(_value(fastgrad.get_total_norm(shorter, backend=backend)), oracle.total_norm(fulls[:2], 2.0),
+           "cache: another list")
+    _close(_value(fastgrad.get_total_norm(grads, backend=backend)), want, "cache: the first list again")
+
+    # The flags= seam (e.g. a step guard's own flags): 0/1 values OR-ed over every rank in the same collective.
+    from fastgrad import clip as C
+
+    for p in (2.0, INF):
+        sh = D.prepare(grads)
+        flags = torch.tensor([float(rank == 2), 0.0, float(rank < 2)])
+        with _Count() as c:
+            total, _ = D.reduced_norm(sh, p, False, lambda ts, per: C._norm(ts, p, backend, None, per), flags=flags)
+        assert c.n == COUNTS["total"] and sh.flags.tolist() == [1.0, 0.0, 1.0], (c.kinds, sh.flags)
+        _close(total, oracle.total_norm(fulls, p), f"flags seam p={p}")
+
+
 SCENARIOS = {
     "moe": _scenario_moe,
     "pipeline": _scenario_pipeline,
+    "plain_stages": _scenario_plain_stages,
+    "fsdp2_stages": _scenario_fsdp2_stages,
     "hsdp": _scenario_hsdp,
     "tp_fsdp": _scenario_tp_fsdp,
     "mixed": _scenario_mixed,
     "tied": _scenario_tied,
     "empty_rank": _scenario_empty_rank,
     "errors": _scenario_errors,
+    "mismatch": _scenario_mismatch,
+    "sharded_scaler": _scenario_sharded_scaler,
+    "cache": _scenario_cache,
 }
 
 
@@ -516,3 +724,94 @@ def test_has_dtensor_sees_past_a_plain_first_tensor():
 
     plain = [torch.randn(3), torch.randn(2)]
     assert not D.has_dtensor(plain) and not D.has_dtensor([]) and not D.has_dtensor(_scan.checked(plain))
+
+
+# Every row of docs/distributed.md's table, by its first cell, and the COUNTS entry that the scenarios above
+# assert for it (each with a profiler count of the collectives gloo ran).
+DOC_ROWS = {
+    "FSDP2 (`fully_shard` on a 1-D mesh)": "total",  # fsdp2 in test_distributed, moe/mixed/tied here
+    "HSDP (`fully_shard` on a 2-D replicate x shard mesh)": "total",  # hsdp
+    "TP + FSDP2 (`parallelize_module` on `mesh[\"tp\"]`, `fully_shard` on `mesh[\"dp\"]`)": "total",  # tp_fsdp
+    "EP / MoE (dense layers on a 1-D mesh, experts on an ep x dp mesh)": "total",  # moe
+    "PP, DTensor stages (e.g. `fully_shard` per stage on `mesh[\"dp\"]` of a pp x dp mesh)": "total",  # pipeline,
+    # fsdp2_stages
+    "PP, plain stages (each rank its own tensors)": "total",  # plain_stages, pipeline plain
+    "ZeRO-style plain pieces (tensor i on every rank is a piece of one tensor)": "total",  # test_distributed
+    "AMP, `GradScaler`": "total",  # moe amp
+    "AMP, `ShardedGradScaler` whose process group is the ranks the norm reaches (its default `WORLD` with FSDP2 "
+    "over the world)": "sharded_scaler",
+    "AMP, `ShardedGradScaler` on another process group": "sharded_scaler_other_group",
+    "per-tensor results of DTensors or `Shards` pieces (`multi_tensor_norm(per_tensor=True)`, `norm_type=0`)":
+        "per_tensor",
+    "per-tensor results, plain pipeline stages": "per_tensor_plain_stages",
+    "`norm_type=0` across DTensor pipeline stages": "zero_dtensor_stages",
+    "statistics": "grad_stats",
+    "statistics, plain pipeline stages": "grad_stats_plain_stages",
+    "monitoring and clipping (statistics, then the clip)": "monitor_clip",
+}
+
+
+def _doc(name: str) -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parent.parent / "docs" / name).read_text()
+
+
+def test_docs_table_is_pinned():
+    """docs/distributed.md's collective counts are the ones the scenarios assert (a row added, removed or
+    changed in the docs without the tests fails here)."""
+    rows = {}
+    for line in _doc("distributed.md").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[2].isdigit():
+            rows[cells[0]] = int(cells[2])
+    assert set(rows) == set(DOC_ROWS), (set(rows) ^ set(DOC_ROWS))
+    for label, n in rows.items():
+        assert COUNTS[DOC_ROWS[label]] == n, (label, n, COUNTS[DOC_ROWS[label]])
+    amp = " ".join(_doc("amp.md").split())
+    assert COUNTS["sharded_scaler"] == 1 and "one collective per call" in amp
+    assert COUNTS["sharded_scaler_other_group"] == 2 and "(two collectives)" in amp
+
+
+@pytest.mark.parametrize("op", [D._SUM, D._MAX, D._MIN])
+def test_agreement_header_math(op):
+    """The header's verdict from reduced headers, simulated: all-equal contributors pass, any differing one
+    (in any field, in any group) fails, absent groups pass; exact for 16-bit values on many ranks."""
+    combine = {D._SUM: lambda a, b: a + b, D._MAX: torch.maximum, D._MIN: torch.minimum}[op]
+
+    def reduced(per_rank):
+        heads = [torch.tensor(D._header(op, groups), dtype=torch.float64) for groups in per_rank]
+        out = heads[0]
+        for h in heads[1:]:
+            out = combine(out, h)
+        return D._bad_groups(out, op).tolist()
+
+    same = [[(0xFFFF, 7), None, (3, 0xBEEF)]] * 1000
+    assert reduced(same) == [False, False, False]
+    for g, field in ((0, 0), (0, 1), (2, 0), (2, 1)):
+        other = [list(r) for r in same]
+        vals = list(other[500][g])
+        vals[field] = vals[field] - 1 if vals[field] else 1
+        other[500][g] = tuple(vals)
+        bad = reduced(other)
+        assert bad[g] and sum(bad) == 1, (g, field, bad)
+    # two values whose mean is an integer (the SUM check cannot be fooled by a symmetric spread)
+    spread = [[(10, 0)], [(12, 0)], [(11, 0)]]
+    assert reduced(spread) == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred verdict is the CUDA path")
+def test_deferred_verdict_on_cuda_without_host_sync():
+    """On CUDA a totals-only call does not wait for the agreement verdict: it is copied to pinned memory with
+    an event (no host sync) and the next sharded call raises it; a clean verdict raises nothing."""
+    D.clear_cache()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        D._settle(torch.zeros(3, dtype=torch.bool, device="cuda"), blocking=False)
+        D._settle(torch.tensor([False, True, False], device="cuda"), blocking=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    with pytest.raises(D.RankMismatchError, match="gradient lists differ.*previous sharded call"):
+        D._raise_pending()
+    assert not D._PENDING
