@@ -1,6 +1,7 @@
-# The README's two quick-start commands are `make bench` and `make test`; .ci/run calls `make test`.
+# The README's quick start: in a fresh virtual environment (python3 -m venv .venv && . .venv/bin/activate),
+# `make bench` and `make test`; .ci/run calls `make test`.
 #
-# Each installs only what it needs:
+# Each installs only what it needs, and says what and why before installing (WHY_* below):
 #   make bench  fastgrad with its C++ extension and the `bench` extra (tqdm, matplotlib), plus triton only when
 #               torch is a CUDA build (triton runs on GPUs; on a CPU-only torch it would be ~1 GB of nothing)
 #   make test   also the test, diagnostics, frameworks (lightning, accelerate, transformers) and triton extras
@@ -11,6 +12,12 @@ PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 BENCH_EXTRAS := bench
 TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
+# What each extra is for, printed before an install (pyproject.toml lists the packages).
+WHY_bench := bench: tqdm, matplotlib - progress bar and plots of python -m fastgrad.bench
+WHY_triton := triton: the Triton backend - on a CPU-only torch the tests run its kernels in the interpreter (TRITON_INTERPRET=1)
+WHY_test := test: pytest, numpy - the test suite and its float64 oracles
+WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and the monitor/check plots, which tests/test_report.py, test_monitor.py, test_check.py exercise
+WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 
 # An install is redone only when something it depends on changed: the build files and C++/CUDA sources
 # (file times against the stamp), or the environment (which python, which torch, what fastgrad install it
@@ -45,7 +52,10 @@ define install
 	@extras="$(1)"; \
 	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 	  extras="$$extras,triton"; fi; \
-	echo "== installing fastgrad[$$extras] and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	echo "== installing fastgrad[$$extras] for $(3), and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	for e in $$(echo $$extras | tr , ' '); do case $$e in \
+	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
 	echo "   (6 min measured on a busy 2-core machine; longer with CUDA kernels, built when torch has CUDA and"; \
 	echo "   nvcc is found; pip prints 'still running...' while the compiler works)"; \
 	start=$$(date +%s); \
@@ -56,17 +66,21 @@ define install
 endef
 
 setup: $(TEST_STAMP)
+	@echo "== fastgrad[$(TEST_EXTRAS)] is installed for the tests (reinstalled only when setup.py, pyproject.toml,"
+	@echo "   csrc/ or the Python/torch environment change; make -B setup forces it)"
 
 setup-bench:
 	@if [ "$(ENV_ID)" = "$$(cat $(TEST_STAMP) 2>/dev/null)" ] && [ -z "$$(find $(INSTALL_DEPS) -newer $(TEST_STAMP) 2>/dev/null)" ]; \
 	then echo "== fastgrad is installed with the test extras, which include the benchmark's"; \
-	else $(MAKE) --no-print-directory $(BENCH_STAMP); fi
+	else $(MAKE) --no-print-directory $(BENCH_STAMP) && \
+	  echo "== fastgrad[$(BENCH_EXTRAS)] is installed for the benchmark (reinstalled only when setup.py, pyproject.toml," && \
+	  echo "   csrc/ or the Python/torch environment change; make -B setup-bench forces it)"; fi
 
 $(TEST_STAMP): $(INSTALL_DEPS)
-	$(call install,$(TEST_EXTRAS),$@)
+	$(call install,$(TEST_EXTRAS),$@,make test)
 
 $(BENCH_STAMP): $(INSTALL_DEPS)
-	$(call install,$(BENCH_EXTRAS),$@)
+	$(call install,$(BENCH_EXTRAS),$@,make bench)
 
 test: setup
 	$(PYTHON) -m fastgrad.info
