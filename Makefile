@@ -23,7 +23,8 @@ WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_f
 # (file times against the stamp), or the environment (which python, which torch, what fastgrad install it
 # sees; written into the stamp). `make -B setup` forces it. The stamps live in the ignored build/ folder,
 # so a clean clone installs everything. One stamp per install kind: `make test` after `make bench` adds
-# the test extras; `make bench` after `make test` finds everything there.
+# the test extras' packages without rebuilding fastgrad (a rebuild recompiles the extension: minutes), as
+# long as the benchmark's install is current; `make bench` after `make test` finds everything there.
 TEST_STAMP := build/.make-install-test
 BENCH_STAMP := build/.make-install-bench
 ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
@@ -31,8 +32,26 @@ ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
         [(d.read_text('direct_url.json') or '') + d.version for d in m.distributions(name='fastgrad')])).encode()).hexdigest())
 ENV_ID := $(shell $(PYTHON) -c "$(ENV_ID_PY)" 2>/dev/null)
 INSTALL_DEPS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+# The requirements the installed fastgrad declares for the extras in argv[1], their extra clause dropped so
+# pip still evaluates the rest of a marker (transformers only on Python >= 3.11).
+define EXTRA_REQS_PY
+import sys, importlib.metadata as m
+want = set(sys.argv[1].split(","))
+for r in m.requires("fastgrad") or []:
+    req, _, marker = r.partition(";")
+    conds = [c.strip() for c in marker.split(" and ") if c.strip()]
+    extras = {c.split("==")[1].strip().strip("'\"") for c in conds if c.startswith("extra ")}
+    rest = [c for c in conds if not c.startswith("extra ")]
+    if extras & want:
+        print(req.strip() + ("; " + " and ".join(rest) if rest else ""))
+endef
+export EXTRA_REQS_PY
+# The benchmark's install is current (and no `make -B` asks for a full reinstall).
+FORCED := $(findstring B,$(firstword -$(MAKEFLAGS)))
+BENCH_CURRENT = [ -z "$(FORCED)" ] && [ "$(ENV_ID)" = "$$(cat $(BENCH_STAMP) 2>/dev/null)" ] && \
+  [ -z "$$(find $(INSTALL_DEPS) -newer $(BENCH_STAMP) 2>/dev/null)" ]
 
-.PHONY: setup setup-bench test bench info
+.PHONY: setup setup-bench test bench info install-test add-test-extras
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -77,7 +96,21 @@ setup-bench:
 	  echo "   csrc/ or the Python/torch environment change; make -B setup-bench forces it)"; fi
 
 $(TEST_STAMP): $(INSTALL_DEPS)
-	$(call install,$(TEST_EXTRAS),$@,make test)
+	@if $(BENCH_CURRENT); then $(MAKE) --no-print-directory add-test-extras; \
+	else $(MAKE) --no-print-directory install-test; fi
+
+install-test:
+	$(call install,$(TEST_EXTRAS),$(TEST_STAMP),make test)
+
+# fastgrad[bench] is built and current: install only the packages the other test extras add.
+add-test-extras:
+	@echo "== fastgrad is built and installed (make bench); adding the packages of the test extras, no recompile:"
+	@for e in $$(echo $(TEST_EXTRAS) | tr , ' '); do case $$e in \
+	  triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done
+	@$(PYTHON) -c "$$EXTRA_REQS_PY" $(TEST_EXTRAS) > build/.make-test-requirements.txt
+	@$(PYTHON) -m pip install -r build/.make-test-requirements.txt
+	@$(PYTHON) -c "$(ENV_ID_PY)" > $(TEST_STAMP)
 
 $(BENCH_STAMP): $(INSTALL_DEPS)
 	$(call install,$(BENCH_EXTRAS),$@,make bench)

@@ -95,3 +95,18 @@ def test_link_checks_can_fail(tmp_path):
                     "`[not](a-link.md)` [web](https://example.org)\n\n```text\n[no](link.md)\n```\n")
     assert anchors(page) == {"a-title-with-code--more"}
     assert links(page) == ["#a-title-with-code--more", "nowhere.md"]
+
+
+def test_layout_paths_exist():
+    # docs/layout.md and the README's Layout section lead from a name to files: each path they give must exist
+    readme = README.read_text()
+    text = (ROOT / "docs" / "layout.md").read_text() + readme[readme.index("## Layout"):]
+    paths = set(re.findall(r"`((?:fastgrad|csrc|tests|benchmarks)/[\w./-]*)`", text))
+    # the tables' shorthand: kernels by file name, tests and benchmark scripts beside the first one named
+    paths |= {"fastgrad/" + p for p in re.findall(r"`(triton_kernels/\w+\.py)`", text)}
+    paths |= {"csrc/cuda/" + p for p in re.findall(r"`(\w+\.cu)`", text)}
+    paths |= {"tests/" + p for p in re.findall(r"`(test_\w+\.py)`", text)}
+    paths |= {"benchmarks/" + p for p in re.findall(r"`(bench_\w+\.py)`", text)}
+    assert len(paths) >= 40
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"paths named in docs/layout.md or the README's Layout that do not exist: {missing}"
