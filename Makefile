@@ -1,6 +1,7 @@
-# The README's two quick-start commands are `make bench` and `make test`; .ci/run calls `make test`.
+# The README's quick start: in a fresh virtual environment (python3 -m venv .venv && . .venv/bin/activate),
+# `make bench` and `make test`; .ci/run calls `make test`.
 #
-# Each installs only what it needs:
+# Each installs only what it needs, and says what and why before installing (WHY_* below):
 #   make bench  fastgrad with its C++ extension and the `bench` extra (tqdm, matplotlib), plus triton only when
 #               torch is a CUDA build (triton runs on GPUs; on a CPU-only torch it would be ~1 GB of nothing)
 #   make test   also the test, diagnostics, frameworks (lightning, accelerate, transformers) and triton extras
@@ -11,12 +12,19 @@ PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 BENCH_EXTRAS := bench
 TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
+# What each extra is for, printed before an install (pyproject.toml lists the packages).
+WHY_bench := bench: tqdm, matplotlib - progress bar and plots of python -m fastgrad.bench
+WHY_triton := triton: the Triton backend - on a CPU-only torch the tests run its kernels in the interpreter (TRITON_INTERPRET=1)
+WHY_test := test: pytest, numpy - the test suite and its float64 oracles
+WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and the monitor/check plots, which tests/test_report.py, test_monitor.py, test_check.py exercise
+WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 
 # An install is redone only when something it depends on changed: the build files and C++/CUDA sources
 # (file times against the stamp), or the environment (which python, which torch, what fastgrad install it
 # sees; written into the stamp). `make -B setup` forces it. The stamps live in the ignored build/ folder,
 # so a clean clone installs everything. One stamp per install kind: `make test` after `make bench` adds
-# the test extras; `make bench` after `make test` finds everything there.
+# the test extras' packages without rebuilding fastgrad (a rebuild recompiles the extension: minutes), as
+# long as the benchmark's install is current; `make bench` after `make test` finds everything there.
 TEST_STAMP := build/.make-install-test
 BENCH_STAMP := build/.make-install-bench
 ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
@@ -24,8 +32,26 @@ ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
         [(d.read_text('direct_url.json') or '') + d.version for d in m.distributions(name='fastgrad')])).encode()).hexdigest())
 ENV_ID := $(shell $(PYTHON) -c "$(ENV_ID_PY)" 2>/dev/null)
 INSTALL_DEPS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+# The requirements the installed fastgrad declares for the extras in argv[1], their extra clause dropped so
+# pip still evaluates the rest of a marker (transformers only on Python >= 3.11).
+define EXTRA_REQS_PY
+import sys, importlib.metadata as m
+want = set(sys.argv[1].split(","))
+for r in m.requires("fastgrad") or []:
+    req, _, marker = r.partition(";")
+    conds = [c.strip() for c in marker.split(" and ") if c.strip()]
+    extras = {c.split("==")[1].strip().strip("'\"") for c in conds if c.startswith("extra ")}
+    rest = [c for c in conds if not c.startswith("extra ")]
+    if extras & want:
+        print(req.strip() + ("; " + " and ".join(rest) if rest else ""))
+endef
+export EXTRA_REQS_PY
+# The benchmark's install is current (and no `make -B` asks for a full reinstall).
+FORCED := $(findstring B,$(firstword -$(MAKEFLAGS)))
+BENCH_CURRENT = [ -z "$(FORCED)" ] && [ "$(ENV_ID)" = "$$(cat $(BENCH_STAMP) 2>/dev/null)" ] && \
+  [ -z "$$(find $(INSTALL_DEPS) -newer $(BENCH_STAMP) 2>/dev/null)" ]
 
-.PHONY: setup setup-bench test bench info
+.PHONY: setup setup-bench test bench info install-test add-test-extras
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -45,7 +71,10 @@ define install
 	@extras="$(1)"; \
 	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 	  extras="$$extras,triton"; fi; \
-	echo "== installing fastgrad[$$extras] and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	echo "== installing fastgrad[$$extras] for $(3), and compiling its C++ extension: a few minutes on 2 CPU cores"; \
+	for e in $$(echo $$extras | tr , ' '); do case $$e in \
+	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
 	echo "   (6 min measured on a busy 2-core machine; longer with CUDA kernels, built when torch has CUDA and"; \
 	echo "   nvcc is found; pip prints 'still running...' while the compiler works)"; \
 	start=$$(date +%s); \
@@ -56,17 +85,35 @@ define install
 endef
 
 setup: $(TEST_STAMP)
+	@echo "== fastgrad[$(TEST_EXTRAS)] is installed for the tests (reinstalled only when setup.py, pyproject.toml,"
+	@echo "   csrc/ or the Python/torch environment change; make -B setup forces it)"
 
 setup-bench:
 	@if [ "$(ENV_ID)" = "$$(cat $(TEST_STAMP) 2>/dev/null)" ] && [ -z "$$(find $(INSTALL_DEPS) -newer $(TEST_STAMP) 2>/dev/null)" ]; \
 	then echo "== fastgrad is installed with the test extras, which include the benchmark's"; \
-	else $(MAKE) --no-print-directory $(BENCH_STAMP); fi
+	else $(MAKE) --no-print-directory $(BENCH_STAMP) && \
+	  echo "== fastgrad[$(BENCH_EXTRAS)] is installed for the benchmark (reinstalled only when setup.py, pyproject.toml," && \
+	  echo "   csrc/ or the Python/torch environment change; make -B setup-bench forces it)"; fi
 
 $(TEST_STAMP): $(INSTALL_DEPS)
-	$(call install,$(TEST_EXTRAS),$@)
+	@if $(BENCH_CURRENT); then $(MAKE) --no-print-directory add-test-extras; \
+	else $(MAKE) --no-print-directory install-test; fi
+
+install-test:
+	$(call install,$(TEST_EXTRAS),$(TEST_STAMP),make test)
+
+# fastgrad[bench] is built and current: install only the packages the other test extras add.
+add-test-extras:
+	@echo "== fastgrad is built and installed (make bench); adding the packages of the test extras, no recompile:"
+	@for e in $$(echo $(TEST_EXTRAS) | tr , ' '); do case $$e in \
+	  triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done
+	@$(PYTHON) -c "$$EXTRA_REQS_PY" $(TEST_EXTRAS) > build/.make-test-requirements.txt
+	@$(PYTHON) -m pip install -r build/.make-test-requirements.txt
+	@$(PYTHON) -c "$(ENV_ID_PY)" > $(TEST_STAMP)
 
 $(BENCH_STAMP): $(INSTALL_DEPS)
-	$(call install,$(BENCH_EXTRAS),$@)
+	$(call install,$(BENCH_EXTRAS),$@,make bench)
 
 test: setup
 	$(PYTHON) -m fastgrad.info

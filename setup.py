@@ -1,5 +1,5 @@
 """Build script. The pure-Python package always installs; the compiled extension fastgrad._C is
-optional (see README, "Building the extension").
+optional (see docs/install.md, "Building the extension").
 
 The extension needs torch at build time, which is deliberately not a build requirement, so it is
 only built with ``pip install --no-build-isolation ...`` into an environment that has torch. A plain

@@ -1,114 +1,279 @@
-"""Every ```python block of README.md and docs/*.md runs (new pages under docs/ are picked up automatically).
+"""Every Python example of README.md and docs/ runs as written.
 
-Conventions for documentation authors:
+Pages: README.md and every ``docs/**/*.md`` (a page added later is found by the glob). Fenced blocks, by the
+fence's info string:
 
-* A block may be a fragment of a training loop. Each block runs in a fresh namespace that already holds the
-  usual names, defined by PRELUDE below: ``torch``, ``fastgrad``, ``contextlib``, a small CPU ``model``,
-  ``optimizer`` (SGD), ``scaler`` (``torch.amp.GradScaler("cpu")``, after one scaled backward, so the
-  gradients exist), ``loader`` (three ``(x, y)`` batches), ``x``, ``y``, ``criterion`` / ``loss_fn`` (MSE),
-  ``loss`` (computed, not yet backpropagated), ``recent_losses``, ``max_norm``, ``scheduler``, ``writer``
-  (a CSV path). A block that defines these itself simply overwrites them. The block runs in a temporary
-  directory, so files it writes go nowhere.
-* A block that cannot run on a CPU-only machine says so, visibly, in a comment line at its top:
-  ``# needs: cuda``                 runs only where a CUDA GPU is visible;
-  ``# needs: processes (...)``      several processes (torchrun, DDP): never run by this test;
-  ``# needs: pip install NAME ...`` skipped unless every NAME is importable (shown to readers as the command
-  that installs the extra dependency).
-  Several ``# needs:`` lines may follow each other.
-* Only blocks fenced as ```python run; ```bash, ```text and others are not Python.
+* ```python (or ``py``): a complete example. It runs as written, as ``__main__`` in a fresh namespace where
+  nothing is defined beforehand, in a temporary directory (files it writes go nowhere), on the CPU: it imports
+  what it uses and builds its own tiny model. A block that needs more than that says so in ``# needs:`` lines
+  at its top, which readers see too:
+    ``# needs: cuda``                  run where a CUDA GPU is visible (the GPU machine's suite); here it is only
+                                       compiled, and the test is reported as skipped with that reason
+    ``# needs: torchrun N``            saved as a script and run as N processes by ``torch.distributed.run``
+                                       (the script picks gloo on the CPU, as the example shows)
+    ``# needs: pip install NAME ...``  run when every NAME imports; skipped here, saying so, otherwise
+  Any other ``# needs:`` value fails the test (no silent way out).
+* ```python fragment: an excerpt shown for reading, never run alone. Its code lines (comments and blank lines
+  aside; a ``...`` line marks an elision) must appear, in order, in one complete example of the same page,
+  so a fragment cannot drift away from code that runs.
+* Any other info string (bash, text, console, ...): not Python. A fence without one fails: say what it is.
 """
 
 from __future__ import annotations
 
+import io
+import linecache
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 
-PRELUDE = '''
-import contextlib
-import torch
-import fastgrad
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
-criterion = loss_fn = torch.nn.MSELoss()
-loader = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
-x, y = loader[0]
-scaler = torch.amp.GradScaler("cpu")
-scaler.scale(criterion(model(x), y)).backward()
-loss = criterion(model(x), y)
-recent_losses = [1.0, 0.9, 0.8]
-max_norm = 1.0
-writer = "grad_health.csv"
-'''
-
-# a fence of three or more backticks, closed by the same run (so ````text may quote a ```python block)
-_FENCE = re.compile(r"^(`{3,})(\w*)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
+# An opening fence of three or more backticks (up to three spaces of indentation) and its info string, closed
+# by a run of at least as many backticks (so ````text may quote a ```python block, as CommonMark reads it).
+_OPEN = re.compile(r"^ {0,3}(`{3,})[ \t]*([^`\n]*)$")
 _NEEDS = re.compile(r"^#\s*needs:\s*(.+)$")
+TORCHRUN_LIMIT_S = 300
 
 
-def _blocks():
-    for path in DOCS:
-        text = path.read_text()
-        for m in _FENCE.finditer(text):
-            if m.group(2) not in ("python", "py"):
-                continue
-            line = text[: m.start()].count("\n") + 1
-            yield pytest.param(m.group(3), id=f"{path.relative_to(ROOT)}:{line}")
+class Block:
+    def __init__(self, page: Path, line: int, info: str, code: str):
+        self.page, self.line, self.info, self.code = page, line, info, code
+        words = info.split()
+        self.lang = words[0].lower() if words else ""
+        self.flags = [w.lower() for w in words[1:]]
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def is_python(self) -> bool:
+        return self.lang in ("python", "py")
+
+    @property
+    def is_fragment(self) -> bool:
+        return self.is_python and "fragment" in self.flags
 
 
-def _needs(code: str) -> list[str]:
+def parse_blocks(text: str, page: Path = ROOT / "README.md") -> list[Block]:
+    """The top-level fenced blocks of a Markdown page (fences quoted inside a longer fence are content)."""
+    lines = text.split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        m = _OPEN.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        ticks, info = m.group(1), m.group(2).strip()
+        close = re.compile(r"^ {0,3}`{%d,}[ \t]*$" % len(ticks))
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            raise AssertionError(f"{page.relative_to(ROOT)}:{i + 1}: fence {ticks}{info} is never closed")
+        out.append(Block(page, i + 1, info, "\n".join(lines[i + 1 : j]) + "\n"))
+        i = j + 1
+    return out
+
+
+def all_blocks() -> list[Block]:
+    return [b for page in PAGES for b in parse_blocks(page.read_text(), page)]
+
+
+def needs(code: str) -> list[str]:
+    """The ``# needs:`` values of the comment lines that open a block."""
     out = []
     for line in code.splitlines():
-        m = _NEEDS.match(line.strip())
+        s = line.strip()
+        m = _NEEDS.match(s)
         if m:
             out.append(m.group(1).strip())
-        elif line.strip() and not line.strip().startswith("#"):
+        elif s and not s.startswith("#"):
             break
     return out
 
 
-def _skip_reason(needs: list[str]) -> str | None:
+def plan(code: str) -> tuple[str, str | int | None]:
+    """('run', None) | ('skip', why) | ('torchrun', nprocs), from the block's ``# needs:`` lines."""
     import importlib.util
 
-    for need in needs:
-        if need.startswith("cuda"):
+    nprocs = None
+    for need in needs(code):
+        words = need.split()
+        if words[0] == "cuda":
             if not torch.cuda.is_available():
-                return "needs a CUDA GPU"
-        elif need.startswith("processes"):
-            return "needs several processes"
-        elif need.startswith("pip install"):
-            for name in need.split()[2:]:
-                name = name.split("[")[0].strip(",")
-                if importlib.util.find_spec(name.replace("-", "_")) is None:
-                    return f"needs {name} ({need})"
+                return "skip", "needs a CUDA GPU (runs in the GPU machine's suite)"
+        elif words[0] == "torchrun" and len(words) == 2 and words[1].isdigit():
+            nprocs = int(words[1])
+        elif words[:2] == ["pip", "install"] and len(words) > 2:
+            for name in words[2:]:
+                mod = name.split("[")[0].split("=")[0].split(">")[0].strip(",").replace("-", "_")
+                if importlib.util.find_spec(mod) is None:
+                    return "skip", f"needs {mod} ({need})"
         else:
-            raise AssertionError(f"unknown '# needs:' marker {need!r} (see tests/test_docs_examples.py)")
+            raise AssertionError(f"unknown '# needs: {need}' (tests/test_docs_examples.py lists the markers)")
+    return ("torchrun", nprocs) if nprocs else ("run", None)
+
+
+def code_lines(code: str) -> list[str]:
+    """The block's logical content line by line, comments, blank lines and indentation dropped."""
+    rows: dict[int, list[str]] = {}
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(code)).readline):
+        if tok.type not in skip:
+            rows.setdefault(tok.start[0], []).append(tok.string)
+    return [" ".join(toks) for _, toks in sorted(rows.items())]
+
+
+def is_subsequence(part: list[str], whole: list[str]) -> bool:
+    it = iter(whole)
+    return all(any(line == w for w in it) for line in part)
+
+
+BLOCKS = all_blocks()
+PYTHON = [b for b in BLOCKS if b.is_python and not b.is_fragment]
+FRAGMENTS = [b for b in BLOCKS if b.is_fragment]
+
+
+def test_the_pages_and_their_examples_are_found():
+    # guards the discovery itself: a broken glob or fence parser would otherwise pass by running nothing
+    assert (ROOT / "README.md") in PAGES and len(PAGES) >= 5
+    assert len(PYTHON) >= 15
+    assert any(b.page.name == "README.md" for b in PYTHON)
+
+
+def test_every_fence_says_what_it_holds():
+    bare = [b.id for b in BLOCKS if not b.lang]
+    assert not bare, f"fences without an info string (```python, ```python fragment, ```bash, ```text): {bare}"
+    odd = [f"{b.id} ({b.info})" for b in BLOCKS if b.is_python and b.flags and b.flags != ["fragment"]]
+    assert not odd, f"python fences take one flag, 'fragment': {odd}"
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
+def test_example_runs(block, tmp_path, monkeypatch):
+    # compiled everywhere, so a block that only a GPU or several processes run still has to be Python;
+    # its source is registered with linecache so a traceback shows the page's lines
+    linecache.cache[block.id] = (len(block.code), None, block.code.splitlines(True), block.id)
+    code = compile(block.code, block.id, "exec")
+    how, arg = plan(block.code)
+    if how == "skip":
+        pytest.skip(str(arg))
+    if how == "torchrun":
+        _torchrun(block, int(arg), tmp_path)
+        return
+    monkeypatch.chdir(tmp_path)
+    run_as_main(code)
+
+
+def run_as_main(code) -> dict:
+    """Runs ``code`` as a script would run: ``__main__``, in an empty namespace."""
+    import fastgrad
+
+    ns: dict = {"__name__": "__main__"}
+    try:
+        exec(code, ns)
+    except NameError as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note("an example runs as written, with nothing defined beforehand: import and build what it "
+                         "uses (a tiny model), or fence an excerpt as ```python fragment (tests/test_docs_examples.py)")
+        raise
+    finally:  # what a block may change process-wide must not reach the next one
+        fastgrad.unpatch_torch()
+        fastgrad.set_backend(None)
+    return ns
+
+
+def _torchrun(block: Block, nprocs: int, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(block.code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", str(script)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: a hung collective must not hang the suite
+        out, _ = proc.communicate()
+        pytest.fail(f"{block.id}: {nprocs} processes did not finish in {TORCHRUN_LIMIT_S} s\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{block.id}: torchrun exited with {proc.returncode}\n{out[-4000:]}"
+
+
+def fragment_problem(block: Block) -> str | None:
+    """Why a ```python fragment is not an excerpt of a complete example of its page (None: it is)."""
+    try:
+        part = [line for line in code_lines(block.code) if line != "..."]
+    except (tokenize.TokenError, IndentationError, SyntaxError) as exc:
+        return f"{block.id}: a python fragment must still be Python: {exc}"
+    if not part:
+        return f"{block.id}: empty fragment"
+    whole = [code_lines(b.code) for b in PYTHON if b.page == block.page]
+    if not any(is_subsequence(part, w) for w in whole):
+        return (f"{block.id}: these lines do not appear, in this order, in any complete ```python example of "
+                f"{block.page.relative_to(ROOT)}:\n" + "\n".join(part))
     return None
 
 
-def test_docs_have_python_examples():
-    # guards the extraction itself: a broken fence regex would otherwise skip everything quietly
-    assert len(list(_blocks())) >= 10
+def test_fragments_quote_complete_examples():
+    problems = [p for p in map(fragment_problem, FRAGMENTS) if p]
+    assert not problems, "\n\n".join(problems)
 
 
-@pytest.mark.parametrize("code", list(_blocks()))
-def test_example_runs(code, tmp_path, monkeypatch):
-    why = _skip_reason(_needs(code))
-    if why:
-        pytest.skip(why)
-    monkeypatch.chdir(tmp_path)
-    ns: dict = {"__name__": "__docs_example__"}
-    exec(compile(PRELUDE, "<prelude>", "exec"), ns)
-    fastgrad = ns["fastgrad"]
-    try:
-        exec(compile(code, "<docs example>", "exec"), ns)
-    finally:
-        fastgrad.unpatch_torch()  # a block that patches torch must not leak into the next test
+# The checks above must be able to fail: each is run once on a made-up page that breaks it.
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    page = textwrap.dedent('''
+        ```python
+        import torch
+        x = torch.ones(3)
+        ```
+
+        ````text
+        ```python
+        this is quoted output, not an example
+        ```
+        ````
+
+        ```python fragment
+        x = torch.ones(3)   # a comment that differs
+        ...
+        ```
+
+        ```python fragment
+        y = torch.zeros(3)
+        ```
+
+        ```
+        no info string
+        ```
+        ''')
+    blocks = parse_blocks(page, ROOT / "README.md")
+    assert [(b.lang, b.flags) for b in blocks] == [
+        ("python", []), ("text", []), ("python", ["fragment"]), ("python", ["fragment"]), ("", [])]
+    whole = code_lines(blocks[0].code)
+    assert is_subsequence([s for s in code_lines(blocks[2].code) if s != "..."], whole)
+    assert not is_subsequence(code_lines(blocks[3].code), whole)
+    # nothing is defined for an example: one that leans on names from elsewhere fails, as does one that raises
+    with pytest.raises(NameError, match="optimizer"):
+        run_as_main("import torch\noptimizer.step()\n")
+    with pytest.raises(ValueError):
+        run_as_main("import fastgrad, torch\nfastgrad.clip_grad_norm_([torch.ones(1, requires_grad=True)], float('nan'))\n")
+    assert run_as_main("if __name__ == '__main__':\n    ran = True\n")["ran"]
+    assert plan("# needs: cuda\nimport torch\n")[0] == ("run" if torch.cuda.is_available() else "skip")
+    assert plan("# needs: torchrun 2\nimport torch\n") == ("torchrun", 2)
+    assert plan("# needs: pip install no-such-package-xyz\n")[0] == "skip"
+    with pytest.raises(AssertionError, match="unknown"):
+        plan("# needs: processes\n")
+    with pytest.raises(AssertionError, match="never closed"):
+        parse_blocks("```python\nx = 1\n", ROOT / "README.md")
