@@ -41,9 +41,19 @@ __global__ void __launch_bounds__(kThreads) k_clamp(const Seg* segs, int64_t nse
   });
 }
 
+// GC's subtraction, as torch's g.sub_(mean) with a float32 mean and the CPU kernels' sub_range compute it: the
+// mean rounded to float and x - mean in float (both in double for double data), rounded once to T. (In double
+// with a double -> T rounding per element it put two fp64 conversions on every element, on the GPU's slow
+// fp64 conversion path.)
+template <typename T>
+__device__ __forceinline__ T sub_mean(T x, double mean) {
+  using O = typename OpMath<T>::type;
+  return store<T>(static_cast<O>(to_float(x)) - static_cast<O>(mean));
+}
+
 // Per-row transform over the split rows' chunk blocks b0, b0 + 1, ...: kind 0 scales by val[row] (rows with
-// skip[row] set are left alone), kind 1 subtracts val[row]. Computed in double and rounded once to T
-// (from_double), as the Triton backend's fp64 AGC and GC apply kernels do.
+// skip[row] set are left alone) in double, rounded once to T (from_double), as the Triton backend's AGC apply
+// kernel does; kind 1 subtracts val[row] (sub_mean).
 template <int KIND>
 __global__ void __launch_bounds__(kThreads) k_row_apply(const Seg* segs, int64_t nseg, int64_t b0, const double* val,
                                                        const int* skip) {
@@ -53,8 +63,7 @@ __global__ void __launch_bounds__(kThreads) k_row_apply(const Seg* segs, int64_t
   with_type(L.s->dtype, L.s->ptr, L.offset, [&](auto* q) {
     using T = typename std::remove_pointer<decltype(q)>::type;
     transform(q, L.n, [v](T x) {
-      const double d = static_cast<double>(to_float(x));
-      return from_double<T>(KIND == 0 ? d * v : d - v);
+      return KIND == 0 ? from_double<T>(static_cast<double>(to_float(x)) * v) : sub_mean<T>(x, v);
     });
   });
 }
@@ -266,7 +275,8 @@ __device__ __forceinline__ const Seg* block_seg(const Seg* segs, int64_t nseg, i
   return &segs[lo];
 }
 
-// The row pass of AGC (GC = false; M the norm, A the thread accumulator) and GC (GC = true, kSum, double).
+// The row pass of AGC (GC = false; M the norm, A the thread accumulator) and GC (GC = true, kSum; A float, or
+// double for lists with float64).
 // A packed block takes rpb whole rows of its Seg: each team of S lanes (S = Seg.team) holds one row in
 // registers, reduces it (AGC also streams the parameter row: its norm only), computes the coefficient or
 // the mean in double, and writes the row from the registers; one read and at most one write per element.
@@ -327,8 +337,7 @@ __global__ void __launch_bounds__(kThreads) k_row_pass(const Seg* segs, int64_t 
       const double gsum = team_reduce(fg.value(), M == kInf, S, sh);
       if (GC) {
         const double mean = gsum / static_cast<double>(n);
-        if (valid)
-          store_held(q, n, l, S, h, [mean](T x) { return from_double<T>(static_cast<double>(to_float(x)) - mean); });
+        if (valid) store_held(q, n, l, S, h, [mean](T x) { return sub_mean<T>(x, mean); });
       } else {
         bool keep;
         const double ratio = agc_ratio(wsum, gsum, M, p, clip_factor, eps, keep);
@@ -413,6 +422,8 @@ int64_t plan_rows(Seg* segs, int64_t nseg, RowPlan* rp) {
   Seg* split = std::stable_partition(segs, segs + nseg, packed);
   *rp = RowPlan();
   rp->split_seg0 = split - segs;
+  for (int64_t i = 0; i < nseg; ++i)
+    if (segs[i].dtype == kF64 || (segs[i].ptr2 != nullptr && segs[i].dtype2 == kF64)) rp->any_f64 = 1;
   int64_t blocks = 0;
   for (int64_t i = 0; i < nseg; ++i) {
     Seg& s = segs[i];
@@ -470,8 +481,11 @@ int centralize(const Seg* d_segs, int64_t nseg, const RowPlan& rp, void* d_ws, S
   cudaStream_t st = stream;
   const Ws w = carve(d_ws, rp.nblocks, rp.nsplit_rows);
   if (rp.nblocks == 0) return static_cast<int>(cudaGetLastError());
-  k_row_pass<kSum, double, true><<<static_cast<unsigned>(rp.nblocks), kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0,
-                                                                                        w.part);
+  // Float lanes unless the list holds float64, as the AGC pass and the CPU kernels sum 16-bit and float rows
+  // (double lanes with a compensated add per element made GC compute-bound).
+  const unsigned grid = static_cast<unsigned>(rp.nblocks);
+  if (rp.any_f64) k_row_pass<kSum, double, true><<<grid, kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0, w.part);
+  else k_row_pass<kSum, float, true><<<grid, kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0, w.part);
   int err = static_cast<int>(cudaGetLastError());
   if (err != 0 || rp.nsplit_rows == 0) return err;
   k_split_rows<true><<<grid_for(rp.nsplit_rows * kRowLanes, 256), 256, 0, st>>>(
