@@ -275,8 +275,7 @@ __device__ __forceinline__ const Seg* block_seg(const Seg* segs, int64_t nseg, i
   return &segs[lo];
 }
 
-// The row pass of AGC (GC = false; M the norm, A the thread accumulator) and GC (GC = true, kSum; A float, or
-// double for lists with float64).
+// The row pass of AGC (GC = false; M the norm, A the thread accumulator) and GC (GC = true, kSum, double).
 // A packed block takes rpb whole rows of its Seg: each team of S lanes (S = Seg.team) holds one row in
 // registers, reduces it (AGC also streams the parameter row: its norm only), computes the coefficient or
 // the mean in double, and writes the row from the registers; one read and at most one write per element.
@@ -422,8 +421,6 @@ int64_t plan_rows(Seg* segs, int64_t nseg, RowPlan* rp) {
   Seg* split = std::stable_partition(segs, segs + nseg, packed);
   *rp = RowPlan();
   rp->split_seg0 = split - segs;
-  for (int64_t i = 0; i < nseg; ++i)
-    if (segs[i].dtype == kF64 || (segs[i].ptr2 != nullptr && segs[i].dtype2 == kF64)) rp->any_f64 = 1;
   int64_t blocks = 0;
   for (int64_t i = 0; i < nseg; ++i) {
     Seg& s = segs[i];
@@ -481,11 +478,10 @@ int centralize(const Seg* d_segs, int64_t nseg, const RowPlan& rp, void* d_ws, S
   cudaStream_t st = stream;
   const Ws w = carve(d_ws, rp.nblocks, rp.nsplit_rows);
   if (rp.nblocks == 0) return static_cast<int>(cudaGetLastError());
-  // Float lanes unless the list holds float64, as the AGC pass and the CPU kernels sum 16-bit and float rows
-  // (double lanes with a compensated add per element made GC compute-bound).
-  const unsigned grid = static_cast<unsigned>(rp.nblocks);
-  if (rp.any_f64) k_row_pass<kSum, double, true><<<grid, kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0, w.part);
-  else k_row_pass<kSum, float, true><<<grid, kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0, w.part);
+  // Double lanes for every dtype: float lanes (as AGC's) took ptxas to 111 registers for this pass on sm_80, against
+  // 76 with the compensated double lanes (2 blocks per SM instead of 3), for rows already held in registers.
+  k_row_pass<kSum, double, true><<<static_cast<unsigned>(rp.nblocks), kThreads, 0, st>>>(d_segs, nseg, 1.0, 0.0, 0.0,
+                                                                                        w.part);
   int err = static_cast<int>(cudaGetLastError());
   if (err != 0 || rp.nsplit_rows == 0) return err;
   k_split_rows<true><<<grid_for(rp.nsplit_rows * kRowLanes, 256), 256, 0, st>>>(

@@ -49,7 +49,6 @@ constexpr int32_t kPlanRows = -1;
 // per-row workspace.
 struct RowPlan {
   int64_t nblocks = 0, npacked = 0, nsplit_rows = 0, split_seg0 = 0;
-  int32_t any_f64 = 0;  // some Seg holds float64 (either tensor): GC then sums rows in double lanes
 };
 
 // Host side: fills cpr/first_chunk/first_row; returns the number of chunks, *total_rows the rows.
@@ -111,8 +110,8 @@ int agc(const Seg* d_segs, int64_t nseg, const RowPlan& rp, int mode, double p, 
 // JIT), else the cudaError_t a launch would fail with. Loads the kernels' modules; enqueues nothing.
 int probe();
 
-// Gradient centralisation over a row-planned table: x = T(float(x) - float(mean)) (double for float64 lists),
-// the mean from float lanes (double lanes when rp.any_f64) added in double; launches as agc().
+// Gradient centralisation over a row-planned table: x = T(float(x) - float(mean)) (in double for float64
+// tensors), the mean accumulated in double; launches as agc().
 int centralize(const Seg* d_segs, int64_t nseg, const RowPlan& rp, void* d_ws, Stream stream);
 
 }  // namespace fgcuda
