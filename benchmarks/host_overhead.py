@@ -11,10 +11,20 @@ the whole cost. Measured in the same run, interleaved round by round so machine 
   parameters (zero-write: the norm, then the coefficient left pending with a snapshot of the grads; each call
   replaces the previous one, no step is taken).
 
+``--fresh``: every timed call gets new ``.grad`` tensors, made by autograd as a training loop with
+``zero_grad(set_to_none=True)`` has them (one multiply per parameter, then ``backward()``; untimed): each
+gradient is a new tensor in memory the call has not touched yet, and has no Python object. Without it the
+same gradients are reused call after call (warm caches: the best case).
+
+``--clock thread``: each call's CPU time in this thread (``time.thread_time``) instead of wall time: on a
+shared, loaded machine the wall time also counts the time other processes held the core, the thread time
+does not (the calls here run on this one thread: one-element tensors are below every parallel threshold).
+
 ``--max-norm`` large (default) means the coefficient is 1 and nothing is written; small means every
 gradient is scaled. Reports the minimum and the median per call over all rounds.
 
     python benchmarks/host_overhead.py --tensors 4000,148 --rounds 30
+    python benchmarks/host_overhead.py --tensors 4000 --rounds 30 --fresh
 """
 
 from __future__ import annotations
@@ -39,6 +49,13 @@ def params(n: int, numel: int, seed: int = 0):
     return ps
 
 
+def fresh_grads(ps, coef) -> None:
+    """New ``.grad`` tensors from autograd, as after ``zero_grad(set_to_none=True)`` and ``backward()``."""
+    for p in ps:
+        p.grad = None
+    torch.stack([(p * c).sum() for p, c in zip(ps, coef)]).sum().backward()
+
+
 def main(argv=None) -> int:
     import fastgrad
     from fastgrad import _scan
@@ -49,7 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-norm", type=float, default=1e9)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=0, help="calls per variant per round (0: ~20 ms worth)")
+    ap.add_argument("--fresh", action="store_true", help="new autograd-made .grad tensors before every call")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="wall time (perf_counter) or this thread's CPU time (thread_time)")
     args = ap.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
     real = _scan.clip_norm_cpu
 
@@ -66,26 +87,38 @@ def main(argv=None) -> int:
         "torch": lambda ps: torch.nn.utils.clip_grad_norm_(ps, args.max_norm),
     }
     print(f"# fastgrad {fastgrad.__file__}, torch {torch.__version__}, threads {torch.get_num_threads()}, max_norm {args.max_norm}, "
-          f"numel {args.numel}; per call, microseconds")
+          f"numel {args.numel}, {'fresh grads every call' if args.fresh else 'same grads every call'}; "
+          f"per call, microseconds of {args.clock} time; load average {os.getloadavg()[0]:.2f} at start")
     for n in [int(x) for x in args.tensors.split(",") if x]:
         ps = params(n, args.numel)
+        coef = [torch.randn(args.numel) for _ in ps]
         opt = torch.optim.Adam(ps, fused=True)
         variants["fastgrad_zw"] = lambda ps, opt=opt: fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm)
-        calls = args.calls or max(3, int(20_000 / (n * 0.15 + 10)))
+        calls = args.calls or (5 if args.fresh else max(3, int(20_000 / (n * 0.15 + 10))))
         times = {k: [] for k in variants}
         for fn in variants.values():
             fn(ps)
         for _ in range(args.rounds):
             for name, fn in variants.items():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn(ps)
-                times[name].append((time.perf_counter() - t0) / calls * 1e6)
+                if args.fresh:  # time each call alone, after its own fresh gradients
+                    t = 0.0
+                    for _ in range(calls):
+                        fresh_grads(ps, coef)
+                        t0 = clock()
+                        fn(ps)
+                        t += clock() - t0
+                else:
+                    t0 = clock()
+                    for _ in range(calls):
+                        fn(ps)
+                    t = clock() - t0
+                times[name].append(t / calls * 1e6)
         base = statistics.median(times["torch"])
         for name, ts in times.items():
             med = statistics.median(ts)
             print(f"{n:6d} tensors  {name:13s} min {min(ts):9.1f}  median {med:9.1f}  "
                   f"(torch / this: {base / med:5.1f}x)")
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
 

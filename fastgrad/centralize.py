@@ -16,9 +16,10 @@ __all__ = ["centralize_gradient_"]
 def centralize_gradient_(parameters, *, gc_conv_only: bool = False, backend: str | None = None) -> None:
     """Subtract from every gradient with ``ndim > 1`` (``ndim > 3`` when ``gc_conv_only``) its mean over
     dims 1..n-1, in place: ``G -= G.mean(dim=(1, ..., n-1), keepdim=True)``. The mean is accumulated in
-    at least float32 (float64 for float64) and subtracted in at least float32 (the Triton backend works in
-    float64 and rounds each result once; the C++ CPU kernel subtracts in float32 as torch does). 1-D (bias,
-    norm) gradients are untouched, as in the official implementation.
+    at least float32 (float64 for float64) and subtracted in at least float32: fp16/bf16 gradients as torch's
+    ``g.sub_(mean)`` computes it (float32 mean, float32 subtraction) on every backend; float32 gradients so
+    on the C++ backends, in float64 and rounded once on the Triton backend. 1-D (bias, norm) gradients are
+    untouched, as in the official implementation.
 
     Call it after ``backward()`` (and after unscaling under AMP) and before clipping/``optimizer.step()``.
     """

@@ -16,6 +16,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../round_odd.h"
+
 namespace fastgrad {
 
 // The one wording of a wrong-device error, for every op of the CPU and CUDA kernels (fastgrad/_inputs.py
@@ -116,27 +118,9 @@ inline uint16_t f32_to_fp16(float f) {
   return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
 }
 
-// double -> float rounded to odd: the nearest float when d is one, else whichever float neighbour of d has
-// an odd last bit. Rounding that float to fp16 or bf16 (to nearest) then gives exactly the correctly rounded
-// 16-bit value of d, since float keeps more than 2 bits beyond either; a plain double -> float -> 16-bit
-// chain rounds twice and can land 1 ulp off (a double just past a 16-bit tie becomes the tie in float).
-// Done on the double's bits: cut the 29 mantissa bits float does not keep and put "was anything cut" into
-// float's last bit; the result is a float exactly, so the final conversion does not round. Plain integer
-// work and a select, so it vectorises (a float-rounding-plus-correction form made bf16 AGC 4x slower, a
-// variable-shift form 3.5x). NaN stays NaN, inf stays inf. Below float's normal range (|d| < 2^-126) float's
-// last bit sits higher, so there the plain conversion is used: fp16 rounds all of those to 0 anyway; bf16
-// subnormals can be 1 subnormal ulp off the correctly rounded value at an exact tie (still within the contract's
-// 1-ulp rule).
-inline float f64_to_f32_odd(double d) {
-  constexpr uint64_t kCut = (uint64_t(1) << 29) - 1;
-  uint64_t b;
-  std::memcpy(&b, &d, sizeof b);
-  const uint64_t odd = (b & ~kCut) | (uint64_t((b & kCut) != 0) << 29);
-  double t;
-  std::memcpy(&t, &odd, sizeof t);
-  const bool normal = std::fabs(d) >= 1.1754943508222875e-38;  // false for NaN: the plain conversion keeps it
-  return static_cast<float>(normal ? t : d);
-}
+// double -> float rounded to odd (csrc/round_odd.h, shared with the CUDA kernels): rounding it to fp16/bf16
+// gives the correctly rounded 16-bit value of the double.
+using fastgrad::f64_to_f32_odd;
 
 // The range kernels below are each compiled twice, for AVX2 and for the baseline x86-64 ISA, and the
 // dynamic loader binds the one the CPU supports (GCC function multiversioning, needs ifunc: Linux). The

@@ -9,6 +9,7 @@
 // compiles only what it uses, and the three build in parallel.
 #pragma once
 #include "fastgrad_cuda.h"
+#include "../round_odd.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,19 +42,26 @@ __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(float v) { retur
 
 // Store a double result into T with exactly one rounding (to nearest even). Going through float first
 // would round twice: a double just above a 16-bit tie rounds to the tie in float and then to even, 1 ulp
-// off the correctly rounded value (the H100 run saw 83 in 2^20 fp16 AGC results differ from Triton's).
-// __double2half is one cvt.rn.f16.f64; __double2bfloat16 is cvt.rn.bf16.f64 on sm_90+ and a round-to-odd
-// float step before that, both rounded once.
+// off the correctly rounded value (the H100 run of 2026-11-22 saw 83 in 2^20 fp16 AGC results differ from
+// Triton's). 16-bit goes through the float rounded to odd (csrc/round_odd.h): the operations the CPU kernels
+// run and the CPU tests check, then one float -> T conversion that cannot round a second time. (It replaced
+// __double2half / __double2bfloat16, whose lowering by ptxas, cvt.rn.f16.f64 / cvt.rn.bf16.f64 on each arch,
+// no CPU test can see.)
+// Host-callable too: tests/cuda/round_check.cu runs these very functions on the CPU.
 template <typename T>
-__device__ __forceinline__ T from_double(double v);
+__host__ __device__ __forceinline__ T from_double(double v);
 template <>
-__device__ __forceinline__ float from_double<float>(double v) { return static_cast<float>(v); }
+__host__ __device__ __forceinline__ float from_double<float>(double v) { return static_cast<float>(v); }
 template <>
-__device__ __forceinline__ __half from_double<__half>(double v) { return __double2half(v); }
+__host__ __device__ __forceinline__ __half from_double<__half>(double v) {
+  return __float2half_rn(fastgrad::f64_to_f32_odd(v));
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) { return __double2bfloat16(v); }
+__host__ __device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double v) {
+  return __float2bfloat16_rn(fastgrad::f64_to_f32_odd(v));
+}
 template <>
-__device__ __forceinline__ double from_double<double>(double v) { return v; }
+__host__ __device__ __forceinline__ double from_double<double>(double v) { return v; }
 
 // Store an op-math value (float for 16-bit and float data, double for double data or a double formula) into
 // T, rounded once either way.

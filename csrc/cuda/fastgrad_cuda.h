@@ -110,8 +110,8 @@ int agc(const Seg* d_segs, int64_t nseg, const RowPlan& rp, int mode, double p, 
 // JIT), else the cudaError_t a launch would fail with. Loads the kernels' modules; enqueues nothing.
 int probe();
 
-// Gradient centralisation over a row-planned table: x = T(x - mean(row)), mean accumulated in double;
-// launches as agc().
+// Gradient centralisation over a row-planned table: x = T(float(x) - float(mean)) (in double for float64
+// tensors), the mean accumulated in double; launches as agc().
 int centralize(const Seg* d_segs, int64_t nseg, const RowPlan& rp, void* d_ws, Stream stream);
 
 }  // namespace fgcuda

@@ -8,7 +8,11 @@ and G (2-D tiles, rows x columns, the column width picked by the row length so s
 lanes), computes the coefficients and rescales the rows that need it, re-reading G from cache. Longer units
 are split over programs: the same launch stores their per-block partials, then one launch reduces them in a
 fixed order into per-unit coefficients and one launch writes (blocks whose coefficient is 1 return at once).
-Norms, coefficient and product are fp64, so each clipped element is rounded once.
+Norms of 16-bit tensors accumulate in float32 lanes (float32 and float64 tensors in float64 lanes); the
+per-row sums, the coefficient and the product are fp64, and each clipped element is rounded once
+(``to_dt_once``). fp64 lanes for 16-bit data doubled the registers of the [rows, columns] tiles and put two
+more fp64 conversions per element on the GPU's slow fp64 conversion path (the bf16 llama workloads ran at
+about half the memory floor).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import Tensor
 
 from .clip import _scale_kernel
 from .multi_tensor import (Config, block_info, tensor_base, copy_back, device_guard, div_rn, flat_inputs,
-                           get_plan, row_cols, row_starts, row_tile, rows_of, segment_reduce, tl_dtype, to_dt)
+                           get_plan, row_cols, row_starts, row_tile, rows_of, segment_reduce, tl_dtype, to_dt_once)
 from .norm import MODE_P, _norm_step, _root, mode_of
 
 
@@ -66,34 +70,36 @@ def _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW: tl.co
               MODE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):
     """AGC of ``nrows`` whole rows of ``length`` elements from ``wp``/``gp``, R rows at a time in
     [R, CB] tiles."""
-    CW: tl.constexpr = tl.float64 if DTW == tl.float64 else tl.float32
-    CG: tl.constexpr = tl.float64 if DTG == tl.float64 else tl.float32
+    # lane accumulators: float32 for 16-bit data (8 or 11 significant bits, results rounded to that), float64
+    # for float32 and float64 (clipped elements held to within 1 ulp of the better of torch and the oracle)
+    AW: tl.constexpr = tl.float64 if DTW.primitive_bitwidth > 16 else tl.float32
+    AG: tl.constexpr = tl.float64 if DTG.primitive_bitwidth > 16 else tl.float32
     for r0 in range(0, nrows, R):
         base, rmask = row_starts(r0, nrows, length, R)
-        aw = tl.zeros([R, CB], tl.float64)
-        nw = tl.zeros([R, CB], tl.float64)
-        ag = tl.zeros([R, CB], tl.float64)
-        ng = tl.zeros([R, CB], tl.float64)
+        aw = tl.zeros([R, CB], AW)
+        nw = tl.zeros([R, CB], AW)
+        ag = tl.zeros([R, CB], AG)
+        ng = tl.zeros([R, CB], AG)
         bad = tl.zeros([R, CB], tl.int32)
         for c0 in range(0, length, CB):
             offs, m = row_tile(base, rmask, c0, length, CB)
             w = tl.load(wp + offs, mask=m, other=0.0)
             g = tl.load(gp + offs, mask=m, other=0.0)
-            aw, nw, bad = _norm_step(w, aw, nw, bad, 1.0, p, CW, DTW, tl.float64, MODE, False, False)
-            ag, ng, bad = _norm_step(g, ag, ng, bad, 1.0, p, CG, DTG, tl.float64, MODE, False, False)
+            aw, nw, bad = _norm_step(w, aw, nw, bad, 1.0, p, AW, DTW, AW, MODE, False, False)
+            ag, ng, bad = _norm_step(g, ag, ng, bad, 1.0, p, AG, DTG, AG, MODE, False, False)
         if MODE == 2:
-            wn = tl.max(aw, 1) + tl.sum(nw, 1)
-            gn = tl.max(ag, 1) + tl.sum(ng, 1)
+            wn = (tl.max(aw, 1) + tl.sum(nw, 1)).to(tl.float64)
+            gn = (tl.max(ag, 1) + tl.sum(ng, 1)).to(tl.float64)
         else:
-            wn = tl.sum(aw, 1)
-            gn = tl.sum(ag, 1)
+            wn = tl.sum(aw, 1).to(tl.float64)
+            gn = tl.sum(ag, 1).to(tl.float64)
         coef = _agc_ratio(_root(wn, pinv, MODE), _root(gn, pinv, MODE), clip_factor, eps, tiny, tl.float64)
         need = rmask & (coef != 1.0)
         if tl.max(need.to(tl.int32), 0) > 0:  # rows that keep their gradient are not written
             for c0 in range(0, length, CB):
                 offs, m = row_tile(base, need, c0, length, CB)
                 g = tl.load(gp + offs, mask=m, other=0.0)
-                tl.store(gp + offs, to_dt(g.to(tl.float64) * coef[:, None], DTG), mask=m)
+                tl.store(gp + offs, to_dt_once(g.to(tl.float64) * coef[:, None], DTG), mask=m)
 
 
 @triton.jit(do_not_specialize=["b0", "nb", "row_max"])
@@ -113,10 +119,10 @@ def _agc_rows_kernel(wptr_tab, gptr_tab, blk_tab, seg_tab, part, clip_factor: tl
     length = tl.load(seg_tab + seg.to(tl.int64) * 3 + 2)
     if length > row_max:
         # one block of a split unit: its partial norms, for _agc_coef_kernel
-        CW: tl.constexpr = tl.float64 if DTW == tl.float64 else tl.float32
-        CG: tl.constexpr = tl.float64 if DTG == tl.float64 else tl.float32
-        tl.store(part + bid, _unit_partial(wp, n, p, DTW, CW, tl.float64, MODE, BLOCK))
-        tl.store(part + nb + bid, _unit_partial(gp, n, p, DTG, CG, tl.float64, MODE, BLOCK))
+        AW: tl.constexpr = tl.float64 if DTW.primitive_bitwidth > 16 else tl.float32  # as in _agc_rows
+        AG: tl.constexpr = tl.float64 if DTG.primitive_bitwidth > 16 else tl.float32
+        tl.store(part + bid, _unit_partial(wp, n, p, DTW, AW, AW, MODE, BLOCK).to(tl.float64))
+        tl.store(part + nb + bid, _unit_partial(gp, n, p, DTG, AG, AG, MODE, BLOCK).to(tl.float64))
     else:
         # whole rows, in [BLOCK // COLS, COLS] tiles. One width: a second one (short rows) doubled the row
         # code, and ptxas took 3-5x longer on it (sm_80, fp16, p=3: 47 s against 9 s)

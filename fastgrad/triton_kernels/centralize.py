@@ -1,5 +1,9 @@
-"""Gradient centralization over a whole list: per dim-0 row, subtract the row mean: ``x = T(x - mean)``
-with the sum, the mean and the subtraction in fp64 (each element rounded once).
+"""Gradient centralization over a whole list: per dim-0 row, subtract the row mean: ``x = T(x - mean)``.
+16-bit rows sum in float32 lanes and subtract in float32 (``T(float(x) - float(mean))``, as torch's
+``g.sub_(g.mean(...))`` computes it); float32 and float64 rows sum and subtract in fp64, each element rounded
+once. The lanes are added and divided in fp64. (fp64 lanes and subtraction for 16-bit rows doubled the
+tiles' registers and put three fp64 conversions per element on the GPU's slow fp64 conversion path: the
+bf16 llama workloads ran at about 40% of the memory floor.)
 
 With the row-wise plan (multi_tensor.get_plan(..., packed=True)), rows of at most ``Config.ROW_MAX``
 elements take one launch per dtype group: a program sums several whole rows in [rows, columns] tiles and
@@ -24,17 +28,18 @@ from .multi_tensor import (to_dt, Config, block_info, tensor_base, copy_back, de
 @triton.jit
 def _gc_rows(ptr, length, nrows, DT: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):
     """Centralize ``nrows`` whole rows of ``length`` elements from ``ptr``, R rows at a time."""
+    C: tl.constexpr = tl.float64 if DT.primitive_bitwidth > 16 else tl.float32  # module docstring
     for r0 in range(0, nrows, R):
         base, rmask = row_starts(r0, nrows, length, R)
-        acc = tl.zeros([R, CB], tl.float64)
+        acc = tl.zeros([R, CB], C)
         for c0 in range(0, length, CB):
             offs, m = row_tile(base, rmask, c0, length, CB)
-            acc += tl.load(ptr + offs, mask=m, other=0.0).to(tl.float64)
-        mu = div_rn(tl.sum(acc, 1), length.to(tl.float64))
+            acc += tl.load(ptr + offs, mask=m, other=0.0).to(C)
+        mu = div_rn(tl.sum(acc, 1).to(tl.float64), length.to(tl.float64)).to(C)
         for c0 in range(0, length, CB):
             offs, m = row_tile(base, rmask, c0, length, CB)
             x = tl.load(ptr + offs, mask=m, other=0.0)
-            tl.store(ptr + offs, to_dt(x.to(tl.float64) - mu[:, None], DT), mask=m)
+            tl.store(ptr + offs, to_dt(x.to(C) - mu[:, None], DT), mask=m)
 
 
 @triton.jit(do_not_specialize=["b0", "row_max"])
@@ -46,14 +51,15 @@ def _gc_rows_kernel(ptr_tab, blk_tab, seg_tab, part, b0, row_max, DT: tl.constex
     length = tl.load(seg_tab + seg.to(tl.int64) * 3 + 2)
     if length > row_max:
         # one block of a split row: its partial sum, for _gc_mean_kernel
-        acc = tl.zeros([BLOCK], tl.float64)
+        C: tl.constexpr = tl.float64 if DT.primitive_bitwidth > 16 else tl.float32  # as in _gc_rows
+        acc = tl.zeros([BLOCK], C)
         ar = tl.arange(0, BLOCK)
         nfull = n - n % BLOCK
         for i in range(0, nfull, BLOCK):
-            acc += tl.load(ptr + i + ar).to(tl.float64)
+            acc += tl.load(ptr + i + ar).to(C)
         offs = nfull + ar
-        acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float64)
-        tl.store(part + bid, tl.sum(acc, 0))
+        acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(C)
+        tl.store(part + bid, tl.sum(acc, 0).to(tl.float64))
     else:
         # whole rows, in [BLOCK // COLS, COLS] tiles. One width: a second one (short rows) doubled the row
         # code, and ptxas took 3-5x longer on it (sm_80, fp16, p=3: 47 s against 9 s)
@@ -115,6 +121,6 @@ def launch_centralize_(grads: Sequence[Tensor]) -> None:
                 if g.nsplit:
                     _gc_apply_kernel[(g.nsplit,)](
                         plan.ptr_tabs[0], plan.blk, mean, g.b0 + g.count - g.nsplit, DT=tl_dtype(g.dtypes[0]),
-                        C=tl.float64,  # x - mean in fp64, rounded once
+                        C=tl.float64 if g.dtypes[0].itemsize > 2 else tl.float32,  # as in _gc_rows
                         ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)
     copy_back(copies)

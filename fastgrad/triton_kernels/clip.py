@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .multi_tensor import to_dt, Config, block_info, tensor_base, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
+from .multi_tensor import to_dt, to_dt_once, Config, block_info, tensor_base, copy_back, device_guard, flat_inputs, get_plan, tl_dtype
 from .norm import norm_passes
 
 
@@ -25,7 +25,8 @@ from .norm import norm_passes
 def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.constexpr,
                   PER_SEG: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """x = T(x * f) with f one factor for the list (clip) or one per segment (AGC's per-row ratios);
-    a block whose factor is exactly 1 returns without touching memory."""
+    a block whose factor is exactly 1 returns without touching memory. A float64 product (C) is rounded to
+    T once (to_dt_once)."""
     bid = b0 + tl.program_id(0)
     t, start, n, seg = block_info(blk_tab, bid, 128 // DT.primitive_bitwidth if ALIGNED else 1)
     if PER_SEG:
@@ -38,11 +39,11 @@ def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.cons
         nfull = n - n % BLOCK
         for i in range(0, nfull, BLOCK):
             x = tl.load(ptr + i + ar)
-            tl.store(ptr + i + ar, to_dt(x.to(C) * f, DT))
+            tl.store(ptr + i + ar, to_dt_once(x.to(C) * f, DT))
         offs = nfull + ar
         m = offs < n
         x = tl.load(ptr + offs, mask=m, other=0.0)
-        tl.store(ptr + offs, to_dt(x.to(C) * f, DT), mask=m)
+        tl.store(ptr + offs, to_dt_once(x.to(C) * f, DT), mask=m)
 
 
 @triton.jit

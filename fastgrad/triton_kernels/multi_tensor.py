@@ -134,6 +134,25 @@ def to_dt(x, DT: tl.constexpr):
 
 
 @triton.jit
+def to_dt_once(x, DT: tl.constexpr):
+    """Round a compute value to the storage dtype DT once, to nearest even (``to_dt`` but for an fp64 value
+    and a 16-bit DT). From fp64, 16-bit DT goes through the float32
+    rounded to odd (the 29 mantissa bits float does not keep are cut and "anything cut" goes into float's
+    last bit; float keeps more than 2 bits beyond fp16/bf16, so that float rounds to the correctly rounded
+    16-bit value), whatever a compiler makes of a direct fp64 -> 16-bit conversion (one that goes through a
+    float rounded to nearest rounds twice: 1 ulp off where a double just past a 16-bit tie becomes the tie).
+    The same bit operations as csrc/round_odd.h (the C++ kernels). Below float's normal range the plain
+    conversion is used, as there."""
+    if x.dtype == tl.float64 and DT.primitive_bitwidth == 16:
+        b = x.to(tl.int64, bitcast=True)
+        odd = (b & -0x20000000) | tl.where((b & 0x1FFFFFFF) != 0, 0x20000000, 0).to(tl.int64)
+        normal = tl.abs(x) >= 1.1754943508222875e-38  # false for NaN: the plain conversion keeps it
+        return to_dt(tl.where(normal, odd.to(tl.float64, bitcast=True), x).to(tl.float32), DT)
+    else:
+        return to_dt(x, DT)
+
+
+@triton.jit
 def sqrt_rn(x):
     # fp32 sqrt must be correctly rounded to match torch; fp64 sqrt always is.
     if x.dtype == tl.float64:
