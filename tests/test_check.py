@@ -381,10 +381,11 @@ def test_checker_failure_never_breaks_the_script(tmp_path, capsys, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("statistics unavailable")
 
-    from fastgrad.diagnose.collect import hooks, interceptors
+    from fastgrad.diagnose.collect import hooks, interceptors, optimizer_hooks
 
     monkeypatch.setattr(hooks, "grad_stats", broken)
     monkeypatch.setattr(interceptors, "grad_stats", broken)
+    monkeypatch.setattr(optimizer_hooks, "grad_stats", broken)
     res = C.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "3"])
     assert "done 3" in capsys.readouterr().out
     assert not res.crashed and len(res.steps) == 3 and all(s.unread for s in res.steps)

@@ -21,9 +21,7 @@ host number assigned into a device tensor, which on CUDA is a synchronizing copy
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import weakref
 
 import torch
 from torch import Tensor
@@ -33,19 +31,18 @@ from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
 from .interceptors import RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
-from .steps import StepRecord
+from .naming import ParameterNames
+from .optimizer_hooks import OptimizerStepReader
+from .steps import StepRecord, StopCheck
 from .watch import ForwardWatcher
 
 __all__ = ["Checker", "StopCheck"]
 
 
-class StopCheck(BaseException):
-    """Raised from the optimizer post-step hook after ``--steps`` steps. A BaseException, so the script's own
-    ``except Exception`` blocks do not swallow it."""
 
 
 
-class Checker(RedFlagInterceptors, ManualLoopReader):
+class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLoopReader):
     """The hooks and interceptors of one checked run. ``install()``/``remove()`` bracket the script."""
 
     def __init__(self, max_steps: int | None = None, flush_every: int = 64):
@@ -224,17 +221,6 @@ class Checker(RedFlagInterceptors, ManualLoopReader):
         self._m_losses.append(loss)
         return True
 
-    def _grad_stats(self, named0: list):
-        """grad_stats of (name, parameter) pairs (it reads sparse gradients through their values), with the
-        watched modules' embeddings named as row-sparse (the depth rule leaves out rows a batch never
-        looked up)."""
-        stats = grad_stats(named0)
-        if self._row_sparse_ids:
-            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
-            if extra:
-                stats.row_sparse = list(stats.row_sparse) + extra
-        return stats
-
     def finish(self) -> None:
         """After the script: close an open hand-written step, read everything to the host."""
         if not self._opt_started and self._m_row is not None:
@@ -267,125 +253,6 @@ class Checker(RedFlagInterceptors, ManualLoopReader):
         return multi_tensor_norm(grads)
 
     # ---------------------------------------------------------------- optimizer step hooks
-    def _named(self, opt) -> list:
-        params = [p for g in opt.param_groups for p in g["params"]]
-        cached = self._named_cache.get(id(opt))
-        if cached is None or cached[0] != len(params):
-            self._refresh_names()
-            named = [(self._names.get(id(p), f"param_groups.{gi}.{i}"), p)
-                     for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
-            self._named_cache[id(opt)] = cached = (len(params), named)
-        return cached[1]
-
-    def _refresh_names(self) -> None:
-        roots = [r() for r in self.watcher._roots] if self.watcher else []
-        for k, root in enumerate(r for r in roots if r is not None):
-            prefix = "" if not self._names else type(root).__name__ + ":"
-            for n, p in root.named_parameters():
-                self._names.setdefault(id(p), prefix + n)
-            # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
-            for m in root.modules():
-                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-                    self._row_sparse_ids.add(id(m.weight))
-            self.module_types.update(type(m).__name__ for m in root.modules())
-
-    def _series_of(self, opt) -> int:
-        k = self._series.get(id(opt))
-        if k is None:
-            k = self._series[id(opt)] = len(self.series_names)
-            var = self._var_name(opt)
-            self.series_names.append(f"{type(opt).__name__} #{k + 1}" + (f" ({var})" if var else ""))
-            self._opt_refs.append(weakref.ref(opt))
-            lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-            self.series_lr.append(lr if isinstance(lr, (int, float)) else None)
-        return k
-
-    def _var_name(self, obj) -> str | None:
-        """The name the script gave ``obj`` (a variable in one of the script's frames on the stack)."""
-        f = sys._getframe(1)
-        while f is not None:
-            if os.path.abspath(f.f_code.co_filename) == self.script_path:
-                for scope in (f.f_locals, f.f_globals):
-                    for n, v in scope.items():
-                        if v is obj and not n.startswith("_") and n != "self":
-                            return n
-            f = f.f_back
-        return None
-
-    def _pre_step(self, opt, args, kwargs):
-        if not self._opt_started:  # the first optimizer step: the hand-written-loop reading ends
-            self._opt_started = True
-            self._m_steps, self._m_host, self._m_row, self._m_used = [], [], None, None
-        self._evals, self._step_losses, self._extra_bad = 0, None, None
-        self._read_this_step = False
-        # the hook's args start with the optimizer itself (torch passes step()'s own *args)
-        at = 1 if args and args[0] is opt else 0
-        closure = kwargs.get("closure", args[at] if len(args) > at else None)
-        if callable(closure):
-            return self._wrap_closure(opt, closure, args, kwargs, at)
-        try:
-            self._record_stats(opt)
-        except Exception as e:  # noqa: BLE001 - the checker must never break the user's training step
-            self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
-            self.last_stats, self._read_failed = None, True
-        return None
-
-    def _wrap_closure(self, opt, closure, args, kwargs, at):
-        chk = self
-
-        def closure_read(*a, **k):
-            if chk._evals:  # a later evaluation: its own backward calls, its own clip placement
-                chk._bw = 0
-                chk._clip_after_bw = chk._bw_after_clip = False
-            out = closure(*a, **k)
-            chk._evals += 1
-            try:
-                if chk._evals == 1:
-                    chk._record_stats(opt)
-                    chk._step_losses = list(chk._losses)
-                else:
-                    st = grad_stats(chk._named(opt))
-                    if len(st):
-                        bad = (st.nan + st.inf).to(torch.int64)
-                        chk._extra_bad = bad.sum() if chk._extra_bad is None else chk._extra_bad + bad.sum()
-                        if chk._bad_steps is not None and chk._bad_names == st.names:
-                            chk._bad_steps += (bad > 0).to(torch.int64)
-            except Exception as e:  # noqa: BLE001
-                chk.errors.append(f"step {chk.steps_done + 1}: could not read the gradients: {e}")
-                chk._read_failed = chk._read_failed or chk._evals == 1
-            return out
-
-        functools.update_wrapper(closure_read, closure)
-        if "closure" in kwargs:
-            return args, dict(kwargs, closure=closure_read)
-        args = tuple(args)
-        return args[:at] + (closure_read,) + args[at + 1:], kwargs
-
-    def _record_stats(self, opt) -> None:
-        self._last_opt = opt
-        stats = self._grad_stats(self._named(opt))
-        self.last_stats = stats
-        self._read_this_step = True
-        if len(stats):
-            bad = ((stats.nan + stats.inf) > 0).to(torch.int64)
-            if self._bad_steps is None or self._bad_names != stats.names:
-                self._bad_steps, self._bad_names = torch.zeros_like(bad), list(stats.names)
-            self._bad_steps += bad
-
-    def _post_step(self, opt, args, kwargs) -> None:
-        if not self._read_this_step and not self._read_failed:  # a closure the optimizer never called
-            try:
-                self._record_stats(opt)
-            except Exception as e:  # noqa: BLE001
-                self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
-                self._read_failed = True
-        try:
-            self._boundary(opt, skipped=False)
-        except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
-            self.errors.append(f"step {self.steps_done}: step hook: {e}")
-        if self.max_steps is not None and self.steps_done >= self.max_steps:
-            raise StopCheck()
-
     def _boundary(self, opt, skipped: bool) -> None:
         """End of one training step (an optimizer step, or a step the GradScaler skipped)."""
         series = self._series_of(opt)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "StopCheck"]
+
+
+class StopCheck(BaseException):
+    """Raised from the optimizer post-step hook after ``--steps`` steps. A BaseException, so the script's own
+    ``except Exception`` blocks do not swallow it."""
 
 
 @dataclass
