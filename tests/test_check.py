@@ -189,6 +189,12 @@ def test_amp_clip_before_unscale_red_flag(runs):
     assert f["severity"] == "critical" and f["steps"][:3] == [1, 2, 3]
     assert "scaler.unscale_(optimizer)" in r["stdout"]
     assert not r["json"]["red_flags"]["clip_after_step"] and not r["json"]["red_flags"]["clip_partial"]
+    # the clip measured scaled gradients: no "norm before clipping" is claimed (it used to read NaN there and
+    # the plot lost its norm line); the norm the update used stands in, everywhere finite
+    steps = r["json"]["steps"]
+    assert all(x["clip_norm"] is None and math.isfinite(x["grad_norm"]) for x in steps)
+    assert not any(m["metric"].startswith("Norm before clipping") for m in r["json"]["summary"])
+    assert "not readable (scaled)" in r["stdout"]
 
 
 def test_never_zeroed_gradients_red_flag(runs):
@@ -853,6 +859,14 @@ def test_a_notice_never_says_no_action_under_a_worse_verdict():
     assert "no action needed" in advise([small])[0][1]
     crit = Finding("no_zero_grad", "critical", "gradients are never zeroed")
     assert [c for c, _, _ in advise([small, crit])] == ["no_zero_grad"]
+    from fastgrad.diagnose.advice import reword_notices
+
+    rising = Finding("increasing", "notice", "rising", "The loss fell 3 -> 1: usual for a converging run, no "
+                     "action needed.")
+    reword_notices([rising])
+    assert rising.detail.endswith("no action needed.")
+    reword_notices([rising, crit])
+    assert "no action needed by itself (see the findings above)" in rising.detail
 
 
 def test_every_run_rule_is_listed_in_help_and_has_advice_or_says_why_not():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .finding import Finding
 from .thresholds import RANK
 
-__all__ = ["STEP_ADVICE", "RUN_ADVICE", "advise"]
+__all__ = ["STEP_ADVICE", "RUN_ADVICE", "advise", "reword_notices"]
 
 # ---------------------------------------------------------------------------------------------- recommendations
 STEP_ADVICE: dict[str, tuple[str, str]] = {
@@ -291,6 +291,16 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if text:
             out.append((f.code, text, snippet))
     return out
+
+
+def reword_notices(findings: list[Finding]) -> None:
+    """In a run with a warning or a critical finding, a notice's "no action needed" is about that notice
+    alone: say so (in place), so it does not read as the run's verdict."""
+    if not any(RANK[f.severity] >= RANK["warning"] for f in findings):
+        return
+    for f in findings:
+        if f.severity == "notice" and "no action needed" in f.detail and "by itself" not in f.detail:
+            f.detail = f.detail.replace("no action needed", "no action needed by itself (see the findings above)")
 
 
 # notices whose advice is "nothing to do": left out when a warning or critical finding is present

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .advice import reword_notices
 from .collect.steps import StepRecord
 from .finding import Finding, fmt, steps_text
 from .render import plot as _plot, run_text
@@ -107,6 +108,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
 
     findings = _order(evaluate(run))
+    reword_notices(findings)
     trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
               if recs else "no steps read" for k, recs in per.items()]
     trend = "; ".join(run.label(k) + t for k, t in enumerate(trends)) or "no steps"

@@ -116,7 +116,9 @@ def _counts(tensors: list[Tensor], backend: str | None, device) -> Tensor:
         pair = torch.stack([cols["nan"], cols["inf"]], 1).to(device, non_blocking=True)
         if len(fused) == len(tensors):
             return pair
-        out.index_copy_(0, torch.tensor(fused, device=device), pair)
+        # the index list goes over with non_blocking: torch.tensor(..., device=cuda) would sync here, before
+        # the one designed read
+        out.index_copy_(0, torch.tensor(fused).to(device, non_blocking=True), pair)
     for i, t in enumerate(tensors):
         if not _dense(t):
             v = t.coalesce().values() if t.layout == torch.sparse_coo else t
