@@ -788,6 +788,11 @@ def test_loss_diverging_judges_the_whole_run():
     # the same rise with level, modest norms: a bootstrapped loss, a notice
     f, = LOSS_DIVERGING.evaluate(_view([[(1.0 + 0.01 * i, v) for i, v in enumerate(lr, 1)]]))
     assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    # makemore's RNN at lr=1 (recorded): the loss jumps 8x within six steps and stays 3.6x up, the norms level:
+    # a supervised model blowing up early, not a bootstrapped loss: a warning, not the notice
+    mm = [3.35, 3.3, 6.9, 14.2, 20.3, 26.4, 18.0, 15.1, 13.9, 12.6, 11.4, 14.2, 13.1, 12.1, 11.8, 12.5]
+    f, = LOSS_DIVERGING.evaluate(_view([[(2.8 + 0.1 * (i % 3), v) for i, v in enumerate(mm, 1)]]))
+    assert f.severity == "warning" and "variant" not in f.evidence
     # judged per optimizer: the second series' rise is its own
     got = LOSS_DIVERGING.evaluate(_view([[(1.0, 1.0)] * 8, [(1.0 * i, v) for i, v in enumerate(lr, 1)]]))
     assert [g.evidence["series"] for g in got] == [1] and got[0].title.startswith("opt1:")

@@ -5,9 +5,12 @@ set it). The loss diverges (critical) when it reaches 10x that start, holds ther
 the end of the run), AND the median of the last quarter of the run is still 10x the start: a rise that comes
 back down is not a divergence. 3x under the same conditions is "rising" (a warning).
 
-A loss that rises while the gradient norms stay modest (every norm below 100) and stable (the last quarter's
-median norm within 2x of the first quarter's) is at most a notice: that is how a bootstrapped value or TD loss
-behaves when its targets grow with the returns (actor-critic critics, DQN), not a learning rate too high.
+A loss that climbs gradually (its peak in the second half of the run) while the gradient norms stay modest
+(every norm below 100) and stable (the last quarter's median norm within 2x of the first quarter's) is at
+most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+(actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
+model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
+modest norms.
 
 A series whose loss ever goes negative (a policy gradient's signed objective) is not judged: a ratio means
 nothing there."""
@@ -66,7 +69,9 @@ class LossDiverging(Rule):
             nrm = {r.step: r.grad_norm for r in recs}
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
-            if modest and stable:
+            pos = [r.step for r in recs].index(sp) if sp in [r.step for r in recs] else 0
+            late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
+            if modest and stable and late_peak:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
@@ -93,4 +98,4 @@ class LossDiverging(Rule):
 LOSS_DIVERGING = LossDiverging(
     "loss_diverging", "critical", "each step's finite loss and norm, per optimizer",
     "the loss reaches 10x its start (critical; 3x: warning) and stays up to the end of the run (the last "
-    "quarter's median); with modest, stable norms (a bootstrapped value/TD loss) at most a notice")
+    "quarter's median); climbing gradually with modest, stable norms (a bootstrapped value/TD loss): a notice")
