@@ -175,7 +175,7 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "optimizer.step()",
     ),
     "loss_diverging": (
-        "The loss rose by an order of magnitude or more from where it started and stayed there: the usual cause "
+        "The loss rose far above where it started and stayed up to the end of the run: the usual cause "
         "is a learning rate too high for this model. Lower it (10x), clip the gradient norm, and warm it up.",
         "for group in optimizer.param_groups:\n"
         "    group['lr'] *= 0.1                      # first suspect: the learning rate\n"
