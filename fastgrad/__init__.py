@@ -14,9 +14,9 @@ from .backends import BackendError, available_backends, set_backend
 from .centralize import centralize_gradient_
 from .clip import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_, get_total_norm, multi_tensor_norm
 from .stats import GradStats, grad_stats
-from .report import GradientReport, gradient_report
-from .monitor import GradientMonitor
-from .nonfinite import find_nonfinite
+from .diagnose.report import GradientReport, gradient_report
+from .diagnose.monitor import GradientMonitor
+from .diagnose.collect.nonfinite import find_nonfinite
 from .optim_clip import clip_optimizer_grad_norm_
 from .guard import GuardError, StepGuard
 from .patch import patch_torch, unpatch_torch

@@ -252,12 +252,15 @@ def _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinit
 
 
 # ---------------------------------------------------------------- public
-def _explain_bad_args(scaler, optimizer) -> None:
-    """Error path of scaler_unscale_and_clip: ``optimizer`` has no param_groups. Say the fix."""
+def _explain_bad_args(scaler, optimizer, swapped_only: bool = False) -> None:
+    """Error path of scaler_unscale_and_clip: ``optimizer`` has no param_groups (or ``scaler`` no unscale_).
+    Say the fix."""
     if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
         raise TypeError("scaler_unscale_and_clip(scaler, optimizer, max_norm): the scaler and the optimizer are "
                         "swapped; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, max_norm) (the "
                         "gradients were not modified)") from None
+    if swapped_only:
+        return
     raise TypeError(f"scaler_unscale_and_clip: optimizer must be a torch.optim.Optimizer (with param_groups), "
                     f"got {type(optimizer).__name__}; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, "
                     "max_norm) (the gradients were not modified)") from None
@@ -291,6 +294,12 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     DTensors on one mesh. ``zero_write`` does not
     apply there; norm_type 0 is not supported there.
     """
+    if scaler is None or not hasattr(scaler, "unscale_"):
+        _explain_bad_args(scaler, optimizer, swapped_only=True)
+        # None (a scaler the script only makes under AMP) would fail deep inside with an AttributeError
+        raise TypeError(f"scaler_unscale_and_clip(scaler, optimizer, max_norm): scaler must be a "
+                        f"torch.amp.GradScaler, got {type(scaler).__name__}; without AMP call "
+                        "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
     max_norm = I.check_max_norm(max_norm)
     p = I.check_norm_type(norm_type)
     try:

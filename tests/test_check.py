@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,19 +15,22 @@ import torch
 
 import fastgrad
 from fastgrad import check as C
-from fastgrad.report import _fmt
+from fastgrad.diagnose.finding import fmt as _fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
 
+# name: (check options, script, script args[, True: run in this process]). A run happens when a test first
+# asks for it (under parallel test workers, each worker runs only what its own tests read); the subprocess
+# runs are those whose command line, files or streams the tests read.
 RUNS = {
     "healthy": (["--steps", "40"], "healthy_mlp.py", []),
-    "rnn": ([], "rnn_explode.py", []),
-    "nan_loss": ([], "nan_loss.py", []),
-    "vanishing": ([], "vanishing_sigmoid.py", []),
-    "dead": ([], "dead_relu.py", []),
-    "amp_scaled_clip": ([], "amp_clip_before_unscale.py", []),
-    "no_zero": ([], "no_zero_grad.py", []),
+    "rnn": ([], "rnn_explode.py", [], True),
+    "nan_loss": ([], "nan_loss.py", [], True),
+    "vanishing": ([], "vanishing_sigmoid.py", [], True),
+    "dead": ([], "dead_relu.py", [], True),
+    "amp_scaled_clip": ([], "amp_clip_before_unscale.py", [], True),
+    "no_zero": ([], "no_zero_grad.py", [], True),
     "crash": ([], "crash_after_steps.py", []),
     # one per pattern of a real training loop, each checked against the truth the script computes itself
     "closure_sgd": ([], "closure_opt.py", ["--opt", "sgd"], True),
@@ -43,43 +45,53 @@ RUNS = {
     "clip_zero": ([], "clip_zero.py", [], True),
     "norm_1000": ([], "norm_1000.py", [], True),
     "guarded": ([], "guarded_nan_and_spike.py", [], True),
+    # issue 30's kinds, each with its own float64 truth
+    "overflow": ([], "overflow_clip.py", [], True),
+    "actor_critic": ([], "actor_critic.py", [], True),
+    "dqn": ([], "dqn_td.py", [], True),
+    "two_opts_one_zero": ([], "two_opts_one_zero.py", [], True),
+    "free_params": ([], "free_params_rnn.py", [], True),
+    "log0_loss": ([], "log0_cross_entropy.py", [], True),
 }
+
+
+class _Runs:
+    """The runs of RUNS, each made on first access and kept for the module. A subprocess writes its output
+    to files (a PIPE nobody reads would block its writer once the pipe's buffer is full) and has a deadline."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.done: dict[str, dict] = {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self.done:
+            self.done[name] = self._run(name)
+        return self.done[name]
+
+    def _run(self, name: str) -> dict:
+        opts, script, args, *inproc = RUNS[name]
+        base = self.base
+        truth = base / f"{name}.truth.json"
+        if inproc:
+            out = _inproc(args, script=script, truth=truth)
+            out["truth"] = json.loads(truth.read_text()) if truth.exists() else None
+            return out
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   FG_TRUTH=str(truth))
+        cmd = [sys.executable, "-m", "fastgrad.check", *opts, "--out", str(base / name), str(SCRIPTS / script), *args]
+        so, se = base / f"{name}.stdout", base / f"{name}.stderr"
+        with open(so, "w") as fo, open(se, "w") as fe:
+            # run from a different directory than the script's: the working directory must be kept
+            p = subprocess.run(cmd, cwd=base, env=env, stdout=fo, stderr=fe, timeout=300)
+        rep = base / name / "report.json"
+        return {"rc": p.returncode, "stdout": so.read_text(), "stderr": se.read_text(), "dir": base / name,
+                "json": json.loads(rep.read_text()) if rep.exists() else None,
+                "truth": json.loads(truth.read_text()) if truth.exists() else None}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("check")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs, out = {}, {}
-    pending = [(k, v[:3]) for k, v in RUNS.items() if len(v) == 3]
-    inproc = [(k, v[:3]) for k, v in RUNS.items() if len(v) == 4]
-    # at most 4 at once: the machine is shared
-    while pending or procs:
-        while pending and len(procs) < 4:
-            name, (opts, script, args) = pending.pop(0)
-            path = str(SCRIPTS / script)
-            cmd = [sys.executable, "-m", "fastgrad.check", *opts, "--out", str(base / name), path, *args]
-            # run from a different directory than the script's: the working directory must be kept
-            run_env = dict(env, FG_TRUTH=str(base / f"{name}.truth.json"))
-            procs[name] = subprocess.Popen(cmd, cwd=base, env=run_env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
-        if inproc:  # the in-process runs (no torch import each) while the subprocesses work
-            name, (opts, script, args) = inproc.pop(0)
-            truth = base / f"{name}.truth.json"
-            out[name] = _inproc(args, script=script, truth=truth)
-            out[name]["truth"] = json.loads(truth.read_text()) if truth.exists() else None
-            continue
-        for name, p in list(procs.items()):
-            if p.poll() is not None:
-                stdout, stderr = p.communicate()
-                rep = base / name / "report.json"
-                truth = base / f"{name}.truth.json"
-                out[name] = {"rc": p.returncode, "stdout": stdout, "stderr": stderr, "dir": base / name,
-                             "json": json.loads(rep.read_text()) if rep.exists() else None,
-                             "truth": json.loads(truth.read_text()) if truth.exists() else None}
-                del procs[name]
-        time.sleep(0.05)
-    return out
+    return _Runs(tmp_path_factory.mktemp("check"))
 
 
 def _inproc(args, steps=None, script="accumulation.py", truth=None):
@@ -177,6 +189,12 @@ def test_amp_clip_before_unscale_red_flag(runs):
     assert f["severity"] == "critical" and f["steps"][:3] == [1, 2, 3]
     assert "scaler.unscale_(optimizer)" in r["stdout"]
     assert not r["json"]["red_flags"]["clip_after_step"] and not r["json"]["red_flags"]["clip_partial"]
+    # the clip measured scaled gradients: no "norm before clipping" is claimed (it used to read NaN there and
+    # the plot lost its norm line); the norm the update used stands in, everywhere finite
+    steps = r["json"]["steps"]
+    assert all(x["clip_norm"] is None and math.isfinite(x["grad_norm"]) for x in steps)
+    assert not any(m["metric"].startswith("Norm before clipping") for m in r["json"]["summary"])
+    assert "not readable (scaled)" in r["stdout"]
 
 
 def test_never_zeroed_gradients_red_flag(runs):
@@ -369,7 +387,11 @@ def test_checker_failure_never_breaks_the_script(tmp_path, capsys, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("statistics unavailable")
 
-    monkeypatch.setattr(C, "grad_stats", broken)
+    from fastgrad.diagnose.collect import hooks, interceptors, optimizer_hooks
+
+    monkeypatch.setattr(hooks, "grad_stats", broken)
+    monkeypatch.setattr(interceptors, "grad_stats", broken)
+    monkeypatch.setattr(optimizer_hooks, "grad_stats", broken)
     res = C.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "3"])
     assert "done 3" in capsys.readouterr().out
     assert not res.crashed and len(res.steps) == 3 and all(s.unread for s in res.steps)
@@ -561,14 +583,13 @@ def test_gradscaler_script_gets_unscale_in_code_to_add(tmp_path):
 
 
 def test_no_leaky_relu_advice_for_a_recurrent_model():
-    from fastgrad.check_report import _recs
+    from fastgrad.diagnose.advice import advise
     from fastgrad.report import Finding
 
     dead = [Finding("dead", "warning", "dead parameters")]
-    lstm = dict(_recs(dead, {"modules": ["Embedding", "LSTM", "Linear"]})[0][1:2] and
-                [(c, t + s) for c, t, s in _recs(dead, {"modules": ["Embedding", "LSTM", "Linear"]})])
+    lstm = dict((c, t + s) for c, t, s in advise(dead, {"modules": ["Embedding", "LSTM", "Linear"]}))
     assert "LeakyReLU" not in lstm["dead"] and "LSTM" in lstm["dead"]
-    relu = [(c, t + s) for c, t, s in _recs(dead, {"modules": ["Linear", "ReLU"]})]
+    relu = [(c, t + s) for c, t, s in advise(dead, {"modules": ["Linear", "ReLU"]})]
     assert "LeakyReLU" in dict(relu)["dead"]
 
 
@@ -594,7 +615,12 @@ def test_nothing_checked_is_never_healthy(tmp_path, capsys):
 
 
 def test_loss_divergence_tiers():
-    from fastgrad.check_report import StepRecord, _loss_divergence, _RISE_HOLD, _RISE_RATIO
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.loss_diverging import loss_divergence
+
+    def _loss_divergence(recs, ratio=10.0, hold=2):
+        return None if (d := loss_divergence(recs, ratio, hold)) is None else d[:6]
+    _RISE_RATIO, _RISE_HOLD = 3.0, 3
 
     def recs(losses):
         return [StepRecord(step=i, loss=v, has_loss=True) for i, v in enumerate(losses, 1)]
@@ -630,3 +656,304 @@ def test_steps_a_step_guard_skipped_are_reported_not_blamed(runs):
     assert "nonfinite_history" not in _codes(r) and "exploding" not in _codes(r)
     assert r["rc"] == 0 and r["json"]["status"] == "warning"
     assert "3 skipped by the step guard" in _row(r, "Steps checked")["value"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 30's kinds
+# New scripts, one per defect of the second round; each computes its truth without fastgrad and each
+# reproduces its defect under the rules it replaced (see the premise asserted in each test).
+def test_float32_overflow_is_the_largest_explosion_and_the_first_finding(runs):
+    r = runs["overflow"]
+    truth = r["truth"]["steps"]
+    over = [t["step"] for t in truth if t["clip_return"] == "inf"]
+    # the premise: finite gradients whose float64 norm is far beyond float32's, clipped at 1.0
+    assert over == list(range(2, 31)) and all(t["finite_grads"] for t in truth)
+    assert all(t["norm"] > 1e19 for t in truth[1:])
+    assert r["rc"] == 1
+    steps = r["json"]["steps"]
+    assert [s["step"] for s in steps if s["overflow"]] == over
+    assert _close(steps[0]["grad_norm"], truth[0]["norm"])
+    f = r["json"]["findings"][0]
+    assert f["code"] == "exploding" and f["severity"] == "critical" and "overflowed float32" in f["title"]
+    assert f["evidence"]["overflow_steps"] == over and f["steps"] == over and f["evidence"]["first_step"] == 2
+    for code in ("clip_zeroes", "dead", "no_learning", "mostly_zero", "clipped_to_zero"):
+        assert code not in _codes(r), code
+    recs = r["json"]["recommendations"]
+    assert recs[0]["code"] == "exploding" and "learning rate" in recs[0]["text"] and "scale" in recs[0]["text"]
+    assert "max_norm=0" not in r["stdout"] and "LeakyReLU" not in r["stdout"]
+    assert _row(r, "Max grad norm")["value"].startswith("inf (overflowed float32) at step 2")
+    assert "made by the clip" in _row(r, "Zero-gradient parameters")["value"]
+
+
+def test_bootstrapped_td_loss_rising_with_stable_norms_is_a_notice(runs):
+    r = runs["dqn"]
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    losses = [t["loss"] for t in truth]
+    assert sorted(losses[-30:])[15] > 10 * losses[0]  # the premise: the TD loss rose 10x+ and stayed up
+    assert r["rc"] == 0, r["json"]["findings"]
+    _no_alarm(r)
+    f = _finding(r, "loss_diverging")
+    assert f["severity"] == "notice" and f["evidence"]["variant"] == "bootstrapped"
+    assert "lower the learning rate" not in r["stdout"] and "group['lr'] *= 0.1" not in r["stdout"]
+
+
+def test_actor_critic_critic_loss_that_comes_back_down_is_not_diverging(runs):
+    r = runs["actor_critic"]
+    j, truth = r["json"], r["truth"]["steps"]
+    assert j["series"] == ["Adam #1 (actor_opt)", "Adam #2 (critic_opt)"]
+    _match_norms(j["steps"], truth)
+    _match_losses(j["steps"], truth)
+    critic = [t["loss"] for t in truth if t["opt"] == "critic"]
+    assert max(critic) > 3 * critic[0] and critic[-1] < critic[0]  # the premise: up 3x+, then below its start
+    assert r["rc"] == 0 and "loss_diverging" not in _codes(r)
+    _no_alarm(r)
+
+
+def test_an_optimizer_whose_gradients_are_all_zero_gets_its_own_finding(runs):
+    r = runs["two_opts_one_zero"]
+    j, truth = r["json"], r["truth"]["steps"]
+    _match_norms(j["steps"], truth)
+    actor = [s["step"] for s, t in zip(j["steps"], truth) if t["opt"] == "actor"]
+    assert [t["norm"] for t in truth if t["opt"] == "actor"][1:] == [0.0] * 29  # the premise
+    assert r["rc"] == 1
+    f = _finding(r, "zero_grads")
+    assert f["severity"] == "critical" and f["evidence"]["series"] == 0 and f["steps"] == actor[1:]
+    assert f["title"].startswith("Adam #1 (actor_opt):")
+    assert [g["evidence"]["series"] for g in j["findings"] if g["code"] == "zero_grads"] == [0]
+    assert _row(r, "Norm trend [Adam #1")["value"].startswith("all zero from step 3")
+    assert _row(r, "Norm trend [Adam #1")["status"] == "critical"
+    assert _row(r, "Norm trend [Adam #2")["status"] == "healthy"
+
+
+def test_small_by_construction_parameters_are_not_vanishing_layers(runs):
+    r = runs["free_params"]
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    _match_norms(steps, truth)
+    _match_losses(steps, truth)
+    assert truth[-1]["start"] * 1000 < truth[-1]["head"]  # the premise: the depth ratio alone would flag it
+    assert r["rc"] == 0 and "depth_vanishing" not in _codes(r)
+    _no_alarm(r)
+
+
+def test_nan_born_in_a_hand_written_loss_is_traced_to_the_loss(runs):
+    r = runs["log0_loss"]
+    truth = r["truth"]["steps"]
+    k = int(next(t["step"] for t in truth if not t["loss_finite"]))
+    _match_norms(r["json"]["steps"][:k - 1], truth[:k - 1])
+    assert r["rc"] == 1
+    born = r["json"]["nan_born"]
+    assert born["where"] == "loss" and born["step"] == k and born["module"] is None
+    # the watcher's own answer is a consequence one step later, and is named as such
+    assert r["json"]["first_nonfinite_output"] == f"0 (Linear) at step {k + 1}"
+    f = _finding(r, "nonfinite_loss")
+    assert f["layers"] == [] and f"born in the loss at step {k}" in f["detail"] and "not the source" in f["detail"]
+    assert r["json"]["findings"][0]["code"] == "nonfinite_loss"
+    assert r["json"]["recommendations"][0]["code"] == "nonfinite_loss"
+    assert _row(r, "NaN/Inf born in")["value"] == f"loss at step {k}"
+
+
+def test_nan_born_in_a_module_is_still_named(runs):
+    r = runs["nan_loss"]  # the LogLoss module makes it: the forward pass
+    assert r["json"]["nan_born"]["where"] == "forward" and r["json"]["nan_born"]["module"] == "LogLoss"
+
+
+# ---------------------------------------------------------------------------------------------- the rules alone
+def _view(series, **kw):
+    """A RunView from recorded per-step (norm, loss) series, one per optimizer."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+
+    steps, n = [], 0
+    for k, rows in enumerate(series):
+        for row in rows:
+            n += 1
+            norm, loss = row[:2]
+            extra = row[2] if len(row) > 2 else {}
+            steps.append(StepRecord(step=n, series=k, total_norm=norm, loss=loss, has_loss=loss is not None,
+                                    numel=10, **extra))
+    return RunView(steps=steps, names=[f"opt{k}" for k in range(len(series))], **kw)
+
+
+def test_loss_diverging_judges_the_whole_run():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    # a PPO critic (Lightning's example): 316 first, 778 peak, 90 last: the report's own row said it fell 3.5x
+    ppo = [316, 280, 350, 500, 778, 700, 540, 300, 200, 150, 120, 100, 95, 90]
+    assert LOSS_DIVERGING.evaluate(_view([[(5.0, v) for v in ppo]])) == []
+    # an absurd learning rate: up 30x and up to the end, norms growing with it
+    lr = [2.0, 2.5, 8.0, 30.0, 55.0, 60.0, 64.0, 70.0]
+    f, = LOSS_DIVERGING.evaluate(_view([[(1.0 * i, v) for i, v in enumerate(lr, 1)]]))
+    assert f.severity == "critical" and f.evidence["start"] == 2.0 and f.evidence["first_step"] == 4
+    # the same rise with level, modest norms: a bootstrapped loss, a notice
+    f, = LOSS_DIVERGING.evaluate(_view([[(1.0 + 0.01 * i, v) for i, v in enumerate(lr, 1)]]))
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    # makemore's RNN at lr=1 (recorded): the loss jumps 8x within six steps and stays 3.6x up, the norms level:
+    # a supervised model blowing up early, not a bootstrapped loss: a warning, not the notice
+    mm = [3.35, 3.3, 6.9, 14.2, 20.3, 26.4, 18.0, 15.1, 13.9, 12.6, 11.4, 14.2, 13.1, 12.1, 11.8, 12.5]
+    f, = LOSS_DIVERGING.evaluate(_view([[(2.8 + 0.1 * (i % 3), v) for i, v in enumerate(mm, 1)]]))
+    assert f.severity == "warning" and "variant" not in f.evidence
+    # judged per optimizer: the second series' rise is its own
+    got = LOSS_DIVERGING.evaluate(_view([[(1.0, 1.0)] * 8, [(1.0 * i, v) for i, v in enumerate(lr, 1)]]))
+    assert [g.evidence["series"] for g in got] == [1] and got[0].title.startswith("opt1:")
+
+
+def test_an_inf_clip_return_of_finite_gradients_is_an_overflow_not_a_zero_bound():
+    from fastgrad.diagnose.rules.clip_zeroes import CLIP_ZEROES
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    rows = [(0.5, 1.0, {"clipped": True, "clip_norm": 1.5, "clip_max": 1.0, "clip_read": True})]
+    rows += [(0.0, 1e30, {"clipped": True, "clip_norm": math.inf, "clip_max": 1.0, "clip_read": True})] * 5
+    run = _view([rows])
+    f, = EXPLODING.evaluate(run)
+    assert f.evidence["overflow_steps"] == [2, 3, 4, 5, 6] and f.evidence["variant"] == "overflow"
+    assert CLIP_ZEROES.evaluate(run) == []
+    # NaN gradients behind the inf (nonfinite > 0) are not an overflow
+    bad = _view([[(math.nan, 1.0, {"clipped": True, "clip_norm": math.inf, "nonfinite": 3.0})]])
+    assert not bad.steps[0].overflow and bad.steps[0].bad
+    # a real zero bound still is clip_zeroes
+    zero = _view([[(0.0, 1.0, {"clipped": True, "clip_norm": 2.0, "clip_max": 0.0, "clip_read": True})] * 3])
+    assert CLIP_ZEROES.evaluate(zero)[0].title.startswith("the gradient clip (max_norm=0)")
+
+
+def test_the_exploding_wording_says_what_the_clip_did():
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    wide = {"clipped": True, "clip_max": 1e6, "clip_read": True}
+    run = _view([[(1.0, 1.0, dict(wide, clip_norm=v)) for v in (5.0, 7.6e3, 40.0)]])
+    f, = EXPLODING.evaluate(run)
+    assert "max_norm=1.000e+06, above every norm seen: the clip never acted" in f.detail
+    assert "bounded" not in f.detail
+    tight = {"clipped": True, "clip_max": 1.0, "clip_read": True}
+    f, = EXPLODING.evaluate(_view([[(1.0, 1.0, dict(tight, clip_norm=v)) for v in (5.0, 7.6e3, 40.0)]]))
+    assert "clips at max_norm=1, so the update was bounded" in f.detail
+
+
+def test_a_falling_norm_above_the_healthy_range_is_not_decaying():
+    from fastgrad.monitor import detect_trends
+
+    falling = [1e7 * 0.8 ** i for i in range(60)]  # 1e7 -> 1.5e1: 1000x down, still above 10
+    assert "decaying" not in [f.code for f in detect_trends(list(range(1, 61)), falling)]
+    to_zero = [1.0 * 0.75 ** i for i in range(60)]  # 1 -> 3e-8
+    assert "decaying" in [f.code for f in detect_trends(list(range(1, 61)), to_zero)]
+
+
+def test_advice_never_raises_a_learning_rate_while_the_run_diverges():
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.report import Finding
+
+    depth = Finding("depth_vanishing", "warning", "vanishing across depth")
+    div = Finding("loss_diverging", "critical", "the loss is diverging")
+    alone = dict((c, t + s) for c, t, s in advise([depth]))
+    assert "10 * lr" in alone["depth_vanishing"] and "higher learning rate" in alone["depth_vanishing"]
+    both = advise([depth, div])
+    text = " ".join(t + s for _, t, s in both)
+    assert "10 * lr" not in text and "higher learning rate" not in text
+    assert [c for c, _, _ in both] == ["loss_diverging", "depth_vanishing"]
+    assert "fix that first" in dict((c, t) for c, t, _ in both)["depth_vanishing"]
+    # a bootstrapped rise is not a divergence: the depth advice stands
+    boot = Finding("loss_diverging", "notice", "the loss rose", evidence={"variant": "bootstrapped"})
+    assert "10 * lr" in dict((c, t + s) for c, t, s in advise([depth, boot]))["depth_vanishing"]
+
+
+def test_a_notice_never_says_no_action_under_a_worse_verdict():
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.report import Finding
+
+    small = Finding("small_but_learning", "notice", "small gradients, but the loss is improving")
+    assert "no action needed" in advise([small])[0][1]
+    crit = Finding("no_zero_grad", "critical", "gradients are never zeroed")
+    assert [c for c, _, _ in advise([small, crit])] == ["no_zero_grad"]
+    from fastgrad.diagnose.advice import reword_notices
+
+    rising = Finding("increasing", "notice", "rising", "The loss fell 3 -> 1: usual for a converging run, no "
+                     "action needed.")
+    reword_notices([rising])
+    assert rising.detail.endswith("no action needed.")
+    reword_notices([rising, crit])
+    assert "no action needed by itself (see the findings above)" in rising.detail
+
+
+def test_every_run_rule_is_listed_in_help_and_has_advice_or_says_why_not():
+    from fastgrad.diagnose.advice import RUN_ADVICE, STEP_ADVICE
+    from fastgrad.diagnose.rules.registry import RUN_RULES
+
+    ref = C.reference()
+    for rule in RUN_RULES:
+        if rule.code != "last_step":
+            assert rule.code in ref
+        for code in rule.code.split("/"):
+            if code not in ("last_step", "guard_skipped", "hand_written_loop", "checker_error", "loss_diverging"):
+                assert code in RUN_ADVICE or code in STEP_ADVICE, code
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+def _marker_script(tmp_path):
+    marker = tmp_path / "ran.txt"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    return script, marker
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["--flush", "0"], "--flush must be a positive whole number, got 0"),
+    (["--flush", "-5"], "--flush must be a positive whole number, got -5"),
+    (["--flush", "many"], "--flush must be a positive whole number, got 'many'"),
+    (["--steps", "0"], "--steps must be a positive whole number, got 0"),
+])
+def test_bad_numbers_are_refused_before_the_script_runs(tmp_path, capsys, opts, message):
+    script, marker = _marker_script(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        C.main([*opts, str(script)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_an_unwritable_out_is_refused_before_the_script_runs(tmp_path, capsys):
+    script, marker = _marker_script(tmp_path)
+    a_file = tmp_path / "report.md"
+    a_file.write_text("not a folder")
+    for out in (a_file, a_file / "sub"):
+        with pytest.raises(SystemExit) as e:
+            C.main(["--out", str(out), str(script)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--out {str(out)!r}" in err and "Traceback" not in err
+        assert not marker.exists()
+    # a folder that does not exist yet is made, and the run goes on
+    assert C.main(["--out", str(tmp_path / "new" / "dir"), str(script)]) == 4 and marker.exists()
+
+
+def test_help_carries_the_reference_and_every_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        C.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal
+    assert e.value.code == 0 and "contract.md" not in out and "docs/" not in out
+    for text in ("(default: 64)", "(default: run it to its end)", "(default: print the report only)",
+                 "exploding (critical)", "zero_grads (critical)", "exit codes:", "2: usage error"):
+        assert text in out, text
+    assert all(f" {k}: " in out for k in C.EXIT_CODES)
+
+
+def test_scaler_unscale_and_clip_without_a_scaler_is_a_clear_error():
+    m = torch.nn.Linear(3, 2)
+    m(torch.randn(4, 3)).sum().backward()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler, got NoneType"):
+        fastgrad.scaler_unscale_and_clip(None, opt, 1.0)
+    with pytest.raises(TypeError, match="swapped"):  # the swapped arguments keep their own message
+        fastgrad.scaler_unscale_and_clip(opt, torch.amp.GradScaler("cpu"), 1.0)
+    assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+
+
+def test_the_hooks_lift_no_host_value_while_the_script_runs():
+    """check's hooks on the script's path write per-step values with device ops only (on CUDA, a host value
+    lifted into a tensor and copied to the device is a synchronizing copy)."""
+    from .sync_watch import HostValueWatch
+
+    for script in ("no_zero_grad.py", "nan_loss.py", "overflow_clip.py", "guarded_nan_and_spike.py"):
+        with HostValueWatch() as w:
+            res = C.run_script(str(SCRIPTS / script), [], flush_every=1000, steps=12)
+        assert not res.crashed, res.crash_text
+        # the hooks' own values only: what the script and the ops below do is not theirs
+        assert not w.hits, script + ":\n" + "\n".join(h for _, h in w.hits)

@@ -43,7 +43,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad._inputs", "fastgrad.distributed"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
-    ["fastgrad.amp", "fastgrad.nonfinite"],
+    ["fastgrad.amp"],
     ["fastgrad.optim_clip"],
     # the step guard: its parts, each mode one object, then the core and the package
     ["fastgrad.guard._state", "fastgrad.guard.counters", "fastgrad.guard.skip"],
@@ -51,10 +51,28 @@ LAYERS: list[list[str]] = [
     ["fastgrad.guard.options", "fastgrad.guard.read"],
     ["fastgrad.guard.core"],
     ["fastgrad.guard"],
-    # 8: reports and monitoring, above the ops they call
-    ["fastgrad.report"],
-    ["fastgrad.monitor"],
-    ["fastgrad.check_report", "fastgrad.watch"],
+    # 8: diagnosis, above the ops it calls: collection below rules below advice below rendering, then the
+    # objects that wire them (a step's report, a run's result, the monitor, the script runner)
+    ["fastgrad.diagnose", "fastgrad.diagnose.collect", "fastgrad.diagnose.rules", "fastgrad.diagnose.render",
+     "fastgrad.diagnose.thresholds", "fastgrad.diagnose.finding"],
+    ["fastgrad.diagnose.collect.snapshot", "fastgrad.diagnose.collect.history", "fastgrad.diagnose.collect.watch",
+     "fastgrad.diagnose.collect.nonfinite", "fastgrad.diagnose.collect.steps"],
+    ["fastgrad.diagnose.collect.interceptors", "fastgrad.diagnose.collect.manual",
+     "fastgrad.diagnose.collect.naming", "fastgrad.diagnose.collect.optimizer_hooks"],
+    ["fastgrad.diagnose.collect.hooks"],
+    ["fastgrad.diagnose.rules.trends", "fastgrad.diagnose.rules.base"],
+    ["fastgrad.diagnose.rules.step", "fastgrad.diagnose.rules.nonfinite", "fastgrad.diagnose.rules.exploding",
+     "fastgrad.diagnose.rules.loss_diverging", "fastgrad.diagnose.rules.clip_zeroes",
+     "fastgrad.diagnose.rules.run_state", "fastgrad.diagnose.rules.skips", "fastgrad.diagnose.rules.norm_trends"],
+    ["fastgrad.diagnose.rules.zero_grads", "fastgrad.diagnose.rules.last_step", "fastgrad.diagnose.rules.red_flags"],
+    ["fastgrad.diagnose.rules.registry"],
+    ["fastgrad.diagnose.advice"],
+    ["fastgrad.diagnose.render.step_text", "fastgrad.diagnose.render.run_text", "fastgrad.diagnose.render.plot"],
+    ["fastgrad.diagnose.report"],
+    ["fastgrad.diagnose.result", "fastgrad.diagnose.loggers"],
+    ["fastgrad.diagnose.monitor", "fastgrad.diagnose.run"],
+    # the old module paths: thin re-exports
+    ["fastgrad.report", "fastgrad.monitor", "fastgrad.watch", "fastgrad.nonfinite", "fastgrad.check_report"],
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],
@@ -189,7 +207,7 @@ def test_graph_sees_known_edges():
     assert "fastgrad.backends" in g["fastgrad.clip"]  # via `from .backends.torch_backend import ...`
     assert "fastgrad.backends.torch_backend" in g["fastgrad.clip"]
     assert "fastgrad.triton_kernels" in g["fastgrad.backends.triton_backend"]  # function-local import
-    assert "fastgrad.clip" in g["fastgrad.check"]  # `from fastgrad import clip as fg_clip`, in a function
+    assert "fastgrad.clip" in g["fastgrad.diagnose.collect.hooks"]  # `from ... import clip as fg_clip`, in a function
 
 
 @pytest.mark.parametrize("importer, stmt", [

@@ -115,6 +115,78 @@ def test_no_sync_on_cuda_non_logging_steps():
     assert mon.history()["steps"] == list(range(1, 11))
 
 
+@pytest.mark.parametrize("case", ["tensor_loss", "float_loss", "no_grads_yet", "subset_stats", "skip_marks",
+                                  "monitor_clip", "guard"])
+def test_non_logging_steps_lift_no_host_value(case):
+    """The CPU side of test_no_sync_on_cuda_non_logging_steps: on a non-logging step fastgrad's code never
+    turns a host number into a tensor (``buf[slot] = 0``, ``torch.tensor(x)``): on CUDA each is a synchronizing
+    host-to-device copy. Caches built on the first step are allowed; from the second step on, nothing."""
+    from .sync_watch import HostValueWatch
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    guard = fastgrad.StepGuard(torch.optim.SGD(m.parameters(), lr=0.01), max_norm=1.0) if case == "guard" else None
+    mon = fastgrad.GradientMonitor(m, every=None, guard=guard)
+    x = torch.randn(8, 12)
+    hits = []
+    for step in range(1, 6):
+        m.zero_grad()
+        loss = m(x).pow(2).mean()
+        if not (case == "no_grads_yet" and step == 2):
+            loss.backward()
+        with HostValueWatch() as w:
+            if case == "float_loss":
+                mon(float("nan") if step == 3 else 0.5)
+            elif case == "subset_stats":
+                mon.record(fastgrad.grad_stats(list(m.named_parameters())[:2]), loss)
+            elif case == "monitor_clip":
+                mon.clip_grad_norm_(0.5, loss=loss)
+            elif case == "guard":
+                guard.clip_()
+                mon(loss)
+            else:
+                mon(loss)
+            if case == "skip_marks":
+                mon.record_skip(step % 2 == 0)
+                mon.record_skip(torch.tensor(step % 2 == 1))
+        if step > 1:
+            hits += w.hits
+    assert not hits, "a host value lifted into a tensor on a non-logging step:\n" + "\n".join(h for _, h in hits)
+    h = mon.history()
+    assert h["steps"] == list(range(1, 6))
+    if case == "float_loss":
+        assert math.isnan(h["loss"][2]) and h["loss"][0] == 0.5
+    if case == "skip_marks":
+        assert h["skipped"] == [1, 0, 1, 0, 1]
+
+
+def test_the_host_value_watch_sees_the_cuda_failure_pattern():
+    """The watch catches the exact line that synced on the H100 (``b["skipped"][slot] = 0``)."""
+    from .sync_watch import HostValueWatch
+
+    from fastgrad.diagnose.collect import history as H
+
+    buf = torch.zeros(4, dtype=torch.int64)
+    with HostValueWatch() as w:
+        exec(compile("buf[1] = 0", H.__file__, "exec"), {"buf": buf})  # the old line, run as fastgrad code
+    assert len(w.hits) == 1 and "lift_fresh" in w.hits[0][0]
+    with HostValueWatch() as w:
+        exec(compile("buf[1:2].fill_(0)", H.__file__, "exec"), {"buf": buf})  # what replaced it
+    assert not w.hits
+
+
+def test_a_loss_spike_is_reported_once_not_at_every_logging_step():
+    """A loss jump stays in the 200-step window for 200 steps; each logging step reports only the jumps since
+    the previous one (the step report's own whole-history loss rule is off in the monitor)."""
+    named = [_param()]
+    mon = fastgrad.GradientMonitor(named, every=10)
+    losses = [1.0 + 0.01 * math.sin(i) for i in range(80)]
+    losses[24] = 100.0  # step 25
+    reports = _drive(mon, named, [1.0] * 80, losses)
+    seen = [(i, r.codes().count("loss_spike")) for i, r in sorted(reports.items())]
+    assert seen == [(10, 0), (20, 0), (30, 1), (40, 0), (50, 0), (60, 0), (70, 0), (80, 0)]
+
+
 # ---------------------------------------------------------------------------------------------- trends
 def _noisy(n, seed=0, level=1.0, sigma=0.05):
     g = torch.Generator().manual_seed(seed)
@@ -636,7 +708,7 @@ def test_rising_norm_inside_the_healthy_band_while_the_loss_falls_is_not_a_warni
     f = r.finding("increasing")
     assert f.severity == "notice" and r.status == "notice"
     assert "healthy range" in f.title and "loss fell" in f.detail and "no action" in f.detail
-    assert dict(r._summary_rows())["Loss history"] == "improving"
+    assert dict(r.summary_rows())["Loss history"] == "improving"
     # the same norms with a flat loss, or rising out of the band while the loss falls: a warning
     named = [_param()]
     r = _drive(fastgrad.GradientMonitor(named, every=100), named, norms, [5.0] * 100)[100]
@@ -699,7 +771,7 @@ def test_record_skip_counts_skipped_steps_on_the_device():
     assert r.skipped_steps == 0 and r.finding("skipped_steps") is None
     h = mon.history()
     assert [s for s, v in zip(h["steps"], h["skipped"]) if v] == sorted(skipped)
-    assert "Skipped steps" in dict(reports[10]._summary_rows())
+    assert "Skipped steps" in dict(reports[10].summary_rows())
     assert reports[10].scalars()["grad/skipped_steps"] == 3.0
     with pytest.raises(ValueError, match="one-element"):
         mon.record_skip(torch.tensor([1, 0]))
@@ -708,7 +780,7 @@ def test_record_skip_counts_skipped_steps_on_the_device():
     # a monitor that never heard of skips says nothing about them
     named = [_param()]
     plain = _drive(fastgrad.GradientMonitor(named, every=5), named, [1.0] * 5)[5]
-    assert plain.skipped_steps is None and "Skipped steps" not in dict(plain._summary_rows())
+    assert plain.skipped_steps is None and "Skipped steps" not in dict(plain.summary_rows())
 
 
 def test_record_skip_mostly_skipped_is_a_warning():

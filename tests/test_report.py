@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fastgrad
+import fastgrad.diagnose.finding
 from fastgrad.report import Thresholds, loss_progress
 
 
@@ -189,7 +190,7 @@ def test_dead_relus():
     assert f.layers == zero and "5 of 6 parameter tensors" in f.detail
     assert rep.status == "warning"
     assert "depth_vanishing" not in rep.codes()  # all-zero layers are dead, not "vanishing"
-    assert dict(rep._summary_rows())["Zero-gradient parameters"] == "5 of 6 tensors entirely zero"
+    assert dict(rep.summary_rows())["Zero-gradient parameters"] == "5 of 6 tensors entirely zero"
 
 
 def test_dead_counts_tensors_not_values():
@@ -235,7 +236,7 @@ def test_frozen_parameters_are_listed_not_flagged():
     rep = fastgrad.gradient_report(m)
     assert rep.no_grad == ["0.weight", "0.bias"] and [r.name for r in rep.layers] == ["2", "4"]
     assert rep.status == "healthy"
-    assert dict(rep._summary_rows())["Tensors with a gradient"] == "4 (without: 2)"
+    assert dict(rep.summary_rows())["Tensors with a gradient"] == "4 (without: 2)"
 
 
 def test_injected_nans_name_the_parameters(bd):
@@ -446,7 +447,7 @@ def test_show_fits_80_columns_with_rich():
 
 
 def test_abbrev_from_the_middle():
-    from fastgrad.report import _abbrev
+    from fastgrad.diagnose.render.step_text import abbrev as _abbrev
 
     assert _abbrev("a.b", 10) == "a.b"
     assert _abbrev("0.layers.11.self_attn.out_proj", 22) == "0.….11.….out_proj"
@@ -543,7 +544,7 @@ def test_clip_to_zero_is_not_blamed_on_frozen_parameters():
         f = rep.finding("clipped_to_zero")
         assert "frozen" not in f.title and "not frozen parameters or dead units" in f.detail
         if "pre_clip_norm" in kw:
-            assert rep.pre_clip_norm == pytest.approx(pre, rel=1e-6) and fastgrad.report._fmt(pre) in f.detail
+            assert rep.pre_clip_norm == pytest.approx(pre, rel=1e-6) and fastgrad.diagnose.finding.fmt(pre) in f.detail
         assert "max_norm=1.0" in rep.to_text()
     # statistics read BEFORE a clip to 0 (nonzero total): the clip is still named
     m.zero_grad()

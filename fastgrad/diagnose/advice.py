@@ -1,0 +1,318 @@
+"""Advice: what to do about the findings, generated after every rule has run, so that one cause's advice
+never contradicts another's.
+
+``advise(findings, ctx)`` returns ``(code, text, snippet)`` per finding code, most severe first. The text
+and snippet of a code come from ``RUN_ADVICE`` (whole-run findings of ``python -m fastgrad.check``) or
+``STEP_ADVICE`` (one step's report), fitted to what the script uses (``ctx``: a GradScaler, the module
+types) and to the other findings (see ``_resolve``)."""
+
+from __future__ import annotations
+
+from .finding import Finding
+from .thresholds import RANK
+
+__all__ = ["STEP_ADVICE", "RUN_ADVICE", "advise", "reword_notices"]
+
+# ---------------------------------------------------------------------------------------------- recommendations
+STEP_ADVICE: dict[str, tuple[str, str]] = {
+    "nonfinite": (
+        "Find where the first non-finite value appears: check the loss before backward(), then the parameters. "
+        "Under AMP, let the GradScaler skip the step (fastgrad.scaler_unscale_and_clip does the check fused).",
+        "report = fastgrad.find_nonfinite(model, loss)   # after backward(); one sync\n"
+        "print(report)  # loss finite?  which grads / params are NaN or Inf?\n"
+        "# to locate the op that produced it:\n"
+        "with torch.autograd.detect_anomaly():\n"
+        "    loss = criterion(model(x), y); loss.backward()",
+    ),
+    "nonfinite_loss": (
+        "The loss itself is NaN/Inf, so every update computed from it is garbage even where the gradients are "
+        "finite. Check the loss before backward() and skip (or stop) the step; in a custom loss keep log, "
+        "division and exp in range (add an eps, clamp); if the loss diverged first, lower the learning rate.",
+        "loss = criterion(model(x), y)\n"
+        "if not torch.isfinite(loss):   # one sync; fastgrad.GradientMonitor(model)(loss) flags it without one\n"
+        "    raise FloatingPointError(f'non-finite loss {loss.item()} at step {step}')\n"
+        "# unstable pieces of a custom loss:\n"
+        "loss = -torch.log(p.clamp_min(1e-8))         # log(0) = -inf\n"
+        "ratio = a / (b + 1e-8)                       # x / 0\n"
+        "z = torch.exp(s.clamp(max=80.0))             # exp overflows float32 above ~88\n"
+        "for group in optimizer.param_groups:         # and if the loss diverged first\n"
+        "    group['lr'] *= 0.1",
+    ),
+    "loss_spike": (
+        "The loss jumped far above its recent level: an outlier batch, a too-high learning rate, or the start "
+        "of a divergence. Clip the gradient norm, lower the learning rate, and check the batch of that step.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.5",
+    ),
+    "no_learning": (
+        "Nothing will change at the next step. Check that the parameters require grad, that the loss depends "
+        "on them (no .detach()/.item() in the graph), and look for dead units (e.g. ReLU layers with large "
+        "negative biases).",
+        "frozen = [n for n, p in model.named_parameters() if not p.requires_grad]\n"
+        "unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]\n"
+        "print('frozen:', frozen, 'unused:', unused)",
+    ),
+    "exploding": (
+        "Clip the gradient norm before every optimizer step; if the norm stays above 1000, also lower the "
+        "learning rate (and consider warmup).",
+        "loss.backward()\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "optimizer.step()\n"
+        "# if the norm is still > 1000:\n"
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1",
+    ),
+    "elevated": (
+        "Above the usual healthy range: watch the trend (fastgrad.GradientMonitor); clipping at max_norm=1.0 is "
+        "cheap insurance.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)",
+    ),
+    "low": (
+        "Below the usual healthy range. Fine while the loss keeps decreasing; if it stalls, check the "
+        "initialisation and the learning rate.",
+        "",
+    ),
+    "vanishing": (
+        "Check the architecture and the initialisation: saturating activations (sigmoid/tanh), missing "
+        "normalisation or residual connections, a saturated output or a loss scaled down to nothing.",
+        "for m in model.modules():\n"
+        "    if isinstance(m, torch.nn.Linear):\n"
+        "        torch.nn.init.kaiming_normal_(m.weight, nonlinearity='relu')\n"
+        "# and prefer ReLU/GELU + LayerNorm/BatchNorm + residual connections in deep stacks",
+    ),
+    "clipped_to_zero": (
+        "clip_grad_norm_ with max_norm=0 multiplies every gradient by 0, so nothing learns; the parameters are "
+        "not frozen. Clip to a positive norm (1.0 is the usual start) or remove the clip.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
+    ),
+    "mostly_zero": (
+        "Most values of the dense gradients are exactly zero: units that never activate (dead ReLUs) or inputs "
+        "that are mostly zero. Fine for sparse inputs; otherwise try LeakyReLU/GELU or a lower learning rate.",
+        "",
+    ),
+    "small_but_learning": ("Small gradients while the loss is decreasing are fine: no action needed.", ""),
+    "dead": (
+        "Most gradient values are exactly zero: dead ReLUs (use LeakyReLU/GELU, a lower learning rate, a "
+        "smaller negative bias) or parameters the loss does not reach.",
+        "model = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.LeakyReLU(0.01), torch.nn.Linear(h, k))",
+    ),
+    "depth_vanishing": (
+        "The early layers barely learn: add residual connections and normalisation, use non-saturating "
+        "activations, or give the early layers a higher learning rate.",
+        "optimizer = torch.optim.AdamW([\n"
+        "    {'params': early_layers.parameters(), 'lr': 10 * lr},\n"
+        "    {'params': later_layers.parameters(), 'lr': lr},\n"
+        "])",
+    ),
+    "spike": (
+        "Isolated spikes usually come from outlier batches or a too-high learning rate: clip the norm.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)",
+    ),
+    "increasing": (
+        "A steadily growing norm precedes divergence: lower the learning rate and clip the norm.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)",
+    ),
+    "nonfinite_seen": (
+        "Some recent steps had NaN/Inf gradients. Under AMP with a GradScaler this is normal while the scale "
+        "settles (those steps are skipped); otherwise locate the source.",
+        "report = fastgrad.find_nonfinite(model, loss)   # right after the bad backward()\nprint(report)",
+    ),
+    "decaying": (
+        "The gradient norm decays towards zero without the loss improving: training has stalled. Check the "
+        "learning-rate schedule, saturation and dead units.",
+        "",
+    ),
+}
+
+
+# The fixes of the run-time red flags (text, code): the guide's advice, as code to paste.
+RUN_ADVICE: dict[str, tuple[str, str]] = {
+    "nonfinite_history": (
+        "The optimizer stepped on NaN/Inf gradients, so the parameters are now garbage. Stop on the first "
+        "non-finite step and find its source; under AMP let the GradScaler skip such steps.",
+        "total = fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "if not torch.isfinite(total):             # one sync per step: use while debugging\n"
+        "    print(fastgrad.find_nonfinite(model, loss)); break",
+    ),
+    "clip_scaled": (
+        "Gradients were clipped while still multiplied by the GradScaler's scale, so max_norm acted on "
+        "scale * grad: the real update was clipped to max_norm / scale. Unscale first (or use the fused call).",
+        "scaler.scale(loss).backward()\n"
+        "scaler.unscale_(optimizer)                                  # before clipping\n"
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "scaler.step(optimizer); scaler.update()\n"
+        "# or, fused: fastgrad.scaler_unscale_and_clip(scaler, optimizer, 1.0)",
+    ),
+    "no_zero_grad": (
+        "The gradients were never zeroed, so every step used the sum of all previous gradients. Zero them "
+        "once per optimizer step (after the step, or before the backward of the next one).",
+        "optimizer.step()\n"
+        "optimizer.zero_grad(set_to_none=True)",
+    ),
+    "clip_after_step": (
+        "Clipping after optimizer.step() changes nothing the optimizer used: the step was taken unclipped. "
+        "Clip between backward() and step().",
+        "loss.backward()\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # before the step\n"
+        "optimizer.step()\n"
+        "optimizer.zero_grad(set_to_none=True)",
+    ),
+    "clip_partial": (
+        "Clipping inside a gradient-accumulation window clips partial sums, and later micro-batches are added "
+        "unclipped. Clip once, after the last micro-batch's backward, right before the step.",
+        "for i, (x, y) in enumerate(loader):\n"
+        "    (criterion(model(x), y) / accum_steps).backward()\n"
+        "    if (i + 1) % accum_steps == 0:\n"
+        "        fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # once per window\n"
+        "        optimizer.step(); optimizer.zero_grad(set_to_none=True)",
+    ),
+    "no_clipping": (
+        "The gradient norm exceeded 100 and nothing clips it. Clip before every optimizer step.",
+        "loss.backward()\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "optimizer.step()",
+    ),
+    "loss_diverging": (
+        "The loss rose far above where it started and stayed up to the end of the run: the usual cause "
+        "is a learning rate too high for this model. Lower it (10x), clip the gradient norm, and warm it up.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # first suspect: the learning rate\n"
+        "loss.backward()\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "optimizer.step()\n"
+        "# and a warm-up over the first steps:\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
+    ),
+    # the per-step report's code; the run-wide text names the learning rate first
+    "exploding": (
+        "Clip the gradient norm before every optimizer step; above 1000 the learning rate is the first suspect: "
+        "lower it (and consider warmup).",
+        STEP_ADVICE["exploding"][1],
+    ),
+    "exploding:overflow": (
+        "The gradient norm overflowed float32: the gradients are so large (a norm above ~1.8e19) that clipping "
+        "cannot rescue the step (the clip's coefficient becomes 0 and zeroes the update, or the update is "
+        "applied unclipped). The learning rate is far too high for this model: lower it 10x or more and warm "
+        "it up; under AMP also start the GradScaler at a smaller scale. Check the inputs and the loss scale of "
+        "the first steps too.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # and again, until the norm stays finite\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))\n"
+        "# under AMP: scaler = torch.amp.GradScaler(init_scale=2.0**10)",
+    ),
+    "loss_diverging:bootstrapped": (
+        "A bootstrapped value or TD loss rises with the size of its targets: judge the run by its returns. If "
+        "they fall too, lower the critic's learning rate or update the target network less often.",
+        "",
+    ),
+    "zero_grads": (
+        "Nothing this optimizer owns is learning. Check that its loss reaches its parameters (no .detach() or "
+        "torch.no_grad() on the path, the right optimizer for the right network) and that they require grad.",
+        "for n, p in model.named_parameters():\n"
+        "    print(n, p.requires_grad, None if p.grad is None else float(p.grad.abs().max()))",
+    ),
+    "clip_zeroes": (
+        "A clip bound of 0 scales every gradient to zero, so nothing learns. Clip at a positive bound (1.0 is the "
+        "usual start), or drop the clip.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
+    ),
+    "not_checked": ("Nothing was checked: make the script take at least one optimizer step (or one scalar "
+                    "backward()) under the checker, e.g. with fewer epochs or --steps.", ""),
+    "amp_skipped": ("Skipped steps are how a GradScaler handles fp16 overflow; worry only if they keep coming.",
+                    ""),
+    "script_crashed": ("The script raised before finishing; the report covers the steps that ran.", ""),
+}
+
+
+_RELU_FAMILY = {"ReLU", "ReLU6", "RReLU", "Hardtanh", "Threshold"}
+_RECURRENT = {"LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"}
+
+
+# Findings that mean the run is diverging (or already broken): while one is present, no advice may suggest
+# a higher learning rate, and "small gradient" advice is not about the cause.
+_DIVERGING = {"nonfinite", "nonfinite_history", "nonfinite_loss"}
+# Advice that would raise a learning rate or treat small gradients as the problem.
+_SMALL_GRADIENT = {"depth_vanishing", "vanishing", "low", "decaying"}
+
+
+def _diverging(findings: list[Finding]) -> Finding | None:
+    for f in findings:
+        if f.code in _DIVERGING or (f.code in ("exploding", "loss_diverging") and f.severity != "notice"
+                                    and f.evidence.get("variant") != "bootstrapped"):
+            if f.code == "exploding" and f.severity != "critical":
+                continue
+            return f
+    return None
+
+
+def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True) -> list[tuple[str, str, str]]:
+    """(code, text, snippet) per finding code, most severe first, fitted to what the script uses (the clip
+    snippets unscale first under a GradScaler; no LeakyReLU advice for a model without ReLUs) and to the
+    other findings: while the run diverges (a rising ``loss_diverging``, a critical ``exploding`` or a
+    non-finite finding), the advice of the small-gradient findings (``depth_vanishing``, ``vanishing``,
+    ``low``, ``decaying``) says to fix the divergence first and never to raise a learning rate; in a run with
+    a warning or a critical finding, a notice's "no action needed" advice is left out (it would read as a
+    verdict). ``run``: the whole-run advice table first (``python -m fastgrad.check``), else the step
+    report's only."""
+    ctx = ctx or {}
+    ordered = sorted(findings, key=lambda f: -RANK[f.severity])
+    worst = ordered[0].severity if ordered else "healthy"
+    cause = _diverging(ordered)
+    seen, out = set(), []
+    for f in ordered:
+        if f.code in seen:
+            continue
+        seen.add(f.code)
+        variant = f"{f.code}:{f.evidence.get('variant')}" if f.evidence.get("variant") else None
+        text, snippet = ((RUN_ADVICE.get(variant) or RUN_ADVICE.get(f.code) if run else None)
+                         or STEP_ADVICE.get(f.code) or ("", ""))
+        if cause is not None and f.code in _SMALL_GRADIENT:
+            text = (f"Small gradients are not the problem while the run diverges ({cause.code}): fix that first, "
+                    "and do not raise any learning rate while it does. Look at this again once the loss falls.")
+            snippet = ""
+        elif RANK[worst] >= RANK["warning"] and f.severity == "notice" and f.code in _NO_ACTION:
+            continue
+        if f.code == "dead" and not (set(ctx.get("modules", ())) & _RELU_FAMILY):
+            rec = sorted(set(ctx.get("modules", ())) & _RECURRENT)
+            text = ("Most gradient values are exactly zero and the model has no ReLU units"
+                    + (f" (it uses {', '.join(rec)})" if rec else "")
+                    + ": look for parameters the loss does not reach (unused embedding rows or heads, a "
+                      "detached branch) or saturated gates (sigmoid/tanh at their limits).")
+            snippet = ("unused = [n for n, p in model.named_parameters()\n"
+                       "          if p.grad is not None and (p.grad == 0).float().mean() > 0.5]\n"
+                       "print('mostly-zero gradients:', unused)")
+        if ctx.get("scaler") and "clip_grad_norm_(" in snippet and "unscale_" not in snippet:
+            # under a GradScaler the gradients must be unscaled before the clip (or use the fused call)
+            snippet = snippet.replace("loss.backward()\n", "scaler.scale(loss).backward()\n")
+            snippet = _indent_replace(snippet)
+            snippet = snippet.replace("optimizer.step()", "scaler.step(optimizer); scaler.update()")
+        if text:
+            out.append((f.code, text, snippet))
+    return out
+
+
+def reword_notices(findings: list[Finding]) -> None:
+    """In a run with a warning or a critical finding, a notice's "no action needed" is about that notice
+    alone: say so (in place), so it does not read as the run's verdict."""
+    if not any(RANK[f.severity] >= RANK["warning"] for f in findings):
+        return
+    for f in findings:
+        if f.severity == "notice" and "no action needed" in f.detail and "by itself" not in f.detail:
+            f.detail = f.detail.replace("no action needed", "no action needed by itself (see the findings above)")
+
+
+# notices whose advice is "nothing to do": left out when a warning or critical finding is present
+_NO_ACTION = {"small_but_learning", "increasing", "amp_skipped"}
+
+
+def _indent_replace(snippet: str) -> str:
+    lines = []
+    for line in snippet.split("\n"):
+        if "clip_grad_norm_(" in line:
+            pad = line[:len(line) - len(line.lstrip())]
+            lines.append(pad + "scaler.unscale_(optimizer)   # the GradScaler's gradients are scaled: unscale first")
+        lines.append(line)
+    return "\n".join(lines)
+

@@ -1,0 +1,170 @@
+"""The interceptors of ``python -m fastgrad.check`` that spot the red flags of a training loop: where the clip
+runs (between scale and unscale_, after the step, inside an accumulation window), with which bound, whether
+the gradients are zeroed, what the GradScaler did. Host bookkeeping only: nothing here reads a device value.
+A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the state."""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+
+import torch
+from torch import Tensor
+
+from ...stats import grad_stats
+
+__all__ = ["RedFlagInterceptors", "scaler_classes"]
+
+
+def scaler_classes() -> list[type]:
+    """torch.amp.GradScaler and every subclass known at install time (FSDP's ShardedGradScaler is imported
+    for the purpose when torch.distributed is built). A subclass the script defines later and that overrides
+    these methods without calling the base class is not seen."""
+    if torch.distributed.is_available():
+        try:
+            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")  # defines the subclass
+        except Exception:  # noqa: BLE001 - a broken distributed build must not stop the check
+            pass
+    out, todo = [], [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in out:
+            out.append(cls)
+            todo += cls.__subclasses__()
+    return out
+
+
+
+class RedFlagInterceptors:
+    """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``
+    and ``Optimizer.__init__``; each returns the replacement of ``orig``."""
+
+    def _wrap_opt_init(self, orig):
+        chk = self
+
+        def __init__(opt, *args, **kwargs):
+            chk.optimizers_made += 1
+            return orig(opt, *args, **kwargs)
+        return __init__
+
+
+    def _wrap_zero_grad(self, orig):
+        chk = self
+
+        def zero_grad(self_, *args, **kwargs):
+            chk._zeroed = True
+            chk._any_zero = True
+            chk.zero_grad_calls += 1
+            if chk._m_row is not None and not chk._opt_started:
+                if chk._m_clip and not chk._m_zeroed:
+                    try:  # the gradients the hand-written update consumed: clipped since the backward
+                        chk._m_used = chk._stats_row(grad_stats(chk._m_named))
+                    except Exception as e:  # noqa: BLE001
+                        chk.errors.append(f"zero_grad: could not read the gradients: {e}")
+                chk._m_zeroed = True
+            return orig(self_, *args, **kwargs)
+        return zero_grad
+
+    def _wrap_scale(self, orig):
+        chk = self
+
+        def scale(scaler, outputs):
+            out = orig(scaler, outputs)
+            if scaler.is_enabled() and isinstance(out, Tensor) and isinstance(outputs, Tensor):
+                # lets backward find the unscaled loss and know that the grads it makes are scaled
+                chk._scaled = (weakref.ref(out), outputs.detach())
+                chk.scaler_used = True
+            return out
+        return scale
+
+    def _wrap_unscale(self, orig):
+        chk = self
+
+        def unscale_(scaler, optimizer):
+            chk._grads_scaled = False
+            return orig(scaler, optimizer)
+        return unscale_
+
+    def _wrap_scaler_step(self, orig):
+        chk = self
+
+        def step(scaler, optimizer, *args, **kwargs):
+            before = chk.steps_done
+            out = orig(scaler, optimizer, *args, **kwargs)
+            if chk.steps_done == before:  # the scaler found Inf/NaN and skipped optimizer.step()
+                chk.skipped += 1
+                chk._opt_started = True
+                chk._last_opt = optimizer
+                chk._boundary(optimizer, skipped=True)
+            return out
+        return step
+
+    def _wrap_clip(self, orig, bound_at: int | None = 1):
+        """``bound_at``: the position of the function's ``max_norm`` argument (None: a clip without a norm
+        bound, e.g. clip_grad_value_'s clip_value or AGC's clipping ratio, which are never quoted as one)."""
+        chk = self
+
+        def clip(*args, **kwargs):
+            if chk._clip_depth:
+                return orig(*args, **kwargs)
+            chk._on_clip(args, kwargs, bound_at)
+            chk._clip_depth += 1
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                chk._clip_depth -= 1
+            # A norm of still-scaled gradients is not the gradient norm: keep it out of the history.
+            # Only a clip between backward and step tells the norm the step would have used.
+            if isinstance(out, Tensor) and out.dim() == 0 and not chk._grads_scaled and chk._bw:
+                chk._clip_norm = out.detach()
+            return out
+        return clip
+
+    def _wrap_fused_amp(self, orig):
+        chk = self
+        clip = self._wrap_clip(orig, bound_at=2)  # (scaler, optimizer, max_norm)
+
+        def scaler_unscale_and_clip(*args, **kwargs):
+            if not chk._clip_depth:
+                chk._grads_scaled = False  # it unscales before it clips
+            return clip(*args, **kwargs)
+        return scaler_unscale_and_clip
+
+    def _wrap_guard_clip(self, orig):
+        """StepGuard.clip_(scaler=None): a clip (its norm is the one before clipping, its bound the guard's
+        max_norm) that also unscales when given a scaler."""
+        chk = self
+        clip = self._wrap_clip(orig, bound_at=None)
+
+        def clip_(guard, scaler=None):
+            if not chk._clip_depth and scaler is not None:
+                chk._grads_scaled = False
+            out = clip(guard, scaler)
+            if guard.max_norm is not None and chk._bw:
+                chk._clip_max = float(guard.max_norm)
+            return out
+        return clip_
+
+    def _on_clip(self, args=(), kwargs=None, bound_at: int | None = 1) -> None:
+        kwargs = kwargs or {}
+        self.clip_calls += 1
+        self._clips += self._bw > 0
+        # the clip's max_norm: a host number when the script passed one (a value clip's or AGC's bound is
+        # not a norm bound, and is not quoted as one)
+        bound = None
+        if bound_at is not None:
+            bound = kwargs.get("max_norm", args[bound_at] if len(args) > bound_at else None)
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            self._clip_max = float(bound)
+        if self._m_row is not None and not self._opt_started:
+            self._m_clip = True
+            self._m_clip_max = self._clip_max
+        step = self.steps_done + 1
+        if self._grads_scaled:
+            self.flags["clip_scaled"].append(step)
+        if self._bw == 0 and self.steps_done:
+            # after optimizer.step() and before the next backward: this clip changes nothing the optimizer uses
+            self.flags["clip_after_step"].append(self.steps_done)
+        elif self._bw:
+            self._clip_after_bw = True
+

@@ -1,0 +1,61 @@
+"""Names for what a checked run steps: each parameter after the module path it has in the script's models
+(the watcher's roots), each optimizer as a series ("Adam #2 (opt_g)", numbered in the order it first steps,
+named after the script's variable when one holds it). A mixin of
+:class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the state."""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+
+import torch
+
+__all__ = ["ParameterNames"]
+
+
+class ParameterNames:
+    def _named(self, opt) -> list:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        cached = self._named_cache.get(id(opt))
+        if cached is None or cached[0] != len(params):
+            self._refresh_names()
+            named = [(self._names.get(id(p), f"param_groups.{gi}.{i}"), p)
+                     for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
+            self._named_cache[id(opt)] = cached = (len(params), named)
+        return cached[1]
+
+    def _refresh_names(self) -> None:
+        roots = [r() for r in self.watcher._roots] if self.watcher else []
+        for k, root in enumerate(r for r in roots if r is not None):
+            prefix = "" if not self._names else type(root).__name__ + ":"
+            for n, p in root.named_parameters():
+                self._names.setdefault(id(p), prefix + n)
+            # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
+            for m in root.modules():
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                    self._row_sparse_ids.add(id(m.weight))
+            self.module_types.update(type(m).__name__ for m in root.modules())
+
+    def _series_of(self, opt) -> int:
+        k = self._series.get(id(opt))
+        if k is None:
+            k = self._series[id(opt)] = len(self.series_names)
+            var = self._var_name(opt)
+            self.series_names.append(f"{type(opt).__name__} #{k + 1}" + (f" ({var})" if var else ""))
+            self._opt_refs.append(weakref.ref(opt))
+            lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+            self.series_lr.append(lr if isinstance(lr, (int, float)) else None)
+        return k
+
+    def _var_name(self, obj) -> str | None:
+        """The name the script gave ``obj`` (a variable in one of the script's frames on the stack)."""
+        f = sys._getframe(1)
+        while f is not None:
+            if os.path.abspath(f.f_code.co_filename) == self.script_path:
+                for scope in (f.f_locals, f.f_globals):
+                    for n, v in scope.items():
+                        if v is obj and not n.startswith("_") and n != "self":
+                            return n
+            f = f.f_back
+        return None

@@ -1,0 +1,104 @@
+"""The optimizer step hooks of a checked run: right before ``step()`` (or, with ``step(closure)``, when the
+closure's FIRST evaluation returns) the fused ``grad_stats`` pass reads the step's gradients and keeps the
+results on the device; NaN/Inf gradients of later closure evaluations are counted too; after the step the
+step's row is closed (``Checker._boundary``). A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`,
+which owns the state."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...stats import grad_stats
+from .steps import StopCheck
+
+__all__ = ["OptimizerStepReader"]
+
+
+class OptimizerStepReader:
+    def _grad_stats(self, named0: list):
+        """grad_stats of (name, parameter) pairs (it reads sparse gradients through their values), with the
+        watched modules' embeddings named as row-sparse (the depth rule leaves out rows a batch never
+        looked up)."""
+        stats = grad_stats(named0)
+        if self._row_sparse_ids:
+            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
+            if extra:
+                stats.row_sparse = list(stats.row_sparse) + extra
+        return stats
+
+
+    def _pre_step(self, opt, args, kwargs):
+        if not self._opt_started:  # the first optimizer step: the hand-written-loop reading ends
+            self._opt_started = True
+            self._m_steps, self._m_host, self._m_row, self._m_used = [], [], None, None
+        self._evals, self._step_losses, self._extra_bad = 0, None, None
+        self._read_this_step = False
+        # the hook's args start with the optimizer itself (torch passes step()'s own *args)
+        at = 1 if args and args[0] is opt else 0
+        closure = kwargs.get("closure", args[at] if len(args) > at else None)
+        if callable(closure):
+            return self._wrap_closure(opt, closure, args, kwargs, at)
+        try:
+            self._record_stats(opt)
+        except Exception as e:  # noqa: BLE001 - the checker must never break the user's training step
+            self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
+            self.last_stats, self._read_failed = None, True
+        return None
+
+    def _wrap_closure(self, opt, closure, args, kwargs, at):
+        chk = self
+
+        def closure_read(*a, **k):
+            if chk._evals:  # a later evaluation: its own backward calls, its own clip placement
+                chk._bw = 0
+                chk._clip_after_bw = chk._bw_after_clip = False
+            out = closure(*a, **k)
+            chk._evals += 1
+            try:
+                if chk._evals == 1:
+                    chk._record_stats(opt)
+                    chk._step_losses = list(chk._losses)
+                else:
+                    st = grad_stats(chk._named(opt))
+                    if len(st):
+                        bad = (st.nan + st.inf).to(torch.int64)
+                        chk._extra_bad = bad.sum() if chk._extra_bad is None else chk._extra_bad + bad.sum()
+                        if chk._bad_steps is not None and chk._bad_names == st.names:
+                            chk._bad_steps += (bad > 0).to(torch.int64)
+            except Exception as e:  # noqa: BLE001
+                chk.errors.append(f"step {chk.steps_done + 1}: could not read the gradients: {e}")
+                chk._read_failed = chk._read_failed or chk._evals == 1
+            return out
+
+        functools.update_wrapper(closure_read, closure)
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=closure_read)
+        args = tuple(args)
+        return args[:at] + (closure_read,) + args[at + 1:], kwargs
+
+    def _record_stats(self, opt) -> None:
+        self._last_opt = opt
+        stats = self._grad_stats(self._named(opt))
+        self.last_stats = stats
+        self._read_this_step = True
+        if len(stats):
+            bad = ((stats.nan + stats.inf) > 0).to(torch.int64)
+            if self._bad_steps is None or self._bad_names != stats.names:
+                self._bad_steps, self._bad_names = torch.zeros_like(bad), list(stats.names)
+            self._bad_steps += bad
+
+    def _post_step(self, opt, args, kwargs) -> None:
+        if not self._read_this_step and not self._read_failed:  # a closure the optimizer never called
+            try:
+                self._record_stats(opt)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
+                self._read_failed = True
+        try:
+            self._boundary(opt, skipped=False)
+        except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
+            self.errors.append(f"step {self.steps_done}: step hook: {e}")
+        if self.max_steps is not None and self.steps_done >= self.max_steps:
+            raise StopCheck()

@@ -1,0 +1,196 @@
+"""Where a NaN was born: a forward watcher that costs no host sync until it is asked.
+
+Forward hooks on every module check each floating output for NaN/Inf on the device and fold the result into
+ONE device-side int64 "first bad call" key with ``torch.minimum``. The key packs the step, the call's index in
+execution order within that step and the module's id, so the smallest key is the first module, in execution
+order, whose output became non-finite. Hooks fire when a module *finishes*, so an inner module that made the
+NaN is seen before the containers whose outputs merely carry it. Reading the key (``first_nonfinite()``) is
+the only sync.
+
+::
+
+    watcher = fastgrad.ForwardWatcher(model, optimizer)   # optimizer: advances the step after each step()
+    ...train...
+    origin = watcher.first_nonfinite()                    # one sync; None when every output stayed finite
+    if origin: print(origin)                              # "first non-finite output: layers.2 (Log) at step 7"
+    watcher.remove()
+
+Without a model, ``ForwardWatcher()`` hooks every module globally (what ``python -m fastgrad.check`` uses):
+modules called outside any other module are roots and name their submodules.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ForwardWatcher", "NonFiniteOrigin"]
+
+# Key layout (bits, low to high): module id 20, call index within the step 20, step 23. Larger values saturate
+# at the field's maximum, which keeps the key ordered (a later call never sorts before an earlier one).
+_MOD_BITS, _CALL_BITS, _STEP_BITS = 20, 20, 23
+_NONE = (1 << 63) - 1
+
+
+@dataclass
+class NonFiniteOrigin:
+    """The first module call whose output held a NaN or Inf: its name, class, the step (0-based, as counted
+    by the watcher) and the call's position in execution order within that step."""
+
+    module: str
+    module_type: str
+    step: int
+    call: int
+
+    def __str__(self) -> str:
+        return (f"first non-finite output: {self.module} ({self.module_type}) at step {self.step}, "
+                f"module call #{self.call} of that step")
+
+
+def _tensors(out, depth: int = 0):
+    """Floating (and complex) tensors of a module's output: tensors, tuples/lists, dicts (incl. HF
+    ``ModelOutput``) up to a small depth; integer/bool tensors and other objects cannot be non-finite."""
+    if isinstance(out, Tensor):
+        if out.is_floating_point() or out.is_complex():
+            yield out
+    elif depth < 4 and isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o, depth + 1)
+    elif depth < 4 and isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o, depth + 1)
+
+
+class ForwardWatcher:
+    """Watch module outputs for the first NaN/Inf without host syncs.
+
+    ``model``: hook this module and its submodules (names as in ``named_modules()``); None hooks every
+    module globally until :meth:`remove`. ``optimizer`` (optional, one or a list): the step counter
+    advances after each of its ``step()`` calls; otherwise call :meth:`step` yourself once per step.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None):
+        self.step_index = 0
+        self._call = 0
+        self._key: Tensor | None = None  # allocated on the first watched output's device
+        self._mods: list[tuple[weakref.ref, str, str]] = []
+        self._ids: dict[int, int] = {}
+        self._handles = []
+        self._depth = 0
+        self._roots: list[weakref.ref] = []
+        if model is not None:
+            for name, m in model.named_modules():
+                mid = self._register(m, name or type(m).__name__)
+                self._handles.append(m.register_forward_hook(self._make_hook(mid)))
+        else:
+            from torch.nn.modules import module as M
+
+            self._handles.append(M.register_module_forward_pre_hook(self._global_pre))
+            self._handles.append(M.register_module_forward_hook(self._global_post, always_call=True))
+        opts = [] if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in opts:
+            self._handles.append(opt.register_step_post_hook(lambda *_: self.step()))
+
+    # ---------------------------------------------------------------- bookkeeping (host only)
+    def _register(self, m: torch.nn.Module, name: str) -> int:
+        mid = self._ids.get(id(m))
+        if mid is None:
+            mid = self._ids[id(m)] = len(self._mods)
+            self._mods.append((weakref.ref(m), name, type(m).__name__))
+        return mid
+
+    def _name_root(self, root: torch.nn.Module) -> None:
+        # The first root keeps bare names (as its named_parameters() do); later roots are prefixed by class.
+        prefix = "" if not self._roots else type(root).__name__ + ":"
+        self._roots.append(weakref.ref(root))
+        for name, m in root.named_modules():
+            if id(m) not in self._ids:
+                self._register(m, prefix + name if name else type(root).__name__)
+
+    def _global_pre(self, module, args) -> None:
+        if self._depth == 0 and id(module) not in self._ids:
+            self._name_root(module)
+        self._depth += 1
+
+    def _global_post(self, module, args, output) -> None:
+        self._depth = max(0, self._depth - 1)
+        mid = self._ids.get(id(module))
+        if mid is None:  # created after its root was first named
+            mid = self._register(module, f"<unnamed {type(module).__name__}>")
+        self._observe(mid, output)
+
+    def _make_hook(self, mid: int):
+        def hook(module, args, output):
+            self._observe(mid, output)
+        return hook
+
+    # ---------------------------------------------------------------- the hot path: device ops only
+    def _observe(self, mid: int, output) -> None:
+        call = self._call
+        self._call += 1
+        key = None
+        for t in _tensors(output):
+            if not t.numel():
+                continue
+            if key is None:
+                step = min(self.step_index, (1 << _STEP_BITS) - 1)
+                c = min(call, (1 << _CALL_BITS) - 1)
+                key = (step << (_MOD_BITS + _CALL_BITS)) | (c << _MOD_BITS) | min(mid, (1 << _MOD_BITS) - 1)
+                if self._key is None:
+                    self._key = torch.full((), _NONE, dtype=torch.int64, device=t.device)
+            # amax propagates NaN and abs keeps Inf: one reduction answers "non-finite anywhere".
+            finite = torch.isfinite(t.detach().abs().amax())
+            if finite.device != self._key.device:
+                finite = finite.to(self._key.device, non_blocking=True)
+            torch.minimum(self._key, torch.where(finite, _NONE, key), out=self._key)
+
+    # ---------------------------------------------------------------- public
+    def step(self) -> None:
+        """Advance the step counter (called by the optimizer hook when one was given)."""
+        self.step_index += 1
+        self._call = 0
+        self._depth = 0
+
+    def reset(self) -> None:
+        """Forget what was seen (the step counter keeps running)."""
+        if self._key is not None:
+            self._key.fill_(_NONE)
+
+    def first_nonfinite(self) -> NonFiniteOrigin | None:
+        """The first module call whose output was non-finite, or None. One host sync."""
+        if self._key is None:
+            return None
+        key = int(self._key.item())
+        return self._decode(key)
+
+    def device_key(self) -> Tensor | None:
+        """The raw device key (for callers that batch it into their own single read); decode with
+        :meth:`decode`."""
+        return self._key
+
+    def decode(self, key: int) -> NonFiniteOrigin | None:
+        return self._decode(int(key))
+
+    def _decode(self, key: int) -> NonFiniteOrigin | None:
+        if key == _NONE:
+            return None
+        mid = key & ((1 << _MOD_BITS) - 1)
+        call = (key >> _MOD_BITS) & ((1 << _CALL_BITS) - 1)
+        step = key >> (_MOD_BITS + _CALL_BITS)
+        _, name, typ = self._mods[mid]
+        return NonFiniteOrigin(name, typ, step, call)
+
+    def remove(self) -> None:
+        """Remove every hook this watcher registered."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> "ForwardWatcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()

@@ -1,0 +1,84 @@
+"""Renderings of a checked run (``CheckResult``): the Markdown report and the JSON document. Presentation
+only: findings, advice and verdict are decided before."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..advice import advise
+from ..finding import fmt
+
+__all__ = ["to_markdown", "to_dict", "sample"]
+
+
+def sample(steps: list, k: int, must=()) -> list:
+    """About ``k`` steps spread over the run, plus every step in ``must`` (where a finding fired)."""
+    if len(steps) <= k:
+        return list(steps)
+    idx = {round(i * (len(steps) - 1) / (k - 1)) for i in range(k)}
+    want = set(must)
+    idx |= {i for i, r in enumerate(steps) if r.step in want}
+    return [steps[i] for i in sorted(idx)]
+
+
+def _affected(layers: list[str], limit: int = 8) -> str:
+    uniq = list(dict.fromkeys(layers))  # once each, in order
+    more = len(uniq) - limit
+    return ", ".join(uniq[:limit]) + (f", ... (+{more})" if more > 0 else "")
+
+
+def to_markdown(res) -> str:
+    cmd = " ".join([res.script] + res.args)
+    n = len(res.steps)
+    how = " (stopped by --steps)" if res.stopped else (" (the script crashed)" if res.crashed else "")
+    unit = ("training step(s) of a hand-written loop" if res.steps and res.steps[0].source == "backward"
+            else "optimizer step(s)")
+    out = ["## Gradient Health Report", "",
+           f"Script: `{cmd}`; {n} {unit} checked{how}. Overall status: **{res.status.upper()}**.",
+           "", "### Summary", "", "| Metric | Value | Status |", "|---|---|---|"]
+    out += [f"| {m} | {v} | {s} |" for m, v, s in res.summary]
+    out += ["", "### Gradient Norm Trend", "", f"Trend: **{res.trend}**.", ""]
+    rows = sample(res.steps, 12, res.key_steps)
+    multi = len(res.series) > 1
+    if rows:
+        out += ["| Step |" + (" Optimizer |" if multi else "") + " Norm (used) | Norm before clip | Loss |",
+                "|---|" + ("---|" if multi else "") + "---|---|---|"]
+        for r in rows:
+            mark = ((" (skipped)" if r.skipped else "") + (" (guard skipped)" if r.guard_skipped else "")
+                    + (" (!)" if r.step in res.key_steps else ""))
+            before = ("inf (overflow)" if r.overflow else fmt(r.clip_norm)) if r.clip_norm is not None else (
+                "not readable (scaled)" if r.clipped and not r.clip_read and res.flags.get("clip_scaled") else "-")
+            out.append(f"| {r.step}{mark} |" + (f" {res.series[r.series]} |" if multi else "")
+                       + f" {fmt(r.total_norm)} | {before} | {fmt(r.loss)} |")
+        if res.key_steps:
+            out += ["", "(!) a step where a finding was triggered; always shown."]
+    out += ["", "### Issues Detected", ""]
+    if not res.findings:
+        out.append("No issues detected: the gradients look healthy.")
+    for i, f in enumerate(res.findings, 1):
+        out.append(f"{i}. **{f.severity.upper()}** `{f.code}`: {f.title}. {f.detail}"
+                   + (f" Affected: {_affected(f.layers)}." if f.layers else ""))
+    recs = advise(res.findings, res.context)
+    out += ["", "### Recommendations", ""]
+    if not recs:
+        out.append("Nothing could be checked: see above." if not res.steps else "None: keep training.")
+    out += [f"{i}. `{code}`: {text}" for i, (code, text, _) in enumerate(recs, 1)]
+    code = [f"# {code}\n{snippet}" for code, _, snippet in recs if snippet]
+    out += ["", "### Code to Add", ""]
+    out += ["```python", "\n\n".join(code), "```"] if code else ["Nothing to add."]
+    out += ["", f"Exit code: {res.exit_code}."]
+    return "\n".join(out) + "\n"
+
+
+def to_dict(res) -> dict:
+    return {
+        "script": res.script, "args": res.args, "status": res.status, "exit_code": res.exit_code,
+        "crashed": res.crashed, "crash": res.crash_text, "stopped_by_steps": res.stopped,
+        "trend": res.trend, "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,
+        "series": res.series, "key_steps": res.key_steps,
+        "summary": [{"metric": m, "value": v, "status": s} for m, v, s in res.summary],
+        "findings": [asdict(f) for f in res.findings],
+        "recommendations": [{"code": c, "text": t, "code_to_add": s} for c, t, s in advise(res.findings, res.context)],
+        "steps": [asdict(r) | {"grad_norm": r.grad_norm, "overflow": r.overflow} for r in res.steps],
+        "last_step_report": None if res.last is None else res.last.to_dict(),
+    }

@@ -1,0 +1,269 @@
+"""The result of a checked run (``CheckResult``) and how it is built from a finished ``Checker``
+(``build_result``): the host view of the run (``RunView``), every rule of ``rules.registry`` evaluated on it,
+then the verdict (status, exit code), the per-series trend labels and the summary table, which never say
+more than the findings do. Renderings: ``render.run_text`` (Markdown, JSON) and ``render.plot``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .advice import reword_notices
+from .collect.steps import StepRecord
+from .finding import Finding, fmt, steps_text
+from .render import plot as _plot, run_text
+from .report import GradientReport
+from .rules.base import RunView, median
+from .rules.nonfinite import trace_origin
+from .rules.registry import evaluate
+from .rules.run_state import nothing_checked
+from .thresholds import RANK, Thresholds, rate_norm, worst
+
+__all__ = ["CheckResult", "build_result", "EXIT_CODES"]
+
+EXIT_CODES = {
+    0: "no critical finding (warnings and notices may be present)",
+    1: "a critical finding (NaN/Inf gradients or loss, norm > 1000 or overflowed, no learning, a critical red flag)",
+    2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
+       "missing script), found before the script runs",
+    3: "the script raised an exception or exited with a non-zero status (the report covers what ran)",
+    4: "nothing could be checked: no optimizer step and no scalar backward() (the report says why)",
+}
+
+
+@dataclass
+class CheckResult:
+    script: str
+    args: list[str]
+    steps: list[StepRecord]
+    findings: list[Finding]
+    summary: list[tuple[str, str, str]]
+    trend: str
+    origin: str | None
+    last: GradientReport | None
+    crashed: bool = False
+    crash_text: str | None = None
+    stopped: bool = False
+    exit_code: int = 0
+    flags: dict = field(default_factory=dict)
+    series: list[str] = field(default_factory=list)
+    key_steps: list[int] = field(default_factory=list)  # steps the trend table always shows
+    context: dict = field(default_factory=dict)
+    #: where the run's first NaN/Inf was born (``rules.nonfinite.trace_origin``): where ("forward", "loss",
+    #: "backward"), step, module, text; None when everything stayed finite
+    born: dict | None = None
+
+    @property
+    def status(self) -> str:
+        if not self.steps or all(r.unread for r in self.steps):
+            return "not checked"
+        return worst(*(f.severity for f in self.findings))
+
+    def codes(self, severity: str | None = None) -> list[str]:
+        return [f.code for f in self.findings if severity is None or f.severity == severity]
+
+    def to_markdown(self) -> str:
+        return run_text.to_markdown(self)
+
+    def to_dict(self) -> dict:
+        return run_text.to_dict(self)
+
+    def plot(self, path: str) -> str:
+        """Gradient norm per step and optimizer and the loss, as a PNG (``render.plot.plot_run``)."""
+        return _plot.plot_run(self, path)
+
+
+def _order(findings: list[Finding]) -> list[Finding]:
+    """Most severe first; within a severity, the earliest step first (the cause before its consequences),
+    findings without steps after those with, rule order otherwise."""
+    idx = {id(f): i for i, f in enumerate(findings)}
+    return sorted(findings, key=lambda f: (-RANK[f.severity], min(f.steps) if f.steps else math.inf, idx[id(f)]))
+
+
+def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text: str | None, stopped: bool,
+                 max_steps: int | None) -> CheckResult:
+    """Turn a finished :class:`~fastgrad.diagnose.collect.hooks.Checker` into findings, a summary and an exit
+    code. Reads the device state left by the run (the watcher's key, the last statistics): a few syncs, once,
+    at the end."""
+    steps = chk.steps
+    manual = bool(steps) and steps[0].source == "backward"
+    names = (["hand-written loop"] if manual else list(chk.series_names)) or ["steps"]
+    run = RunView(steps=steps, names=names, manual=manual,
+                  lrs=list(getattr(chk, "series_lr", [])) if not manual else [],
+                  flags={k: list(v) for k, v in chk.flags.items()}, clip_calls=chk.clip_calls,
+                  zero_grad_calls=chk.zero_grad_calls, amp_skipped=chk.skipped,
+                  optimizers_made=getattr(chk, "optimizers_made", 0), backward_calls=chk.backward_calls,
+                  scalar_backward_calls=chk.scalar_backward_calls, errors=list(chk.errors), crashed=crashed,
+                  crash_text=crash_text,
+                  ctx={"scaler": getattr(chk, "scaler_used", False),
+                       "modules": sorted(getattr(chk, "module_types", ()))})
+    used = run.used
+    per = run.per
+    run.last_series = used[-1].series if used else 0
+    if chk.last_stats is not None and len(chk.last_stats) and used:
+        hist = [r.loss for r in per[run.last_series] if r.loss is not None]
+        run.last = GradientReport.from_stats(chk.last_stats, None, loss_history=hist or None, step=used[-1].step)
+    run.forward_origin = chk.watcher.first_nonfinite() if chk.watcher is not None else None
+    if chk._bad_steps is not None:
+        run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
+
+    findings = _order(evaluate(run))
+    reword_notices(findings)
+    trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
+              if recs else "no steps read" for k, recs in per.items()]
+    trend = "; ".join(run.label(k) + t for k, t in enumerate(trends)) or "no steps"
+    o = trace_origin(run)
+    fo = run.forward_origin
+    # the watcher's own answer, kept as it was: the first non-finite module output
+    first_output = None if fo is None else (f"{fo.module} ({fo.module_type})" if manual
+                                            else f"{fo.module} ({fo.module_type}) at step {fo.step + 1}")
+    summary = _summary(run, findings, trends, o, stopped)
+    status = worst(*(f.severity for f in findings))
+    exit_code = 3 if crashed else (4 if nothing_checked(run) else (1 if status == "critical" else 0))
+    born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
+    return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
+                       stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+
+
+# ---------------------------------------------------------------------------------------------- trend labels
+def _trend_label(recs: list[StepRecord], mine: list[Finding]) -> str:
+    """The trend of one series, never contradicting its findings: a broken series names itself first, then
+    divergence and the threshold findings; without a finding, the first and last quarters' medians."""
+    bad = [r.step for r in recs if r.bad]
+    bl = [r.step for r in recs if r.loss is not None and not math.isfinite(r.loss)]
+    if bad:
+        return f"diverged: non-finite from step {bad[0]}"
+    label = _norm_label(recs, mine)
+    if bl:  # finite norms, broken loss: the trend says both
+        return f"loss non-finite from step {bl[0]} (norm: {label})"
+    return label
+
+
+def _norm_label(recs: list[StepRecord], mine: list[Finding]) -> str:
+    by = {f.code: f for f in mine}
+    div, exp, zero = by.get("loss_diverging"), by.get("exploding"), by.get("zero_grads")
+    over = [r for r in recs if r.overflow]
+    if over:
+        return (f"exploding: the norm overflowed float32 at {len(over)} step(s) from step {over[0].step} "
+                f"({len([r for r in recs if r.overflow or r.grad_norm > 1000])} step(s) above 1000)")
+    if zero is not None:
+        return f"all zero from step {zero.evidence['first_step']} ({zero.evidence['count']} step(s))"
+    fin = [r for r in recs if math.isfinite(r.grad_norm)]
+    if (div is not None and div.severity == "critical") or (
+            exp is not None and exp.severity == "critical" and recs[-1].step in exp.steps):
+        pk = max(fin, key=lambda r: r.grad_norm)
+        return f"diverging: norm {fmt(fin[0].grad_norm)} at step {fin[0].step} -> {fmt(pk.grad_norm)} at step {pk.step}"
+    if div is not None and div.severity == "warning":
+        return f"loss rising ({div.evidence['ratio']:.3g}x its start)"
+    codes = {f.code for f in mine}
+    if exp is not None:
+        pk = max(fin, key=lambda r: r.grad_norm)
+        lim = "1000" if exp.severity == "critical" else "100"
+        return (f"above {lim} at {len(exp.steps)} step(s) (peak {fmt(pk.grad_norm)} at step {pk.step}), "
+                f"{fmt(recs[-1].grad_norm)} at the last step")
+    if "increasing" in codes and by["increasing"].severity != "notice":
+        return "increasing"
+    if "decaying" in codes:
+        return "decaying"
+    if "spike" in codes:
+        return f"spikes (steps {steps_text(by['spike'].steps)})"
+    vals = [r.grad_norm for r in fin if r.grad_norm > 0]
+    if len(vals) >= 4:
+        q = max(1, len(vals) // 4)
+        ratio = median(vals[-q:]) / median(vals[:q])
+        if ratio >= 10 or ratio <= 0.1:
+            return (f"{'rising' if ratio > 1 else 'falling'} {ratio:.3g}x (first to last quarter's median; "
+                    "inside the guide's ranges)")
+    if "increasing" in codes:
+        return "rising inside the healthy range while the loss falls"
+    return "stable"
+
+
+# ---------------------------------------------------------------------------------------------- summary table
+def _sev(findings: list[Finding], *codes: str, series: int | None = None) -> str:
+    """The worst severity of the findings with these codes (about ``series`` only, when given)."""
+    return worst(*(f.severity for f in findings if f.code in codes
+                   and (series is None or f.evidence.get("series", series) == series)))
+
+
+_NORM_CODES = ("nonfinite", "no_learning", "elevated", "low", "vanishing", "small_but_learning")
+
+
+def _summary(run: RunView, findings: list[Finding], trends: list[str], born, stopped: bool):
+    th = Thresholds()
+    rows = []
+    steps, used, per, names, last = run.steps, run.used, run.per, run.names, run.last
+    n = len(steps)
+    what = " (hand-written loop: no torch.optim step)" if run.manual else ""
+    if run.multi:
+        what += " (" + ", ".join(f"{names[k]}: {len(per[k])}" for k in per) + ")"
+    ng = len(run.guarded)
+    rows.append(("Steps checked", f"{n}{what}" + (f" ({run.amp_skipped} skipped by the GradScaler)"
+                                                  if run.amp_skipped else "")
+                 + (f" ({ng} skipped by the step guard)" if ng else "") + (" (stopped by --steps)" if stopped else ""),
+                 "healthy" if n else "warning"))
+    for k, recs in per.items():
+        sfx = f" [{names[k]}]" if run.multi else ""
+        if not recs:
+            continue
+        lastn = recs[-1]
+        own = rate_norm(lastn.total_norm, th)
+        if lastn.total_norm == 0 and (lastn.overflow or (lastn.clipped and lastn.clip_norm)):
+            own = _sev(findings, "exploding", "clip_zeroes", series=k)  # the clip's zeros: judged there
+        elif k == run.last_series:  # the last step's own classification (small but learning, no learning...)
+            rep = _sev(findings, *_NORM_CODES, "clip_zeroes", "zero_grads")
+            own = rep if (lastn.total_norm < th.vanishing or lastn.total_norm == 0) else worst(own, rep)
+        else:
+            own = worst(own, _sev(findings, "zero_grads", series=k)) if lastn.total_norm == 0 else own
+        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm), own))
+        if lastn.clip_norm is not None:
+            rows.append((f"Norm before clipping (last step){sfx}",
+                         fmt(lastn.clip_norm) + (" (overflowed float32)" if lastn.overflow else ""),
+                         worst(rate_norm(lastn.clip_norm, th) if lastn.clip_norm > 0 else "healthy",
+                               _sev(findings, "clip_scaled"))))
+        fin = [r for r in recs if math.isfinite(r.grad_norm)]
+        over = [r for r in recs if r.overflow]
+        if over:
+            rows.append((f"Max grad norm (run){sfx}", f"inf (overflowed float32) at step {over[0].step}", "critical"))
+        elif fin:
+            pk = max(fin, key=lambda r: r.grad_norm)
+            rows.append((f"Max grad norm (run){sfx}", f"{fmt(pk.grad_norm)} at step {pk.step}",
+                         rate_norm(pk.grad_norm, th) if pk.grad_norm > 0 else
+                         _sev(findings, "clip_zeroes", "no_learning", "zero_grads", series=k)))
+        trend_sev = _sev(findings, "spike", "increasing", "decaying", "exploding", "loss_diverging", "zero_grads",
+                         series=k)
+        broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
+        rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
+        losses = [r for r in recs if r.loss is not None]
+        if losses:
+            first_f = next((r.loss for r in losses if math.isfinite(r.loss)), math.nan)
+            val = f"{fmt(first_f)} -> {fmt(losses[-1].loss)}"
+            bl = [r.step for r in losses if not math.isfinite(r.loss)]
+            if bl:
+                val += f" (non-finite at {len(bl)} step(s), first at step {bl[0]})"
+            rows.append((f"Loss (first -> last step){sfx}", val,
+                         "critical" if bl else _sev(findings, "loss_diverging", series=k)))
+        else:
+            rows.append((f"Loss{sfx}", "not seen (no scalar backward() in the step)", "notice"))
+    nparams = len(last.params) if last else 0
+    nbad = len({n for f in findings if f.code in ("nonfinite", "nonfinite_history") for n in f.layers})
+    whose = f" ({names[run.last_series]}'s, last step)" if run.multi else ""
+    bad_grad = [r.step for r in used if r.bad]
+    rows.append(("NaN/Inf parameters", f"{nbad} of {nparams}{whose}" + (f" (first at step {bad_grad[0]})"
+                                                                         if bad_grad else ""),
+                 "critical" if bad_grad else "healthy"))
+    if last is not None and last.numel:
+        dead = sum(1 for r in last.params if r.numel and r.zero / r.numel > last.thresholds.dead_fraction)
+        lastr = used[-1] if used else None
+        by_clip = lastr is not None and lastr.total_norm == 0 and (lastr.overflow or bool(lastr.clip_norm))
+        rows.append(("Zero-gradient parameters",
+                     f"{dead} of {nparams} tensors mostly zero ({last.zero / last.numel:.1%} of values)"
+                     + (" (made by the clip, not by the model)" if by_clip else ""),
+                     _sev(findings, "dead", "no_learning", "clip_zeroes", "zero_grads")))
+    rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
+                 + (f": {born.module}" if born.module else ""), "critical" if born is not None else "healthy"))
+    clip = f"{run.clip_calls} call(s)" if run.clip_calls else "none"
+    rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
+                                                 "no_clipping", "clip_zeroes")))
+    rows.append(("Gradient zeroing", f"{run.zero_grad_calls} zero_grad() call(s)", _sev(findings, "no_zero_grad")))
+    return rows

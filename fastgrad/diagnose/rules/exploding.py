@@ -1,0 +1,88 @@
+"""``exploding``: the gradient norm before clipping above 1000 (critical) or 100 (warning), per optimizer,
+at every step from the first. An infinite norm of finite gradients is the largest explosion of all: the sum
+of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, fmt
+from .base import Rule, RunView
+
+__all__ = ["Exploding", "FLOAT32_NORM_MAX"]
+
+#: the largest L2 norm whose square sum float32 can hold (sqrt of float32's max, 3.4e38)
+FLOAT32_NORM_MAX = 1.8e19
+
+
+class Exploding(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        th, out = run.th, []
+        last_k = run.last_series
+        for k, recs in run.per.items():
+            over = [r for r in recs if r.overflow]
+            fin = [r for r in recs if math.isfinite(r.grad_norm)]
+            crit = [r for r in recs if r.overflow or (math.isfinite(r.grad_norm) and r.grad_norm > th.critical)]
+            warn = [r for r in fin if r.grad_norm > th.exploding]
+            hit = crit or warn
+            if not hit:
+                continue
+            pk = over[0] if over else max(fin, key=lambda r: r.grad_norm)
+            run.key_steps |= {hit[0].step, pk.step}
+            peak = "inf (overflowed float32)" if over else fmt(pk.grad_norm)
+            label = run.label(k)
+            start = recs[0]
+            clipped = [r for r in hit if r.clipped]
+            bound = next((r.clip_max for r in clipped if r.clip_max is not None), None)
+            ev = {"series": k, "first_step": hit[0].step, "count": len(hit), "peak_step": pk.step,
+                  "peak": math.inf if over else pk.grad_norm, "overflow_steps": [r.step for r in over]}
+            if bound is not None:
+                ev["max_norm"] = bound
+            if clipped and bound is not None and any(r.grad_norm > bound for r in clipped):
+                clip_text = (f" The script clips at max_norm={fmt(bound)}, so the update was bounded, but the raw "
+                             "gradients are out of range.")
+            elif clipped and bound is not None:
+                clip_text = (f" The script clips at max_norm={fmt(bound)}, above every norm seen: the clip never "
+                             "acted.")
+            elif clipped:
+                clip_text = " The script clips, but the raw gradients are out of range."
+            else:
+                clip_text = ""
+            if over:
+                zeroed = [r for r in over if r.clipped and r.total_norm == 0]
+                detail = (f"{label}The gradient norm overflowed float32 at {len(over)} step(s), first at step "
+                          f"{over[0].step}: every gradient value was finite, but their sum of squares passed "
+                          f"float32's range (a norm above ~{fmt(FLOAT32_NORM_MAX)}), so the norm came out inf"
+                          + (f" and the clip multiplied every gradient by 0 ({len(zeroed)} step(s) with a zero "
+                             "update: nothing learnt there; the zeros are the clip's, not dead units)"
+                             if zeroed else "") + ". "
+                          f"In all, the norm exceeded {fmt(th.critical)} at {len(crit)} step(s), first at step "
+                          f"{crit[0].step}; step {start.step} had {fmt(start.grad_norm)}." + run.lr_text(k))
+                out.append(Finding(self.code, "critical",
+                                   f"{label}gradient norm overflowed float32 (inf from finite gradients): the "
+                                   "largest explosion; lower the learning rate (or the loss scale)",
+                                   detail, [], [r.step for r in crit], ev | {"variant": "overflow"}))
+                continue
+            sev = "critical" if crit else "warning"
+            limit = th.critical if crit else th.exploding
+            detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), first at step "
+                      f"{hit[0].step} ({fmt(hit[0].grad_norm)}); peak {peak} at step {pk.step}; step {start.step} "
+                      f"had {fmt(start.grad_norm)}." + clip_text + (run.lr_text(k) if crit else ""))
+            layers = _largest_layers(run.last) if k == last_k else []
+            title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
+                     f"{label}gradient norm above 100: clip (max_norm=1.0)")
+            out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
+        return out
+
+
+def _largest_layers(last, k: int = 3) -> list[str]:
+    if last is None:
+        return []
+    finite = [r for r in last.layers if math.isfinite(r.norm) and r.norm > 0]
+    return [r.name for r in sorted(finite, key=lambda r: -r.norm)[:k]]
+
+
+EXPLODING = Exploding(
+    "exploding", "critical", "each step's norm before clipping, per optimizer",
+    "the norm before clipping > 1000 (critical) or > 100 (warning) at some step; an inf norm of finite "
+    "gradients (float32 overflow) is the largest explosion")

@@ -1,0 +1,101 @@
+"""``loss_diverging``: a finite loss that trends up and stays up, judged over the whole run of one optimizer.
+
+The start is the smaller of the first loss and the median of the first three (one odd first batch does not
+set it). The loss diverges (critical) when it reaches 10x that start, holds there for the next step (or to
+the end of the run), AND the median of the last quarter of the run is still 10x the start: a rise that comes
+back down is not a divergence. 3x under the same conditions is "rising" (a warning).
+
+A loss that climbs gradually (its peak in the second half of the run) while the gradient norms stay modest
+(every norm below 100) and stable (the last quarter's median norm within 2x of the first quarter's) is at
+most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+(actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
+model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
+modest norms.
+
+A series whose loss ever goes negative (a policy gradient's signed objective) is not judged: a ratio means
+nothing there."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, fmt
+from .base import Rule, RunView, median
+
+__all__ = ["LossDiverging", "loss_divergence"]
+
+
+def loss_divergence(recs, ratio: float, hold: int = 2):
+    """(base step, base loss, first step at >= ratio x base, its loss, peak step, peak loss, end level) when the
+    series' finite loss rises to ``ratio`` times its start, holds for ``hold`` steps (or to the end), and the
+    median of the run's last quarter is still at least ``ratio`` times the start; else None."""
+    pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
+    if len(pts) < 3 or min(v for _, v in pts) < 0:
+        return None
+    vals = [v for _, v in pts]
+    base = min(vals[0], median(vals[:3]))
+    if base <= 0:
+        return None
+    q = max(1, len(vals) // 4)
+    end = median(vals[-q:])
+    if end < ratio * base:  # it came back down: not a divergence over the run
+        return None
+    for i in range(1, len(pts)):
+        if min(vals[i:i + hold]) >= ratio * base:
+            j = max(range(i, len(pts)), key=lambda t: vals[t])
+            b = next(k for k in range(len(pts)) if vals[k] == base)
+            return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j], end
+    return None
+
+
+class LossDiverging(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        lim, out = run.limits, []
+        for k, recs in run.per.items():
+            sev, ratio = "critical", lim.diverge_ratio
+            d = loss_divergence(recs, ratio)
+            if d is None:
+                sev, ratio = "warning", lim.rise_ratio
+                d = loss_divergence(recs, ratio, hold=3)
+            if d is None:
+                continue
+            s0, v0, s1, v1, sp, vp, end = d
+            norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
+            q = max(1, len(norms) // 4)
+            modest = bool(norms) and max(norms) < lim.modest_norm and len(norms) == len(recs)
+            m0 = median(norms[:q]) if norms else 0.0
+            stable = m0 > 0 and median(norms[-q:]) <= 2 * m0
+            label = run.label(k)
+            nrm = {r.step: r.grad_norm for r in recs}
+            ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
+                  "end_level": end, "ratio": vp / v0}
+            pos = [r.step for r in recs].index(sp) if sp in [r.step for r in recs] else 0
+            late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
+            if modest and stable and late_peak:
+                run.key_steps.add(sp)
+                out.append(Finding(
+                    self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
+                    "modest, stable gradient norms",
+                    f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
+                    f"{fmt(end)} over the last quarter of the run, while every gradient norm stayed below "
+                    f"{fmt(lim.modest_norm)} (max {fmt(max(norms))}) and the norm's level held within 2x. That "
+                    "is how a bootstrapped value or TD loss behaves when its targets grow with the returns; not "
+                    "a divergence by itself. Watch the returns, not this loss.", steps=[sp],
+                    evidence=ev | {"variant": "bootstrapped"}))
+                continue
+            run.key_steps |= {s1, sp}
+            out.append(Finding(
+                self.code, sev,
+                f"{label}the loss is {'diverging' if sev == 'critical' else 'rising'} ({vp / v0:.3g}x its start): "
+                "the learning rate is the first suspect",
+                f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> {fmt(v1)} at step {s1} "
+                f"(>= {ratio:g}x) -> peak {fmt(vp)} at step {sp}, and still {fmt(end)} over the last quarter of "
+                f"the run (it stayed up); the gradient norm went {fmt(nrm.get(s0))} -> {fmt(nrm.get(sp))} over "
+                "the same steps." + run.lr_text(k), steps=[s1, sp], evidence=ev))
+        return out
+
+
+LOSS_DIVERGING = LossDiverging(
+    "loss_diverging", "critical", "each step's finite loss and norm, per optimizer",
+    "the loss reaches 10x its start (critical; 3x: warning) and stays up to the end of the run (the last "
+    "quarter's median); climbing gradually with modest, stable norms (a bootstrapped value/TD loss): a notice")

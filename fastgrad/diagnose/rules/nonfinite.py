@@ -1,0 +1,104 @@
+"""NaN/Inf: ``nonfinite_loss`` (the loss was NaN/Inf at some step) and ``nonfinite_history`` (the optimizer
+stepped on NaN/Inf gradients), both with where the first NaN/Inf was born (``trace_origin``)."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, steps_text
+from .base import NanOrigin, Rule, RunView
+
+__all__ = ["trace_origin", "NonfiniteLoss", "NonfiniteHistory"]
+
+
+def trace_origin(run: RunView) -> NanOrigin | None:
+    """Where the run's first NaN/Inf was born, from three clocks: the first step whose loss was non-finite,
+    the first step the optimizer stepped on non-finite gradients, and the watcher's first non-finite module
+    output. The earliest wins; at the same step, a module output explains the loss and the loss explains the
+    gradients. A module output that went non-finite only AFTER the loss or the gradients did is a
+    consequence (the weights the optimizer updated with garbage), not the birthplace."""
+    bad_loss = next((r.step for r in run.steps if r.loss is not None and not math.isfinite(r.loss)), None)
+    bad_grad = next((r.step for r in run.used if r.bad), None)
+    o = run.forward_origin
+    fwd = None if o is None else (o.step + 1 if not run.manual else None)
+    mod = None if o is None else f"{o.module} ({o.module_type})"
+    if o is not None and run.manual:  # no optimizer steps to count: the module, without a step
+        first = min(s for s in (bad_loss, bad_grad) if s is not None) if (bad_loss or bad_grad) else 1
+        return NanOrigin("forward", first, o.module, f"the first non-finite module output was {mod}")
+    firsts = [s for s in (bad_loss, bad_grad, fwd) if s is not None]
+    if not firsts:
+        return None
+    first = min(firsts)
+    later = ""
+    if fwd is not None and fwd > first:
+        later = (f"; the first non-finite module output ({mod} at step {fwd}) came after: a consequence of the "
+                 "update with non-finite values, not the source")
+    if fwd == first:
+        return NanOrigin("forward", first, o.module,
+                         f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}")
+    if bad_loss == first:
+        return NanOrigin("loss", first, None,
+                         f"born in the loss at step {first}: every module output of that step was finite, so the "
+                         "loss computation outside the modules made it (a hand-written loss: log(0), x/0, exp "
+                         "overflow)" + later)
+    return NanOrigin("backward", first, None,
+                     f"born in backward at step {first}: the loss and every module output of that step were "
+                     "finite, the gradients were not (an op with an unstable derivative, e.g. sqrt or log at 0, "
+                     "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later)
+
+
+def _origin_text(run: RunView) -> tuple[str, list[str], dict]:
+    o = trace_origin(run)
+    if o is None:
+        return "", [], {}
+    return (" The NaN/Inf was " + o.text + ".", [o.module] if o.module else [],
+            {"born_in": o.where, "born_at_step": o.step, "born_module": o.module})
+
+
+class NonfiniteLoss(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        bad = [r.step for r in run.steps if r.loss is not None and not math.isfinite(r.loss)]
+        if not bad:
+            return []
+        run.key_steps.add(bad[0])
+        finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
+        text, layers, ev = _origin_text(run)
+        return [Finding(
+            self.code, "critical", "NaN/Inf loss; check the loss before backward()",
+            f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
+            + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
+               else ".") + text, layers, bad, ev | {"first_step": bad[0], "count": len(bad)})]
+
+
+class NonfiniteHistory(Rule):
+    """Extends the last step's own ``nonfinite`` finding when the last step is non-finite too."""
+
+    def evaluate(self, run: RunView) -> list[Finding]:
+        used = run.used
+        bad = [r.step for r in used if r.bad]
+        if not bad:
+            return []
+        run.key_steps.add(bad[0])
+        later = [r.step for r in used if r.bad and r.evals > 1 and math.isfinite(r.total_norm)]
+        text, _, ev = _origin_text(run)
+        text = (f" NaN/Inf gradients at {len(bad)} step(s), first at step {bad[0]}."
+                + (f" At step(s) {steps_text(later)} they appeared in a later evaluation of the step's closure "
+                   "(the first evaluation was finite)." if later else "") + text)
+        ev = ev | {"first_step": bad[0], "count": len(bad)}
+        nf = next((f for f in run.findings if f.code == "nonfinite"), None)
+        if nf is not None:  # the last step is itself non-finite: its finding tells the history too
+            nf.detail += text
+            nf.steps = bad
+            nf.layers = nf.layers or list(run.bad_params)
+            nf.evidence.update(ev)
+            return []
+        return [Finding(self.code, "critical", "the optimizer stepped on NaN/Inf gradients", text.strip(),
+                        list(run.bad_params), bad, ev)]
+
+
+NONFINITE_LOSS = NonfiniteLoss(
+    "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
+    "gradients); names where it was born: a module's forward, the loss computation, or backward")
+NONFINITE_HISTORY = NonfiniteHistory(
+    "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
+    "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)")

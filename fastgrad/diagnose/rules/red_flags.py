@@ -1,0 +1,84 @@
+"""The red flags of a training loop, seen at run time by the interceptors: ``clip_scaled`` (a clip of
+still-scaled AMP gradients), ``clip_after_step``, ``clip_partial`` (a clip inside an accumulation window),
+``no_zero_grad`` (gradients never zeroed) and ``no_clipping`` (nothing clips a norm above 100)."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, fmt, steps_text
+from .base import Rule, RunView
+from .exploding import _largest_layers
+
+__all__ = ["ClipScaled", "ClipAfterStep", "ClipPartial", "NoZeroGrad", "NoClipping"]
+
+
+class ClipScaled(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        s = run.flags.get("clip_scaled") or []
+        if not s:
+            return []
+        return [Finding(self.code, "critical", "clipping gradients that are still scaled (AMP)",
+                        "A clip ran between scaler.scale(loss).backward() and scaler.unscale_ at step(s) "
+                        f"{steps_text(s)}: it measured scale * grad, so its return is not the gradient norm "
+                        "(the report shows the norm the update used instead).", steps=s,
+                        evidence={"first_step": s[0], "count": len(s)})]
+
+
+class ClipAfterStep(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        s = run.flags.get("clip_after_step") or []
+        if not s:
+            return []
+        return [Finding(self.code, "warning", "clipping after optimizer.step()",
+                        f"A clip ran after the step of step(s) {steps_text(s)} and before the next backward.",
+                        steps=s, evidence={"first_step": s[0], "count": len(s)})]
+
+
+class ClipPartial(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        s = run.flags.get("clip_partial") or []
+        if not s:
+            return []
+        return [Finding(self.code, "warning", "clipping partial gradients in an accumulation window",
+                        "A clip was followed by more backward() calls before the step at step(s) "
+                        f"{steps_text(s)}.", steps=s, evidence={"first_step": s[0], "count": len(s)})]
+
+
+class NoZeroGrad(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        used = run.used
+        checked = [r for r in used if r.leftover is not None or r.leftover_checked]
+        stale = [r.step for r in used if r.leftover is not None and r.leftover > 0 and not r.zeroed]
+        run.flags["no_zero_grad"] = stale
+        if len(stale) < 2 or len(stale) * 2 < len(checked):
+            return []
+        return [Finding(self.code, "critical", "gradients are never zeroed between steps",
+                        f"At {len(stale)} of {len(checked)} steps the next backward() added to the previous "
+                        "gradients (no zero_grad() / set_to_none seen).", steps=stale,
+                        evidence={"count": len(stale), "of": len(checked)})]
+
+
+class NoClipping(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        norms = [r.grad_norm for r in run.used if math.isfinite(r.grad_norm)]
+        peak = max(norms, default=math.nan)
+        if run.clip_calls or not (math.isfinite(peak) and peak > run.th.exploding):
+            return []
+        s = [r.step for r in run.used if math.isfinite(r.grad_norm) and r.grad_norm > run.th.exploding]
+        run.flags["no_clipping"] = s
+        return [Finding(self.code, "warning", "no gradient clipping while the norm exceeds 100",
+                        f"The norm reached {fmt(peak)} and no clip function was called.",
+                        _largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
+
+
+CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the GradScaler interceptors)",
+                         "a clip between scaler.scale(loss).backward() and scaler.unscale_")
+CLIP_AFTER_STEP = ClipAfterStep("clip_after_step", "warning", "where each clip ran",
+                                "a clip after optimizer.step() and before the next backward")
+CLIP_PARTIAL = ClipPartial("clip_partial", "warning", "where each clip ran",
+                           "a clip followed by more backward() calls before the step")
+NO_ZERO_GRAD = NoZeroGrad("no_zero_grad", "critical", "the gradients left before each backward",
+                          "gradients never zeroed between steps (they accumulate forever)")
+NO_CLIPPING = NoClipping("no_clipping", "warning", "the clip calls and each step's norm",
+                         "no clip call at all while the norm exceeded 100")

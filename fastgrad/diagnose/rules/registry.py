@@ -1,0 +1,40 @@
+"""The whole-run rules of ``python -m fastgrad.check``, in evaluation order, and ``evaluate`` (run them all,
+then drop the findings a fired rule suppresses)."""
+
+from __future__ import annotations
+
+from ..finding import Finding
+from .base import Rule, RunView
+from .clip_zeroes import CLIP_ZEROES
+from .exploding import EXPLODING
+from .last_step import LAST_STEP
+from .loss_diverging import LOSS_DIVERGING
+from .nonfinite import NONFINITE_HISTORY, NONFINITE_LOSS
+from .norm_trends import NORM_TRENDS
+from .red_flags import CLIP_AFTER_STEP, CLIP_PARTIAL, CLIP_SCALED, NO_CLIPPING, NO_ZERO_GRAD
+from .run_state import CHECKER_ERROR, HAND_WRITTEN_LOOP, NOT_CHECKED, SCRIPT_CRASHED
+from .skips import AMP_SKIPPED, GUARD_SKIPPED
+from .zero_grads import ZERO_GRADS
+
+__all__ = ["RUN_RULES", "evaluate"]
+
+# A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
+# computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
+RUN_RULES: tuple[Rule, ...] = (
+    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, EXPLODING, CLIP_ZEROES, ZERO_GRADS, LOSS_DIVERGING, NORM_TRENDS,
+    CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED, AMP_SKIPPED,
+    HAND_WRITTEN_LOOP, NOT_CHECKED, CHECKER_ERROR, SCRIPT_CRASHED,
+)
+
+
+def evaluate(run: RunView, rules=RUN_RULES) -> list[Finding]:
+    """Every rule's findings (``run.findings`` grows as they run), less those a fired rule suppresses."""
+    run.findings = []
+    drop: set[str] = set()
+    for rule in rules:
+        got = rule.evaluate(run)
+        if got and rule.suppresses:
+            drop |= set(rule.suppresses)
+        run.findings += got
+    run.findings = [f for f in run.findings if f.code not in drop]
+    return run.findings

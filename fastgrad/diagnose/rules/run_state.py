@@ -1,0 +1,71 @@
+"""What the run itself says: ``hand_written_loop`` (no torch.optim step), ``not_checked`` (nothing could be
+read), ``checker_error`` (the checker failed on some steps), ``script_crashed``."""
+
+from __future__ import annotations
+
+from ..finding import Finding
+from .base import Rule, RunView
+
+__all__ = ["HandWrittenLoop", "NotChecked", "CheckerError", "ScriptCrashed", "nothing_checked"]
+
+
+def nothing_checked(run: RunView) -> bool:
+    return not run.steps or (not run.used and not run.amp_skipped and not run.guarded)
+
+
+class HandWrittenLoop(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not run.manual:
+            return []
+        how = ("the backward() calls between two zero_grad() calls" if run.zero_grad_calls
+               else "one scalar backward() (the script never calls zero_grad())")
+        return [Finding(
+            self.code, "notice", "no torch.optim step: the loop was checked at its backward() calls",
+            f"No optimizer stepped, so each step is the gradients after {how}, read where they are next zeroed "
+            "or consumed; its loss is the sum of the losses backpropagated in it.")]
+
+
+class NotChecked(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not nothing_checked(run):
+            return []
+        why = []
+        if run.crashed:
+            why.append("the script crashed before its first step")
+        if run.optimizers_made:
+            why.append(f"{run.optimizers_made} optimizer(s) were created but step() never ran")
+        if not run.backward_calls:
+            why.append("no backward() call was seen (torch.autograd.grad and custom update rules are not watched)")
+        elif not run.scalar_backward_calls:
+            why.append(f"{run.backward_calls} backward() call(s), none on a scalar loss")
+        if run.errors:
+            why.append("the checker failed to read the gradients: " + run.errors[0])
+        return [Finding(self.code, "warning", "nothing could be checked",
+                        "Not a single step could be read, so there is no verdict on this run (it is not HEALTHY): "
+                        + "; ".join(why or ["no reason recorded"]) + ".")]
+
+
+class CheckerError(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not run.errors:
+            return []
+        e = run.errors
+        return [Finding(self.code, "notice", "the checker could not read some steps",
+                        "; ".join(e[:3]) + (f" (+{len(e) - 3} more)" if len(e) > 3 else ""))]
+
+
+class ScriptCrashed(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not run.crashed:
+            return []
+        return [Finding(self.code, "critical", "the script crashed", run.crash_text or "")]
+
+
+HAND_WRITTEN_LOOP = HandWrittenLoop("hand_written_loop", "notice", "whether any torch.optim optimizer stepped",
+                                    "no torch.optim step: steps read at the scalar backward() calls")
+NOT_CHECKED = NotChecked("not_checked", "warning", "the steps read",
+                         "nothing could be read (exit code 4, status \"not checked\": never healthy)")
+CHECKER_ERROR = CheckerError("checker_error", "notice", "the checker's own failures",
+                             "the checker failed to read some steps (the script ran on)")
+SCRIPT_CRASHED = ScriptCrashed("script_crashed", "critical", "how the script ended",
+                               "the script raised or exited non-zero (exit code 3)")

@@ -1,0 +1,43 @@
+"""Steps kept out of the weights: ``guard_skipped`` (a fastgrad.StepGuard skipped them) and ``amp_skipped``
+(a GradScaler found Inf/NaN and skipped them)."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, fmt
+from .base import Rule, RunView
+
+__all__ = ["GuardSkipped", "AmpSkipped"]
+
+
+class GuardSkipped(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        guarded = run.guarded
+        if not guarded:
+            return []
+        gbad = [r for r in guarded if not math.isfinite(r.grad_norm) or r.nonfinite > 0]
+        sev = "warning" if gbad or len(guarded) * 10 > len(run.steps) else "notice"
+        ev = ", ".join(f"{r.step} ({fmt(r.grad_norm)})" for r in guarded[:8]) + (" ..." if len(guarded) > 8 else "")
+        return [Finding(
+            self.code, sev, "steps skipped by the step guard",
+            f"fastgrad.StepGuard kept {len(guarded)} of {len(run.steps)} step(s) out of the weights and the "
+            f"optimizer state ({len(gbad)} with NaN/Inf gradients, {len(guarded) - len(gbad)} spikes); step (norm "
+            f"before clipping): {ev}. The run is protected; if skips keep coming, find their source (the data at "
+            "those steps, the loss, the learning rate).", steps=[r.step for r in guarded],
+            evidence={"count": len(guarded), "nonfinite": len(gbad)})]
+
+
+class AmpSkipped(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not run.amp_skipped:
+            return []
+        return [Finding(self.code, "notice", "steps skipped by the GradScaler",
+                        f"{run.amp_skipped} step(s) had Inf/NaN gradients and were skipped.",
+                        evidence={"count": run.amp_skipped})]
+
+
+GUARD_SKIPPED = GuardSkipped("guard_skipped", "warning", "the StepGuard's device flag at each step",
+                             "steps a fastgrad.StepGuard kept out of the weights (warning: NaN/Inf or > 10%)")
+AMP_SKIPPED = AmpSkipped("amp_skipped", "notice", "the GradScaler's step calls",
+                         "steps the GradScaler skipped (normal while its scale settles)")

@@ -1,0 +1,146 @@
+"""Rules over a series of values (a gradient-norm or loss history): robust jumps (``spike``, ``loss_spike``),
+steady growth (``increasing``), decay to ~0 (``decaying``), and whether a loss history shows progress.
+Pure functions of host lists, shared by the monitor and ``python -m fastgrad.check``."""
+
+from __future__ import annotations
+
+import math
+from statistics import median
+from typing import Sequence
+
+from ..finding import Finding, fmt as _fmt
+from ..thresholds import Thresholds
+
+__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends"]
+
+
+def loss_progress(history: Sequence[float], rel: float = Thresholds.loss_progress) -> bool | None:
+    """True when the loss history shows progress: the mean of its last quarter is at least ``rel`` (relative)
+    below the mean of its first quarter. None when fewer than two finite values are known."""
+    vals = [float(v) for v in history if math.isfinite(float(v))]
+    if len(vals) < 2:
+        return None
+    k = max(1, len(vals) // 4)
+    early = sum(vals[:k]) / k
+    late = sum(vals[-k:]) / k
+    return late < early - rel * abs(early)
+
+
+def _robust_baseline(values: Sequence[float]) -> tuple[float, float]:
+    """(median, scaled MAD) of ``values``: 1.4826 * MAD estimates the std of normal noise, and neither
+    moves much when a few outliers (earlier spikes) are in the window."""
+    med = median(values)
+    mad = median(abs(v - med) for v in values)
+    return med, 1.4826 * mad
+
+
+def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: int, warmup: int, window: int,
+                 min_history: int, z: float, min_ratio: float) -> list[tuple[int, float, float, float]]:
+    """``(step, value, value / median, median)`` of each step after ``new_after`` and ``warmup`` whose value
+    is over ``z`` robust std (floored at 5% of the median) above the median of the up to ``window`` finite
+    values before it and at least ``min_ratio`` times that median (positive medians only)."""
+    vals = list(values)
+    out = []
+    for i, (s, v) in enumerate(zip(steps, vals)):
+        if s <= new_after or s <= warmup or not math.isfinite(v):
+            continue
+        base = [x for x in vals[max(0, i - window):i] if math.isfinite(x)]
+        if len(base) < min_history:
+            continue
+        med, sd = _robust_baseline(base)
+        if med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med:
+            out.append((s, v, v / med, med))
+    return out
+
+
+def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0, window: int = 50,
+                      warmup: int = 10, min_history: int = 10, z: float = 6.0, notice_ratio: float = 3.0,
+                      warn_ratio: float = 10.0) -> list[Finding]:
+    """``loss_spike`` findings: a step after ``new_after`` (and after ``warmup`` values) whose loss is more
+    than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it
+    AND at least ``notice_ratio`` times that median (a warning from ``warn_ratio``). Only positive medians
+    are compared by ratio; a loss that can be negative gets no jump findings."""
+    jumps = robust_jumps(steps, losses, new_after=new_after, warmup=warmup, window=window,
+                         min_history=min_history, z=z, min_ratio=notice_ratio)
+    if not jumps:
+        return []
+    top = max(jumps, key=lambda j: j[2])
+    sev = "warning" if top[2] >= warn_ratio else "notice"
+    title = (f"loss jump at step {top[0]}: {top[2]:.3g}x its recent median" if len(jumps) == 1 else
+             f"loss jumps at {len(jumps)} steps (largest {top[2]:.3g}x its recent median, step {top[0]})")
+    detail = "; ".join(f"step {s}: {_fmt(v)} ({r:.3g}x median {_fmt(m)})" for s, v, r, m in jumps[:5])
+    return [Finding("loss_spike", sev, title, detail + ".", steps=[j[0] for j in jumps])]
+
+
+
+def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: int = 0, spike_z: float = 6.0,
+                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
+                  window: int = 200, min_history: int = 10, trend_ratio: float = 2.0,
+                  thresholds: Thresholds | None = None, losses: Sequence[float] | None = None) -> list[Finding]:
+    """Trends of a total-norm history (oldest first), as report findings. Baselines are robust (median and
+    scaled MAD), so earlier spikes and heavy-tailed noise do not move them, and steps up to ``warmup`` are
+    never judged (early training is allowed to move fast):
+
+    - ``spike``: a step after ``new_after`` whose norm is more than ``spike_z`` robust standard deviations
+      above the median of the (up to ``baseline``) finite norms before it AND at least ``spike_ratio`` times
+      that median; needs ``min_history`` of them. The robust std is floored at 5% of the median so a nearly
+      constant history does not turn wobbles into spikes. A warning when some spike is ``warn_ratio`` times
+      the median or more, else a notice. The title names the step and the size of the largest spike.
+    - ``increasing``: the finite norms after ``warmup`` in the last ``window`` steps, split in four quarters:
+      each quarter's median above the previous one and the last at least ``trend_ratio`` times the first.
+      A warning, except when ``losses`` (one per step of ``steps``, NaN where unknown) show the loss falling
+      over the same steps while every quarter's median stays inside the healthy band (0.1 to 10 by default):
+      a converging run often has a rising norm, so that is a notice that shows the evidence.
+    - ``decaying``: each quarter's median below the previous one and the last one under the vanishing
+      threshold (1e-3), or 1000x below the first and under the healthy range (0.1): the norm decays to ~0.
+    """
+    th = thresholds or Thresholds()
+    found: list[Finding] = []
+    spikes = robust_jumps(steps, norms, new_after=new_after, warmup=warmup, window=baseline,
+                          min_history=min_history, z=spike_z, min_ratio=spike_ratio)
+    if spikes:
+        s0, v0, r0, m0 = max(spikes, key=lambda t: t[2])
+        sev = "warning" if r0 >= warn_ratio else "notice"
+        title = (f"gradient norm spike at step {s0}: {r0:.3g}x the recent median" if len(spikes) == 1 else
+                 f"gradient norm spikes at {len(spikes)} steps (largest at step {s0}: {r0:.3g}x the recent median)")
+        detail = "; ".join(f"step {s}: norm {_fmt(v)} = {r:.3g}x median {_fmt(m)}" for s, v, r, m in spikes[:5])
+        found.append(Finding("spike", sev, title, detail + ("; ..." if len(spikes) > 5 else "") + ".",
+                             steps=[t[0] for t in spikes]))
+    tail = list(zip(steps[-window:], norms[-window:]))
+    recent = [v for s, v in tail if s > warmup and math.isfinite(v)]
+    if len(recent) >= max(min_history, 4):
+        q = len(recent) // 4
+        med = [median(recent[i * q:(i + 1) * q]) for i in range(3)] + [median(recent[3 * q:])]
+        first_step = next(s for s, v in tail if s > warmup and math.isfinite(v))
+        if all(b > a for a, b in zip(med, med[1:])) and med[3] >= trend_ratio * med[0]:
+            detail = (f"Median norm grew {med[3] / med[0] if med[0] else math.inf:.3g}x since step "
+                      f"{first_step} ({' -> '.join(f'{m:.3g}' for m in med)}).")
+            falling = _loss_falling(steps, losses, first_step, window)
+            if falling is not None and all(th.healthy_low <= m <= th.healthy_high for m in med):
+                found.append(Finding("increasing", "notice", "gradient norm rising inside the healthy range while "
+                                     "the loss falls", detail + f" It stays within {_fmt(th.healthy_low)} to "
+                                     f"{_fmt(th.healthy_high)} and the loss fell {falling}: usual for a "
+                                     "converging run, no action needed."))
+            else:
+                found.append(Finding("increasing", "warning", "gradient norm steadily increasing", detail))
+        elif all(b < a for a, b in zip(med, med[1:])) and (
+                med[3] < th.vanishing or (med[3] * 1000 <= med[0] and med[3] < th.healthy_low)):
+            # "to ~0": a norm that falls 1000x but is still in or above the healthy range is not decaying
+            found.append(Finding("decaying", "warning", "gradient norm decaying to ~0",
+                                 f"Median norm fell from {med[0]:.3g} to {med[3]:.3g} since step {first_step}."))
+    return found
+
+
+def _loss_falling(steps: Sequence[int], losses: Sequence[float] | None, first_step: int, window: int
+                  ) -> str | None:
+    """``"a -> b"`` (the mean of the first and of the last quarter of the finite losses from ``first_step`` on,
+    within the last ``window`` steps) when the loss fell over them (``loss_progress``), else None."""
+    if losses is None:
+        return None
+    pairs = list(zip(steps, losses))[-window:]
+    vals = [float(v) for s, v in pairs if s >= first_step and math.isfinite(float(v))]
+    if len(vals) < 4 or not loss_progress(vals):
+        return None
+    k = max(1, len(vals) // 4)
+    return f"{_fmt(sum(vals[:k]) / k)} -> {_fmt(sum(vals[-k:]) / k)}"
+

@@ -1,0 +1,50 @@
+"""``run_script``: run an unmodified training script as ``__main__`` in this process (its arguments in
+``sys.argv``, its directory on ``sys.path``, the working directory left as it is) under a ``Checker``, and
+return the ``CheckResult``. Every hook is removed when the script ends, whichever way it ends."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import sys
+import traceback
+
+from .collect.hooks import Checker, StopCheck
+from .result import CheckResult, build_result
+
+__all__ = ["run_script"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64) -> CheckResult:
+    """Run ``script`` as ``__main__`` with ``args`` under a :class:`Checker` and return the result.
+    ``steps``: stop after that many optimizer steps; ``flush_every``: read the device rows every K steps."""
+    chk = Checker(steps, flush_every)
+    chk.script_path = os.path.abspath(script)
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [script] + list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    crashed, stopped, crash_text = False, False, None
+    chk.install()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except StopCheck:
+        stopped = True
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            crashed, crash_text = True, f"the script exited with status {e.code!r}"
+    except BaseException as e:  # noqa: BLE001 - any failure of the script is reported, not re-raised
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        crashed = True
+        # rich/colored exception texts carry ANSI escape codes: the report is Markdown and JSON
+        crash_text = _ANSI.sub("", "".join(traceback.format_exception_only(type(e), e))).strip()
+        traceback.print_exc()
+    finally:
+        chk.remove()
+        sys.argv, sys.path[:] = old_argv, old_path
+    chk.finish()
+    return build_result(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text,
+                        stopped=stopped, max_steps=steps)

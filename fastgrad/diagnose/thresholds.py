@@ -1,0 +1,74 @@
+"""The numbers every diagnosis judges by, in one place: the gradient-health status table and the run rules'
+limits. Rules import them from here; nothing here reads a tensor.
+
+Per-step statuses of one total gradient norm (``Thresholds``):
+
+========================================  ==========
+total norm                                status
+========================================  ==========
+NaN/Inf, or exactly 0                     critical
+> 1000 (``critical``)                     critical
+100 < norm <= 1000 (``exploding``)        warning
+10 < norm <= 100 (``healthy_high``)       notice
+0.1 <= norm <= 10                         healthy
+1e-3 <= norm < 0.1 (``healthy_low``)      notice
+0 < norm < 1e-3 (``vanishing``)           warning
+========================================  ==========
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["SEVERITIES", "RANK", "Thresholds", "RunLimits", "worst", "rate_norm"]
+
+SEVERITIES = ("notice", "warning", "critical")
+RANK = {"healthy": 0, "notice": 1, "warning": 2, "critical": 3}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The numbers of the gradient-health table; change them per model if its healthy range differs."""
+
+    healthy_low: float = 0.1
+    healthy_high: float = 10.0
+    exploding: float = 100.0
+    critical: float = 1000.0
+    vanishing: float = 1e-3
+    dead_fraction: float = 0.5
+    depth_ratio: float = 1000.0
+    # A loss history "shows progress" when its last quarter's mean is this fraction below its first quarter's.
+    loss_progress: float = 0.01
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The limits of the whole-run rules of ``python -m fastgrad.check``."""
+
+    #: loss_diverging: the loss's level (median of a window) this many times its starting level ...
+    diverge_ratio: float = 10.0
+    #: ... the warning tier ("rising")
+    rise_ratio: float = 3.0
+    #: ... and it stays there: the median of the last quarter of the run is at least this share of the ratio
+    #: (a rise that comes back down is not a divergence)
+    hold_share: float = 1.0
+    #: steps at least, for a trend over the run to be judged
+    min_steps: int = 6
+    #: a bootstrapped value/TD loss with gradient norms below this (and a stable trend) is at most a notice
+    modest_norm: float = 100.0
+
+
+def worst(*severities: str) -> str:
+    """The worst of severities (``"healthy"`` counts as the mildest)."""
+    return max(severities, key=RANK.__getitem__, default="healthy")
+
+
+def rate_norm(v: float, th: Thresholds | None = None) -> str:
+    """The table's status of one total norm, by its own value."""
+    th = th or Thresholds()
+    if not math.isfinite(v) or v == 0 or v > th.critical:
+        return "critical"
+    if v > th.exploding or v < th.vanishing:
+        return "warning"
+    return "notice" if v > th.healthy_high or v < th.healthy_low else "healthy"
