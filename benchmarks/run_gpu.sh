@@ -28,7 +28,7 @@
 #   COMPILE_WORKLOADS  workloads of the bench-compile stage, which adds the torch.compile baseline
 #                      (default "resnet50,gpt2-124m,llama-1b,small-4000"; compiling costs seconds to a
 #                      minute per case)
-#   TESTS_TIMEOUT, BENCH_TIMEOUT   upper limits for those stages in seconds (default 480 and 240); a stage
+#   TESTS_TIMEOUT, BENCH_TIMEOUT   upper limits for those stages in seconds (default 480 and 360; the benchmark also profiles one call per implementation to count kernels and syncs); a stage
 #                      only keeps time back for the later stages that STAGES asks for
 # Two calls, each starting with install (a machine idle for a while goes back and the next call starts bare; on
 # a warm one the rebuild is quick):
@@ -46,7 +46,7 @@ COMPILE_WORKLOADS="${COMPILE_WORKLOADS:-resnet50,gpt2-124m,llama-1b,small-4000}"
 TESTS_TIMEOUT="${TESTS_TIMEOUT:-480}"
 TEST_WORKERS="${TEST_WORKERS:-16}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-200}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-360}"
 PY="${PYTHON:-python}"
 : > "$OUTDIR/summary.txt"
 
