@@ -606,6 +606,28 @@ def test_closure_loop_twin(opt_name, mode):
     assert guard.state()["skipped_steps"] == 2
 
 
+# ----------------------------------------------------------------------------- 10. wrong calls, options
+def _ready(opt_name="adamw-fused"):
+    model, opt = make(opt_name)
+    loss_of(model, batch(1)).backward()
+    return model, opt
+
+
+@pytest.mark.parametrize("arg,match", [
+    ("optimizer", "optimizer"), (1.0, "max_norm"), ("params", "GradScaler"), ("model", "GradScaler")])
+def test_clip_with_a_wrong_argument_is_a_clear_error_before_any_work(arg, match):
+    model, opt = _ready()
+    guard = StepGuard(opt, max_norm=1.0)
+    value = {"optimizer": opt, "params": model.parameters(), "model": model}.get(arg, arg)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(TypeError, match=match):
+        guard.clip_(value)
+    assert all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]))
+    assert guard.counters() is None  # nothing recorded
+    guard.clip_()  # and the guard still works
+    opt.step()
+
+
 # ----------------------------------------------------------------------------- 11. .grad after a skip, step() twice
 def _grad_case(mode, path, use_scaler, kind):
     """(gradients as backward left them, unscaled, in float64; after clip_ + step; the guard's state)."""
