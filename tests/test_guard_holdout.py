@@ -628,6 +628,48 @@ def test_clip_with_a_wrong_argument_is_a_clear_error_before_any_work(arg, match)
     opt.step()
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(max_norm=1.0, skip_factor=1.0), ValueError, r"skip_factor must be in \(1, inf\).*skip every step"),
+    (dict(max_norm=1.0, skip_factor=0.3), ValueError, "skip_factor"),
+    (dict(max_norm=1.0, skip_factor=NAN), ValueError, "skip_factor"),
+    (dict(max_norm=1.0, skip_factor="10"), TypeError, "skip_factor must be a real number"),
+    (dict(max_norm=1.0, max_consecutive_skips=0), ValueError, "max_consecutive_skips must be a positive int"),
+    (dict(max_norm=1.0, max_consecutive_skips=True), ValueError, "max_consecutive_skips"),
+    (dict(max_norm=-1.0), ValueError, "max_norm"),
+    (dict(), ValueError, "needs max_norm"),
+    (dict(max_norm=1.0, mode="ZClip"), ValueError, "mode must be one of"),
+    (dict(mode="zclip", norm_type=1.0), ValueError, "2-norm"),
+    (dict(mode="zclip", alpha=1.0), ValueError, r"alpha must be in \[0, 1\)"),
+    (dict(mode="zclip", warmup_steps=0), ValueError, "warmup_steps must be a positive int"),
+    (dict(mode="autoclip", percentile=150), ValueError, "percentile"),
+    (dict(mode="zclip", percentile=10), TypeError, "does not take percentile"),
+    (dict(max_norm=1.0, alpha=0.9), TypeError, "only with skip_factor"),
+    (dict(mode="adagc", beta=1.0), ValueError, "beta"),
+    (dict(max_norm=1.0, non_fused="fast"), ValueError, "non_fused"),
+    (dict(mode="adagc", max_norm=0.0), ValueError, "max_norm.*adagc"),
+    (dict(mode="zclip", max_norm=0.0), ValueError, "max_norm.*zclip"),
+])
+def test_option_messages(kw, exc, match):
+    model, opt = _ready("adamw-foreach")
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(exc, match=match):
+        StepGuard(opt, **kw)
+    assert fastgrad.guard.guard_for(opt) is None and not opt._optimizer_step_pre_hooks
+    assert all(torch.equal(a, b) for a, b in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]))
+
+
+def test_numpy_numbers_are_accepted_as_options():
+    """Sweeps hand options over as numpy scalars (np.linspace, np.arange): they are real numbers / ints."""
+    np = pytest.importorskip("numpy")
+    model, opt = _ready("adamw-foreach")
+    g = StepGuard(opt, max_norm=np.float32(1.0), mode="zclip", skip_factor=np.float64(5.0),
+                  warmup_steps=np.int64(3), alpha=np.float32(0.9), max_consecutive_skips=np.int32(4))
+    assert g.options["warmup_steps"] == 3 and type(g.options["warmup_steps"]) is int
+    assert g.max_consecutive_skips == 4 and g.skip_factor == 5.0
+    g.clip_()
+    opt.step()
+
+
 # ----------------------------------------------------------------------------- 11. .grad after a skip, step() twice
 def _grad_case(mode, path, use_scaler, kind):
     """(gradients as backward left them, unscaled, in float64; after clip_ + step; the guard's state)."""
