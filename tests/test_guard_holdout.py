@@ -781,3 +781,36 @@ def test_second_step_after_a_skip_is_skipped_and_after_a_take_is_taken(opt_name)
                 torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7)
         else:
             assert same(snapshot(model, opt), snapshot(twin, opt_t)), i
+
+
+# ----------------------------------------------------------------------------- 12. a norm beyond float32's range
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach", "sgd-momentum-fused", "rmsprop-centered"])
+@pytest.mark.parametrize("zero_write", [True, False])
+@pytest.mark.parametrize("use_scaler", [False, True])
+@pytest.mark.parametrize("mode", ["norm", "zclip", "autoclip", "adagc"])
+def test_finite_gradients_with_an_overflowing_norm_are_skipped(opt_name, zero_write, use_scaler, mode):
+    """A diverging run: every gradient element finite, their float32 norm inf (as torch's). The norm is
+    non-finite, so the step is bad on every path (it was clipped to zero and taken on the one-call path of
+    mode "norm": Adam's moments decayed and the weights moved), and the counters agree."""
+    model, opt = make(opt_name)
+    kw = dict(max_norm=1.0) if mode == "norm" else dict(warmup_steps=2) if mode != "autoclip" else {}
+    guard = StepGuard(opt, mode=mode, zero_write=zero_write, **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if use_scaler else None
+    for i in range(5):
+        loss = loss_of(model, batch(2 * i + 1, "spike" if i == 4 else None)) * (1e30 if i == 4 else 1.0)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if i == 4:
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+            assert norm64(opt) > 1.9e19  # the float32 sum of squares overflows: torch's norm is inf too
+        before = snapshot(model, opt)
+        total = guard.clip_(scaler) if scaler else guard.clip_()
+        scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
+        opt.zero_grad()
+    assert not torch.isfinite(total)
+    assert same(snapshot(model, opt), before)
+    st = guard.state()
+    assert st["skipped"] and st["skipped_steps"] == st["nonfinite_steps"] == 1
+    if scaler:  # the scale was not the problem: no element overflowed, the scaler does not back off
+        assert scaler.get_scale() == 1.0
