@@ -67,3 +67,27 @@ def test_nan_batch_is_skipped_with_accelerate(accumulation, bad, bad_steps, prec
     assert fastgrad.guard.guard_for(guard.optimizer) is guard
     control, _, _ = _run(bad, False, accumulation, precision, fused)
     assert not finite(control.parameters())
+
+
+def test_prepared_scheduler_advances_on_a_guard_skip():
+    """accelerate's prepared scheduler steps once per optimizer step and holds back only on a GradScaler
+    overflow (``step_was_skipped``); a step the guard skips still advances it, as docs/guard.md says."""
+    _fresh()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = fastgrad.StepGuard(opt, max_norm=1.0)
+    for x, y in batches(8, {2}):
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            if acc.sync_gradients:
+                guard.clip_()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    assert guard.state()["skipped_steps"] == 1 and not opt.step_was_skipped
+    assert sched.scheduler.last_epoch == 4 and sched.get_last_lr()[0] == 1e-2 / 5
+    assert finite(model.parameters())

@@ -132,3 +132,36 @@ def test_missing_framework_names_the_package(monkeypatch):
     with pytest.raises(ImportError, match="needs the 'transformers' package.*pip install transformers"):
         importlib.import_module("fastgrad.integrations.transformers")
     import fastgrad  # noqa: F401  (fastgrad itself imports no framework)
+
+
+@pytest.mark.parametrize("mode,kw", [("zclip", dict(warmup_steps=2)), ("norm", dict(max_norm=1.0))])
+def test_resume_from_a_lightning_checkpoint_keeps_the_guard(tmp_path, mode, kw):
+    """Lightning saves each callback's state_dict in its checkpoints: a run resumed with
+    ``trainer.fit(ckpt_path=...)`` continues the guard's statistics and counters (a zclip guard would
+    otherwise start a new warm-up, with no spike detection, and count from 0). The resumed run equals the
+    uninterrupted one: parameters, optimizer state, guard state."""
+    n = 8
+    data = batches(4, {2})  # two epochs; the checkpoint at the end of the first (Lightning starts a plain
+    #                         DataLoader's epoch from its first batch on resume)
+
+    def fit(max_steps, ckpt=None, save=False):
+        model, cb = Tiny(OPTS["adamw-fused"]), StepGuardCallback(mode=mode, skip_factor=4.0, **kw)
+        cbs = [cb]
+        if save:
+            cbs.append(pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4))
+        trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=cbs, logger=False,
+                             enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None), ckpt_path=ckpt)
+        return model, trainer, cb
+
+    full, tr_full, cb_full = fit(n)
+    fit(4, save=True)
+    resumed, tr_res, cb_res = fit(n, ckpt=str(tmp_path / "last.ckpt"))
+    assert tr_res.global_step == n
+    assert same(snapshot(list(resumed.parameters()), tr_res.optimizers[0]),
+                snapshot(list(full.parameters()), tr_full.optimizers[0]))
+    assert cb_res.guard.state() == cb_full.guard.state()
+    assert cb_res.guard.state()["skipped_steps"] == 2 and cb_res.guard.state()["steps"] == n
+    sd_full, sd_res = cb_full.guard.state_dict(), cb_res.guard.state_dict()
+    for k, v in sd_full["stats"].items():
+        assert torch.equal(v, sd_res["stats"][k]), k

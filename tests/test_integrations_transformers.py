@@ -81,3 +81,33 @@ def test_trainer_that_also_clips_is_refused(tmp_path):
         _train(tmp_path, set(), [StepGuardCallback(max_norm=1.0)], max_grad_norm=1.0)
     with pytest.raises(ValueError, match="skip_factor"):
         StepGuardCallback(max_norm=1.0, skip_factor=0.9)
+
+
+@pytest.mark.parametrize("mode,kw", [("zclip", dict(warmup_steps=2)), ("norm", dict(max_norm=1.0))])
+def test_resume_from_a_trainer_checkpoint_keeps_the_guard(tmp_path, mode, kw):
+    """The callback saves the guard's state into each checkpoint folder; trainer.train(resume_from_checkpoint=
+    True) continues it: the resumed run equals the uninterrupted one (parameters, optimizer state, guard)."""
+    n = 8
+    data = [{"x": x, "labels": y} for x, y in batches(n, {2, 5})]
+
+    def run(out, max_steps, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1, learning_rate=1e-2,
+            logging_steps=2, report_to="none", save_strategy="steps", save_steps=4, use_cpu=True,
+            disable_tqdm=True, optim="adamw_torch_fused", lr_scheduler_type="constant", max_grad_norm=0,
+            data_seed=0, seed=0)
+        model, cb = Tiny(), StepGuardCallback(mode=mode, skip_factor=4.0, **kw)
+        trainer = InOrder(model=model, args=args, train_dataset=data, callbacks=[cb],
+                          data_collator=lambda rows: {k: rows[0][k] for k in rows[0]})
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer, cb
+
+    full, tr_full, cb_full = run(tmp_path / "full", n)
+    run(tmp_path / "part", 4)
+    assert (tmp_path / "part" / "checkpoint-4" / "fastgrad_guard.pt").is_file()
+    resumed, tr_res, cb_res = run(tmp_path / "part", n, resume=True)
+    assert tr_res.state.global_step == n
+    assert same(snapshot(list(resumed.parameters()), tr_res.optimizer),
+                snapshot(list(full.parameters()), tr_full.optimizer))
+    assert cb_res.guard.state() == cb_full.guard.state()
+    assert cb_res.guard.state()["skipped_steps"] == 2 and cb_res.guard.state()["steps"] == n

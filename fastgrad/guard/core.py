@@ -66,6 +66,24 @@ def unwrap_optimizer(optimizer):
     return optimizer, scaler
 
 
+def _check_scaler_arg(scaler) -> None:
+    """``clip_``'s one argument is a GradScaler: anything else is a clear TypeError before any work (the
+    likely mix-ups named: the optimizer, which the guard already holds; max_norm, given when it is built;
+    the parameters, which it takes from the optimizer)."""
+    if all(hasattr(scaler, a) for a in ("unscale_", "get_scale", "is_enabled")):
+        return
+    if isinstance(scaler, torch.optim.Optimizer) or hasattr(scaler, "param_groups"):
+        why = ("got an optimizer: the guard already holds the optimizer it was built for "
+               "(StepGuard(optimizer, ...)); call guard.clip_(), or guard.clip_(scaler) with a GradScaler")
+    elif isinstance(scaler, (int, float)) or (isinstance(scaler, Tensor) and scaler.numel() == 1):
+        why = (f"got {scaler!r}: max_norm is given when the guard is built (StepGuard(optimizer, max_norm=...)), "
+               "not to clip_")
+    else:
+        why = (f"got {type(scaler).__name__}: the guard clips the parameters of its optimizer itself; pass "
+               "nothing, or the torch.amp.GradScaler that scaled the loss")
+    raise TypeError(f"StepGuard.clip_(scaler=None) takes an optional GradScaler; {why} (nothing was modified)")
+
+
 class StepGuard:
     """Gradient clipping with a step guard. See the module docstring and docs/guard.md.
 
@@ -212,6 +230,8 @@ class StepGuard:
         opt = self._optimizer
         if opt is None:
             raise RuntimeError("the optimizer this StepGuard was built for no longer exists")
+        if scaler is not None:
+            _check_scaler_arg(scaler)
         if scaler is None and self._wrapper_scaler is not None:  # accelerate's fp16: its own scaler
             scaler = self._wrapper_scaler
         self._counters.check_consecutive(self.max_consecutive_skips)

@@ -129,8 +129,10 @@ class Counters:
             raise GuardError(
                 f"StepGuard skipped {n} steps in a row (max_consecutive_skips={limit}): "
                 "every recent step had a non-finite gradient norm or a spike. Training is not progressing; "
-                "check the data, the learning rate and the loss scale (fastgrad.find_nonfinite names the "
-                "gradients that went non-finite). Nothing was modified by this call.")
+                "check the data, the learning rate, the loss scale and any state carried from step to step (a "
+                "recurrent model's hidden state that went NaN makes every later batch NaN); "
+                "fastgrad.find_nonfinite names the gradients that went non-finite. Nothing was modified by this "
+                "call.")
 
 
 def _one_like(t: Tensor) -> Tensor:

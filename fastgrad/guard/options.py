@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 from .. import _inputs as I
@@ -27,7 +28,8 @@ class Options(NamedTuple):
 def _number(name: str, value, *, low: float, high: float = math.inf, low_open: bool = True,
             high_open: bool = True, why: str) -> float:
     """A real number in the interval, or ValueError naming the option, the interval and why."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # (numbers.Real: also numpy's scalars, as sweeps over np.linspace hand them over)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     v = float(value)
     ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
@@ -39,9 +41,10 @@ def _number(name: str, value, *, low: float, high: float = math.inf, low_open: b
 
 
 def _count(name: str, value, why: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    # (numbers.Integral: also numpy's integer scalars; returned as a Python int)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}: {why}")
-    return value
+    return int(value)
 
 
 _WHY = {
@@ -78,6 +81,13 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
     elif mode == "adagc" and max_norm is None:
         max_norm = 1.0  # the paper's lambda_abs
     max_norm = None if max_norm is None else I.check_max_norm(max_norm)
+    if mode != "norm" and max_norm == 0:
+        # (mode "norm" keeps clip_grad_norm_'s meaning of 0: every gradient clipped to zero)
+        raise ValueError(
+            f"max_norm for mode={mode!r} must be > 0, got {max_norm!r}: it is "
+            + ("AdaGC's global threshold of its warm-up (lambda_abs); at 0 every gradient is zeroed and every "
+               "tensor's reference stays 0, so the run never learns again" if mode == "adagc" else
+               "a hard cap on the adaptive threshold; at 0 every gradient is zeroed. Pass None for no cap"))
     if skip_factor is not None:
         skip_factor = _number(
             "skip_factor", skip_factor, low=1.0,

@@ -70,10 +70,15 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
                           g.backend)
     g._ensure_state(total, 0)
     spike = None
-    bad = found
+    # bad: a non-finite norm, as on every other path. The read pass's flag says "an element is NaN/Inf"
+    # (the scaler's overflow, recorded above as such); finite gradients whose norm overflows the
+    # accumulation dtype would otherwise be clipped to zero and stepped (Adam's moments decay, weight decay
+    # and momentum move the weights) while the counters call the step non-finite
+    finite = torch.isfinite(total)
+    bad = torch.where(finite, found.reshape(()), g._one)
     if g.skip_factor is not None:
-        spike = g._mode.spike(total, torch.isfinite(total)).to(torch.float32)
-        bad = torch.maximum(found, spike)
+        spike = g._mode.spike(total, finite).to(torch.float32)
+        bad = torch.maximum(bad, spike)
     g._decided(total, factor, None if inv_scale is None else inv, bad, spike,
                factor.reciprocal() if hand_over else None, grads)
     return total.to(I.promoted_dtype(grads))

@@ -8,7 +8,9 @@ runs forward and backward and then ``on_before_optimizer_step``, where this call
 so the decision is applied inside the step, before the update (sync-free with a fused optimizer). Under
 "16-mixed" Lightning unscales the gradients before that hook; the guard then sees the unscaled ones. At
 the Trainer's logging steps (``log_every_n_steps``) the counters go to the module's loggers as
-``guard/skipped_steps`` etc. (one device-to-host read per logging step).
+``guard/skipped_steps`` etc. (one device-to-host read per logging step). The guard's statistics and
+counters are saved in Lightning's checkpoints (the callback's ``state_dict``) and restored on
+``trainer.fit(ckpt_path=...)``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StepGuardCallback(_pl.Callback):
         StepGuard(probe, max_norm, **options).remove()
         self.guard: StepGuard | None = None
         self._logged_step = -1
+        self._loaded: dict | None = None  # a checkpoint's guard state, until the guard exists
 
     def on_fit_start(self, trainer, pl_module) -> None:
         clip = trainer.gradient_clip_val
@@ -55,6 +58,24 @@ class StepGuardCallback(_pl.Callback):
             if self.guard is not None:
                 self.guard.remove()
             self.guard = StepGuard(trainer.optimizers[0], self.max_norm, **self.options)
+        if self._loaded is not None:
+            self.guard.load_state_dict(self._loaded)
+            self._loaded = None
+
+    def state_dict(self) -> dict:
+        """Saved by Lightning in every checkpoint: the guard's statistics and counters (its state_dict)."""
+        return {} if self.guard is None else {"guard": self.guard.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning restores callbacks before or after ``on_fit_start`` depending on the strategy: load into
+        the guard if it exists, else when ``on_fit_start`` builds it."""
+        sd = state_dict.get("guard")
+        if sd is None:
+            return
+        if self.guard is not None:
+            self.guard.load_state_dict(sd)
+        else:
+            self._loaded = sd
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.guard.clip_()

@@ -9,10 +9,14 @@ optimizer at the first such call and exposed as ``.guard``). A skipped step stil
 Trainer (``global_step``, the learning-rate schedule), as a GradScaler's overflow skip does in plain torch.
 At each training log the counters are added to the logged values (``guard_skipped_steps`` etc.; one
 device-to-host read per log): in ``trainer.state.log_history`` and in the ``logs`` that callbacks after this
-one receive.
+one receive. At each checkpoint the guard's statistics and counters are saved into the checkpoint folder
+(``fastgrad_guard.pt``) and loaded again when the Trainer resumes from ``output_dir/checkpoint-N``.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 from ..guard import StepGuard
 from ._common import counters, require
@@ -33,6 +37,7 @@ class StepGuardCallback(_tf.TrainerCallback):
         probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
         StepGuard(probe, max_norm, **options).remove()  # the options are checked now
         self.guard: StepGuard | None = None
+        self._loaded: dict | None = None  # the guard state of the checkpoint resumed from
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.max_grad_norm not in (None, 0, 0.0):
@@ -40,13 +45,34 @@ class StepGuardCallback(_tf.TrainerCallback):
                 f"StepGuardCallback clips the gradients itself, but TrainingArguments(max_grad_norm="
                 f"{args.max_grad_norm}) makes the Trainer clip them too, before the guard. Pass "
                 "TrainingArguments(max_grad_norm=0) and StepGuardCallback(max_norm=...)")
+        if state.global_step > 0:  # resumed: the Trainer has loaded the checkpoint's state
+            path = os.path.join(_checkpoint_dir(args, state), GUARD_FILE)
+            if os.path.isfile(path):
+                import torch
+
+                self._loaded = torch.load(path, map_location="cpu", weights_only=True)
+            else:
+                warnings.warn(f"StepGuardCallback: the run resumes at step {state.global_step} but {path} does "
+                              "not exist; the guard starts afresh (counters from 0, a new warm-up)", stacklevel=2)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.guard is None or guard_target(optimizer) is not self.guard.optimizer:
             if self.guard is not None:
                 self.guard.remove()
             self.guard = StepGuard(optimizer, self.max_norm, **self.options)
+            if self._loaded is not None:
+                self.guard.load_state_dict(self._loaded)
+                self._loaded = None
         self.guard.clip_()
+
+    def on_save(self, args, state, control, **kwargs):
+        """Next to the Trainer's checkpoint (``output_dir/checkpoint-N``): the guard's statistics and counters,
+        loaded again when the Trainer resumes from it."""
+        folder = _checkpoint_dir(args, state)
+        if self.guard is not None and state.is_world_process_zero and os.path.isdir(folder):
+            import torch
+
+            torch.save(self.guard.state_dict(), os.path.join(folder, GUARD_FILE))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.guard is None or logs is None or "loss" not in logs:
@@ -55,6 +81,14 @@ class StepGuardCallback(_tf.TrainerCallback):
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
+
+
+GUARD_FILE = "fastgrad_guard.pt"
+
+
+def _checkpoint_dir(args, state) -> str:
+    # where the Trainer writes the checkpoint of this step, and where resume_from_checkpoint=True finds it
+    return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
 
 
 def guard_target(optimizer):
