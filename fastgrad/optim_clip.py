@@ -12,12 +12,17 @@ per optimizer) installs it as ``grad_scale`` just before that step reads it (mul
 someone else set meanwhile, e.g. ``GradScaler.step``) and a post-hook puts back what was there before. The
 pre-hook refuses a factor whose gradients changed after the clip (a backward, ``zero_grad``, an in-place
 write, or a ``step(closure)`` that recomputes them): the coefficient would otherwise apply to gradients it
-was not computed from. A second clip before the step replaces the factor. See docs/amp.md for the maths.
+was not computed from. A second clip before the step replaces the factor. A clip inside a ``step(closure)``
+closure comes after that step's pre-hook, so it writes the gradients (as ``clip_grad_norm_``); the hooks
+flag the step, and a look up the call stack finds it where they cannot (the optimizer's first clip, made
+inside a step that started before the hooks existed; a flag left by a step that raised). See docs/amp.md for
+the maths.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 
 import torch
@@ -48,6 +53,29 @@ def _torch_fused_steps() -> set:
     return _KNOWN_STEPS
 
 
+_STEP_CODES: frozenset | None = None
+
+
+def _step_codes() -> frozenset:
+    global _STEP_CODES
+    if _STEP_CODES is None:
+        _STEP_CODES = frozenset(f.__code__ for f in _torch_fused_steps())
+    return _STEP_CODES
+
+
+def _inside_step(optimizer) -> bool:
+    """Whether the caller runs inside ``optimizer.step`` (in its closure): a frame of one of the known step
+    functions whose ``self`` is this optimizer is on the call stack. Costs a walk up the stack; asked only
+    where the step hooks cannot tell (see the module's docstring)."""
+    codes = _step_codes()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes and frame.f_locals.get("self") is optimizer:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _fused_torch_optimizer(optimizer) -> bool:
     # _step_supports_amp_scaling is set by fused=True at construction; every group must still be fused (a
     # group added with fused=False would assert that grad_scale is None), and a subclass that overrides step
@@ -70,7 +98,7 @@ def zero_write_applies(optimizer, grads: list[Tensor] | None = None) -> bool:
     if getattr(optimizer, "grad_scale", None) is not None:
         return False
     rec = _RECORDS.get(optimizer)
-    if rec is not None and rec.in_step:
+    if rec is not None and rec.in_step and _inside_step(optimizer):  # in_step alone may be left by a raise
         return False
     if grads is None:
         grads = I.grads_of(optimizer_params(optimizer))
@@ -239,6 +267,11 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
     if rec is not None:
         rec.drop()  # a new clip replaces a coefficient still pending from an earlier one
     grads = I.grads_of(params) if zero_write and _fused_torch_optimizer(optimizer) else None
+    if grads is not None and rec is None and not torch.compiler.is_compiling() and _inside_step(optimizer):
+        # the first clip, inside a step that started before there were hooks: that step's pre-hook never ran
+        # and cannot install a factor now. Register the hooks and flag the step (its post-hook, registered
+        # now, still runs and clears the flag), so this clip and any other in the closure write.
+        _record_for(optimizer).in_step = True
     if grads is None or not zero_write_applies(optimizer, grads):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
     if not grads:

@@ -298,6 +298,112 @@ def test_step_with_closure():
     assert oc.zero_write_applies(oa)  # after the step, again
 
 
+def _closure_clipping(params, opt, values, max_norm, out, clip=None):
+    """A step(closure) closure: new gradients (its 'backward'), then the clip, inside."""
+    def closure():
+        _set_grads(params, values)
+        if clip is None:
+            out.append(fastgrad.clip_optimizer_grad_norm_(opt, max_norm))
+            out.append(oc.zero_write_applies(opt))
+        else:
+            out.append(clip(params, max_norm))
+        return torch.zeros(())
+    return closure
+
+
+@pytest.mark.parametrize("opt_name", list(FUSED))
+@pytest.mark.parametrize("how", ["positional", "keyword", "scheduler"])
+def test_clip_inside_the_closure_on_every_step(opt_name, how):
+    """A clip inside step(closure) from the optimizer's very first step on (the first clip registers the hooks
+    while that step is already running): every closure step runs in write mode, bit for bit fastgrad.
+    clip_grad_norm_ inside the same closure; a plain clip + step() in between still hands over exactly
+    (the kernel model); nothing is left on the optimizer and no tensor is read on the host. (The first
+    closure step used to run unclipped, its coefficient left pending, and the second raised "step(closure)".)"""
+    (pa, oa), (pb, ob) = _twins(opt_name, torch.float32, "cpu", none_every=4)
+    if how == "scheduler":  # an LR scheduler wraps optimizer.step: the clip must still see it is inside it
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (oa, ob)]
+    from .guard_cases import no_host_reads
+    for step, kind in enumerate(["closure", "closure", "plain", "closure"]):
+        g = [x if p.grad is not None or step == 0 else None for x, p in zip(_new_grads(pa, step, 2.0, "cpu"), pa)]
+        if kind == "plain":
+            _set_grads(pa, g)
+            _set_grads(pb, g)
+            total = fastgrad.clip_optimizer_grad_norm_(oa, 0.5)
+            assert torch.equal(total, _model_clip_(pb, 0.5))
+            with no_host_reads():
+                oa.step()
+            _model_step(ob)
+        else:
+            out_a, out_b = [], []
+            ca = _closure_clipping(pa, oa, g, 0.5, out_a)
+            cb = _closure_clipping(pb, ob, g, 0.5, out_b, clip=fastgrad.clip_grad_norm_)
+            with no_host_reads():
+                if how == "keyword":
+                    oa.step(closure=ca)
+                else:
+                    oa.step(ca)
+            ob.step(cb)
+            assert torch.equal(out_a[0], out_b[0]), f"norm at step {step}"
+            assert out_a[1] is False, "inside the step the clip writes (too late to hand over)"
+        assert not hasattr(oa, "grad_scale")
+        _assert_bits_equal(pa, pb, f"params after step {step} ({kind})")
+        _assert_bits_equal(_opt_state(oa), _opt_state(ob), f"state after step {step} ({kind})")
+        _assert_bits_equal(grads(pa), grads(pb), f"grads after step {step} ({kind})")
+        if how == "scheduler":
+            for s in scheds:
+                s.step()
+        assert oc.zero_write_applies(oa)  # outside the step, it hands over again
+    assert len(oa._optimizer_step_pre_hooks) == 1 and len(oa._optimizer_step_post_hooks) == 1
+
+
+def test_clip_of_another_optimizer_inside_a_closure_hands_over():
+    """Inside optimizer A's closure, a clip of optimizer B is not inside B's step: B gets the coefficient for
+    its own next step, as outside any closure."""
+    (pa, oa), (pb, ob), (pc, oc_) = _twins("adamw", torch.float32, "cpu", n=3)
+    g = _give_grads(0, 2.0, "cpu", pb, pc)
+    seen = []
+
+    def closure():
+        seen.append(fastgrad.clip_optimizer_grad_norm_(ob, 0.5))
+        seen.append(oc.zero_write_applies(ob))
+        return torch.zeros(())
+
+    oa.step(closure)  # no gradients for A: its step changes nothing
+    assert seen[1] is True
+    _assert_bits_equal(grads(pb), g, "B's gradients are only read")
+    assert torch.equal(seen[0], _model_clip_(pc, 0.5))
+    ob.step()
+    _model_step(oc_)
+    _assert_bits_equal(pb, pc, "B's params")
+
+
+def test_a_closure_that_raises_leaves_the_hand_over_working():
+    """A closure that raises after its clip (the step never reaches its post-hook): the next clip outside a
+    step still hands over (bit for bit the kernel model), not falling back to write mode for good."""
+    (pa, oa), (pb, ob) = _twins("adam", torch.float32, "cpu")
+    _give_grads(0, 2.0, "cpu", pa, pb)
+    fastgrad.clip_optimizer_grad_norm_(oa, 0.5)  # registers the hooks
+    _model_clip_(pb, 0.5)
+    oa.step()
+    _model_step(ob)
+
+    def closure():
+        _set_grads(pa, _new_grads(pa, 1, 2.0, "cpu"))
+        fastgrad.clip_optimizer_grad_norm_(oa, 0.5)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        oa.step(closure)
+    g = _give_grads(2, 2.0, "cpu", pa, pb)
+    assert oc.zero_write_applies(oa)
+    fastgrad.clip_optimizer_grad_norm_(oa, 0.5)
+    _assert_bits_equal(grads(pa), g, "handed over: the clip only read the gradients")
+    _model_clip_(pb, 0.5)
+    oa.step()
+    _model_step(ob)
+    _assert_bits_equal(pa, pb, "params")
+
+
 def test_a_step_that_raises_leaves_nothing_behind():
     (pa, oa), _ = _twins("adam", torch.float32, "cpu")
     _set_grads(pa, _new_grads(pa, 0, 2.0, "cpu"))
