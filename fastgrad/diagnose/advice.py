@@ -191,6 +191,12 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "lower it (and consider warmup).",
         STEP_ADVICE["exploding"][1],
     ),
+    "exploding:loose_clip": (
+        "The script clips, but at a bound above every norm this run reached, so the clip never acts. Lower "
+        "max_norm into the healthy range (1.0 is the usual start); if the norm stays above 1000, lower the "
+        "learning rate too.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # a bound the norm actually reaches",
+    ),
     "exploding:overflow": (
         "The gradient norm overflowed float32: the gradients are so large (a norm above ~1.8e19) that clipping "
         "cannot rescue the step (the clip's coefficient becomes 0 and zeroes the update, or the update is "
@@ -201,6 +207,22 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    group['lr'] *= 0.1                      # and again, until the norm stays finite\n"
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))\n"
         "# under AMP: scaler = torch.amp.GradScaler(init_scale=2.0**10)",
+    ),
+    # a NaN/Inf already in what the script fed its model: the data, not the model, the loss or the optimizer
+    "nonfinite:input": (
+        "The NaN/Inf was already in the model's input: fix the data (drop or impute missing values, guard "
+        "normalisations against a zero std), or the op between module calls that made it. Nothing in the model, "
+        "the loss or the learning rate is the cause.",
+        "x, y = next(iter(loader))\n"
+        "bad = ~torch.isfinite(x).reshape(len(x), -1).all(1)   # one sync: run it once on the data\n"
+        "print('samples with NaN/Inf:', bad.nonzero().flatten().tolist())\n"
+        "x = torch.nan_to_num(x, nan=0.0)                    # or drop / impute them in the dataset",
+    ),
+    "loss_diverging:unrecovered": (
+        "The loss jumped an order of magnitude and never got back to where it started: the run ends worse than "
+        "it began. The usual cause is a learning rate too high for this model: lower it (10x), clip the "
+        "gradient norm, and warm it up.",
+        "",
     ),
     "loss_diverging:bootstrapped": (
         "A bootstrapped value or TD loss rises with the size of its targets: judge the run by its returns. If "
@@ -225,6 +247,10 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
     "script_crashed": ("The script raised before finishing; the report covers the steps that ran.", ""),
 }
 
+
+# same fix as a divergence: the same code
+RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecovered"][0],
+                                            RUN_ADVICE["loss_diverging"][1])
 
 _RELU_FAMILY = {"ReLU", "ReLU6", "RReLU", "Hardtanh", "Threshold"}
 _RECURRENT = {"LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"}
@@ -266,6 +292,12 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             continue
         seen.add(f.code)
         variant = f"{f.code}:{f.evidence.get('variant')}" if f.evidence.get("variant") else None
+        if f.code in _DIVERGING and f.evidence.get("born_in") == "input":
+            # every NaN finding of the run has the same cause: say it once
+            if "nonfinite:input" in seen:
+                continue
+            seen.add("nonfinite:input")
+            variant = "nonfinite:input"
         text, snippet = ((RUN_ADVICE.get(variant) or RUN_ADVICE.get(f.code) if run else None)
                          or STEP_ADVICE.get(f.code) or ("", ""))
         if cause is not None and f.code in _SMALL_GRADIENT:

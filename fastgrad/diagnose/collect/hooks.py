@@ -79,6 +79,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._scaled: tuple | None = None  # (weakref to the last scaler.scale output, the unscaled loss)
         self._clip_depth = 0
         self._losses: list[Tensor] = []
+        self._prev_losses: list[Tensor] = []  # the losses of the previous step (several optimizers, one backward)
         self._step_losses: list[Tensor] | None = None  # frozen after a closure's first evaluation
         self._evals = 0           # closure evaluations of the current step
         self._extra_bad: Tensor | None = None  # NaN/Inf values of the later closure evaluations (device)
@@ -272,6 +273,11 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         # the step's loss: everything backpropagated over the step (the micro-batch losses added up); for a
         # closure, its first evaluation's
         losses = self._step_losses if self._step_losses is not None else self._losses
+        if not losses and self._bw == 0 and self._step_losses is None:
+            # no backward since the previous step: these gradients came from that step's backward (one loss,
+            # several optimizers stepping on it), so that is the loss behind this step too
+            losses = self._prev_losses
+        self._prev_losses = losses
         loss = torch.stack([v.to(dev) for v in losses]).sum() if losses else None
         if st is not None and len(st):
             norm, nonfin, zero = val(st.total_norm), val((st.nan + st.inf).sum()), val(st.zero.sum())

@@ -44,6 +44,7 @@ class Exploding(Rule):
             elif clipped and bound is not None:
                 clip_text = (f" The script clips at max_norm={fmt(bound)}, above every norm seen: the clip never "
                              "acted.")
+                ev["variant"] = "loose_clip"
             elif clipped:
                 clip_text = " The script clips, but the raw gradients are out of range."
             else:
@@ -65,12 +66,24 @@ class Exploding(Rule):
                 continue
             sev = "critical" if crit else "warning"
             limit = th.critical if crit else th.exploding
-            detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), first at step "
-                      f"{hit[0].step} ({fmt(hit[0].grad_norm)}); peak {peak} at step {pk.step}; step {start.step} "
-                      f"had {fmt(start.grad_norm)}." + clip_text + (run.lr_text(k) if crit else ""))
+            # each step named once: the first step over the limit, the peak, and the run's first step when
+            # they differ
+            first = f"first at step {hit[0].step} ({fmt(hit[0].grad_norm)})"
+            if pk.step == hit[0].step:
+                first = f"first and highest at step {pk.step} ({peak})"
+            else:
+                first += f"; peak {peak} at step {pk.step}"
+            if start.step != hit[0].step:
+                first += f"; step {start.step} had {fmt(start.grad_norm)}"
+            detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
+                      + clip_text + (run.lr_text(k) if crit else ""))
             layers = _largest_layers(run.last) if k == last_k else []
-            title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
-                     f"{label}gradient norm above 100: clip (max_norm=1.0)")
+            if ev.get("variant") == "loose_clip":  # the script clips: "clip (max_norm=1.0)" would read as "add one"
+                title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
+                         f"(max_norm={fmt(bound)}) is above every norm: it never acts")
+            else:
+                title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
+                         f"{label}gradient norm above 100: clip (max_norm=1.0)")
             out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
         return out
 
