@@ -29,7 +29,7 @@ from torch import Tensor
 from ...clip import multi_tensor_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
-from .interceptors import RedFlagInterceptors, scaler_classes
+from .interceptors import _ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
@@ -124,12 +124,8 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_opt_init)
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
         for cls in scaler_classes():
-            # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its
-            # own interceptor: the patched base method is never reached through it
-            for name, wrap in (("scale", self._wrap_scale), ("unscale_", self._wrap_unscale),
-                               ("step", self._wrap_scaler_step)):
-                if name in vars(cls):
-                    self._patch(cls, name, wrap)
+            self._patch_scaler(cls)
+        self._watch_scaler_subclasses()
         from ... import agc as fg_agc, amp as fg_amp, clip as fg_clip
         from torch.nn.utils import clip_grad as tc
 
@@ -153,7 +149,10 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
 
     def remove(self) -> None:
         for owner, name, orig in reversed(self._undo):
-            setattr(owner, name, orig)
+            if orig is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
         self._undo.clear()
         for h in self._handles:
             h.remove()
