@@ -7,9 +7,9 @@ back down is not a divergence. 3x under the same conditions is "rising" (a warni
 the loss never gets back down (the medians of the last half and the last quarter of the run still 1.5x the
 start) is a warning too: the run ends worse than it began.
 
-A loss that climbs gradually (its peak in the second half of the run) while the gradient norms stay modest
-(every norm below 100) and stable (the last quarter's median norm within 2x of the first quarter's) is at
-most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+A loss that climbs gradually (its peak in the second half of the run, the ratio passed only after the run's
+first quarter) while the gradient norms stay modest (every norm below 100) and stable (the last quarter's
+median norm within 2x of the first quarter's) is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
 (actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
 model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
 modest norms.
@@ -80,9 +80,13 @@ class LossDiverging(Rule):
             nrm = {r.step: r.grad_norm for r in recs}
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
-            pos = [r.step for r in recs].index(sp) if sp in [r.step for r in recs] else 0
+            order = [r.step for r in recs]
+            pos = order.index(sp) if sp in order else 0
             late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
-            if modest and stable and late_peak:
+            # ... and it took a while to get there: a loss that passes the ratio within the first quarter of the
+            # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets
+            gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
+            if modest and stable and late_peak and gradual:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
