@@ -292,3 +292,84 @@ def test_overflow_without_a_clip_is_the_first_finding(tmp):
     assert row(r, "Gradient clipping")["status"] == "warning"
     assert "follows the gradient explosion of step 2" in finding(r, "nonfinite_loss")["detail"]
     assert r["rc"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+@pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch without torch.distributed")
+def test_scaler_subclass_imported_by_the_script_is_intercepted_without_importing_fsdp_first(tmp_path):
+    """The checker no longer imports torch.distributed.fsdp at start (seconds of every run) to find
+    ShardedGradScaler: a GradScaler subclass that the script imports, or defines, while it runs is intercepted
+    as its class is created. A fresh process, so nothing imported fsdp before."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sub_scaler.py"
+    script.write_text(
+        "import sys\n"
+        "assert 'torch.distributed.fsdp' not in sys.modules, 'the checker imported fsdp'\n"
+        "import torch\n"
+        "class MyScaler(torch.amp.GradScaler):\n"
+        "    def unscale_(self, optimizer):  # overrides without calling the base class's\n"
+        "        return torch.amp.GradScaler.unscale_(self, optimizer)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(8, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n"
+        "scaler = MyScaler('cpu')\n"
+        "for step in range(4):\n"
+        "    opt.zero_grad()\n"
+        "    loss = model(torch.randn(16, 8)).pow(2).mean()\n"
+        "    scaler.scale(loss).backward()\n"
+        "    if step >= 2:\n"
+        "        scaler.unscale_(opt)\n"
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # still scaled at steps 1 and 2\n"
+        "    scaler.step(opt)\n"
+        "    scaler.update()\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c",
+                        "import sys, json\nfrom fastgrad import check as C\n"
+                        f"r = C.run_script({str(script)!r}, [])\n"
+                        "import torch\n"
+                        "left = '__init_subclass__' in vars(torch.amp.GradScaler)\n"
+                        "print(json.dumps([r.crashed, r.crash_text, r.flags['clip_scaled'], left]))"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    crashed, text, flagged, left = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not crashed, text
+    assert flagged == [1, 2]  # the subclass's own unscale_ was seen at steps 3 and 4
+    assert not left  # the class-creation hook is removed with the other interceptors
+
+
+# ---------------------------------------------------------------------------------------------- recorded series
+def _view(series, **kw):
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+
+    steps = [StepRecord(step=i, total_norm=n, loss=v, has_loss=True, numel=10)
+             for i, (n, v) in enumerate(series, 1)]
+    return RunView(steps=steps, **kw)
+
+
+# pytorch/examples word_language_model (LSTM, hand-written SGD, clip 0.25) at --lr 2000, as checked: the loss
+# jumps 20x at the second step and climbs on to 126x, the norms before the clip level at ~5
+WLM_LR2000_LOSS = [7.9, 160.1, 21.4, 38.5, 335.9, 583.1, 436.4, 447.0, 450.6, 352.7, 470.0, 515.7, 613.9, 614.1,
+                   498.4, 492.2, 582.1, 572.5, 642.1, 817.7, 877.2, 936.0, 822.0, 817.5, 736.3, 744.2, 926.4, 994.8,
+                   829.1, 902.1, 809.1]
+WLM_LR2000_NORM = [0.16, 32.48, 16.68, 3.91, 5.78, 28.49, 4.81, 5.43, 21.06, 4.2, 5.67, 3.48, 5.63, 5.98, 5.73, 4.07,
+                   5.92, 5.7, 4.84, 4.6, 5.1, 5.85, 5.74, 5.41, 4.86, 5.66, 5.86, 5.47, 5.51, 5.06, 5.69]
+
+
+def test_an_early_jump_that_keeps_climbing_is_not_a_bootstrapped_loss():
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.diagnose.finding import Finding
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    f, = LOSS_DIVERGING.evaluate(_view(list(zip(WLM_LR2000_NORM, WLM_LR2000_LOSS))))
+    assert f.severity == "critical" and f.evidence.get("variant") is None and f.evidence["first_step"] == 5
+    # and so the depth finding of that run gets no "higher learning rate" advice
+    depth = Finding("depth_vanishing", "warning", "vanishing across depth")
+    texts = " ".join(t + s for _, t, s in advise([f, depth]))
+    assert "10 * lr" not in texts and "higher learning rate" not in texts
+    # the same climb reached gradually (10x only after the first quarter): still the bootstrapped notice
+    slow = [7.9 * (1 + 0.15 * i) for i in range(31)]
+    g, = LOSS_DIVERGING.evaluate(_view([(5.0, v) for v in slow]))
+    assert g.severity == "notice" and g.evidence["variant"] == "bootstrapped"
