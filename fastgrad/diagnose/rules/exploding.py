@@ -41,6 +41,7 @@ class Exploding(Rule):
             if clipped and bound is not None and any(r.grad_norm > bound for r in clipped):
                 clip_text = (f" The script clips at max_norm={fmt(bound)}, so the update was bounded, but the raw "
                              "gradients are out of range.")
+                ev["variant"] = "clipped"
             elif clipped and bound is not None:
                 clip_text = (f" The script clips at max_norm={fmt(bound)}, above every norm seen: the clip never "
                              "acted.")
@@ -78,9 +79,13 @@ class Exploding(Rule):
             detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
                       + clip_text + (run.lr_text(k) if crit else ""))
             layers = _largest_layers(run.last) if k == last_k else []
-            if ev.get("variant") == "loose_clip":  # the script clips: "clip (max_norm=1.0)" would read as "add one"
+            # the script clips: "clip (max_norm=1.0)" would read as "add one"
+            if ev.get("variant") == "loose_clip":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
                          f"(max_norm={fmt(bound)}) is above every norm: it never acts")
+            elif ev.get("variant") == "clipped":
+                title = (f"{label}gradient norm above {'1000' if crit else '100'} before the clip (max_norm="
+                         f"{fmt(bound)} bounds the update): the gradients themselves are out of range")
             else:
                 title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
                          f"{label}gradient norm above 100: clip (max_norm=1.0)")
