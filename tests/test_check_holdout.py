@@ -24,6 +24,7 @@ RUNS = {
     "nan_input": ("ho_nan_input.py", []),
     "backward_nan": ("ho_backward_nan.py", []),
     "diverge_noclip": ("ho_diverge_noclip.py", ["3"]),
+    "lr0": ("ho_diverge_noclip.py", ["0"]),
     "ce_lr_too_high": ("ho_ce_lr_too_high.py", []),
     "noisy_flat": ("ho_noisy_flat.py", []),
     "critic_rise_fall": ("ho_critic_rise_fall.py", []),
@@ -373,3 +374,36 @@ def test_an_early_jump_that_keeps_climbing_is_not_a_bootstrapped_loss():
     slow = [7.9 * (1 + 0.15 * i) for i in range(31)]
     g, = LOSS_DIVERGING.evaluate(_view([(5.0, v) for v in slow]))
     assert g.severity == "notice" and g.evidence["variant"] == "bootstrapped"
+
+
+def test_a_learning_rate_of_zero_is_named(tmp):
+    r = run("lr0", tmp)
+    losses = [t["loss"] for t in r["truth"]["steps"]]
+    q = len(losses) // 4
+    assert abs(sum(losses[:q]) - sum(losses[-q:])) < 0.25 * sum(losses[:q])  # the premise: only the batches move
+    f = r["json"]["findings"][0]
+    assert f["code"] == "lr_zero" and f["severity"] == "warning" and f["evidence"]["count"] == 60
+    assert r["json"]["recommendations"][0]["code"] == "lr_zero" and r["rc"] == 0
+    # a warm-up from 0 is not this
+    from fastgrad.diagnose.rules.lr_zero import LR_ZERO
+
+    v = _view([(1.0, 1.0)] * 5)
+    for i, rec in enumerate(v.steps):
+        rec.lr = 0.0 if i == 0 else 1e-3 * i
+    assert LR_ZERO.evaluate(v) == []
+
+
+def test_an_explosion_the_script_already_clips_is_not_told_to_add_a_clip():
+    """word_language_model's Transformer with AdamW at lr 3, clip 0.25: norms of 100+ before the clip. The
+    finding said 'clip (max_norm=1.0)' and the advice 'clip before every step' to a script that clips."""
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    v = _view([(0.25, 8.0)] * 6)
+    for rec, pre in zip(v.steps, [1.13, 20.0, 60.0, 104.6, 133.3, 80.1]):
+        rec.clipped, rec.clip_max, rec.clip_norm, rec.clip_read = True, 0.25, pre, True
+    f, = EXPLODING.evaluate(v)
+    assert f.severity == "warning" and f.evidence["variant"] == "clipped"
+    assert "clip (max_norm=1.0)" not in f.title and "max_norm=0.25 bounds the update" in f.title
+    (code, text, snippet), = advise([f])
+    assert "Clip the gradient norm before every" not in text and "lr'] *= 0.1" in snippet

@@ -197,6 +197,14 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "learning rate too.",
         "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # a bound the norm actually reaches",
     ),
+    "exploding:clipped": (
+        "The script's clip bounds every update, so the steps were not destroyed, but the raw gradients are out of "
+        "range: the clip now decides every step and the gradient direction is all that is left. The cause is "
+        "upstream: a learning rate too high (the first suspect: lower it), a loss summed instead of averaged, "
+        "or unnormalised inputs or targets.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # first suspect: the learning rate",
+    ),
     "exploding:overflow": (
         "The gradient norm overflowed float32: the gradients are so large (a norm above ~1.8e19) that clipping "
         "cannot rescue the step (the clip's coefficient becomes 0 and zeroes the update, or the update is "
@@ -234,6 +242,11 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "torch.no_grad() on the path, the right optimizer for the right network) and that they require grad.",
         "for n, p in model.named_parameters():\n"
         "    print(n, p.requires_grad, None if p.grad is None else float(p.grad.abs().max()))",
+    ),
+    "lr_zero": (
+        "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
+        "after each scheduler.step()).",
+        "print([g['lr'] for g in optimizer.param_groups])   # where the optimizer is made, and after scheduler.step()",
     ),
     "clip_zeroes": (
         "A clip bound of 0 scales every gradient to zero, so nothing learns. Clip at a positive bound (1.0 is the "
