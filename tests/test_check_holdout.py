@@ -407,3 +407,32 @@ def test_an_explosion_the_script_already_clips_is_not_told_to_add_a_clip():
     assert "clip (max_norm=1.0)" not in f.title and "max_norm=0.25 bounds the update" in f.title
     (code, text, snippet), = advise([f])
     assert "Clip the gradient norm before every" not in text and "lr'] *= 0.1" in snippet
+
+
+def test_the_watcher_names_a_bad_batch_but_not_a_mask_argument():
+    import torch
+
+    from fastgrad.diagnose.collect.watch import ForwardWatcher
+
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    causal = torch.triu(torch.full((5, 5), float("-inf")), 1)  # a float mask: -inf above the diagonal
+    with ForwardWatcher(mha) as w:
+        mha(x, x, x, None, False, causal)  # the mask passed positionally
+        assert w.first_nonfinite() is None
+        x[1, 2, 3] = float("nan")
+        w.step()
+        mha(x, x, x)
+        o = w.first_nonfinite()
+        assert (o.where, o.module, o.step, o.call) == ("input", "MultiheadAttention", 1, 0)
+        assert str(o).startswith("first non-finite input: MultiheadAttention")
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    w = ForwardWatcher()  # global: the root's batch
+    try:
+        net(torch.randn(3, 8))
+        w.step()
+        net(torch.full((3, 8), float("inf")))
+        o = w.first_nonfinite()
+        assert (o.where, o.module, o.step) == ("input", "Sequential", 1)
+    finally:
+        w.remove()

@@ -4,9 +4,9 @@ Forward hooks on every module check each floating output for NaN/Inf on the devi
 ONE device-side int64 "first bad call" key with ``torch.minimum``. The key packs the step, the call's index in
 execution order within that step and the module's id, so the smallest key is the first module, in execution
 order, whose output became non-finite. Hooks fire when a module *finishes*, so an inner module that made the
-NaN is seen before the containers whose outputs merely carry it. The inputs of a root module (the model
-called by the script) are checked too, ordered before anything that call produces: NaN in the batch is named
-as the model's input, not as its first layer. Reading the key (``first_nonfinite()``) is the only sync.
+NaN is seen before the containers whose outputs merely carry it. The first positional input of a root module
+(the batch the script passes its model) is checked too, ordered before anything that call produces: NaN in
+the batch is named as the model's input, not as its first layer. Reading the key (``first_nonfinite()``) is the only sync.
 
 ::
 
@@ -153,8 +153,11 @@ class ForwardWatcher:
 
     # ---------------------------------------------------------------- the hot path: device ops only
     def _observe_input(self, mid: int, args) -> None:
-        """A root call's inputs, keyed with the call index its first output will get (no call consumed)."""
-        self._fold(mid, self._call, 0, args)
+        """A root call's first positional argument (the batch), keyed with the call index its first output
+        will get (no call consumed). Later arguments are left alone: an attention mask of -inf passed to a root
+        module is not bad data."""
+        if args:
+            self._fold(mid, self._call, 0, args[0])
 
     def _observe(self, mid: int, output) -> None:
         call = self._call
