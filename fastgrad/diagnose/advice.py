@@ -191,6 +191,20 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "lower it (and consider warmup).",
         STEP_ADVICE["exploding"][1],
     ),
+    "exploding:loose_clip": (
+        "The script clips, but at a bound above every norm this run reached, so the clip never acts. Lower "
+        "max_norm into the healthy range (1.0 is the usual start); if the norm stays above 1000, lower the "
+        "learning rate too.",
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # a bound the norm actually reaches",
+    ),
+    "exploding:clipped": (
+        "The script's clip bounds every update, so the steps were not destroyed, but the raw gradients are out of "
+        "range: the clip now decides every step and the gradient direction is all that is left. The cause is "
+        "upstream: a learning rate too high (the first suspect: lower it), a loss summed instead of averaged, "
+        "or unnormalised inputs or targets.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # first suspect: the learning rate",
+    ),
     "exploding:overflow": (
         "The gradient norm overflowed float32: the gradients are so large (a norm above ~1.8e19) that clipping "
         "cannot rescue the step (the clip's coefficient becomes 0 and zeroes the update, or the update is "
@@ -202,6 +216,22 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))\n"
         "# under AMP: scaler = torch.amp.GradScaler(init_scale=2.0**10)",
     ),
+    # a NaN/Inf already in what the script fed its model: the data, not the model, the loss or the optimizer
+    "nonfinite:input": (
+        "The NaN/Inf was already in the model's input: fix the data (drop or impute missing values, guard "
+        "normalisations against a zero std), or the op between module calls that made it. Nothing in the model, "
+        "the loss or the learning rate is the cause.",
+        "x, y = next(iter(loader))\n"
+        "bad = ~torch.isfinite(x).reshape(len(x), -1).all(1)   # one sync: run it once on the data\n"
+        "print('samples with NaN/Inf:', bad.nonzero().flatten().tolist())\n"
+        "x = torch.nan_to_num(x, nan=0.0)                    # or drop / impute them in the dataset",
+    ),
+    "loss_diverging:unrecovered": (
+        "The loss jumped an order of magnitude and never got back to where it started: the run ends worse than "
+        "it began. The usual cause is a learning rate too high for this model: lower it (10x), clip the "
+        "gradient norm, and warm it up.",
+        "",
+    ),
     "loss_diverging:bootstrapped": (
         "A bootstrapped value or TD loss rises with the size of its targets: judge the run by its returns. If "
         "they fall too, lower the critic's learning rate or update the target network less often.",
@@ -212,6 +242,11 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "torch.no_grad() on the path, the right optimizer for the right network) and that they require grad.",
         "for n, p in model.named_parameters():\n"
         "    print(n, p.requires_grad, None if p.grad is None else float(p.grad.abs().max()))",
+    ),
+    "lr_zero": (
+        "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
+        "after each scheduler.step()).",
+        "print([g['lr'] for g in optimizer.param_groups])   # where the optimizer is made, and after scheduler.step()",
     ),
     "clip_zeroes": (
         "A clip bound of 0 scales every gradient to zero, so nothing learns. Clip at a positive bound (1.0 is the "
@@ -225,6 +260,10 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
     "script_crashed": ("The script raised before finishing; the report covers the steps that ran.", ""),
 }
 
+
+# same fix as a divergence: the same code
+RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecovered"][0],
+                                            RUN_ADVICE["loss_diverging"][1])
 
 _RELU_FAMILY = {"ReLU", "ReLU6", "RReLU", "Hardtanh", "Threshold"}
 _RECURRENT = {"LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"}
@@ -266,6 +305,12 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             continue
         seen.add(f.code)
         variant = f"{f.code}:{f.evidence.get('variant')}" if f.evidence.get("variant") else None
+        if f.code in _DIVERGING and f.evidence.get("born_in") == "input":
+            # every NaN finding of the run has the same cause: say it once
+            if "nonfinite:input" in seen:
+                continue
+            seen.add("nonfinite:input")
+            variant = "nonfinite:input"
         text, snippet = ((RUN_ADVICE.get(variant) or RUN_ADVICE.get(f.code) if run else None)
                          or STEP_ADVICE.get(f.code) or ("", ""))
         if cause is not None and f.code in _SMALL_GRADIENT:

@@ -75,9 +75,16 @@ class CheckResult:
 
 def _order(findings: list[Finding]) -> list[Finding]:
     """Most severe first; within a severity, the earliest step first (the cause before its consequences),
-    findings without steps after those with, rule order otherwise."""
+    findings without steps after those with; at the same step an overflowed norm (the largest explosion), then
+    a diverging loss (what the user sees, and the learning rate behind both), then rule order."""
     idx = {id(f): i for i, f in enumerate(findings)}
-    return sorted(findings, key=lambda f: (-RANK[f.severity], min(f.steps) if f.steps else math.inf, idx[id(f)]))
+
+    def lead(f: Finding) -> int:
+        if f.code == "exploding" and f.evidence.get("variant") == "overflow":
+            return 0
+        return 1 if f.code == "loss_diverging" else 2
+    return sorted(findings, key=lambda f: (-RANK[f.severity], min(f.steps) if f.steps else math.inf, lead(f),
+                                           idx[id(f)]))
 
 
 def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text: str | None, stopped: bool,
@@ -115,10 +122,15 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     o = trace_origin(run)
     fo = run.forward_origin
     # the watcher's own answer, kept as it was: the first non-finite module output
-    first_output = None if fo is None else (f"{fo.module} ({fo.module_type})" if manual
-                                            else f"{fo.module} ({fo.module_type}) at step {fo.step + 1}")
-    summary = _summary(run, findings, trends, o, stopped)
+    pre = "input of " if fo is not None and getattr(fo, "where", "output") == "input" else ""
+    first_output = None if fo is None else (f"{pre}{fo.module} ({fo.module_type})" if manual
+                                            else f"{pre}{fo.module} ({fo.module_type}) at step {fo.step + 1}")
     status = worst(*(f.severity for f in findings))
+    summary = _summary(run, findings, trends, o, stopped)
+    if status == "healthy":
+        # a row's "notice" (a peak between 10 and 100 at some step) with no finding behind it would read as a
+        # verdict the report does not give: the value stays, the row is healthy like the run
+        summary = [(m, v, "healthy" if st == "notice" else st) for m, v, st in summary]
     exit_code = 3 if crashed else (4 if nothing_checked(run) else (1 if status == "critical" else 0))
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
@@ -153,6 +165,9 @@ def _norm_label(recs: list[StepRecord], mine: list[Finding]) -> str:
             exp is not None and exp.severity == "critical" and recs[-1].step in exp.steps):
         pk = max(fin, key=lambda r: r.grad_norm)
         return f"diverging: norm {fmt(fin[0].grad_norm)} at step {fin[0].step} -> {fmt(pk.grad_norm)} at step {pk.step}"
+    if div is not None and div.evidence.get("variant") == "unrecovered":
+        return (f"loss jumped {div.evidence['ratio']:.3g}x and stayed above its start "
+                f"({div.evidence['end_level'] / div.evidence['start']:.3g}x at the end)")
     if div is not None and div.severity == "warning":
         return f"loss rising ({div.evidence['ratio']:.3g}x its start)"
     codes = {f.code for f in mine}
@@ -211,7 +226,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         if lastn.total_norm == 0 and (lastn.overflow or (lastn.clipped and lastn.clip_norm)):
             own = _sev(findings, "exploding", "clip_zeroes", series=k)  # the clip's zeros: judged there
         elif k == run.last_series:  # the last step's own classification (small but learning, no learning...)
-            rep = _sev(findings, *_NORM_CODES, "clip_zeroes", "zero_grads")
+            # another optimizer's zero_grads is not about this series' norm
+            rep = worst(_sev(findings, *_NORM_CODES, "clip_zeroes"), _sev(findings, "zero_grads", series=k))
             own = rep if (lastn.total_norm < th.vanishing or lastn.total_norm == 0) else worst(own, rep)
         else:
             own = worst(own, _sev(findings, "zero_grads", series=k)) if lastn.total_norm == 0 else own
@@ -259,7 +275,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         rows.append(("Zero-gradient parameters",
                      f"{dead} of {nparams} tensors mostly zero ({last.zero / last.numel:.1%} of values)"
                      + (" (made by the clip, not by the model)" if by_clip else ""),
-                     _sev(findings, "dead", "no_learning", "clip_zeroes", "zero_grads")))
+                     worst(_sev(findings, "dead", "no_learning", "clip_zeroes"),
+                           _sev(findings, "zero_grads", series=run.last_series))))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
                  + (f": {born.module}" if born.module else ""), "critical" if born is not None else "healthy"))
     clip = f"{run.clip_calls} call(s)" if run.clip_calls else "none"

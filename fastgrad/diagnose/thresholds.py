@@ -53,6 +53,8 @@ class RunLimits:
     #: ... and it stays there: the median of the last quarter of the run is at least this share of the ratio
     #: (a rise that comes back down is not a divergence)
     hold_share: float = 1.0
+    #: a 10x jump after which the loss stays this many times its start (last half and last quarter): a warning
+    unrecovered_ratio: float = 1.5
     #: steps at least, for a trend over the run to be judged
     min_steps: int = 6
     #: a bootstrapped value/TD loss with gradient norms below this (and a stable trend) is at most a notice

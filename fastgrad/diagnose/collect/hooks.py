@@ -29,7 +29,7 @@ from torch import Tensor
 from ...clip import multi_tensor_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
-from .interceptors import RedFlagInterceptors, scaler_classes
+from .interceptors import _ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
@@ -79,6 +79,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._scaled: tuple | None = None  # (weakref to the last scaler.scale output, the unscaled loss)
         self._clip_depth = 0
         self._losses: list[Tensor] = []
+        self._prev_losses: list[Tensor] = []  # the losses of the previous step (several optimizers, one backward)
         self._step_losses: list[Tensor] | None = None  # frozen after a closure's first evaluation
         self._evals = 0           # closure evaluations of the current step
         self._extra_bad: Tensor | None = None  # NaN/Inf values of the later closure evaluations (device)
@@ -123,12 +124,8 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_opt_init)
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
         for cls in scaler_classes():
-            # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its
-            # own interceptor: the patched base method is never reached through it
-            for name, wrap in (("scale", self._wrap_scale), ("unscale_", self._wrap_unscale),
-                               ("step", self._wrap_scaler_step)):
-                if name in vars(cls):
-                    self._patch(cls, name, wrap)
+            self._patch_scaler(cls)
+        self._watch_scaler_subclasses()
         from ... import agc as fg_agc, amp as fg_amp, clip as fg_clip
         from torch.nn.utils import clip_grad as tc
 
@@ -152,7 +149,10 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
 
     def remove(self) -> None:
         for owner, name, orig in reversed(self._undo):
-            setattr(owner, name, orig)
+            if orig is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
         self._undo.clear()
         for h in self._handles:
             h.remove()
@@ -272,6 +272,11 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         # the step's loss: everything backpropagated over the step (the micro-batch losses added up); for a
         # closure, its first evaluation's
         losses = self._step_losses if self._step_losses is not None else self._losses
+        if not losses and self._bw == 0 and self._step_losses is None:
+            # no backward since the previous step: these gradients came from that step's backward (one loss,
+            # several optimizers stepping on it), so that is the loss behind this step too
+            losses = self._prev_losses
+        self._prev_losses = losses
         loss = torch.stack([v.to(dev) for v in losses]).sum() if losses else None
         if st is not None and len(st):
             norm, nonfin, zero = val(st.total_norm), val((st.nan + st.inf).sum()), val(st.zero.sum())

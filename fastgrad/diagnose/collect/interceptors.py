@@ -5,7 +5,6 @@ A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the sta
 
 from __future__ import annotations
 
-import importlib
 import weakref
 
 import torch
@@ -15,16 +14,14 @@ from ...stats import grad_stats
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
 
+_ABSENT = object()  # an attribute to delete, not restore, when the interceptors are removed
+
 
 def scaler_classes() -> list[type]:
-    """torch.amp.GradScaler and every subclass known at install time (FSDP's ShardedGradScaler is imported
-    for the purpose when torch.distributed is built). A subclass the script defines later and that overrides
-    these methods without calling the base class is not seen."""
-    if torch.distributed.is_available():
-        try:
-            importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")  # defines the subclass
-        except Exception:  # noqa: BLE001 - a broken distributed build must not stop the check
-            pass
+    """torch.amp.GradScaler and every subclass defined so far (FSDP's ShardedGradScaler once its module is
+    imported). Subclasses defined later, while the script runs, are caught as they are created
+    (``RedFlagInterceptors._watch_scaler_subclasses``): importing torch.distributed.fsdp up front only to find
+    one cost every checked run seconds of start-up."""
     out, todo = [], [torch.amp.GradScaler]
     while todo:
         cls = todo.pop(0)
@@ -34,10 +31,38 @@ def scaler_classes() -> list[type]:
     return out
 
 
-
 class RedFlagInterceptors:
     """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``
     and ``Optimizer.__init__``; each returns the replacement of ``orig``."""
+
+    def _patch_scaler(self, cls: type) -> None:
+        # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its own
+        # interceptor: the patched base method is never reached through it
+        for name, wrap in (("scale", self._wrap_scale), ("unscale_", self._wrap_unscale),
+                           ("step", self._wrap_scaler_step)):
+            if name in vars(cls):
+                self._patch(cls, name, wrap)
+
+    def _watch_scaler_subclasses(self) -> None:
+        """Intercept the GradScaler subclasses the script defines or imports while it runs (ShardedGradScaler
+        when it imports torch.distributed.fsdp), as each class is created; undone by ``remove``."""
+        base = torch.amp.GradScaler
+        had = "__init_subclass__" in vars(base)
+        orig = vars(base).get("__init_subclass__")
+        chk = self
+
+        def __init_subclass__(cls, **kwargs):
+            if orig is not None:
+                orig.__get__(None, cls)(**kwargs)
+            else:
+                super(base, cls).__init_subclass__(**kwargs)
+            try:
+                chk._patch_scaler(cls)
+            except Exception as e:  # noqa: BLE001 - never break the script's class definition
+                chk.errors.append(f"GradScaler subclass {cls.__name__}: {e}")
+
+        base.__init_subclass__ = classmethod(__init_subclass__)
+        self._undo.append((base, "__init_subclass__", orig if had else _ABSENT))
 
     def _wrap_opt_init(self, orig):
         chk = self

@@ -4,8 +4,9 @@ Forward hooks on every module check each floating output for NaN/Inf on the devi
 ONE device-side int64 "first bad call" key with ``torch.minimum``. The key packs the step, the call's index in
 execution order within that step and the module's id, so the smallest key is the first module, in execution
 order, whose output became non-finite. Hooks fire when a module *finishes*, so an inner module that made the
-NaN is seen before the containers whose outputs merely carry it. Reading the key (``first_nonfinite()``) is
-the only sync.
+NaN is seen before the containers whose outputs merely carry it. The first positional input of a root module
+(the batch the script passes its model) is checked too, ordered before anything that call produces: NaN in
+the batch is named as the model's input, not as its first layer. Reading the key (``first_nonfinite()``) is the only sync.
 
 ::
 
@@ -29,24 +30,30 @@ from torch import Tensor
 
 __all__ = ["ForwardWatcher", "NonFiniteOrigin"]
 
-# Key layout (bits, low to high): module id 20, call index within the step 20, step 23. Larger values saturate
-# at the field's maximum, which keeps the key ordered (a later call never sorts before an earlier one).
-_MOD_BITS, _CALL_BITS, _STEP_BITS = 20, 20, 23
+# Key layout (bits, low to high): module id 20, output-not-input 1, call index within the step 20, step 22.
+# Larger values saturate at the field's maximum, which keeps the key ordered (a later call never sorts before an
+# earlier one). A root's input is checked when the call starts, with the call index its first output will get:
+# the input bit (0) sorts it before that output.
+_MOD_BITS, _KIND_BITS, _CALL_BITS, _STEP_BITS = 20, 1, 20, 22
+_LOW = _MOD_BITS + _KIND_BITS
 _NONE = (1 << 63) - 1
 
 
 @dataclass
 class NonFiniteOrigin:
     """The first module call whose output held a NaN or Inf: its name, class, the step (0-based, as counted
-    by the watcher) and the call's position in execution order within that step."""
+    by the watcher) and the call's position in execution order within that step. ``where`` is "output", or
+    "input" when the values were already non-finite in what the script passed to a root module (the model)."""
 
     module: str
     module_type: str
     step: int
     call: int
+    where: str = "output"
 
     def __str__(self) -> str:
-        return (f"first non-finite output: {self.module} ({self.module_type}) at step {self.step}, "
+        what = "input" if self.where == "input" else "output"
+        return (f"first non-finite {what}: {self.module} ({self.module_type}) at step {self.step}, "
                 f"module call #{self.call} of that step")
 
 
@@ -81,10 +88,15 @@ class ForwardWatcher:
         self._handles = []
         self._depth = 0
         self._roots: list[weakref.ref] = []
+        self._root_inputs: dict[int, int] = {}  # id(root module) -> the mid of its input
+        self._inputs: set[int] = set()  # ids (mid) that stand for a root's input
         if model is not None:
             for name, m in model.named_modules():
                 mid = self._register(m, name or type(m).__name__)
                 self._handles.append(m.register_forward_hook(self._make_hook(mid)))
+            root_in = self._register_input(model, type(model).__name__)
+            self._handles.append(model.register_forward_pre_hook(
+                lambda module, args: self._observe_input(root_in, args)))
         else:
             from torch.nn.modules import module as M
 
@@ -102,6 +114,12 @@ class ForwardWatcher:
             self._mods.append((weakref.ref(m), name, type(m).__name__))
         return mid
 
+    def _register_input(self, m: torch.nn.Module, name: str) -> int:
+        mid = len(self._mods)
+        self._mods.append((weakref.ref(m), name, type(m).__name__))
+        self._inputs.add(mid)
+        return mid
+
     def _name_root(self, root: torch.nn.Module) -> None:
         # The first root keeps bare names (as its named_parameters() do); later roots are prefixed by class.
         prefix = "" if not self._roots else type(root).__name__ + ":"
@@ -111,8 +129,14 @@ class ForwardWatcher:
                 self._register(m, prefix + name if name else type(root).__name__)
 
     def _global_pre(self, module, args) -> None:
-        if self._depth == 0 and id(module) not in self._ids:
-            self._name_root(module)
+        if self._depth == 0:
+            if id(module) not in self._ids:
+                self._name_root(module)
+            mid = self._root_inputs.get(id(module))
+            if mid is None:
+                name = self._mods[self._ids[id(module)]][1]
+                mid = self._root_inputs[id(module)] = self._register_input(module, name)
+            self._observe_input(mid, args)
         self._depth += 1
 
     def _global_post(self, module, args, output) -> None:
@@ -128,9 +152,19 @@ class ForwardWatcher:
         return hook
 
     # ---------------------------------------------------------------- the hot path: device ops only
+    def _observe_input(self, mid: int, args) -> None:
+        """A root call's first positional argument (the batch), keyed with the call index its first output
+        will get (no call consumed). Later arguments are left alone: an attention mask of -inf passed to a root
+        module is not bad data."""
+        if args:
+            self._fold(mid, self._call, 0, args[0])
+
     def _observe(self, mid: int, output) -> None:
         call = self._call
         self._call += 1
+        self._fold(mid, call, 1, output)
+
+    def _fold(self, mid: int, call: int, kind: int, output) -> None:
         key = None
         for t in _tensors(output):
             if not t.numel():
@@ -138,7 +172,8 @@ class ForwardWatcher:
             if key is None:
                 step = min(self.step_index, (1 << _STEP_BITS) - 1)
                 c = min(call, (1 << _CALL_BITS) - 1)
-                key = (step << (_MOD_BITS + _CALL_BITS)) | (c << _MOD_BITS) | min(mid, (1 << _MOD_BITS) - 1)
+                key = ((step << (_LOW + _CALL_BITS)) | (c << _LOW) | (kind << _MOD_BITS)
+                       | min(mid, (1 << _MOD_BITS) - 1))
                 if self._key is None:
                     self._key = torch.full((), _NONE, dtype=torch.int64, device=t.device)
             # amax propagates NaN and abs keeps Inf: one reduction answers "non-finite anywhere".
@@ -178,10 +213,10 @@ class ForwardWatcher:
         if key == _NONE:
             return None
         mid = key & ((1 << _MOD_BITS) - 1)
-        call = (key >> _MOD_BITS) & ((1 << _CALL_BITS) - 1)
-        step = key >> (_MOD_BITS + _CALL_BITS)
+        call = (key >> _LOW) & ((1 << _CALL_BITS) - 1)
+        step = key >> (_LOW + _CALL_BITS)
         _, name, typ = self._mods[mid]
-        return NonFiniteOrigin(name, typ, step, call)
+        return NonFiniteOrigin(name, typ, step, call, "input" if mid in self._inputs else "output")
 
     def remove(self) -> None:
         """Remove every hook this watcher registered."""

@@ -22,9 +22,10 @@ __all__ = ["RunView", "Rule", "NanOrigin", "median"]
 
 @dataclass
 class NanOrigin:
-    """Where the first NaN/Inf of the run was born: ``where`` is "forward" (a module's output), "loss" (the loss
-    went non-finite while every module output of that step was finite: a functional loss), "backward" (the
-    loss and module outputs were finite, the gradients were not) or "parameters" (already non-finite);
+    """Where the first NaN/Inf of the run was born: ``where`` is "input" (what the script passed to its model
+    was already non-finite: the data, or an op between module calls), "forward" (a module's output), "loss"
+    (the loss went non-finite while every module output of that step was finite: a functional loss) or
+    "backward" (the loss and module outputs were finite, the gradients were not);
     ``step`` the step, ``module`` the module (forward only), ``text`` the evidence in words."""
 
     where: str

@@ -41,9 +41,11 @@ class Exploding(Rule):
             if clipped and bound is not None and any(r.grad_norm > bound for r in clipped):
                 clip_text = (f" The script clips at max_norm={fmt(bound)}, so the update was bounded, but the raw "
                              "gradients are out of range.")
+                ev["variant"] = "clipped"
             elif clipped and bound is not None:
                 clip_text = (f" The script clips at max_norm={fmt(bound)}, above every norm seen: the clip never "
                              "acted.")
+                ev["variant"] = "loose_clip"
             elif clipped:
                 clip_text = " The script clips, but the raw gradients are out of range."
             else:
@@ -65,12 +67,28 @@ class Exploding(Rule):
                 continue
             sev = "critical" if crit else "warning"
             limit = th.critical if crit else th.exploding
-            detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), first at step "
-                      f"{hit[0].step} ({fmt(hit[0].grad_norm)}); peak {peak} at step {pk.step}; step {start.step} "
-                      f"had {fmt(start.grad_norm)}." + clip_text + (run.lr_text(k) if crit else ""))
+            # each step named once: the first step over the limit, the peak, and the run's first step when
+            # they differ
+            first = f"first at step {hit[0].step} ({fmt(hit[0].grad_norm)})"
+            if pk.step == hit[0].step:
+                first = f"first and highest at step {pk.step} ({peak})"
+            else:
+                first += f"; peak {peak} at step {pk.step}"
+            if start.step != hit[0].step:
+                first += f"; step {start.step} had {fmt(start.grad_norm)}"
+            detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
+                      + clip_text + (run.lr_text(k) if crit else ""))
             layers = _largest_layers(run.last) if k == last_k else []
-            title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
-                     f"{label}gradient norm above 100: clip (max_norm=1.0)")
+            # the script clips: "clip (max_norm=1.0)" would read as "add one"
+            if ev.get("variant") == "loose_clip":
+                title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
+                         f"(max_norm={fmt(bound)}) is above every norm: it never acts")
+            elif ev.get("variant") == "clipped":
+                title = (f"{label}gradient norm above {'1000' if crit else '100'} before the clip (max_norm="
+                         f"{fmt(bound)} bounds the update): the gradients themselves are out of range")
+            else:
+                title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
+                         f"{label}gradient norm above 100: clip (max_norm=1.0)")
             out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
         return out
 

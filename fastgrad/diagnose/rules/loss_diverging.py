@@ -3,11 +3,13 @@
 The start is the smaller of the first loss and the median of the first three (one odd first batch does not
 set it). The loss diverges (critical) when it reaches 10x that start, holds there for the next step (or to
 the end of the run), AND the median of the last quarter of the run is still 10x the start: a rise that comes
-back down is not a divergence. 3x under the same conditions is "rising" (a warning).
+back down is not a divergence. 3x under the same conditions is "rising" (a warning). A jump to 10x after which
+the loss never gets back down (the medians of the last half and the last quarter of the run still 1.5x the
+start) is a warning too: the run ends worse than it began.
 
-A loss that climbs gradually (its peak in the second half of the run) while the gradient norms stay modest
-(every norm below 100) and stable (the last quarter's median norm within 2x of the first quarter's) is at
-most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+A loss that climbs gradually (its peak in the second half of the run, the ratio passed only after the run's
+first quarter) while the gradient norms stay modest (every norm below 100) and stable (the last quarter's
+median norm within 2x of the first quarter's) is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
 (actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
 model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
 modest norms.
@@ -25,10 +27,11 @@ from .base import Rule, RunView, median
 __all__ = ["LossDiverging", "loss_divergence"]
 
 
-def loss_divergence(recs, ratio: float, hold: int = 2):
+def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None = None):
     """(base step, base loss, first step at >= ratio x base, its loss, peak step, peak loss, end level) when the
     series' finite loss rises to ``ratio`` times its start, holds for ``hold`` steps (or to the end), and the
-    median of the run's last quarter is still at least ``ratio`` times the start; else None."""
+    median of the run's last quarter is still at least ``end_ratio`` (default: ``ratio``) times the start, as is
+    the median of its last half when ``end_ratio`` is given; else None."""
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) < 3 or min(v for _, v in pts) < 0:
         return None
@@ -38,7 +41,9 @@ def loss_divergence(recs, ratio: float, hold: int = 2):
         return None
     q = max(1, len(vals) // 4)
     end = median(vals[-q:])
-    if end < ratio * base:  # it came back down: not a divergence over the run
+    if end < (ratio if end_ratio is None else end_ratio) * base:  # it came back down: not over the run
+        return None
+    if end_ratio is not None and median(vals[len(vals) // 2:]) < end_ratio * base:
         return None
     for i in range(1, len(pts)):
         if min(vals[i:i + hold]) >= ratio * base:
@@ -57,6 +62,12 @@ class LossDiverging(Rule):
             if d is None:
                 sev, ratio = "warning", lim.rise_ratio
                 d = loss_divergence(recs, ratio, hold=3)
+            unrecovered = False
+            if d is None and len(recs) >= lim.min_steps:
+                # a jump of 10x after which the loss never got back down to its start: not diverging at the end,
+                # but the run is worse than where it began (a learning rate too high that the optimizer survived)
+                sev, ratio, unrecovered = "warning", lim.diverge_ratio, True
+                d = loss_divergence(recs, ratio, hold=1, end_ratio=lim.unrecovered_ratio)
             if d is None:
                 continue
             s0, v0, s1, v1, sp, vp, end = d
@@ -69,9 +80,13 @@ class LossDiverging(Rule):
             nrm = {r.step: r.grad_norm for r in recs}
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
-            pos = [r.step for r in recs].index(sp) if sp in [r.step for r in recs] else 0
+            order = [r.step for r in recs]
+            pos = order.index(sp) if sp in order else 0
             late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
-            if modest and stable and late_peak:
+            # ... and it took a while to get there: a loss that passes the ratio within the first quarter of the
+            # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets
+            gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
+            if modest and stable and late_peak and gradual:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
@@ -84,6 +99,16 @@ class LossDiverging(Rule):
                     evidence=ev | {"variant": "bootstrapped"}))
                 continue
             run.key_steps |= {s1, sp}
+            if unrecovered:
+                out.append(Finding(
+                    self.code, sev, f"{label}the loss jumped {vp / v0:.3g}x its start and never came back down to "
+                    "it: the learning rate is the first suspect",
+                    f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
+                    f"and still {fmt(end)} over the last quarter of the run ({end / v0:.3g}x its start; over the "
+                    f"last half too): the run ends worse than it began. The gradient norm went {fmt(nrm.get(s0))} "
+                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k), steps=[s1, sp],
+                    evidence=ev | {"variant": "unrecovered"}))
+                continue
             out.append(Finding(
                 self.code, sev,
                 f"{label}the loss is {'diverging' if sev == 'critical' else 'rising'} ({vp / v0:.3g}x its start): "

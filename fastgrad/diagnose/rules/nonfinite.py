@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..finding import Finding, steps_text
+from ..finding import Finding, fmt, steps_text
 from .base import NanOrigin, Rule, RunView
 
 __all__ = ["trace_origin", "NonfiniteLoss", "NonfiniteHistory"]
@@ -14,37 +14,69 @@ __all__ = ["trace_origin", "NonfiniteLoss", "NonfiniteHistory"]
 def trace_origin(run: RunView) -> NanOrigin | None:
     """Where the run's first NaN/Inf was born, from three clocks: the first step whose loss was non-finite,
     the first step the optimizer stepped on non-finite gradients, and the watcher's first non-finite module
-    output. The earliest wins; at the same step, a module output explains the loss and the loss explains the
-    gradients. A module output that went non-finite only AFTER the loss or the gradients did is a
-    consequence (the weights the optimizer updated with garbage), not the birthplace."""
+    output (or a root module's input). The earliest wins; at the same step, a module output explains the loss
+    and the loss explains the gradients. A module output that went non-finite only AFTER the loss or the
+    gradients did is a consequence (the weights the optimizer updated with garbage), not the birthplace; a
+    NaN that follows a gradient explosion (a norm above 1000, or overflowed) is said to follow it."""
     bad_loss = next((r.step for r in run.steps if r.loss is not None and not math.isfinite(r.loss)), None)
     bad_grad = next((r.step for r in run.used if r.bad), None)
     o = run.forward_origin
     fwd = None if o is None else (o.step + 1 if not run.manual else None)
+    is_input = o is not None and getattr(o, "where", "output") == "input"
     mod = None if o is None else f"{o.module} ({o.module_type})"
     if o is not None and run.manual:  # no optimizer steps to count: the module, without a step
         first = min(s for s in (bad_loss, bad_grad) if s is not None) if (bad_loss or bad_grad) else 1
+        if is_input:
+            return NanOrigin("input", first, None, _input_text(o, mod, None))
         return NanOrigin("forward", first, o.module, f"the first non-finite module output was {mod}")
     firsts = [s for s in (bad_loss, bad_grad, fwd) if s is not None]
     if not firsts:
         return None
     first = min(firsts)
+    after = _after_explosion(run, first)
     later = ""
     if fwd is not None and fwd > first:
-        later = (f"; the first non-finite module output ({mod} at step {fwd}) came after: a consequence of the "
-                 "update with non-finite values, not the source")
+        later = (f"; the first non-finite module {'input' if is_input else 'output'} ({mod} at step {fwd}) came "
+                 "after: a consequence of the update with non-finite values, not the source")
+    if fwd == first and is_input:
+        return NanOrigin("input", first, None, _input_text(o, mod, fwd) + after)
     if fwd == first:
         return NanOrigin("forward", first, o.module,
-                         f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}")
+                         f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}"
+                         + after)
     if bad_loss == first:
         return NanOrigin("loss", first, None,
                          f"born in the loss at step {first}: every module output of that step was finite, so the "
                          "loss computation outside the modules made it (a hand-written loss: log(0), x/0, exp "
-                         "overflow)" + later)
+                         "overflow)" + later + after)
     return NanOrigin("backward", first, None,
                      f"born in backward at step {first}: the loss and every module output of that step were "
                      "finite, the gradients were not (an op with an unstable derivative, e.g. sqrt or log at 0, "
-                     "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later)
+                     "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later + after)
+
+
+def _input_text(o, mod: str, step: int | None) -> str:
+    at = f" at step {step}" if step is not None else ""
+    if o.call == 0:
+        return (f"already in the data: the input of {mod}{at} held NaN/Inf before any module of that step ran "
+                "(check the batch: missing values, a normalisation dividing by a zero std, a corrupt sample)")
+    return (f"made outside the modules: the input of {mod}{at} held NaN/Inf while every module output before "
+            "it was finite (a tensor op between module calls: log, division, sqrt or exp out of range)")
+
+
+def _after_explosion(run: RunView, first: int) -> str:
+    """"; it follows the explosion ..." when the last used step before ``first`` had a norm above the critical
+    limit (or an overflowed one): the huge update, not the module or op that first showed NaN, is the cause."""
+    prev = [r for r in run.used if r.step < first]
+    if not prev:
+        return ""
+    r = prev[-1]
+    if not (r.overflow or (math.isfinite(r.grad_norm) and r.grad_norm > run.th.critical)):
+        return ""
+    size = "overflowed float32 (inf)" if r.overflow else fmt(r.grad_norm)
+    return (f"; it follows the gradient explosion of step {r.step} (norm {size}"
+            + ("" if r.clipped else ", applied unclipped") + "): an update that large drives the weights out of "
+            "range, so the explosion is the cause")
 
 
 def _origin_text(run: RunView) -> tuple[str, list[str], dict]:

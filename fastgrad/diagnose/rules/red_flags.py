@@ -61,15 +61,17 @@ class NoZeroGrad(Rule):
 
 class NoClipping(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
-        norms = [r.grad_norm for r in run.used if math.isfinite(r.grad_norm)]
-        peak = max(norms, default=math.nan)
-        if run.clip_calls or not (math.isfinite(peak) and peak > run.th.exploding):
+        # an overflowed norm (inf from finite gradients) is the largest of all
+        hit = [r for r in run.used if r.overflow or (math.isfinite(r.grad_norm) and r.grad_norm > run.th.exploding)]
+        if run.clip_calls or not hit:
             return []
-        s = [r.step for r in run.used if math.isfinite(r.grad_norm) and r.grad_norm > run.th.exploding]
+        over = [r for r in hit if r.overflow]
+        peak = math.inf if over else max(r.grad_norm for r in hit)
+        s = [r.step for r in hit]
         run.flags["no_clipping"] = s
         return [Finding(self.code, "warning", "no gradient clipping while the norm exceeds 100",
-                        f"The norm reached {fmt(peak)} and no clip function was called.",
-                        _largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
+                        f"The norm reached {'inf (overflowed float32)' if over else fmt(peak)} and no clip function "
+                        "was called.", _largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
 
 
 CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the GradScaler interceptors)",

@@ -34,12 +34,14 @@ class ZeroGrads(Rule):
             what = "had no gradient at all" if none else "had every gradient exactly 0"
             out.append(Finding(
                 self.code, "critical",
-                f"{run.label(k)}every gradient is exactly zero from step {tail[0].step}: that optimizer learns nothing",
+                f"{run.label(k)}" + ("no gradient reaches its parameters" if none else "every gradient is exactly zero")
+                + f" from step {tail[0].step}: that optimizer learns nothing",
                 f"{run.label(k)}{len(tail)} of its {len(recs)} step(s), from step {tail[0].step} to the end, {what}"
                 + (f" (the step before, {nonzero_before.step}, had norm {fmt(nonzero_before.grad_norm)})"
                    if nonzero_before is not None else "")
-                + ": its loss no longer reaches its parameters (a detached branch, a frozen or disconnected "
-                  "network, a loss that does not depend on them) or every unit it owns is dead.",
+                + ": its loss no longer reaches its parameters (a detached branch, an op whose derivative is 0 "
+                  "such as round, sign or argmax, a frozen or disconnected network, a loss that does not depend "
+                  "on them) or every unit it owns is dead.",
                 [], [r.step for r in tail],
                 {"series": k, "first_step": tail[0].step, "count": len(tail), "of": len(recs)}))
         return out
