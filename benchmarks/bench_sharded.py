@@ -203,7 +203,8 @@ def main(argv=None) -> int:
         "reps": args.reps, "torch_reps_cap": args.torch_reps, "torch_max_params": args.torch_max_params,
     }
     lines = [
-        f"# Host cost of one clip call on small DTensor gradients ({args.world} gloo rank{'s' if args.world > 1 else ''}, CPU)", "",
+        f"# Host cost of one clip call on small DTensor gradients ({args.world} gloo "
+        f"rank{'s' if args.world > 1 else ''}, CPU)", "",
         f"Command: `{meta['command']}`; {meta['date_utc']} UTC; torch {meta['torch']}; commit {meta['git_commit']}; "
         f"{meta['cpu_count']} CPUs, 1 thread per rank; load average before {load_before[0]:.2f}, after "
         f"{meta['loadavg_after'][0]:.2f}. Per parameter, the median of {args.reps} repetitions (torch: at most "

@@ -2,11 +2,13 @@
 
 Each tensor is summed in blocks of 256 elements; element k of a block goes to lane k % 16 (lanes in the
 accumulation dtype, each lane's terms added in element order), the 16 lanes are folded pairwise (8, 4, 2, 1)
-and the block totals are added in double with Neumaier's compensation. (bf16's full blocks, on a little-endian
-CPU, put the even positions of each 16-element row in lanes 0-7 and the odd ones in lanes 8-15: the same fold.) The model below does exactly that with
-torch elementwise ops and Python floats; the kernel's per-tensor L1 norm (the total itself) and L2 norm (its
-square root) must match it to the bit for every size around the lanes and the block, so a change to how the
-kernel walks a partial block (its tail) cannot change a result unnoticed.
+and the block totals are added in double with Neumaier's compensation (bf16's full blocks, on a little-endian
+CPU, put the even positions of each 16-element row in lanes 0-7 and the odd ones in lanes 8-15: the same fold).
+The model below does exactly that with torch elementwise ops and Python floats; the kernel's per-tensor L1 norm
+(the total itself) and L2 norm (its square root) must match it to the bit for every size around the lanes and
+the block, so a change to how the kernel walks a partial block (its tail) cannot change a result unnoticed.
+(A model with bf16's full-block lanes in the plain order differed from the kernel at 257 elements: the test
+sees a lane assignment change.)
 """
 
 from __future__ import annotations
