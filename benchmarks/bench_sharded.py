@@ -14,10 +14,14 @@ DTensor ``torch.stack`` of per-parameter norms and per-parameter dispatch), so i
 (``--torch-reps``, default 2; the first call, which pays DTensor's sharding propagation, is a separate
 untimed warm-up for both). Rank 0 writes the results; both ranks time the same calls (a collective).
 
+A repeat call on DTensor grads with CPU shards takes the one-pass local part (``fastgrad.distributed.local_cpu_norm``:
+each grad, its spec and local tensor and the local norm in one C++ call, the scale in a second); ``general`` is
+the same call with that pass declined, the path it replaced, timed in the same rounds (the before/after ratio).
+
 Where fastgrad's time goes, measured in the same run on the same rank: ``local clip`` is fastgrad's
 single-process ``clip_grad_norm_`` of the very same local tensors (plain tensors, no collective: the floor of
-the read and write work, one C++ call on the CPU), ``kernel calls`` is the two backend calls the sharded clip
-must make around its all-reduce (the local norm, then the scale of the local tensors, each a
+the read and write work, one C++ call on the CPU), ``kernel calls`` is the two backend calls the general path
+makes around its all-reduce (the local norm, then the scale of the local tensors, each a
 ``torch.ops.fastgrad`` call over the list), ``prepare`` is the sharded layer's per-call host work alone
 (``fastgrad.distributed.prepare`` on a repeat call: the cached layout's checks and the local tensors), and
 ``fresh grads`` times the clip when every gradient is a new DTensor object built on its parameter's spec
@@ -40,7 +44,7 @@ from datetime import datetime, timedelta, timezone
 import torch
 
 
-NAMES = ("fastgrad", "torch", "local_clip", "kernel_calls", "prepare", "fresh_grads")
+NAMES = ("fastgrad", "general", "torch", "local_clip", "kernel_calls", "prepare", "fresh_grads")
 
 
 def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> None:
@@ -85,6 +89,15 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         def theirs():
             torch.nn.utils.clip_grad_norm_(params, 1e-3)
 
+        one_pass = D.local_cpu_norm
+
+        def general():  # the same call with the one-pass local part declined: the path before it
+            D.local_cpu_norm = lambda *a, **k: None
+            try:
+                fastgrad.clip_grad_norm_(params, 1e-3)
+            finally:
+                D.local_cpu_norm = one_pass
+
         def local_clip():
             fastgrad.clip_grad_norm_(local_params, 1e-3)
 
@@ -123,6 +136,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         runs: dict[str, list[tuple[float, float]]] = {k: [] for k in NAMES}
         for r in range(args.reps):
             runs["fastgrad"].append(timed(ours))
+            runs["general"].append(timed(general))
             runs["local_clip"].append(timed(local_clip))
             runs["kernel_calls"].append(timed(kernel_calls))
             runs["prepare"].append(timed(prepare))
@@ -136,6 +150,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         for k, v in runs.items():
             row[f"{k}_wall_us_per_param"] = 1e6 * med([w for w, _ in v]) / n if v else None
             row[f"{k}_cpu_us_per_param"] = 1e6 * med([c for _, c in v]) / n if v else None
+        row["general_over_fastgrad_cpu"] = row["general_cpu_us_per_param"] / row["fastgrad_cpu_us_per_param"]
         row["torch_over_fastgrad_cpu"] = (row["torch_cpu_us_per_param"] / row["fastgrad_cpu_us_per_param"]
                                           if runs["torch"] else None)
         if rank == 0:
@@ -188,15 +203,17 @@ def main(argv=None) -> int:
         "reps": args.reps, "torch_reps_cap": args.torch_reps, "torch_max_params": args.torch_max_params,
     }
     lines = [
-        "# Host cost of one clip call on small DTensor gradients (2 gloo ranks, CPU)", "",
+        f"# Host cost of one clip call on small DTensor gradients ({args.world} gloo "
+        f"rank{'s' if args.world > 1 else ''}, CPU)", "",
         f"Command: `{meta['command']}`; {meta['date_utc']} UTC; torch {meta['torch']}; commit {meta['git_commit']}; "
         f"{meta['cpu_count']} CPUs, 1 thread per rank; load average before {load_before[0]:.2f}, after "
         f"{meta['loadavg_after'][0]:.2f}. Per parameter, the median of {args.reps} repetitions (torch: at most "
         f"{args.torch_reps}) of rank 0's CPU time (process time: the host cost) and, in brackets, its wall time; "
         "the first call of each is an untimed warm-up (its wall time in the last column).", "",
-        "| params | fastgrad clip, us/param: CPU (wall) | torch clip: CPU (wall) | torch / fastgrad (CPU) "
+        "| params | fastgrad clip, us/param: CPU (wall) | general path: CPU (wall) | general / fastgrad (CPU) "
+        "| torch clip: CPU (wall) | torch / fastgrad (CPU) "
         "| local clip CPU | kernel calls CPU | prepare CPU | fresh grads CPU | first call ms: fastgrad, torch |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(r, k):
@@ -208,7 +225,8 @@ def main(argv=None) -> int:
         fc = r["first_call_ms"]
         ratio = f"{r['torch_over_fastgrad_cpu']:.1f}x" if r["torch_over_fastgrad_cpu"] else "-"
         firsts = f"{fc['fastgrad']:.0f}, " + (f"{fc['torch']:.0f}" if "torch" in fc else "-")
-        lines.append(f"| {r['params']:,} | {cell(r, 'fastgrad')} | {cell(r, 'torch')} | {ratio} | "
+        lines.append(f"| {r['params']:,} | {cell(r, 'fastgrad')} | {cell(r, 'general')} | "
+                     f"{r['general_over_fastgrad_cpu']:.2f}x | {cell(r, 'torch')} | {ratio} | "
                      f"{r['local_clip_cpu_us_per_param']:.2f} | {r['kernel_calls_cpu_us_per_param']:.2f} | "
                      f"{r['prepare_cpu_us_per_param']:.2f} | {r['fresh_grads_cpu_us_per_param']:.2f} | {firsts} |")
     text = "\n".join(lines) + "\n"

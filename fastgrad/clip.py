@@ -241,12 +241,33 @@ def _grads_once(params: list) -> list[Tensor]:
     return out
 
 
+def _sharded_cpu_clip(params: list, max_norm: float, p: float, error_if_nonfinite: bool, backend: str | None,
+                      process_group) -> Tensor | None:
+    """The sharded clip below for DTensor grads with CPU local shards on the cpu backend, its per-tensor part in
+    one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local norm) and one more for
+    the scale, the same collective and coefficient in between: the same bits. None when it does not apply
+    (nothing done)."""
+    fast = D.local_cpu_norm(params, process_group, p, backend)
+    if fast is None:
+        return None
+    sh, local_total, handle = fast
+    total, _ = D.reduced_norm(sh, p, False, None, local_total=local_total)
+    if error_if_nonfinite:
+        _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
+    D.scale_local_cpu(handle, clip_coef(total, max_norm))
+    return D.wrap_like(total.to(_scan.promoted_dtype_of(sh.writes)), sh)
+
+
 def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
                             foreach: bool | None, backend: str | None, process_group) -> Tensor:
     """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
     grads = _scan.grads_of(params)
-    if grads is None:  # not plain tensors: DTensor parameters' grads without torch-function handling, else
-        grads = D.dtensor_grads(params)  # one Python read of each .grad
+    if grads is None:  # not plain tensors: DTensor grads whose layout the last call cached, in one C++ pass
+        total = _sharded_cpu_clip(params, max_norm, p, error_if_nonfinite, backend, process_group)
+        if total is not None:
+            return total
+        # DTensor parameters' grads without torch-function handling, else one Python read of each .grad
+        grads = D.dtensor_grads(params)
         if grads is None:
             grads = _grads_once(params)
     if not grads and process_group is None:
@@ -254,6 +275,8 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
     sh = None
     if process_group is not None or D.has_dtensor(grads):
         sh = _sharded_view(grads, process_group)
+        if sh is not None:
+            D.remember_cpu_clip(params, process_group, sh)  # the next call may take _sharded_cpu_clip
     if sh is None and I.check_tensors(grads):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "clip_grad_norm_")

@@ -196,6 +196,7 @@ _SPEC_CACHE: dict = {}
 _MESH_RANKS: dict = {}
 _PLAN_CACHE: dict = {}
 _LAYOUTS: dict = {}
+_CPU_CLIP: dict = {}  # (number of params, id(group), id(first param)) -> their grads' _Layout (local_cpu_norm)
 _PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, what)
 
 
@@ -206,6 +207,7 @@ def clear_cache() -> None:
     _MESH_RANKS.clear()
     _PLAN_CACHE.clear()
     _LAYOUTS.clear()
+    _CPU_CLIP.clear()
     _PENDING.clear()
 
 
@@ -442,9 +444,10 @@ class Sharded:
     ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
     ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
     None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``flags``: after
-    a reduction given ``flags=``, their OR over every rank."""
+    a reduction given ``flags=``, their OR over every rank; ``layout``: the cached layout it came from (None
+    for ``for_norm=False``)."""
 
-    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags")
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags", "layout")
 
     def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
         self.reads: list[Tensor] = reads
@@ -456,6 +459,7 @@ class Sharded:
         self.fp = fp
         self.checked = type(writes) is _scan.Checked
         self.flags: Tensor | None = None
+        self.layout: _Layout | None = None
 
 
 class _Layout:
@@ -608,7 +612,84 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
             counts[i] = keep_plain and reads[i].numel() > 0
         sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
     fp = _list_fingerprint(lay, reads, n, pieces)
-    return Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
+    sh = Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
+    sh.layout = lay
+    return sh
+
+
+# ------------------------------------------------------------------ the local pass in one C++ call (CPU)
+# A sharded clip's per-tensor host work is reading each parameter's .grad, its spec and local tensor, then two
+# backend calls over the local tensors (the norm, then the scale), each converting the whole list for the
+# dispatcher: about 4 us per DTensor gradient. For DTensor grads whose local shards are plain CPU tensors on
+# the cpu backend, fastgrad._C.dtensor_local_norm does all of the per-tensor part of that in one pass, checked
+# against the layout the general path cached for the same grads (csrc/host.cpp); the collective and the
+# coefficient stay here, unchanged.
+_DESCS: list = []
+
+
+def _slot_descs(cls) -> tuple:
+    """DTensor's ``_spec`` and ``_local_tensor`` slot descriptors (what ``_SPEC`` and ``_LOCAL`` read)."""
+    if not _DESCS or _DESCS[0] is not cls:
+        _DESCS[:] = [cls, cls.__dict__["_spec"], cls.__dict__["_local_tensor"]]
+    return _DESCS[1], _DESCS[2]
+
+
+def remember_cpu_clip(params: Sequence[Tensor], process_group, sh: Sharded) -> None:
+    """After the general path prepared the grads of ``params``: keep their layout for :func:`local_cpu_norm`
+    when its pass can serve them (all DTensors, no Partial, local shards on the CPU in one compiled scan)."""
+    lay = sh.layout
+    if (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
+            or isinstance(process_group, Shards) or not sh.checked or not sh.writes
+            or sh.writes.device.type != "cpu" or sh.reads is not sh.writes):
+        return
+    if len(_CPU_CLIP) > 64:
+        _CPU_CLIP.clear()
+    _CPU_CLIP[(len(params), id(process_group), id(params[0]))] = lay
+
+
+def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, backend: str | None
+                   ) -> tuple[Sharded, Tensor | None, object] | None:
+    """The local part of a sharded clip in one C++ call, for the grads of ``params`` when their layout was
+    remembered (:func:`remember_cpu_clip`) and still holds: ``(sh, local_total, handle)`` (``local_total``: this
+    rank's norm of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for :func:`scale_local_cpu`),
+    else None (nothing done; the general path runs). The layout holds when every grad is a DTensor with the
+    very spec object the layout recorded at its position (same mesh, placements, global shape and dtype), as
+    many grads as it has; the C++ pass checks that on every call, so a changed list never reuses it."""
+    if not params:
+        return None
+    # (the key only finds a candidate: whether it holds is checked below, grad by grad)
+    lay = _CPU_CLIP.get((len(params), id(process_group), id(params[0])))
+    if lay is None or lay.group is not process_group or lay.empties is None:
+        return None
+    c = _scan.helpers()
+    if c is None or not hasattr(c, "dtensor_local_norm"):
+        return None
+    selects_builtin = _scan._selects_builtin()
+    if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
+        return None
+    if _PENDING:
+        _raise_pending()
+    cls = _dtensor_cls()
+    spec_desc, local_desc = _slot_descs(cls)
+    out = c.dtensor_local_norm(params, cls, spec_desc, local_desc, lay.specs, lay.counted, norm_type)
+    if out is None:
+        return None
+    locs, mask, contiguous, total, handle = out
+    writes = _scan.Checked(locs)
+    writes.device, writes.dtype_mask, writes.contiguous = _CPU, mask, contiguous
+    sh = Sharded(writes, writes, lay.counts, lay.sel, lay.mesh, lay.plan, lay.fp)
+    sh.layout = lay
+    return sh, total, (c, handle)
+
+
+def scale_local_cpu(handle, factor: Tensor) -> None:
+    """Scale the local tensors of a :func:`local_cpu_norm` call by ``factor`` (a one-element CPU tensor), as the
+    cpu backend's scale_ does (nothing written when it is 1); once per handle."""
+    c, capsule = handle
+    c.dtensor_local_scale(capsule, factor)
+
+
+_CPU = torch.device("cpu")
 
 
 def _refresh(lay: _Layout, tensors, dts, specs) -> _Layout:
@@ -859,9 +940,13 @@ def _flags_in(flags: Tensor | None, dev, wide) -> Tensor | None:
     return None if flags is None else flags.reshape(-1).to(dev, wide)
 
 
+_UNSET = object()
+
+
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
-                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]],
-                 poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                 local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]] | None,
+                 poison: Tensor | None = None, *, flags: Tensor | None = None,
+                 local_total=_UNSET) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
     single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
@@ -875,20 +960,26 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
 
     ``poison`` (the step guard's): a 0-dim local tensor, 0 or NaN, added to this rank's contribution (and to
     its per-tensor vector), so a NaN that only this rank can see reaches every rank's result in the same
-    collective (see :func:`nonfinite_poison`)."""
+    collective (see :func:`nonfinite_poison`).
+
+    ``local_total``: this rank's total over what it counts, already computed by the caller (the compiled local
+    pass, :func:`local_cpu_norm`; None when it counts nothing), for a total only: ``local_norm`` is not called."""
     plan = sh.plan
     dev, dtype = _local_dev_dtype(sh)
     wide = _wide(dtype, dev)
     p = norm_type
     n = len(sh.reads)
-    sel, local = _counted(sh, dtype, dev)
     vector = per_tensor or p == 0  # p = 0 counts tensors with a nonzero: needs per-tensor counts
+    given = local_total is not _UNSET
+    if given and vector:
+        raise ValueError("reduced_norm: local_total= is for a total norm (per_tensor=False, norm_type != 0)")
+    sel, local = ((), ()) if given else _counted(sh, dtype, dev)
     combine = vector and bool(plan.vec_steps)  # per-tensor vectors reduced across ranks (else local)
     powers = p != 0 and p not in (_INF, -_INF)
     identity = _INF if p == -_INF else 0.0
 
     per_local = None  # this rank's per-tensor values (norms; counts for p = 0), counted ones in `sel` order
-    total_local = None
+    total_local = local_total if given else None
     if local and vector:
         _, per_local = local_norm(local, True)
         per_local = per_local[: len(sel)]

@@ -111,8 +111,11 @@ inline double reduce_loop(int64_t n, A p, const Fill& fill) {
       if (m == kBlock) {
         for (int j = 0; j < kBlock; j += kLanes)
           for (int l = 0; l < kLanes; ++l) ml.add(l, buf[j + l]);
-      } else {
-        for (int64_t k = 0; k < m; ++k) ml.add(static_cast<int>(k % kLanes), buf[k]);
+      } else {  // lane k % kLanes, element by element in order, as below
+        int64_t k = 0;
+        for (; k + kLanes <= m; k += kLanes)
+          for (int l = 0; l < kLanes; ++l) ml.add(l, buf[k + l]);
+        for (int l = 0; k + l < m; ++l) ml.add(l, buf[k + l]);
       }
     } else {
       A acc[kLanes] = {};
@@ -120,7 +123,13 @@ inline double reduce_loop(int64_t n, A p, const Fill& fill) {
         for (int j = 0; j < kBlock; j += kLanes)
           for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(buf[j + l], p);
       } else {
-        for (int64_t k = 0; k < m; ++k) acc[k % kLanes] += term<M, A>(buf[k], p);
+        // Element k into lane k % kLanes, each lane in order (whole rows of lanes, then the rest): the same
+        // additions as one loop over k, but the row loop vectorises (a lane index computed per element kept
+        // the lanes in memory, several cycles per element on lists of small tensors).
+        int64_t k = 0;
+        for (; k + kLanes <= m; k += kLanes)
+          for (int l = 0; l < kLanes; ++l) acc[l] += term<M, A>(buf[k + l], p);
+        for (int l = 0; k + l < m; ++l) acc[l] += term<M, A>(buf[k + l], p);
       }
       total.add(fold(acc));
     }
@@ -200,7 +209,11 @@ inline double block_pass(int64_t n, const Block& block, const Value& value, cons
   if (i < n) {
     if (nonfinite != nullptr && !bad) bad = bad_at(i, n - i);
     float acc[kLanes] = {};
-    for (int64_t k = 0; i + k < n; ++k) acc[k % kLanes] += term<M, float>(value(i + k), 0.0f);
+    // element k into lane k % kLanes, each lane in order, as reduce_loop's last block
+    int64_t k = i;
+    for (; k + kLanes <= n; k += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += term<M, float>(value(k + l), 0.0f);
+    for (int l = 0; k + l < n; ++l) acc[l] += term<M, float>(value(k + l), 0.0f);
     total.add(fold(acc));
   }
   if (bad) *nonfinite = true;
