@@ -957,3 +957,19 @@ def test_the_hooks_lift_no_host_value_while_the_script_runs():
         assert not res.crashed, res.crash_text
         # the hooks' own values only: what the script and the ops below do is not theirs
         assert not w.hits, script + ":\n" + "\n".join(h for _, h in w.hits)
+
+
+@pytest.mark.parametrize("name", ["gan", "dqn", "lbfgs_nan_later_eval", "embedding_lm"])
+def test_a_checked_eager_run_computes_what_the_unchecked_run_computes(runs, name, tmp_path):
+    """check only reads: the script's own float64 record of every step (gradient norms, losses) is the same,
+    bit for bit, with and without check (docs/diagnostics.md says so for eager scripts)."""
+    checked = runs[name]["truth"]
+    _, script, args, *_ = RUNS[name]
+    truth = tmp_path / "plain.json"
+    env = dict(os.environ, FG_TRUTH=str(truth))
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    plain = json.loads(truth.read_text())
+    assert len(plain["steps"]) >= 6  # the premise: a run with steps to compare
+    assert plain["steps"] == checked["steps"]
