@@ -19,7 +19,8 @@ multiplies the loss by 100. Writes train.csv (step, run, loss) and train.png.
 (b) clip cost: ``guard.clip_()`` vs the unguarded clip it replaces, timed in interleaved rounds (A B A B ...),
 median and best of all repetitions, gradients restored (untimed) before each. Fused AdamW: vs
 ``clip_optimizer_grad_norm_`` (both hand the coefficient to the optimizer); foreach AdamW: vs
-``clip_grad_norm_`` (both write). Also clip+step for each. Writes cost.csv.
+``clip_grad_norm_`` (both write). Also clip+step for each, and for fused AdamW the guarded clip+step against
+``clip_grad_norm_`` (which writes) + step as well. Writes cost.csv.
 """
 
 from __future__ import annotations
@@ -239,15 +240,28 @@ def _cost_rows(reps, size, dims):
             guarded()
             opt_b.step()
 
-        for f in (unguarded, guarded, step_a, step_b):  # warm-up (state creation, first-call costs)
+        # fused only: also against the plain writing clip (fastgrad.clip_grad_norm_, then the fused step),
+        # the step most users have before they add a guard; for foreach that is step_a already
+        opt_c = torch.optim.AdamW(params, lr=1e-5, **kw) if fused else None
+
+        def step_c():
+            fastgrad.clip_grad_norm_(params, 1.0)
+            opt_c.step()
+
+        warm = (unguarded, guarded, step_a, step_b) + ((step_c,) if fused else ())
+        for f in warm:  # warm-up (state creation, first-call costs)
             for _ in range(5):
                 _timed(f, restore)
         times = {"clip": ([], []), "clip+step": ([], [])}
+        if fused:
+            times["clip+step vs clip_grad_norm_+step"] = ([], times["clip+step"][1])  # the same guarded times
         for _ in range(reps):
             times["clip"][0].append(_timed(unguarded, restore))
             times["clip"][1].append(_timed(guarded, restore))
             times["clip+step"][0].append(_timed(step_a, restore))
             times["clip+step"][1].append(_timed(step_b, restore))
+            if fused:
+                times["clip+step vs clip_grad_norm_+step"][0].append(_timed(step_c, restore))
         for what, (a, b) in times.items():
             ma, mb = statistics.median(a), statistics.median(b)
             rows.append(dict(model=size, optimizer="AdamW fused" if fused else "AdamW foreach", what=what,
