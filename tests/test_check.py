@@ -973,3 +973,19 @@ def test_a_checked_eager_run_computes_what_the_unchecked_run_computes(runs, name
     plain = json.loads(truth.read_text())
     assert len(plain["steps"]) >= 6  # the premise: a run with steps to compare
     assert plain["steps"] == checked["steps"]
+
+
+def test_a_compiled_model_is_checked_without_torch_s_global_hook_warning(tmp_path):
+    """torch warns on every call of a torch.compile'd module while global module hooks exist; under check
+    those hooks are check's own, so run_script silences exactly that warning (docs/diagnostics.md)."""
+    import warnings
+
+    truth = tmp_path / "truth.json"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = _inproc([], script="compiled_mlp.py", truth=truth)
+    assert not [w for w in seen if "global hooks on modules" in str(w.message)]
+    steps = json.loads(truth.read_text())["steps"]
+    assert r["rc"] == 0 and len(r["json"]["steps"]) == len(steps) == 30
+    _match_norms(r["json"]["steps"], steps, field="clip_norm")  # the norm the clip saw, as the script's record
+    _match_losses(r["json"]["steps"], steps)

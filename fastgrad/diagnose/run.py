@@ -9,6 +9,7 @@ import re
 import runpy
 import sys
 import traceback
+import warnings
 
 from .collect.hooks import Checker, StopCheck
 from .result import CheckResult, build_result
@@ -16,6 +17,7 @@ from .result import CheckResult, build_result
 __all__ = ["run_script"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64) -> CheckResult:
@@ -29,7 +31,11 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
     crashed, stopped, crash_text = False, False, None
     chk.install()
     try:
-        runpy.run_path(script, run_name="__main__")
+        with warnings.catch_warnings():
+            # torch warns on calls of a torch.compile'd module while global module hooks exist: here those are
+            # check's own (the forward watcher), not the script's, and the warning would repeat in its output
+            warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
+            runpy.run_path(script, run_name="__main__")
     except StopCheck:
         stopped = True
     except SystemExit as e:
