@@ -11,19 +11,13 @@ import torch
 from torch import Tensor
 
 from ..backends.torch_backend import combine_norms
-from ._state import zeros
+from ._state import Mode, zeros
 
 
-class AdaGCMode:
+class AdaGCMode(Mode):
     name = "adagc"
     options = {"lambda_rel": 1.05, "beta": 0.98, "warmup_steps": 100, "eps": 1e-8}
     per_tensor = True
-
-    def __init__(self, max_norm: float, skip_factor: float | None, options: dict):
-        self.max_norm = max_norm
-        self.skip_factor = skip_factor
-        self.o = options
-        self.state: dict[str, Tensor] = {}
 
     def init(self, total: Tensor, n_params: int) -> None:
         self.state = dict(n=zeros(total), gamma=torch.full((n_params,), math.inf, dtype=total.dtype,

@@ -9,16 +9,12 @@ import math
 import torch
 from torch import Tensor
 
+from ._state import Mode
 
-class AutoClipMode:
+
+class AutoClipMode(Mode):
     name = "autoclip"
     options = {"percentile": 10.0, "history_size": 1000}
-
-    def __init__(self, max_norm: float | None, skip_factor: float | None, options: dict):
-        self.max_norm = max_norm
-        self.skip_factor = skip_factor
-        self.o = options
-        self.state: dict[str, Tensor] = {}
 
     def init(self, total: Tensor, n_params: int) -> None:
         self.state = dict(n=torch.zeros((), dtype=torch.long, device=total.device),

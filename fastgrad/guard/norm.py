@@ -8,18 +8,12 @@ import torch
 from torch import Tensor
 
 from ..backends import clip_coef
-from ._state import zeros
+from ._state import Mode, zeros
 
 
-class NormMode:
+class NormMode(Mode):
     name = "norm"
     options = {"alpha": 0.97, "warmup_steps": 25}  # only with skip_factor (the spike reference)
-
-    def __init__(self, max_norm: float, skip_factor: float | None, options: dict):
-        self.max_norm = max_norm
-        self.skip_factor = skip_factor
-        self.o = options
-        self.state: dict[str, Tensor] = {}
 
     def init(self, total: Tensor, n_params: int) -> None:
         self.state = dict(n=zeros(total), mean=zeros(total)) if self.skip_factor is not None else {}

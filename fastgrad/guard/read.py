@@ -88,7 +88,7 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     """Every mode, any layout: norms (per tensor for AdaGC) through clip.py's dispatch, the mode's rule in
     device ops, then the write or the hand-over."""
     p = g.norm_type
-    per_tensor = g.mode == "adagc"
+    per_tensor = g._mode.per_tensor
     if use_scaler and sharded:
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)

@@ -9,18 +9,13 @@ import math
 import torch
 from torch import Tensor
 
-from ._state import zeros
+from ._state import Mode, zeros
 
 
-class ZClipMode:
+class ZClipMode(Mode):
+    # max_norm, when given: a hard cap on top of the adaptive threshold
     name = "zclip"
     options = {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "eps": 1e-6, "clip_factor": 1.0}
-
-    def __init__(self, max_norm: float | None, skip_factor: float | None, options: dict):
-        self.max_norm = max_norm  # an optional hard cap on top of the adaptive threshold
-        self.skip_factor = skip_factor
-        self.o = options
-        self.state: dict[str, Tensor] = {}
 
     def init(self, total: Tensor, n_params: int) -> None:
         W = self.o["warmup_steps"]
