@@ -206,6 +206,19 @@ inline void prefetch(const void* p, int bytes = 64) {
   for (int o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
 }
 
+// A dense CPU tensor of the four floating dtypes with nothing but the plain CPU dispatch keys, as a flat view
+// whose ptr is still the tensor itself (its data pointer is read once the call is sure to go on: data_ptr()
+// may materialize a copy-on-write storage), its dtype's bit added to *mask. False (nothing set) otherwise.
+inline bool plain_flat(const at::Tensor& t, c10::DispatchKeySet keys, fastgrad::cpu::Flat* f, int* mask) {
+  const int bit = dtype_bit(t.scalar_type());
+  if (bit == 0 || t.key_set() != keys || !t.is_non_overlapping_and_dense()) return false;
+  *mask |= bit;
+  f->ptr = const_cast<at::Tensor*>(&t);
+  f->n = t.numel();
+  f->st = t.scalar_type();
+  return true;
+}
+
 // The grads of the params `items` as flat views of their memory, with their dtype mask. No tensor handles:
 // the grads are alive for the call and processed in place. False (the caller answers None, nothing done)
 // unless every item is a plain tensor whose grad is a dense CPU tensor of the four floating dtypes; a param
@@ -257,15 +270,10 @@ bool cpu_grads(const Items& items, bool all, std::vector<fastgrad::cpu::Flat>* f
       }
       g = &t;
     }
-    const int bit = dtype_bit(g->scalar_type());
-    if (bit == 0 || g->key_set() != keys || !g->is_non_overlapping_and_dense()) return false;
-    *mask |= bit;
-    prefetch(g->unsafeGetTensorImpl()->storage().unsafeGetStorageImpl());
     fastgrad::cpu::Flat f;
-    f.n = g->numel();
-    f.st = g->scalar_type();
-    f.ptr = const_cast<at::Tensor*>(g);  // the grad itself until the next loop reads its data pointer
-    fl->push_back(f);
+    if (!plain_flat(*g, keys, &f, mask)) return false;
+    prefetch(g->unsafeGetTensorImpl()->storage().unsafeGetStorageImpl());
+    fl->push_back(f);  // f.ptr: the grad itself until the next loop reads its data pointer
   }
   // The data pointers (StorageImpl, now in cache), and the first line of each grad's data for the kernels.
   for (auto& f : *fl) {
@@ -454,19 +462,14 @@ PyObject* dtensor_local_norm(PyObject*, PyObject* args) {
     PyList_SET_ITEM(locals, k, loc);  // the list owns it now
     if (!THPVariable_CheckExact(loc)) return decline();
     const at::Tensor& t = THPVariable_Unpack(loc);
-    const int bit = dtype_bit(t.scalar_type());
-    if (bit == 0 || t.key_set() != keys || !t.is_non_overlapping_and_dense()) return decline();
-    mask |= bit;
+    fastgrad::cpu::Flat f;  // f.ptr: the tensor until its data pointer is read (below)
+    if (!plain_flat(t, keys, &f, &mask)) return decline();
     contiguous = contiguous && t.is_contiguous();
     const int c = PyObject_IsTrue(counted[k]);
     if (c < 0) {
       Py_DECREF(locals);
       return nullptr;
     }
-    fastgrad::cpu::Flat f;
-    f.ptr = const_cast<at::Tensor*>(&t);  // the tensor until its data pointer is read (below)
-    f.n = t.numel();
-    f.st = t.scalar_type();
     counts[k] = c == 1 && f.n > 0;
     hold->fl.push_back(std::move(f));
     ++k;
