@@ -196,8 +196,25 @@ _SPEC_CACHE: dict = {}
 _MESH_RANKS: dict = {}
 _PLAN_CACHE: dict = {}
 _LAYOUTS: dict = {}
+_LIST_CAP = 64  # list layouts kept (_LAYOUTS, _CPU_CLIP): a model's clip lists, each a few KB
 _CPU_CLIP: dict = {}  # (number of params, id(group), id(first param)) -> their grads' _Layout (local_cpu_norm)
 _PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, what)
+
+
+def _keep(cache: dict, key, value, cap: int) -> None:
+    """Store ``value`` in a bounded cache, dropping the least recently used entry when full (dicts keep insertion
+    order and :func:`_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
+    of the list a training loop clips every step whenever another list came and went in between."""
+    cache.pop(key, None)
+    while len(cache) >= cap:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def _used(cache: dict, key) -> None:
+    """Mark a hit as the most recently used entry (a no-op when it already is)."""
+    if next(reversed(cache)) != key:
+        cache[key] = cache.pop(key)
 
 
 def clear_cache() -> None:
@@ -230,9 +247,7 @@ def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
     eff = read_pl if partial else placements
     counted = all(coord[d] == 0 for d, p in enumerate(eff) if p.is_replicate())
     info = (counted, partial, read_pl)
-    if len(_SPEC_CACHE) > 4096:  # placements are a handful of kinds; a flood means short-lived meshes
-        _SPEC_CACHE.clear()
-    _SPEC_CACHE[key] = (mesh, info)
+    _keep(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
     return info
 
 
@@ -398,11 +413,10 @@ def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
     key = (tuple(id(m) for m in meshes), id(group), pieces)
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit.keep[-1] is group and all(a is b for a, b in zip(hit.keep[0], meshes)):
+        _used(_PLAN_CACHE, key)
         return hit
     plan = _build_plan(meshes, group, pieces)
-    if len(_PLAN_CACHE) > 256:
-        _PLAN_CACHE.clear()
-    _PLAN_CACHE[key] = plan
+    _keep(_PLAN_CACHE, key, plan, 256)
     return plan
 
 
@@ -573,10 +587,10 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
         lay = None
     if lay is None:
         lay = _build_layout(tensors, list(map(type, tensors)), cls, group, pieces)
-        if len(_LAYOUTS) > 64:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = lay
+        _keep(_LAYOUTS, key, lay, _LIST_CAP)
         dts = tensors if lay.dt_pos is None else [tensors[i] for i in lay.dt_pos]
+    else:
+        _used(_LAYOUTS, key)
     plan = lay.plan
     locs = list(map(_LOCAL, dts))
     if lay.empties is None:  # local shapes follow from the specs: which local shards are empty is cached
@@ -642,9 +656,7 @@ def remember_cpu_clip(params: Sequence[Tensor], process_group, sh: Sharded) -> N
             or isinstance(process_group, Shards) or not sh.checked or not sh.writes
             or sh.writes.device.type != "cpu" or sh.reads is not sh.writes):
         return
-    if len(_CPU_CLIP) > 64:
-        _CPU_CLIP.clear()
-    _CPU_CLIP[(len(params), id(process_group), id(params[0]))] = lay
+    _keep(_CPU_CLIP, (len(params), id(process_group), id(params[0])), lay, _LIST_CAP)
 
 
 def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, backend: str | None
@@ -658,9 +670,11 @@ def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, ba
     if not params:
         return None
     # (the key only finds a candidate: whether it holds is checked below, grad by grad)
-    lay = _CPU_CLIP.get((len(params), id(process_group), id(params[0])))
+    key = (len(params), id(process_group), id(params[0]))
+    lay = _CPU_CLIP.get(key)
     if lay is None or lay.group is not process_group or lay.empties is None:
         return None
+    _used(_CPU_CLIP, key)
     c = _scan.helpers()
     if c is None or not hasattr(c, "dtensor_local_norm"):
         return None

@@ -11,6 +11,8 @@ local tensor and takes the local norm in one C++ pass, and scales in a second on
   list of the same length, a plain tensor among the DTensors, a function mode, another backend; each takes the
   general path (same results as it) and a changed list that stays is cached anew;
 * ``error_if_nonfinite`` raises on every rank before anything is written; a spent or foreign handle raises;
+* a list in use keeps its layout while more lists than the cache holds come and go (least recently used
+  eviction: an earlier whole-cache clear dropped it depending on how many lists earlier code had clipped);
 * None grads at fixed positions take the pass (same bits); p = 0 and -inf, a Partial grad, plain tensors among
   the DTensors and an all-None list never do (the general path's results).
 """
@@ -289,6 +291,43 @@ def _scenario_fsdp2(rank, world):
         _same_grads(list(models[0].parameters()), list(models[1].parameters()), f"fsdp2 step {step}")
 
 
+def _scenario_many_lists(rank, world):
+    # A list clipped every step keeps its one-pass layout while more lists than the cache holds come and go
+    # between its calls (the least recently used one goes, never the whole cache); an evicted list takes the
+    # general path once and is cached anew.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    ps, qs = _params(mesh, LAYOUT, 5), _params(mesh, LAYOUT, 5)
+    fastgrad.clip_grad_norm_(ps, 1e6)
+    others = []  # kept alive, so no other list reuses their first parameter's id
+    for k in range(2 * D._LIST_CAP + 3):
+        o = _params(mesh, LAYOUT[:2], 1000 + k)
+        with Seen() as s:
+            fastgrad.clip_grad_norm_(o, 1e6)
+        assert s.answers == [False], (k, s.answers)
+        others.append(o)
+        if k % 8 == 0:
+            with Seen() as s:
+                fastgrad.clip_grad_norm_(ps, 1e6)
+            assert s.fast, ("the list in use lost its layout", k, s.answers)
+    assert len(D._CPU_CLIP) <= D._LIST_CAP and len(D._LAYOUTS) <= D._LIST_CAP
+    with Seen() as s:  # long evicted
+        fastgrad.clip_grad_norm_(others[0], 1e6)
+    assert s.answers == [False], s.answers
+    with Seen() as s:  # cached anew
+        fastgrad.clip_grad_norm_(others[0], 1e6)
+    assert s.fast, s.answers
+    with Seen() as s:
+        t = fastgrad.clip_grad_norm_(ps, 0.05)
+    assert s.fast
+    fastgrad.clip_grad_norm_(qs, 1e6)
+    with General():
+        r = fastgrad.clip_grad_norm_(qs, 0.05)
+    _same(t, r, "many lists")
+    _same_grads(ps, qs, "many lists")
+
+
 def _changed(kind, mesh, ps):
     """``ps`` (whose layout is cached) changed in one way; returns the list to clip."""
     DTensor, Replicate, Shard, distribute_tensor = _dt()
@@ -471,6 +510,7 @@ SCENARIOS = {
     "same_bits": _scenario_same_bits,
     "fresh_grad_objects": _scenario_fresh_grad_objects,
     "fsdp2": _scenario_fsdp2,
+    "many_lists": _scenario_many_lists,
     "changed_lists": _scenario_changed_lists,
     "nonfinite_and_handles": _scenario_nonfinite_and_handles,
     "none_grads_and_declined": _scenario_none_grads_and_declined,
