@@ -52,6 +52,7 @@ RUNS = {
     "two_opts_one_zero": ([], "two_opts_one_zero.py", [], True),
     "free_params": ([], "free_params_rnn.py", [], True),
     "log0_loss": ([], "log0_cross_entropy.py", [], True),
+    "sweep": ([], "sweep_rebuild.py", [], True),
 }
 
 
@@ -493,6 +494,49 @@ def test_two_alternating_optimizers_are_two_series(runs):
     assert "Loss (first -> last step) [Adam #1 (opt_d)]" in rows and "Loss (first -> last step) [Adam #2 (opt_g)]" in rows
     d = _row(r, "Loss (first -> last step) [Adam #1")["value"]
     assert d.startswith(_fmt(truth[0]["loss"])) and d.endswith(_fmt(truth[-2]["loss"]))
+
+
+def test_sweep_that_rebuilds_its_model_keeps_nothing_of_a_dead_run(runs):
+    # was: check kept every run's parameters (with their gradients) until the script ended, keyed by id(),
+    # which CPython reuses for later objects
+    r = runs["sweep"]
+    assert r["rc"] == 0, r["stderr"]
+    _no_alarm(r)
+    j, truth = r["json"], r["truth"]
+    assert j["series"] == ["Adam #1 (opt)", "Adam #2 (opt)", "Adam #3 (opt)"]
+    assert [s["series"] for s in j["steps"]] == [t["run"] for t in truth["steps"]]
+    _match_norms(j["steps"], truth["steps"])
+    _match_losses(j["steps"], truth["steps"])
+    # after run k: runs 0..k dead (parameter, optimizer, model), as in the same script without check
+    assert truth["alive"] == [[[False] * 3] * (k + 1) for k in range(3)], truth["alive"]
+
+
+def test_identity_map_answers_only_for_its_object_and_lets_go():
+    import gc
+
+    from fastgrad.diagnose.collect.identity import IdentityMap
+
+    class Obj:
+        pass
+
+    m, a, b = IdentityMap(), Obj(), Obj()
+    m[a] = 1
+    assert m.get(a) == 1 and a in m and m.get(b) is None and b not in m and len(m) == 1
+    assert m.setdefault(a, 2) == 1 and m.setdefault(b, 3) == 3
+    del a
+    gc.collect()
+    assert len(m) == 1 and m.get(b) == 3  # a's entry went with it
+    # an entry made for another object under the same key is never answered for a new one
+    c = Obj()
+    m._d[id(c)] = (m._d[id(b)][0], "b's")  # as if c had reused a dead object's id
+    assert m.get(c) is None and c not in m
+    m[c] = "c's"
+    assert m.get(c) == "c's"
+    m[5] = "int"  # not weakly referenceable: not kept
+    assert 5 not in m and m.get(5) is None
+    t = torch.zeros(2)  # tensors are looked up by identity, never compared by value
+    m[t] = "t"
+    assert m.get(t) == "t" and torch.zeros(2) not in m
 
 
 def test_hand_written_update_without_torch_optim(runs):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ from torch import Tensor
 from ...clip import multi_tensor_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
+from .identity import IdentityMap
 from .interceptors import _ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
@@ -54,14 +56,16 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self.watcher: ForwardWatcher | None = None
         self._undo: list = []
         self._handles: list = []
-        self._names: dict[int, str] = {}
-        self._named_cache: dict[int, tuple[int, list]] = {}
+        # per object the script built (weakly held: a dead one's entry goes, its id() may be reused)
+        self._names = IdentityMap()  # parameter -> its name
+        self._names_given = False
+        self._named_cache = IdentityMap()  # optimizer -> [(name, parameter)] of its param_groups
         self.module_types: set[str] = set()  # class names of the modules seen (to pick advice that fits)
         self.last_stats = None
         self._bad_steps: Tensor | None = None  # per parameter: steps with NaN/Inf gradients (device)
         self._bad_names: list[str] = []
         # one series per optimizer, in the order they first step
-        self._series: dict[int, int] = {}
+        self._series = IdentityMap()  # optimizer -> its series number
         self.series_names: list[str] = []
         self._opt_refs: list = []
         self.series_lr: list[float | None] = []
@@ -87,7 +91,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._clip_max: float | None = None
         self._clips = 0
         self._leftover: Tensor | None = None
-        self._last_opt = None
+        self._last_opt = None  # weakref to the optimizer that stepped last
         # hand-written loops: each scalar backward() read right after it, until an optimizer steps
         self._m_steps: list[tuple[StepRecord, Tensor]] = []
         self._m_host: list[StepRecord] = []
@@ -105,8 +109,8 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self.clip_calls = 0
         self.zero_grad_calls = 0
         self.skipped = 0
-        self._row_sparse_ids: set[int] = set()  # parameters of nn.Embedding/EmbeddingBag modules
-        self._guard_calls: dict[int, int] = {}  # StepGuard.calls seen at the previous step, per guard
+        self._row_sparse_ids = IdentityMap()  # parameters of nn.Embedding/EmbeddingBag modules (as a set)
+        self._guard_calls = IdentityMap()  # StepGuard.calls seen at the previous step, per guard
         self._read_this_step = False
         self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
@@ -244,9 +248,10 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
     def _grad_norm_now(self) -> Tensor | None:
         """Device norm of the gradients the last optimizer holds before a new backward: nonzero when they
         were never zeroed. No sync."""
-        if self._last_opt is None:
+        opt = None if self._last_opt is None else self._last_opt()
+        if opt is None:
             return None
-        grads = [p.grad for g in self._last_opt.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
         if not grads:
             return None
@@ -292,10 +297,10 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         # a StepGuard's decision for this step (its device flag), when clip_ ran since the previous step
         g = guard_for(opt)
         gflag = None
-        if g is not None and g.calls != self._guard_calls.get(id(g), 0) and g.skipped is not None:
+        if g is not None and g.calls != self._guard_calls.get(g, 0) and g.skipped is not None:
             gflag = g.skipped.to(torch.float64)
         if g is not None:
-            self._guard_calls[id(g)] = g.calls
+            self._guard_calls[g] = g.calls
         row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm),
                            val(gflag) if gflag is not None else torch.zeros((), dtype=torch.float64, device=dev)])
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None

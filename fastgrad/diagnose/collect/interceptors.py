@@ -119,7 +119,7 @@ class RedFlagInterceptors:
             if chk.steps_done == before:  # the scaler found Inf/NaN and skipped optimizer.step()
                 chk.skipped += 1
                 chk._opt_started = True
-                chk._last_opt = optimizer
+                chk._last_opt = weakref.ref(optimizer)
                 chk._boundary(optimizer, skipped=True)
             return out
         return step

@@ -26,7 +26,7 @@ class ManualLoopReader:
             for p in root.parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    named.append((self._names.get(id(p), f"param.{len(named)}"), p))
+                    named.append((self._names.get(p, f"param.{len(named)}"), p))
         if named:
             return named
         # no module ran: the leaves of the loss's graph (raw tensors with requires_grad)

@@ -5,6 +5,7 @@ named after the script's variable when one holds it). A mixin of
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import weakref
@@ -13,34 +14,38 @@ import torch
 
 __all__ = ["ParameterNames"]
 
+_SECOND = operator.itemgetter(1)
+
 
 class ParameterNames:
     def _named(self, opt) -> list:
         params = [p for g in opt.param_groups for p in g["params"]]
-        cached = self._named_cache.get(id(opt))
-        if cached is None or cached[0] != len(params):
+        named = self._named_cache.get(opt)
+        if named is None or len(named) != len(params) or not all(map(operator.is_, params, map(_SECOND, named))):
             self._refresh_names()
-            named = [(self._names.get(id(p), f"param_groups.{gi}.{i}"), p)
+            named = [(self._names.get(p, f"param_groups.{gi}.{i}"), p)
                      for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
-            self._named_cache[id(opt)] = cached = (len(params), named)
-        return cached[1]
+            self._named_cache[opt] = named
+        return named
 
     def _refresh_names(self) -> None:
         roots = [r() for r in self.watcher._roots] if self.watcher else []
         for k, root in enumerate(r for r in roots if r is not None):
-            prefix = "" if not self._names else type(root).__name__ + ":"
+            # the first model named keeps bare names; later ones (a GAN's second, a sweep's next run) are prefixed
+            prefix = "" if not self._names_given else type(root).__name__ + ":"
             for n, p in root.named_parameters():
-                self._names.setdefault(id(p), prefix + n)
+                self._names.setdefault(p, prefix + n)
+                self._names_given = True
             # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
             for m in root.modules():
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-                    self._row_sparse_ids.add(id(m.weight))
+                    self._row_sparse_ids.add(m.weight)
             self.module_types.update(type(m).__name__ for m in root.modules())
 
     def _series_of(self, opt) -> int:
-        k = self._series.get(id(opt))
+        k = self._series.get(opt)
         if k is None:
-            k = self._series[id(opt)] = len(self.series_names)
+            k = self._series[opt] = len(self.series_names)
             var = self._var_name(opt)
             self.series_names.append(f"{type(opt).__name__} #{k + 1}" + (f" ({var})" if var else ""))
             self._opt_refs.append(weakref.ref(opt))

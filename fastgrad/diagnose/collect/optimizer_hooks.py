@@ -7,6 +7,7 @@ which owns the state."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -23,7 +24,7 @@ class OptimizerStepReader:
         looked up)."""
         stats = grad_stats(named0)
         if self._row_sparse_ids:
-            extra = [n for n, p in named0 if id(p) in self._row_sparse_ids and n not in stats.row_sparse]
+            extra = [n for n, p in named0 if p in self._row_sparse_ids and n not in stats.row_sparse]
             if extra:
                 stats.row_sparse = list(stats.row_sparse) + extra
         return stats
@@ -33,6 +34,7 @@ class OptimizerStepReader:
         if not self._opt_started:  # the first optimizer step: the hand-written-loop reading ends
             self._opt_started = True
             self._m_steps, self._m_host, self._m_row, self._m_used = [], [], None, None
+            self._m_named = []  # (its parameters: a model the script drops later must not live on here)
         self._evals, self._step_losses, self._extra_bad = 0, None, None
         self._read_this_step = False
         # the hook's args start with the optimizer itself (torch passes step()'s own *args)
@@ -79,7 +81,7 @@ class OptimizerStepReader:
         return args[:at] + (closure_read,) + args[at + 1:], kwargs
 
     def _record_stats(self, opt) -> None:
-        self._last_opt = opt
+        self._last_opt = weakref.ref(opt)
         stats = self._grad_stats(self._named(opt))
         self.last_stats = stats
         self._read_this_step = True

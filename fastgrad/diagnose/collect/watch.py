@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .identity import IdentityMap
+
 __all__ = ["ForwardWatcher", "NonFiniteOrigin"]
 
 # Key layout (bits, low to high): module id 20, output-not-input 1, call index within the step 20, step 22.
@@ -84,11 +86,11 @@ class ForwardWatcher:
         self._call = 0
         self._key: Tensor | None = None  # allocated on the first watched output's device
         self._mods: list[tuple[weakref.ref, str, str]] = []
-        self._ids: dict[int, int] = {}
+        self._ids = IdentityMap()  # module -> its mid (weakly held: a dead module's id() may be reused)
         self._handles = []
         self._depth = 0
         self._roots: list[weakref.ref] = []
-        self._root_inputs: dict[int, int] = {}  # id(root module) -> the mid of its input
+        self._root_inputs = IdentityMap()  # root module -> the mid of its input
         self._inputs: set[int] = set()  # ids (mid) that stand for a root's input
         if model is not None:
             for name, m in model.named_modules():
@@ -108,9 +110,9 @@ class ForwardWatcher:
 
     # ---------------------------------------------------------------- bookkeeping (host only)
     def _register(self, m: torch.nn.Module, name: str) -> int:
-        mid = self._ids.get(id(m))
+        mid = self._ids.get(m)
         if mid is None:
-            mid = self._ids[id(m)] = len(self._mods)
+            mid = self._ids[m] = len(self._mods)
             self._mods.append((weakref.ref(m), name, type(m).__name__))
         return mid
 
@@ -125,23 +127,23 @@ class ForwardWatcher:
         prefix = "" if not self._roots else type(root).__name__ + ":"
         self._roots.append(weakref.ref(root))
         for name, m in root.named_modules():
-            if id(m) not in self._ids:
+            if m not in self._ids:
                 self._register(m, prefix + name if name else type(root).__name__)
 
     def _global_pre(self, module, args) -> None:
         if self._depth == 0:
-            if id(module) not in self._ids:
+            if module not in self._ids:
                 self._name_root(module)
-            mid = self._root_inputs.get(id(module))
+            mid = self._root_inputs.get(module)
             if mid is None:
-                name = self._mods[self._ids[id(module)]][1]
-                mid = self._root_inputs[id(module)] = self._register_input(module, name)
+                name = self._mods[self._ids.get(module)][1]
+                mid = self._root_inputs[module] = self._register_input(module, name)
             self._observe_input(mid, args)
         self._depth += 1
 
     def _global_post(self, module, args, output) -> None:
         self._depth = max(0, self._depth - 1)
-        mid = self._ids.get(id(module))
+        mid = self._ids.get(module)
         if mid is None:  # created after its root was first named
             mid = self._register(module, f"<unnamed {type(module).__name__}>")
         self._observe(mid, output)
