@@ -55,8 +55,8 @@ LAYERS: list[list[str]] = [
     # objects that wire them (a step's report, a run's result, the monitor, the script runner)
     ["fastgrad.diagnose", "fastgrad.diagnose.collect", "fastgrad.diagnose.rules", "fastgrad.diagnose.render",
      "fastgrad.diagnose.thresholds", "fastgrad.diagnose.finding"],
-    ["fastgrad.diagnose.collect.snapshot", "fastgrad.diagnose.collect.history", "fastgrad.diagnose.collect.watch",
-     "fastgrad.diagnose.collect.nonfinite", "fastgrad.diagnose.collect.steps"],
+    ["fastgrad.diagnose.collect.identity", "fastgrad.diagnose.collect.snapshot", "fastgrad.diagnose.collect.history",
+     "fastgrad.diagnose.collect.watch", "fastgrad.diagnose.collect.nonfinite", "fastgrad.diagnose.collect.steps"],
     ["fastgrad.diagnose.collect.interceptors", "fastgrad.diagnose.collect.manual",
      "fastgrad.diagnose.collect.naming", "fastgrad.diagnose.collect.optimizer_hooks"],
     ["fastgrad.diagnose.collect.hooks"],
