@@ -332,6 +332,51 @@ def spawn_ranks(worker, world: int, out_dir: str, wall_limit_s: float) -> str:
                 p.join()
 
 
+def run_scenarios(rank: int, world: int, out_dir: str, scenarios) -> None:
+    """The body of a gloo test worker (launched by :func:`spawn_ranks`): joins the group through a FileStore in
+    ``out_dir``, runs each ``(name, fn)`` of ``scenarios`` as ``fn()`` then a barrier, and leaves ``name.ok``
+    (rank 0) or ``name.fail.<rank>`` with the traceback. The first failure ends the run: its peers may be
+    waiting in a collective, so the later scenarios report that they did not run (:func:`scenario_outcome`)."""
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(out_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)  # several ranks share few cores
+        for name, fn in scenarios:
+            try:
+                fn()
+                dist.barrier()
+            except BaseException:
+                with open(os.path.join(out_dir, f"{name}.fail.{rank}"), "w") as f:
+                    f.write(traceback.format_exc())
+                raise
+            if rank == 0:
+                open(os.path.join(out_dir, f"{name}.ok"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+def scenario_outcome(out_dir: str, launch_error: str, name: str, where: str = "") -> None:
+    """Pass, or fail with the traceback a rank left for scenario ``name`` (:func:`run_scenarios`), or with why
+    it did not run. ``where`` is added to the scenario's name in the message (e.g. " on 4 ranks")."""
+    import os
+
+    import pytest
+
+    if os.path.exists(os.path.join(out_dir, name + ".ok")):
+        return
+    fails = sorted(f for f in os.listdir(out_dir) if f.startswith(name + ".fail."))
+    if fails:
+        with open(os.path.join(out_dir, fails[0])) as f:
+            pytest.fail(f"{name}{where}, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
+    pytest.fail(f"{name}{where} did not run: {launch_error or 'an earlier scenario failed'}")
+
+
 class CollectiveCount:
     """Counts the collectives a block really runs, from torch.profiler's ``gloo:*`` events (one per
     collective the gloo backend executes: ``gloo:all_reduce``, ``gloo:broadcast``, ...), not from a wrapped

@@ -10,11 +10,11 @@ port), a collective timeout and a wall-clock limit, and always destroy their pro
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import shutil
 import tempfile
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ from fastgrad import distributed as D
 from . import oracle
 from .conftest import BACKEND_DEVICES
 from .helpers import (CollectiveCount, assert_close_to_torch, assert_no_worse_than, norm_ulps, randn, rtol_vs_torch,
-                      spawn_ranks)
+                      run_scenarios, scenario_outcome, spawn_ranks)
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -55,25 +55,10 @@ def _plan(world: int) -> list[tuple[str, str]]:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    import traceback
-
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    store = dist.FileStore(os.path.join(out_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)  # several ranks share few cores
-        for scenario, backend in _plan(world):
-            try:
-                SCENARIOS[scenario](rank, world, backend)
-                dist.barrier()
-            except BaseException:
-                with open(os.path.join(out_dir, f"{scenario}-{backend}.fail.{rank}"), "w") as f:
-                    f.write(traceback.format_exc())
-                raise
-            if rank == 0:
-                open(os.path.join(out_dir, f"{scenario}-{backend}.ok"), "w").close()
-    finally:
-        dist.destroy_process_group()
+    run_scenarios(rank, world, out_dir, [
+        (f"{scenario}-{backend}", functools.partial(SCENARIOS[scenario], rank, world, backend))
+        for scenario, backend in _plan(world)])
 
 
 def _launch(world: int, out_dir) -> str:
@@ -102,15 +87,7 @@ def spawned():
 
 
 def _outcome(spawned, world: int, scenario: str, backend: str) -> None:
-    out_dir, launch_error = spawned(world)
-    name = f"{scenario}-{backend}"
-    if os.path.exists(os.path.join(out_dir, name + ".ok")):
-        return
-    fails = sorted(f for f in os.listdir(out_dir) if f.startswith(name + ".fail."))
-    if fails:
-        with open(os.path.join(out_dir, fails[0])) as f:
-            pytest.fail(f"{name} on {world} ranks, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
-    pytest.fail(f"{name} on {world} ranks did not run: {launch_error or 'an earlier scenario failed'}")
+    scenario_outcome(*spawned(world), f"{scenario}-{backend}", f" on {world} ranks")
 
 
 class Holder:

@@ -11,11 +11,11 @@ documentation promises (docs/distributed.md's table), counted from torch.profile
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import shutil
 import tempfile
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ from fastgrad import distributed as D
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
-from .helpers import CollectiveCount, randn, spawn_ranks
+from .helpers import CollectiveCount, randn, run_scenarios, scenario_outcome, spawn_ranks
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -41,28 +41,11 @@ WALL_LIMIT_S = 240
 
 # ------------------------------------------------------------------------------------------ harness
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    import traceback
-
-    store = dist.FileStore(os.path.join(out_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)  # several ranks share few cores
-        only = os.environ.get("FASTGRAD_TEST_MESHES_ONLY")  # narrowing while debugging
-        for name, fn in SCENARIOS.items():
-            for backend in CPU_BACKENDS:
-                if only and f"{name}-{backend}" not in only.split(","):
-                    continue
-                try:
-                    fn(rank, backend)
-                    dist.barrier()
-                except BaseException:
-                    with open(os.path.join(out_dir, f"{name}-{backend}.fail.{rank}"), "w") as f:
-                        f.write(traceback.format_exc())
-                    raise
-                if rank == 0:
-                    open(os.path.join(out_dir, f"{name}-{backend}.ok"), "w").close()
-    finally:
-        dist.destroy_process_group()
+    only = os.environ.get("FASTGRAD_TEST_MESHES_ONLY")  # narrowing while debugging
+    run_scenarios(rank, world, out_dir, [
+        (f"{name}-{backend}", functools.partial(fn, rank, backend))
+        for name, fn in SCENARIOS.items() for backend in CPU_BACKENDS
+        if not only or f"{name}-{backend}" in only.split(",")])
 
 
 _RUN: dict = {}
@@ -77,15 +60,7 @@ def spawned():
 
 
 def _outcome(spawned, name: str, backend: str) -> None:
-    root, error = spawned
-    key = f"{name}-{backend}"
-    if os.path.exists(os.path.join(root, key + ".ok")):
-        return
-    fails = sorted(f for f in os.listdir(root) if f.startswith(key + ".fail."))
-    if fails:
-        with open(os.path.join(root, fails[0])) as f:
-            pytest.fail(f"{key}, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
-    pytest.fail(f"{key} did not run: {error or 'an earlier scenario failed'}")
+    scenario_outcome(*spawned, f"{name}-{backend}")
 
 
 def _Count():

@@ -19,10 +19,9 @@ local tensor and takes the local norm in one C++ pass, and scales in a second on
 
 from __future__ import annotations
 
-import os
+import functools
 import shutil
 import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ import torch
 import fastgrad
 from fastgrad import distributed as D
 
-from .helpers import spawn_ranks
+from .helpers import run_scenarios, scenario_outcome, spawn_ranks
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -43,24 +42,7 @@ INF = float("inf")
 
 # ------------------------------------------------------------------------------------------ harness
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    import traceback
-
-    store = dist.FileStore(os.path.join(out_dir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        for name, fn in SCENARIOS.items():
-            try:
-                fn(rank, world)
-                dist.barrier()
-            except BaseException:
-                with open(os.path.join(out_dir, f"{name}.fail.{rank}"), "w") as f:
-                    f.write(traceback.format_exc())
-                raise
-            if rank == 0:
-                open(os.path.join(out_dir, f"{name}.ok"), "w").close()
-    finally:
-        dist.destroy_process_group()
+    run_scenarios(rank, world, out_dir, [(name, functools.partial(fn, rank, world)) for name, fn in SCENARIOS.items()])
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +54,7 @@ def spawned():
 
 
 def _outcome(spawned, name: str) -> None:
-    root, err = spawned
-    if os.path.exists(os.path.join(root, f"{name}.ok")):
-        return
-    fails = sorted(f for f in os.listdir(root) if f.startswith(name + ".fail."))
-    if fails:
-        with open(os.path.join(root, fails[0])) as f:
-            pytest.fail(f"{name}, rank {fails[0].rsplit('.', 1)[1]}:\n{f.read()}")
-    pytest.fail(f"{name} did not run: {err or 'an earlier scenario failed'}")
+    scenario_outcome(*spawned, name)
 
 
 # ------------------------------------------------------------------------------------------ building blocks
