@@ -351,7 +351,12 @@ def _scenario_fsdp2(rank, world, backend):
         _close(total, t_ref, f"fsdp2 total vs single process max_norm={max_norm}")
         for (name, p), q, tw, w in zip(model.named_parameters(), ref.parameters(), twins, want_grads):
             g = p.grad.full_tensor()
-            _vs_torch(g, tw.grad.full_tensor(), w, torch.float32, f"fsdp2 {name} vs torch on the DTensors")
+            # The total is allowed 1 ulp beside torch's (it sums rounded per-shard partials in another order),
+            # and the coefficient carries that ulp: a clipped element can then be 2 ulps off where torch's own
+            # total happened to land closer. Seen on 4 ranks (0.weight, 1.02-1.05 ulps over the 1-ulp
+            # allowance) where this machine's matmuls gave other gradient bits than earlier machines'.
+            _vs_torch(g, tw.grad.full_tensor(), w, torch.float32, f"fsdp2 {name} vs torch on the DTensors",
+                      ulps=2.0)
             _close(g, q.grad, f"fsdp2 {name} vs single process")
         fulls = [p.grad.full_tensor() for p in params]  # the next round starts from the clipped grads
 
