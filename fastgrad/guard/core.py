@@ -19,6 +19,7 @@ docs say so.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -37,6 +38,28 @@ from .skip import Skipper, is_fused
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+# Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
+# pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
+# unguarded); run eagerly, the hook sets them before the compiled rest of the step reads them as inputs.
+# With fullgraph=True the break is an error, which torch raises with this text.
+_EAGER = ("fastgrad.StepGuard runs guard.clip_() and its optimizer step hooks outside the compiled graph, so "
+          "that a compiled optimizer.step() obeys the skip and the clip. torch.compile(..., fullgraph=True) "
+          "cannot break the graph there: compile without fullgraph=True, or compile the model only "
+          "(torch.compile(model)) and call guard.clip_() and optimizer.step() outside it")
+
+
+def _eager(fn):
+    """``fn`` kept out of any compiled graph (see _EAGER); called directly when not compiling, since the
+    disable wrapper costs ~2 us a call."""
+    off = torch.compiler.disable(fn, reason=_EAGER)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return off(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 def guard_for(optimizer) -> "StepGuard | None":
@@ -164,11 +187,13 @@ class StepGuard:
 
         ref = weakref.ref(self)
 
+        @_eager
         def pre(opt, args, kwargs):
             g = ref()
             if g is not None:
                 return g._skip.pre_step(opt, args, kwargs)
 
+        @_eager
         def post(opt, args, kwargs):
             g = ref()
             if g is not None:
@@ -211,6 +236,7 @@ class StepGuard:
         self._counters.clear(None if state["counts"] is None else state["counts"].clone())
         self._device = None if self._counters.counts is None else self._counters.counts.device
 
+    @_eager
     def clip_(self, scaler=None) -> Tensor:
         """Clip the optimizer's gradients by the mode's rule and decide whether its next step is skipped.
 
