@@ -123,7 +123,8 @@ class StepGuard:
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
             clipped by the mode's rule.
         max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
-            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None: never.
+            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None (default): never;
+            either way the guard warns once (:class:`GuardWarning`) after ``WARN_AFTER`` (25) in a row.
         non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
         zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
             as ``clip_optimizer_grad_norm_`` does (not for adagc, whose coefficients are per tensor).
@@ -248,10 +249,11 @@ class StepGuard:
 
         On a skipped step the gradients are clipped by the step's coefficient as ``clip_grad_norm_`` would (a
         NaN norm makes them NaN), except on the CPU write path of mode "norm", which leaves them untouched;
-        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except:
-        ``max_consecutive_skips`` reads the counter copy made at the previous call (on CUDA only once that
-        copy has landed, checked with an event, so never waiting; on the CPU a plain read), and the
-        non-fused paths described in fastgrad.guard.skip.
+        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except the
+        non-fused paths described in fastgrad.guard.skip. The run of skips in a row (``max_consecutive_skips``
+        and the WARN_AFTER warning) is read from the host copy made at the previous call (on CUDA only once
+        that copy has landed, checked with an event, so never waiting); wording the warning reads the counters
+        once. Under ``torch.compile`` this call and the step hooks run outside the graph (graph breaks).
         """
         opt = self._optimizer
         if opt is None:
@@ -318,8 +320,8 @@ class StepGuard:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
         self._counters.record(total, coef, inv, bad, spike)
         self._skip.pend(bad, scale, grads)
-        if self.max_consecutive_skips is not None:
-            self._counters.copy_consecutive()
+        if self.max_consecutive_skips is not None or not self._counters.warned:
+            self._counters.copy_consecutive()  # read at the next clip_ (GuardError, the WARN_AFTER warning)
 
     def _ensure_state(self, total: Tensor, n_params: int) -> None:
         """The counters and the mode's state on the norm's device (created, or moved after a load)."""
