@@ -326,3 +326,45 @@ def test_healthy_zero_write_step_matches_the_unguarded_clip_bitwise():
         opt_a.step()
         opt_b.step()
         assert _same(_snapshot(ps_a, opt_a), _snapshot(ps_b, opt_b))
+
+
+def _adds_state_late(opt):
+    """``opt`` made to keep one more state entry per parameter ("late"), created inside its step from the
+    third step on: a step that adds entries to state that exists, so the restore path (not the lazily-made
+    state check, which sees complete state) must take them back when the step is skipped."""
+    base = type(opt)
+
+    def step(self, closure=None):
+        out = base.step.__wrapped__(self, closure)  # torch's step, inside the guard's hooks
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls >= 3:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p].setdefault("late", p.detach().clone())
+        return out
+
+    opt.__class__ = type(f"Late{base.__name__}", (base,), {"step": step})
+    opt._patch_step_function()  # the step hooks wrap the new step
+    return opt
+
+
+@pytest.mark.parametrize("name", [n for n, (_, fused) in CASES.items() if not fused])
+def test_restore_takes_back_state_entries_a_skipped_step_adds(name):
+    ps, opt = _make(name)
+    opt = _adds_state_late(opt)
+    guard = StepGuard(opt, 1.0, non_fused="restore")
+    for step in range(2):
+        _set_grads(ps, step)
+        guard.clip_()
+        opt.step()
+    before = _state(ps, opt)
+    _set_grads(ps, 2, poison=NAN)
+    guard.clip_()
+    opt.step()  # would add "late" to every parameter's state
+    after = _state(ps, opt)
+    assert after[1] == before[1] and _same(after[0], before[0]), (name, after[1])
+    _set_grads(ps, 3)
+    guard.clip_()
+    opt.step()
+    assert all("late" in opt.state[p] for p in ps) and all(torch.isfinite(p).all() for p in ps)

@@ -165,3 +165,24 @@ def test_resume_from_a_lightning_checkpoint_keeps_the_guard(tmp_path, mode, kw):
     sd_full, sd_res = cb_full.guard.state_dict(), cb_res.guard.state_dict()
     for k, v in sd_full["stats"].items():
         assert torch.equal(v, sd_res["stats"][k]), k
+
+
+def _with_step_scheduler(ps):
+    opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_hold_schedule_holds_a_per_step_scheduler_on_a_skip(hold):
+    """By default a skipped step advances a per-step scheduler; hold_schedule=True keeps it in step with
+    the updates taken, and gives the module back its own lr_scheduler_step after the fit."""
+    module = Tiny(_with_step_scheduler)
+    cb = StepGuardCallback(max_norm=1.0, hold_schedule=hold)
+    trainer = _fit(module, batches(STEPS, {1, 3}), [cb])
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    taken = STEPS - 2 if hold else STEPS
+    assert cb.guard.state()["skipped_steps"] == 2 and finite(module.parameters())
+    assert int(trainer.optimizers[0].state[module.net.weight]["step"]) == STEPS - 2
+    assert sched.last_epoch == taken and sched.get_last_lr()[0] == pytest.approx(1e-2 / (1 + taken))
+    assert "lr_scheduler_step" not in module.__dict__

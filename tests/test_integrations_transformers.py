@@ -47,11 +47,11 @@ class Recorder(transformers.TrainerCallback):
 
 def _train(tmp_path, bad, callbacks, accumulation=1, **kw):
     data = [{"x": x, "labels": y} for x, y in batches(STEPS * accumulation, bad)]
-    args = transformers.TrainingArguments(
+    args = transformers.TrainingArguments(**{**dict(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=1,
         gradient_accumulation_steps=accumulation, learning_rate=1e-2, logging_steps=2, report_to="none",
         save_strategy="no", use_cpu=True, disable_tqdm=True, optim="adamw_torch_fused", lr_scheduler_type="constant",
-        **kw)
+    ), **kw})
     model = Tiny()
     trainer = InOrder(model=model, args=args, train_dataset=data, callbacks=callbacks,
                       data_collator=lambda rows: {k: rows[0][k] for k in rows[0]})
@@ -111,3 +111,21 @@ def test_resume_from_a_trainer_checkpoint_keeps_the_guard(tmp_path, mode, kw):
                 snapshot(list(full.parameters()), tr_full.optimizer))
     assert cb_res.guard.state() == cb_full.guard.state()
     assert cb_res.guard.state()["skipped_steps"] == 2 and cb_res.guard.state()["steps"] == n
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_hold_schedule_holds_the_lr_schedule_on_a_skip(tmp_path, hold):
+    """By default a skipped step advances the Trainer's schedule (as a plain torch loop would);
+    hold_schedule=True keeps it in step with the updates taken, as the Trainer does on a GradScaler overflow."""
+    cb = StepGuardCallback(max_norm=1.0, hold_schedule=hold)
+    model, trainer = _train(tmp_path, {1, 3}, [cb], max_grad_norm=0, lr_scheduler_type="linear")
+    assert cb.guard.state()["skipped_steps"] == 2 and finite(model.parameters())
+    taken = STEPS - 2 if hold else STEPS
+    assert trainer.lr_scheduler.last_epoch == taken
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 - taken / STEPS))
+    assert trainer.state.global_step == STEPS  # the Trainer's step count is not the schedule's
+
+
+def test_hold_schedule_is_checked_when_built():
+    with pytest.raises(TypeError, match="hold_schedule must be True or False"):
+        StepGuardCallback(max_norm=1.0, hold_schedule="yes")

@@ -4,6 +4,6 @@ object per mode (``norm``, ``zclip``, ``autoclip``, ``adagc``), ``read`` (the re
 and ``skip`` (the step hooks). See docs/guard.md."""
 
 from .core import COUNTERS, MODES, StepGuard, guard_for
-from .counters import GuardError
+from .counters import WARN_AFTER, GuardError, GuardWarning
 
-__all__ = ["StepGuard", "GuardError", "guard_for", "COUNTERS", "MODES"]
+__all__ = ["StepGuard", "GuardError", "GuardWarning", "WARN_AFTER", "guard_for", "COUNTERS", "MODES"]

@@ -19,6 +19,7 @@ docs say so.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -37,6 +38,28 @@ from .skip import Skipper, is_fused
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+# Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
+# pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
+# unguarded); run eagerly, the hook sets them before the compiled rest of the step reads them as inputs.
+# With fullgraph=True the break is an error, which torch raises with this text.
+_EAGER = ("fastgrad.StepGuard runs guard.clip_() and its optimizer step hooks outside the compiled graph, so "
+          "that a compiled optimizer.step() obeys the skip and the clip. torch.compile(..., fullgraph=True) "
+          "cannot break the graph there: compile without fullgraph=True, or compile the model only "
+          "(torch.compile(model)) and call guard.clip_() and optimizer.step() outside it")
+
+
+def _eager(fn):
+    """``fn`` kept out of any compiled graph (see _EAGER); called directly when not compiling, since the
+    disable wrapper costs ~2 us a call."""
+    off = torch.compiler.disable(fn, reason=_EAGER)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return off(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 def guard_for(optimizer) -> "StepGuard | None":
@@ -100,7 +123,8 @@ class StepGuard:
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
             clipped by the mode's rule.
         max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
-            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None: never.
+            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None (default): never;
+            either way the guard warns once (:class:`GuardWarning`) after ``WARN_AFTER`` (25) in a row.
         non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
         zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
             as ``clip_optimizer_grad_norm_`` does (not for adagc, whose coefficients are per tensor).
@@ -164,11 +188,13 @@ class StepGuard:
 
         ref = weakref.ref(self)
 
+        @_eager
         def pre(opt, args, kwargs):
             g = ref()
             if g is not None:
                 return g._skip.pre_step(opt, args, kwargs)
 
+        @_eager
         def post(opt, args, kwargs):
             g = ref()
             if g is not None:
@@ -211,6 +237,7 @@ class StepGuard:
         self._counters.clear(None if state["counts"] is None else state["counts"].clone())
         self._device = None if self._counters.counts is None else self._counters.counts.device
 
+    @_eager
     def clip_(self, scaler=None) -> Tensor:
         """Clip the optimizer's gradients by the mode's rule and decide whether its next step is skipped.
 
@@ -222,10 +249,11 @@ class StepGuard:
 
         On a skipped step the gradients are clipped by the step's coefficient as ``clip_grad_norm_`` would (a
         NaN norm makes them NaN), except on the CPU write path of mode "norm", which leaves them untouched;
-        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except:
-        ``max_consecutive_skips`` reads the counter copy made at the previous call (on CUDA only once that
-        copy has landed, checked with an event, so never waiting; on the CPU a plain read), and the
-        non-fused paths described in fastgrad.guard.skip.
+        to name the culprit call ``fastgrad.find_nonfinite`` before ``clip_``. No host sync, except the
+        non-fused paths described in fastgrad.guard.skip. The run of skips in a row (``max_consecutive_skips``
+        and the WARN_AFTER warning) is read from the host copy made at the previous call (on CUDA only once
+        that copy has landed, checked with an event, so never waiting); wording the warning reads the counters
+        once. Under ``torch.compile`` this call and the step hooks run outside the graph (graph breaks).
         """
         opt = self._optimizer
         if opt is None:
@@ -292,8 +320,8 @@ class StepGuard:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
         self._counters.record(total, coef, inv, bad, spike)
         self._skip.pend(bad, scale, grads)
-        if self.max_consecutive_skips is not None:
-            self._counters.copy_consecutive()
+        if self.max_consecutive_skips is not None or not self._counters.warned:
+            self._counters.copy_consecutive()  # read at the next clip_ (GuardError, the WARN_AFTER warning)
 
     def _ensure_state(self, total: Tensor, n_params: int) -> None:
         """The counters and the mode's state on the norm's device (created, or moved after a load)."""

@@ -1,10 +1,12 @@
 """The guard's counters and the last step's readings, kept on the device.
 
-Per step only a list append (the step's 0-dim device tensors); the counters are folded from these records
-with a few device ops every ``FOLD`` steps, when read, or every step where ``max_consecutive_skips`` needs
-the run of skips. Nothing here reads device data on the host except :meth:`Counters.check_consecutive`."""
+Per step a list append (the step's 0-dim device tensors) and the run of skips in a row, kept on the device
+(two small ops); the other counters are folded from the records with a few device ops every ``FOLD`` steps
+or when read. Nothing here reads device data on the host except :meth:`Counters.check_consecutive`."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -18,8 +20,22 @@ FOLD = 256  # steps between two folds of the per-step records into the counters 
 #             ~0.3 ms on a CPU: amortised over 256 steps it is ~1 us per step)
 
 
+WARN_AFTER = 25  # skips in a row after which the guard warns, once, by default: far above one bad batch or a
+#                 GradScaler's start-up back-off (each overflow halves the scale: 25 in a row is 3e7x), and
+#                 reached early in a run that has stopped learning
+
+
 class GuardError(RuntimeError):
     """Raised after ``max_consecutive_skips`` bad steps in a row: training is not making progress."""
+
+
+class GuardWarning(UserWarning):
+    """Warned once per guard after ``WARN_AFTER`` skips in a row (filter it to silence it)."""
+
+
+_TRY = ("check the data, the learning rate, the loss scale and any state carried from step to step (a "
+        "recurrent model's hidden state that went NaN makes every later batch NaN); fastgrad.find_nonfinite "
+        "names the gradients that went non-finite")
 
 
 class Counters:
@@ -32,6 +48,8 @@ class Counters:
         self.records: list = []
         self.last = None
         self.host = None  # (host copy of consecutive_skipped, cuda event) for the lazy consecutive check
+        self.streak: Tensor | None = None  # skips in a row so far, on the device: slot 3's one rule
+        self.warned = False  # the WARN_AFTER warning was given (once per guard)
         self._mask: Tensor | None = None  # slot 3 of the counters, as a device bool mask
 
     def start(self, device: torch.device) -> None:
@@ -41,9 +59,19 @@ class Counters:
     def clear(self, counts: Tensor | None) -> None:
         self.records, self.last = [], None
         self.counts = counts
+        self.streak = None if counts is None else counts[3].clone()
+        self.host = None
 
     def record(self, total, factor, inv, bad, spike) -> None:
         self.records.append((total, factor, inv, bad, spike))
+        run = self.streak
+        if run is None:
+            run = bad.new_zeros((), dtype=torch.float32 if bad.device.type == "mps" else torch.float64)
+        elif run.device != bad.device:
+            run = run.to(bad.device)
+        # a skip extends the run, a step taken ends it: bad * (run + 1), one op (~10 us less per step on a
+        # CPU than three); every read pass hands over ``bad`` as a 0/1 float flag
+        self.streak = torch.addcmul(bad, run, bad)
         if len(self.records) >= FOLD:
             self.fold()
 
@@ -74,9 +102,7 @@ class Counters:
         else:
             spikes = c.new_zeros(())
         clipped = (coef < 1) & ~B
-        good = ~B
-        last_good = torch.where(good, torch.arange(n, device=dev), -1).max()
-        cons = torch.where(last_good < 0, c[3] + n, (n - 1 - last_good).to(dt))
+        cons = self.streak.to(dev, dt)
         inc = torch.stack([c.new_full((), n), clipped.sum().to(dt), B.sum().to(dt), c.new_zeros(()),
                            (~torch.isfinite(T)).sum().to(dt), spikes.to(dt)])
         # (slot 3 replaced by a device select, not by indexed assignment: no host value enters a device tensor)
@@ -106,33 +132,49 @@ class Counters:
 
     # ---------------------------------------------------------------- max_consecutive_skips
     def copy_consecutive(self) -> None:
-        """Start the host copy of ``consecutive_skipped`` that the next call checks (no wait on CUDA)."""
-        self.fold()
-        cons = self.counts[3:4]
-        if cons.device.type == "cuda":
-            host = torch.empty(1, dtype=cons.dtype, pin_memory=True)
-            host.copy_(cons, non_blocking=True)
+        """Start the host copy of the run of skips that the next call checks (no wait on CUDA)."""
+        run = self.streak.reshape(1)
+        if run.device.type == "cuda":
+            host = torch.empty(1, dtype=run.dtype, pin_memory=True)
+            host.copy_(run, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-            self.host = (host, ev)
-        else:
-            self.host = (cons, None)
+        else:  # already in host memory (a fresh tensor each step, so the value of this step)
+            host, ev = run, None
+        host._fastgrad_host_copy = True  # (the tests' stand-in for "no device sync" lets this read through)
+        self.host = (host, ev)
 
     def check_consecutive(self, limit: int | None) -> None:
-        if limit is None or self.host is None:
+        """At the start of ``clip_``: the run of skips as of the previous call (once its copy has landed:
+        never a wait) raises GuardError at ``limit``, and warns once at WARN_AFTER. Reads the counters
+        (one transfer) only to word that warning."""
+        if self.host is None or (limit is None and self.warned):
             return
         host, ev = self.host
         if ev is not None and not ev.query():
             return  # not landed yet: check at a later call rather than wait
-        n = int(host[0])
-        if n >= limit:
+        n = int(host.tolist()[0])  # host memory: no device sync
+        if limit is not None and n >= limit:
             raise GuardError(
                 f"StepGuard skipped {n} steps in a row (max_consecutive_skips={limit}): "
                 "every recent step had a non-finite gradient norm or a spike. Training is not progressing; "
-                "check the data, the learning rate, the loss scale and any state carried from step to step (a "
-                "recurrent model's hidden state that went NaN makes every later batch NaN); "
-                "fastgrad.find_nonfinite names the gradients that went non-finite. Nothing was modified by this "
-                "call.")
+                f"{_TRY}. Nothing was modified by this call.")
+        if n >= WARN_AFTER and not self.warned:
+            self.warned = True
+            self.host = None
+            warnings.warn(self._stuck(n), GuardWarning, stacklevel=4)
+
+    def _stuck(self, n: int) -> str:
+        self.fold()
+        steps, _, skipped, _, nonfinite, spikes = (int(v) for v in self.counts.tolist())
+        first = steps - n + 1
+        causes = [f"{nonfinite} with a non-finite gradient norm (NaN/Inf)" if nonfinite else "",
+                  f"{spikes} as spikes (skip_factor)" if spikes else ""]
+        return (f"StepGuard skipped the last {n} steps in a row, from step {first} on (counting the guard's "
+                f"clip_ calls from 1): no step has been taken since. In all {skipped} of {steps} steps "
+                f"were skipped: {', '.join(c for c in causes if c)}. Training is not progressing; {_TRY}. "
+                "max_consecutive_skips=N raises fastgrad.GuardError instead; this warning is given once per "
+                "guard (category fastgrad.guard.GuardWarning).")
 
 
 def _one_like(t: Tensor) -> Tensor:

@@ -21,3 +21,25 @@ def counters(guard, prefix: str) -> dict[str, float]:
     keys = ("steps", "skipped_steps", "nonfinite_steps", "spike_steps", "clipped_steps", "consecutive_skipped",
             "total_norm", "clipped_norm")
     return {f"{prefix}{k}": float(st[k]) for k in keys if k in st}
+
+
+def check_hold_schedule(hold_schedule) -> bool:
+    if not isinstance(hold_schedule, bool):
+        raise TypeError(f"hold_schedule must be True or False, got {hold_schedule!r}")
+    return hold_schedule
+
+
+def hold_accelerate_schedule(wrapper, skipped: bool) -> None:
+    """Make accelerate's ``AcceleratedOptimizer`` report a guard skip as a skipped step, so that what reads
+    ``step_was_skipped`` (accelerate's prepared scheduler, the Hugging Face Trainer's scheduler step) holds
+    back. accelerate sets the flag from its GradScaler only (``_is_overflow``, after each step; never without
+    a scaler, so then this sets it every step)."""
+    if not hasattr(wrapper, "_is_overflow") or not hasattr(wrapper, "step_was_skipped"):
+        raise RuntimeError(
+            f"hold_schedule=True needs accelerate's AcceleratedOptimizer (its step_was_skipped), but the optimizer "
+            f"is a {type(wrapper).__name__}; this version of the framework is not supported: pass "
+            "hold_schedule=False")
+    if getattr(wrapper, "scaler", None) is None:
+        wrapper._is_overflow = skipped
+    elif skipped:
+        wrapper._is_overflow = True

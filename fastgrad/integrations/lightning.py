@@ -10,13 +10,16 @@ so the decision is applied inside the step, before the update (sync-free with a 
 the Trainer's logging steps (``log_every_n_steps``) the counters go to the module's loggers as
 ``guard/skipped_steps`` etc. (one device-to-host read per logging step). The guard's statistics and
 counters are saved in Lightning's checkpoints (the callback's ``state_dict``) and restored on
-``trainer.fit(ckpt_path=...)``.
+``trainer.fit(ckpt_path=...)``. A skipped step still advances the learning-rate schedulers by default;
+with ``hold_schedule=True`` the schedulers stepped per step (``interval="step"``) hold back on a skipped step
+(one device-to-host read of the flag per step; the callback wraps the module's ``lr_scheduler_step`` for the
+fit); per-epoch schedulers count epochs and are left alone.
 """
 
 from __future__ import annotations
 
 from ..guard import StepGuard
-from ._common import counters, require
+from ._common import check_hold_schedule, counters, require
 
 _pl = require("lightning.pytorch", "lightning", "fastgrad.integrations.lightning")
 
@@ -27,9 +30,10 @@ class StepGuardCallback(_pl.Callback):
     """Args: ``max_norm`` and any :class:`fastgrad.StepGuard` option (``mode``, ``skip_factor``,
     ``max_consecutive_skips``, ...), checked here, before the Trainer starts."""
 
-    def __init__(self, max_norm: float | None = None, **options):
+    def __init__(self, max_norm: float | None = None, *, hold_schedule: bool = False, **options):
         self.max_norm = max_norm
         self.options = options
+        self.hold_schedule = check_hold_schedule(hold_schedule)
         # the options are checked now, not at fit start: a throwaway guard on a throwaway optimizer
         import torch
 
@@ -61,6 +65,24 @@ class StepGuardCallback(_pl.Callback):
         if self._loaded is not None:
             self.guard.load_state_dict(self._loaded)
             self._loaded = None
+        if self.hold_schedule:
+            self._hold_schedule(trainer, pl_module)
+
+    def _hold_schedule(self, trainer, pl_module) -> None:
+        """Wrap the module's ``lr_scheduler_step`` (Lightning's hook for stepping each scheduler) so that a
+        per-step scheduler does not step after a skipped step."""
+        own = pl_module.__dict__.get("lr_scheduler_step")
+        inner = getattr(own, "_fastgrad_inner", None) or pl_module.lr_scheduler_step
+        per_step = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+        cb = self
+
+        def lr_scheduler_step(scheduler, metric):
+            if id(scheduler) in per_step and cb.guard.last_step_skipped():
+                return None
+            return inner(scheduler, metric)
+
+        lr_scheduler_step._fastgrad_inner = inner
+        pl_module.lr_scheduler_step = lr_scheduler_step
 
     def state_dict(self) -> dict:
         """Saved by Lightning in every checkpoint: the guard's statistics and counters (its state_dict)."""
@@ -92,6 +114,9 @@ class StepGuardCallback(_pl.Callback):
                 logger.log_metrics(metrics, step=step)
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        own = pl_module.__dict__.get("lr_scheduler_step")
+        if getattr(own, "_fastgrad_inner", None) is not None:
+            del pl_module.lr_scheduler_step  # the module as it was
         if not trainer.loggers or trainer.global_step == self._logged_step:
             return
         metrics = counters(self.guard, "guard/")  # the final counters, whatever the logging interval

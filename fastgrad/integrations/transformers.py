@@ -6,7 +6,9 @@
 The Trainer calls ``on_pre_optimizer_step`` right before ``optimizer.step()``, after the last backward of
 the accumulated batch; there this callback calls ``guard.clip_()`` (the guard is built on the Trainer's
 optimizer at the first such call and exposed as ``.guard``). A skipped step still counts as a step for the
-Trainer (``global_step``, the learning-rate schedule), as a GradScaler's overflow skip does in plain torch.
+Trainer (``global_step``) and, by default, for its learning-rate schedule; ``hold_schedule=True`` holds the
+schedule back on a skipped step (one device-to-host read of the flag per step), as the Trainer does itself
+on a GradScaler overflow.
 At each training log the counters are added to the logged values (``guard_skipped_steps`` etc.; one
 device-to-host read per log): in ``trainer.state.log_history`` and in the ``logs`` that callbacks after this
 one receive. At each checkpoint the guard's statistics and counters are saved into the checkpoint folder
@@ -19,7 +21,7 @@ import os
 import warnings
 
 from ..guard import StepGuard
-from ._common import counters, require
+from ._common import check_hold_schedule, counters, hold_accelerate_schedule, require
 
 _tf = require("transformers", "transformers", "fastgrad.integrations.transformers")
 
@@ -27,13 +29,15 @@ __all__ = ["StepGuardCallback"]
 
 
 class StepGuardCallback(_tf.TrainerCallback):
-    """Args: ``max_norm`` and any :class:`fastgrad.StepGuard` option, checked here."""
+    """Args: ``max_norm`` and any :class:`fastgrad.StepGuard` option, checked here; ``hold_schedule``: a
+    skipped step does not advance the learning-rate schedule (one read of the flag per step)."""
 
-    def __init__(self, max_norm: float | None = None, **options):
+    def __init__(self, max_norm: float | None = None, *, hold_schedule: bool = False, **options):
         import torch
 
         self.max_norm = max_norm
         self.options = options
+        self.hold_schedule = check_hold_schedule(hold_schedule)
         probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
         StepGuard(probe, max_norm, **options).remove()  # the options are checked now
         self.guard: StepGuard | None = None
@@ -64,6 +68,11 @@ class StepGuardCallback(_tf.TrainerCallback):
                 self.guard.load_state_dict(self._loaded)
                 self._loaded = None
         self.guard.clip_()
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # after optimizer.step(), before the Trainer asks accelerate whether the step was skipped
+        if self.hold_schedule and self.guard is not None:
+            hold_accelerate_schedule(optimizer, self.guard.last_step_skipped())
 
     def on_save(self, args, state, control, **kwargs):
         """Next to the Trainer's checkpoint (``output_dir/checkpoint-N``): the guard's statistics and counters,
