@@ -66,7 +66,7 @@ mkdir -p build && set -o pipefail && $(PYTHON) -m pip $(2) -v 2>&1 | tee build/$
   { echo "== pip failed; the end of its log (all of it: build/$(1).log):"; tail -n 40 build/$(1).log; exit 1; }
 endef
 
-.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check
+.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check bench-cases
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -90,8 +90,8 @@ define install
 	for e in $$(echo $$extras | tr , ' '); do case $$e in \
 	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
 	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
-	echo "   (2-6 min on a 2-core machine, the more the busier it is; longer with CUDA kernels, built when torch"; \
-	echo "   has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
+	echo "   (measured on a shared 2-core machine: 6 min at load 3-10, 14 min at load 14-19; longer with CUDA"; \
+	echo "   kernels, built when torch has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
 	start=$$(date +%s); \
 	$(call watched_pip,install,install --no-build-isolation -e ".[$$extras]") || exit 1; \
 	echo "== fastgrad[$$extras] installed in $$(( $$(date +%s) - start )) s"
@@ -139,6 +139,12 @@ bench: setup-bench
 
 info:
 	$(PYTHON) -m fastgrad.info
+
+# benchmarks/test_bench_ops.py's cases, once each and untimed (pytest-benchmark is in no extra): every op on
+# every usable backend, on real models' shapes scaled to 2 MiB of gradients, with its accuracy check. CI runs
+# them before the suite.
+bench-cases: setup
+	FASTGRAD_BENCH_MAX_MB=2 $(PYTHON) -m pytest -q benchmarks/test_bench_ops.py
 
 # What a user installs, built and tried as they would (CI runs it before the tests): the sdist, a wheel built
 # from it alone (FASTGRAD_BUILD_EXT=1: a wheel without the compiled extension is an error), installed in a
