@@ -8,6 +8,8 @@
 #               (CI runs the Triton kernels in the interpreter on CPU)
 # Comments live out here, not in the recipes, so make does not echo them.
 PYTHON ?= python3
+# bash for `set -o pipefail`: the installs' output goes through a filter and pip's own exit status must count.
+SHELL := /bin/bash
 # torch is pinned only when none is installed: a bare `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 BENCH_EXTRAS := bench
@@ -15,7 +17,7 @@ TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
 # What each extra is for, printed before an install (pyproject.toml lists the packages).
 WHY_bench := bench: tqdm, matplotlib - progress bar and plots of python -m fastgrad.bench
 WHY_triton := triton: the Triton backend - on a CPU-only torch the tests run its kernels in the interpreter (TRITON_INTERPRET=1)
-WHY_test := test: pytest, numpy - the test suite and its float64 oracles
+WHY_test := test: pytest, pytest-timeout, numpy - the test suite, a time limit per test, its float64 oracles
 WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and the monitor/check plots, which tests/test_report.py, test_monitor.py, test_check.py exercise
 WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 
@@ -51,7 +53,20 @@ FORCED := $(findstring B,$(firstword -$(MAKEFLAGS)))
 BENCH_CURRENT = [ -z "$(FORCED)" ] && [ "$(ENV_ID)" = "$$(cat $(BENCH_STAMP) 2>/dev/null)" ] && \
   [ -z "$$(find $(INSTALL_DEPS) -newer $(BENCH_STAMP) 2>/dev/null)" ]
 
-.PHONY: setup setup-bench test bench info install-test add-test-extras
+# pip -v streams the build's output (pip alone shows "still running..." for minutes): the lines below reach the
+# screen - pip's progress, setup.py's notes (what is compiled, how long it took) and ninja's status lines, cut to
+# "fastgrad build [done/total files, seconds] csrc/<file>" - and the whole log goes to build/<name>.log, whose
+# end is shown when pip fails.
+PIP_SHOWN := ^ *(fastgrad (setup|build)|Collecting |Downloading |Installing collected|Successfully (installed|built)|ERROR)
+SHORT_CC := s|^ *(fastgrad build \[[^]]*\]) .* -c [^ ]*(csrc/[^ ]+) .*|   \1 \2|; s|^ *(fastgrad setup:)|   \1|
+# watched_pip(log name, pip arguments)
+define watched_pip
+mkdir -p build && set -o pipefail && $(PYTHON) -m pip $(2) -v 2>&1 | tee build/$(1).log | \
+  { grep -E --line-buffered '$(PIP_SHOWN)' | sed -E -u '$(SHORT_CC)' || true; } || \
+  { echo "== pip failed; the end of its log (all of it: build/$(1).log):"; tail -n 40 build/$(1).log; exit 1; }
+endef
+
+.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check bench-cases
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -69,16 +84,16 @@ define install
 	  $(PYTHON) -m pip install $(TORCH_PIN); }
 	@$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja
 	@extras="$(1)"; \
-	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
+	if [ "$(1)" = "$(BENCH_EXTRAS)" ] && $(PYTHON) -W "ignore:Failed to initialize NumPy" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then \
 	  extras="$$extras,triton"; fi; \
 	echo "== installing fastgrad[$$extras] for $(3), and compiling its C++ extension: a few minutes on 2 CPU cores"; \
 	for e in $$(echo $$extras | tr , ' '); do case $$e in \
 	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
 	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
-	echo "   (6 min measured on a busy 2-core machine; longer with CUDA kernels, built when torch has CUDA and"; \
-	echo "   nvcc is found; pip prints 'still running...' while the compiler works)"; \
+	echo "   (measured on a shared 2-core machine: 6 min at load 3-10, 14 min at load 14-19; longer with CUDA"; \
+	echo "   kernels, built when torch has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
 	start=$$(date +%s); \
-	$(PYTHON) -m pip install --no-build-isolation -e ".[$$extras]" || exit 1; \
+	$(call watched_pip,install,install --no-build-isolation -e ".[$$extras]") || exit 1; \
 	echo "== fastgrad[$$extras] installed in $$(( $$(date +%s) - start )) s"
 	@mkdir -p $(dir $(2))
 	@$(PYTHON) -c "$(ENV_ID_PY)" > $(2)
@@ -124,3 +139,36 @@ bench: setup-bench
 
 info:
 	$(PYTHON) -m fastgrad.info
+
+# benchmarks/test_bench_ops.py's cases, once each and untimed (pytest-benchmark is in no extra): every op on
+# every usable backend, on real models' shapes scaled to 2 MiB of gradients, with its accuracy check. CI runs
+# them before the suite.
+bench-cases: setup
+	FASTGRAD_BENCH_MAX_MB=2 $(PYTHON) -m pytest -q benchmarks/test_bench_ops.py
+
+# What a user installs, built and tried as they would (CI runs it before the tests): the sdist, a wheel built
+# from it alone (FASTGRAD_BUILD_EXT=1: a wheel without the compiled extension is an error), installed in a
+# fresh venv, and .ci/wheel_smoke.py run there from outside the checkout. The venv takes torch from this
+# Python's site-packages, listed after its own in a .pth file (as a plain path, so the .pth files there, an
+# editable fastgrad's among them, are not run): no second torch download.
+# The wheel's compile is most of its time.
+WHEEL_DIR := build/wheel-check
+wheel-check:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN)"; \
+	  $(PYTHON) -m pip install $(TORCH_PIN); }
+	@$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja build
+	@rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	@echo "== wheel-check 1/3: the source distribution (python -m build --sdist)"
+	@$(PYTHON) -m build --sdist --no-isolation --outdir $(WHEEL_DIR) . > $(WHEEL_DIR)/sdist.log 2>&1 || \
+	  { tail -n 40 $(WHEEL_DIR)/sdist.log; exit 1; }
+	@ls $(WHEEL_DIR)/*.tar.gz
+	@echo "== wheel-check 2/3: a wheel from the sdist alone, compiling the C++ extension (FASTGRAD_BUILD_EXT=1)"
+	@start=$$(date +%s); \
+	export FASTGRAD_BUILD_EXT=1; $(call watched_pip,wheel-check/wheel,wheel --no-build-isolation --no-deps -w $(WHEEL_DIR) $(WHEEL_DIR)/*.tar.gz) && \
+	echo "== wheel built in $$(( $$(date +%s) - start )) s: $$(ls $(WHEEL_DIR)/*.whl)"
+	@echo "== wheel-check 3/3: installed in a fresh venv ($(WHEEL_DIR)/venv), smoke-tested from outside the checkout"
+	@$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	@$(WHEEL_DIR)/venv/bin/python -m pip install -q --no-deps $(WHEEL_DIR)/*.whl
+	@$(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	  "$$($(WHEEL_DIR)/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-torch-from-host.pth"
+	@cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_DIR)/venv/bin/python $(CURDIR)/.ci/wheel_smoke.py

@@ -23,7 +23,7 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
+import time
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext as _setuptools_build_ext
@@ -154,16 +154,25 @@ def _plan():
         records what was built next to the module for `python -m fastgrad.info`."""
 
         def run(self):
+            n = sum(len(e.sources) for e in self.extensions)
+            _note(f"compiling the C++ extension ({n} files{', CUDA kernels included' if with_cuda else ''}; "
+                  f"{_compilers()}): a few minutes on 2 CPU cores")
+            # ninja starts each compiler line it prints with this: the files done of the total and the seconds
+            # so far, so a person watching a long build sees it advance.
+            os.environ.setdefault("NINJA_STATUS", "fastgrad build [%f/%t files, %e s] ")
+            start = time.monotonic()
             error = None
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - any compiler/toolchain failure
+                # The compiler's own messages are above; one line says what it means for the install.
+                error = f"{exc.__class__.__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
                 if want:
-                    raise
-                error = f"{exc.__class__.__name__}: {exc}"
-                traceback.print_exc()
-                _note("WARNING: building the compiled extension failed; installing without it "
-                      f"(the torch backend is used instead). Error: {error}")
+                    raise RuntimeError(f"FASTGRAD_BUILD_EXT=1 but the C++ extension did not build ({error})") from exc
+                _note(f"WARNING: the C++ extension did not build ({error}): this install has NO compiled kernels "
+                      "(fastgrad runs on its Triton and torch backends); FASTGRAD_BUILD_EXT=1 makes this an error")
+            else:
+                _note(f"compiled the C++ extension in {time.monotonic() - start:.0f} s")
             smoke = None if error else self._smoke()
             self._write_info(error, smoke)
 

@@ -1,10 +1,20 @@
 """Shared test harness: every public-API test that takes the ``bd`` fixture runs once per usable
 (backend, device) pair, so a backend is covered by the whole suite the moment it registers and reports
-itself usable. On a machine without CUDA the Triton backend runs on CPU tensors in the interpreter."""
+itself usable. On a machine without CUDA the Triton backend runs on CPU tensors in the interpreter.
+
+With ``CI=true`` a green run must prove what it claims (docs/testing.md, "What a CI run enforces"): a backend
+this machine can run but that is unusable stops the run before any test (its cases would otherwise just not be
+generated), every test runs under pytest-timeout's limit, and the run's skips must be the ones docs/testing.md
+lists, by reason and, for a run of the whole suite, by count."""
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import os
+import re
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -49,5 +59,119 @@ def _clean_backend_state(monkeypatch):
     backends.set_backend(None)
 
 
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
+SKIPS_DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+def required_backends() -> dict[str, str]:
+    """The backends this machine can run, each with the reason: the C++ one wherever a C++ compiler is (the
+    install builds it), Triton wherever it is installed (in its interpreter on a machine without a GPU)."""
+    need = {}
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx:
+        need["cpu"] = f"a C++ compiler is here ({cxx}), so the install builds fastgrad._C"
+    if importlib.util.find_spec("triton") is not None:
+        need["triton"] = "triton is installed" + ("" if torch.cuda.is_available() else ", and its interpreter runs "
+                                                  "the kernels on CPU tensors")
+    return need
+
+
+def missing_backends(pairs, need: dict[str, str]) -> list[str]:
+    """One line per required backend that no (backend, device) pair under test uses, with why it is unusable."""
+    ran = {b for b, _ in pairs}
+    out = []
+    for name, why in need.items():
+        if name in ran:
+            continue
+        b = backends.registered().get(name)
+        reason = "it is not registered" if b is None else (
+            b.unavailable_reason() or f"it serves none of the devices under test ({', '.join(DEVICES)})")
+        out.append(f"the {name} backend: {why}, but it is unusable: {reason}")
+    return out
+
+
+def pytest_configure(config):
+    if not IN_CI:
+        return
+    missing = missing_backends(BACKEND_DEVICES, required_backends())
+    if missing:
+        raise pytest.UsageError(
+            "CI=true: a backend this machine can run is missing, so its tests would not even be generated:\n  "
+            + "\n  ".join(missing) + "\n(`make test` builds and installs everything; unset CI to run without it)")
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("CI=true: pytest-timeout is not installed, so a hung test would only end with CI's "
+                                "own limit (pip install -e '.[test]' installs it)")
+
+
 def pytest_report_header(config):
-    return "fastgrad (backend, device) pairs under test: " + ", ".join(f"{b}-{d}" for b, d in BACKEND_DEVICES)
+    ran = sorted({b for b, _ in BACKEND_DEVICES})
+    lines = ["fastgrad backends under test: " + ", ".join(
+        f"{b} ({', '.join(d for n, d in BACKEND_DEVICES if n == b)}"
+        f"{', interpreter' if b == 'triton' and os.environ.get('TRITON_INTERPRET') == '1' else ''})" for b in ran)]
+    idle = {n: b.unavailable_reason() or "serves none of the devices here"
+            for n, b in backends.registered().items() if n not in ran}
+    if idle:
+        lines.append("fastgrad backends not under test: " + "; ".join(f"{n} ({why})" for n, why in idle.items()))
+    if IN_CI:
+        lines.append("CI=true: required here: " + (", ".join(required_backends()) or "none")
+                     + "; skips checked against docs/testing.md")
+    return lines
+
+
+# ---------------------------------------------------------------- skips: only the documented ones
+def documented_skips(text: str) -> dict[str, int]:
+    """docs/testing.md's skip table: reason pattern (`...` stands for any text) -> count in a CI run."""
+    section = text.split("\n## Skips", 1)[1].split("\n## ", 1)[0]
+    return {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| *(\d+) *\| *`([^`]+)` *\|", section, re.M)}
+
+
+def skip_mismatches(seen: collections.Counter, documented: dict[str, int], whole_suite: bool) -> list[str]:
+    """What differs between the run's skip reasons and the documented ones: a reason no pattern matches; for a
+    run of the whole suite, also a pattern whose count differs."""
+    rx = {p: re.compile(".*".join(re.escape(part) for part in p.split("...")), re.S) for p in documented}
+    counts = collections.Counter()
+    out = []
+    for reason, n in sorted(seen.items()):
+        hit = next((p for p, r in rx.items() if r.fullmatch(reason)), None)
+        if hit is None:
+            out.append(f"{n} skipped, reason not in docs/testing.md's list: {reason!r}")
+        else:
+            counts[hit] += n
+    if whole_suite:
+        out += [f"`{p}`: docs/testing.md says {want} skipped, this run skipped {counts[p]}"
+                for p, want in documented.items() if counts[p] != want]
+    return out
+
+
+_SKIPPED: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple):
+        _SKIPPED[report.longrepr[2].removeprefix("Skipped: ")] += 1
+
+
+def _whole_suite(session) -> bool:
+    opt = session.config.option
+    tests = Path(__file__).resolve().parent
+    args = [Path(a.split("::")[0]).resolve() for a in session.config.args]
+    return (args == [tests] and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
+            and not session.shouldstop and not session.shouldfail)
+
+
+_SKIP_PROBLEMS: list[str] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not IN_CI or exitstatus not in (0, 1) or session.config.option.collectonly:
+        return
+    _SKIP_PROBLEMS[:] = skip_mismatches(_SKIPPED, documented_skips(SKIPS_DOC.read_text()), _whole_suite(session))
+    if _SKIP_PROBLEMS:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SKIP_PROBLEMS:
+        terminalreporter.section("skips that docs/testing.md does not list (CI=true)", red=True)
+        for line in _SKIP_PROBLEMS:
+            terminalreporter.line(line, red=True)

@@ -96,12 +96,10 @@ def _scaled(ps, scaler, step, poison=None):
 
 
 @pytest.mark.parametrize("bad", list(BAD))
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("non_fused", ["sync", "restore"])
+@pytest.mark.parametrize("non_fused,name", [(m, n) for m in ("sync", "restore") for n in CASES
+                                             if not (CASES[n][1] and m == "restore")])  # non_fused: unfused only
 def test_skip_is_exact_from_the_first_step(name, bad, non_fused):
     fused = CASES[name][1]
-    if fused and non_fused == "restore":
-        pytest.skip("non_fused does not apply to fused optimizers")
     ps_g, opt_g = _make(name)
     ps_r, opt_r = _make(name)
     guard = StepGuard(opt_g, 1.0, non_fused=non_fused)
@@ -179,14 +177,12 @@ def test_sparse_adam_is_refused_when_built():
 
 
 # ---------------------------------------------------------------- step(closure)
-@pytest.mark.parametrize("name", ["adamw-fused", "sgd-momentum-fused", "adam-foreach", "rmsprop-forloop",
-                                  "sgd-momentum-forloop"])
-@pytest.mark.parametrize("non_fused", ["sync", "restore"])
+@pytest.mark.parametrize("non_fused,name", [(m, n) for m in ("sync", "restore") for n in (
+    "adamw-fused", "sgd-momentum-fused", "adam-foreach", "rmsprop-forloop", "sgd-momentum-forloop")
+    if not (CASES[n][1] and m == "restore")])  # non_fused: unfused only
 def test_closure_runs_the_clip_inside_the_step(name, non_fused):
     """optimizer.step(closure) with guard.clip_() inside the closure after backward: the same parameters,
     state and returned loss as a plain loop (clip_ then step()), step by step, bad steps included."""
-    if CASES[name][1] and non_fused == "restore":
-        pytest.skip("non_fused does not apply to fused optimizers")
     ps_a, opt_a = _make(name)
     ps_b, opt_b = _make(name)
     ga = StepGuard(opt_a, 1.0, non_fused=non_fused)
@@ -262,14 +258,13 @@ def test_closure_refused_when_clip_ran_before_the_step():
 
 
 # ---------------------------------------------------------------- a second step() after a skip
-@pytest.mark.parametrize("name", ["adamw-fused", "sgd-momentum-fused", "adam-foreach", "sgd-momentum-forloop"])
-@pytest.mark.parametrize("non_fused", ["sync", "restore"])
+@pytest.mark.parametrize("non_fused,name", [(m, n) for m in ("sync", "restore") for n in (
+    "adamw-fused", "sgd-momentum-fused", "adam-foreach", "sgd-momentum-forloop")
+    if not (CASES[n][1] and m == "restore")])  # non_fused: unfused only
 def test_second_step_after_a_skip_is_skipped_too(name, non_fused):
     """The decision holds until the next clip_: a second step() on the same (NaN) gradients is skipped too;
     after a healthy step, a second step() on the same gradients steps again (as it would unguarded);
     a step() on gradients no clip_ has seen raises, before anything is written."""
-    if CASES[name][1] and non_fused == "restore":
-        pytest.skip("non_fused does not apply to fused optimizers")
     ps, opt = _make(name)
     guard = StepGuard(opt, 1.0, non_fused=non_fused)
     for step in range(2):
