@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _inputs as I
+from .decide import agc_factor, agc_limit
 
 __all__ = ["adaptive_clip_grad_"]
 
@@ -140,6 +141,5 @@ def _pnorm(x, p: float):
 
 
 def _agc_scale(gn, wn, clip_factor: float, eps: float):
-    """timm's rule as a factor: 1 where ``||G|| < max``, else ``max / max(||G||, 1e-6)`` (NaN stays NaN)."""
-    mx = clip_factor * wn.clamp_min(eps)
-    return torch.where(gn < mx, torch.ones_like(gn), mx / gn.clamp_min(1e-6))
+    """timm's rule as a factor per row (fastgrad.decide: the dense path's own rule)."""
+    return agc_factor(gn, agc_limit(wn, clip_factor, eps))

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from . import _inputs as I
 from . import distributed as D
-from .backends import acc_dtype, amp_factor
+from .backends import acc_dtype
+from .decide import amp_factor, grad_scale
 from .backends.torch_backend import combine_norms
 from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
@@ -362,7 +363,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     factor = amp_factor(total, max_norm, inv_scale)  # unscale and clip in one multiply
     if zero_write and zero_write_applies(scaler, optimizer, grads):
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = factor.reciprocal()
+        optimizer.grad_scale = grad_scale(factor)
     else:
         _scale_groups(groups, factor, backend)
     return total.to(I.promoted_dtype(grads))
@@ -384,7 +385,7 @@ def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, 
     _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale, backend)
     if hand_over:
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = factor.reciprocal()
+        optimizer.grad_scale = grad_scale(factor)
     return total.to(I.promoted_dtype(grads))
 
 

@@ -29,7 +29,8 @@ from torch import Tensor
 from . import _inputs as I
 from . import _scan
 from . import distributed as D
-from .backends import BackendError, acc_dtype, clip_coef
+from .backends import BackendError, acc_dtype
+from .decide import clip_coef, nonfinite
 from .backends.torch_backend import combine_norms
 # torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
 from ._torch_fns import TORCH as _torch_utils
@@ -115,7 +116,7 @@ def _no_sharded_fallback(process_group) -> None:
 
 def _check_finite(total: Tensor, norm_type: float) -> None:
     # The one host sync the contract allows (docs/contract.md section 3), and only when the caller asked for it.
-    if torch.logical_or(total.isnan(), total.isinf()):
+    if nonfinite(total):
         raise RuntimeError(_NONFINITE_MSG.format(norm_type))
 
 

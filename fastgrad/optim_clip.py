@@ -31,7 +31,7 @@ from torch import Tensor
 from . import _inputs as I
 from . import distributed as D
 from .amp import optimizer_params
-from .backends import clip_coef
+from .decide import clip_coef, grad_scale
 from .clip import _check_finite, _norm, clip_grad_norm_
 
 __all__ = ["clip_optimizer_grad_norm_", "zero_write_applies"]
@@ -281,5 +281,5 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
         _check_finite(total, p)
     # clip_grad_norm_'s coefficient, op for op (accumulation dtype float32 here: float64 grads never get here)
     coef = clip_coef(total, max_norm)
-    _record_for(optimizer).pend(coef.reciprocal(), grads)
+    _record_for(optimizer).pend(grad_scale(coef), grads)
     return total.to(I.promoted_dtype(grads))

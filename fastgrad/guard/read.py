@@ -8,7 +8,9 @@ write or the zero-write hand-over, each in as few backend calls as the layout al
 * :func:`general`: every mode, any layout (sharded, GradScaler, per-tensor norms), through clip.py's
   dispatch and the mode's rule in device ops.
 
-Each returns the total norm and leaves the decision with the guard (``g._decided``)."""
+Each reads in its own way and decides nothing itself: the coefficient, the spike and the verdict come from
+the mode's rule and ``fastgrad.decide``; each returns the total norm and hands the outcome to the guard
+(``g._decided``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _inputs as I
+from .. import decide
 from .. import _scan
 from .. import distributed as D
 from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
@@ -36,11 +39,11 @@ def cpu_write(g, params, grads=None) -> Tensor | None:
     g._ensure_state(total, 0)
     if g._flags is None:
         g._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
-    bad = g._flags[bool(nonfinite)]
     spike = None
     if g.skip_factor is not None:
-        spike = g._mode.spike(total, torch.isfinite(total)).to(torch.float32)
-        bad = torch.maximum(bad, spike)
+        spike = g._mode.spike(total, ~decide.nonfinite(total)).to(torch.float32)
+    # the C++ clip judged the norm with the same rule (decide.nonfinite); its answer as a cached 0/1 flag
+    bad = decide.bad_step(g._flags[bool(nonfinite)], spike_flag=spike)
     g._decided(total, None, None, bad, spike, None, grads)
     return total
 
@@ -70,17 +73,12 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
                           g.backend)
     g._ensure_state(total, 0)
     spike = None
-    # bad: a non-finite norm, as on every other path. The read pass's flag says "an element is NaN/Inf"
-    # (the scaler's overflow, recorded above as such); finite gradients whose norm overflows the
-    # accumulation dtype would otherwise be clipped to zero and stepped (Adam's moments decay, weight decay
-    # and momentum move the weights) while the counters call the step non-finite
-    finite = torch.isfinite(total)
-    bad = torch.where(finite, found.reshape(()), g._one)
+    nonfinite = decide.nonfinite(total)
     if g.skip_factor is not None:
-        spike = g._mode.spike(total, finite).to(torch.float32)
-        bad = torch.maximum(bad, spike)
+        spike = g._mode.spike(total, ~nonfinite).to(torch.float32)
+    bad = decide.bad_step(nonfinite, found, spike)
     g._decided(total, factor, None if inv_scale is None else inv, bad, spike,
-               factor.reciprocal() if hand_over else None, grads)
+               decide.grad_scale(factor) if hand_over else None, grads)
     return total.to(I.promoted_dtype(grads))
 
 
@@ -131,20 +129,22 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
         writes, sh = grads, None
 
     g._ensure_state(total, len(params))
+    nonfinite = decide.nonfinite(total)
     if per_tensor:
         index = _param_index(g, params, grads)
-        coefs, bad, clipped_norm, spike = g._mode.update(total, per, index)
+        coefs, clipped_norm, spike = g._mode.update(total, per, index)
         if inv_scale is not None:
-            coefs = coefs * inv_scale.to(coefs.device, coefs.dtype)
+            coefs = decide.with_unscale(coefs, inv_scale)
         _scale_per_tensor(writes, coefs)
         coef = clipped_norm / total
         factor = None
     else:
-        coef, bad, spike = g._mode.update(total, torch.isfinite(total))
-        factor = coef if inv_scale is None else inv_scale.to(coef.device, coef.dtype) * coef
+        coef, spike = g._mode.update(total, ~nonfinite)
+        factor = coef if inv_scale is None else decide.with_unscale(coef, inv_scale)
         if not hand_over and writes:
             _scale(writes, factor, g.backend, None)
-    g._decided(total, coef, None, bad.to(torch.float32), spike, factor.reciprocal() if hand_over else None, grads)
+    g._decided(total, coef, None, decide.bad_step(nonfinite, spike_flag=spike), spike,
+               decide.grad_scale(factor) if hand_over else None, grads)
     out = total.to(I.promoted_dtype(grads)) if grads else total
     return D.wrap_like(out, sh) if sh is not None else out
 
