@@ -2,7 +2,7 @@
 
 ``grad_stats`` is the public entry point (the kernels are the backends' ``grad_stats`` primitive); it
 returns a :class:`GradStats` whose tensors stay on the device, so computing it never syncs the host.
-Rendering a report from it (one sync) is the job of ``fastgrad.report``.
+Rendering a report from it (one sync) is the job of ``fastgrad.diagnose.report``.
 """
 
 from __future__ import annotations

@@ -72,8 +72,6 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.report"],
     ["fastgrad.diagnose.result", "fastgrad.diagnose.loggers"],
     ["fastgrad.diagnose.monitor", "fastgrad.diagnose.run"],
-    # the old module paths: thin re-exports
-    ["fastgrad.report", "fastgrad.monitor", "fastgrad.watch", "fastgrad.nonfinite", "fastgrad.check_report"],
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],
