@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _inputs as I
+from .. import _inputs as inputs
 from .. import decide
 from .. import _scan
-from .. import distributed as D
+from .. import distributed
 from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
 from ..backends import acc_dtype
 from ..clip import _norm, _scale
@@ -35,7 +35,7 @@ def cpu_write(g, params, grads=None) -> Tensor | None:
         return None
     total, nonfinite = fast
     if grads is None:
-        grads = _scan.plain_grads_of(params) or I.grads_of(params)  # (validated by the C++ clip)
+        grads = _scan.plain_grads_of(params) or inputs.grads_of(params)  # (validated by the C++ clip)
     g._ensure_state(total, 0)
     if g._flags is None:
         g._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
@@ -58,10 +58,10 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
         out = cpu_write(g, params, grads)
         if out is not None:
             return out
-    if len(I.split_by_device(grads)) != 1:
+    if len(inputs.split_by_device(grads)) != 1:
         return None
-    b = I.pick("amp_norm", grads, g.backend, norm_type=p)
-    if I.pick("scale", grads, g.backend) is not b:
+    b = inputs.pick("amp_norm", grads, g.backend, norm_type=p)
+    if inputs.pick("scale", grads, g.backend) is not b:
         return None
     dev = grads[0].device
     if g._one is None or g._one.device != dev:
@@ -79,7 +79,7 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
     bad = decide.bad_step(nonfinite, found, spike)
     g._decided(total, factor, None if inv_scale is None else inv, bad, spike,
                decide.grad_scale(factor) if hand_over else None, grads)
-    return total.to(I.promoted_dtype(grads))
+    return total.to(inputs.promoted_dtype(grads))
 
 
 def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler) -> Tensor:
@@ -90,23 +90,23 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     if use_scaler and sharded:
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
-        sh = D.prepare(grads, g.process_group)
+        sh = distributed.prepare(grads, g.process_group)
         backend = g.backend
 
         def local_amp(ts):
-            groups = I.split_by_device(ts)
+            groups = inputs.split_by_device(ts)
             parts = device_amp_norms(groups, inv_scale, p, backend)
             total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
             return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
 
-        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
-        total, _, flag = D.reduced_amp_norm(sh, p, local_amp, poison)
-        groups = I.split_by_device(sh.writes)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, _, flag = distributed.reduced_amp_norm(sh, p, local_amp, poison)
+        groups = inputs.split_by_device(sh.writes)
         found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
         writes, per = sh.writes, None
     elif use_scaler:
-        groups = I.split_by_device(grads)
+        groups = inputs.split_by_device(grads)
         if per_tensor:
             total, per, found = _amp_norms_per_tensor(g, grads, inv_scale)
         else:
@@ -119,10 +119,10 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     elif sharded:
         # clip.py's sharded norm, plus the flag of the copies this rank holds but does not count, folded
         # into the same all-reduce: every rank takes the same decision (fastgrad.distributed.nonfinite_poison)
-        sh = D.prepare(grads, g.process_group)
-        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
-        total, per = D.reduced_norm(sh, p, per_tensor, lambda ts, per_t: _norm(ts, p, g.backend, None, per_t),
-                                    poison)
+        sh = distributed.prepare(grads, g.process_group)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, per = distributed.reduced_norm(sh, p, per_tensor,
+                                              lambda ts, per_t: _norm(ts, p, g.backend, None, per_t), poison)
         writes = sh.writes
     else:
         total, per = _norm(grads, p, g.backend, None, per_tensor)
@@ -145,8 +145,8 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
             _scale(writes, factor, g.backend, None)
     g._decided(total, coef, None, decide.bad_step(nonfinite, spike_flag=spike), spike,
                decide.grad_scale(factor) if hand_over else None, grads)
-    out = total.to(I.promoted_dtype(grads)) if grads else total
-    return D.wrap_like(out, sh) if sh is not None else out
+    out = total.to(inputs.promoted_dtype(grads)) if grads else total
+    return distributed.wrap_like(out, sh) if sh is not None else out
 
 
 def _param_index(g, params: list, grads: list) -> Tensor | None:
@@ -161,7 +161,7 @@ def _amp_norms_per_tensor(g, grads, inv_scale):
     """AdaGC under a GradScaler: the overflow flags from the AMP read pass, then the per-tensor norms of the
     unscaled values (a second read: the AMP primitive has no per-tensor output)."""
     p = g.norm_type
-    groups = I.split_by_device(grads)
+    groups = inputs.split_by_device(grads)
     parts = device_amp_norms(groups, inv_scale, p, g.backend)
     found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
     total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
