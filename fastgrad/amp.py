@@ -371,7 +371,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
 
 def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend
                           ) -> Tensor | None:
-    """One device, a plain GradScaler, no finiteness check (issue 13): the read pass, the factor and the write
+    """One device, a plain GradScaler, no finiteness check: the read pass, the factor and the write
     in ONE backend call (``amp_clip_``), which fused backends run as a few kernels with no torch op between
     them. None (nothing done) when different backends would serve the read and the write; the caller then
     composes the pieces. The scaler state is set as the composed path sets it."""
