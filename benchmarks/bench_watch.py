@@ -1,5 +1,5 @@
 """Cost of the forward watcher: a training step's forward+backward with no watcher, with
-``fastgrad.watch.ForwardWatcher`` (per-module hooks, and global hooks as ``python -m fastgrad.check`` uses)
+``fastgrad.diagnose.collect.watch.ForwardWatcher`` (per-module hooks, and global hooks as ``python -m fastgrad.check`` uses)
 and under ``torch.autograd.detect_anomaly()``.
 
     python benchmarks/bench_watch.py [--device cpu|cuda] [--reps 30] [--threads N] [--json out.json]
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fastgrad.watch import ForwardWatcher  # noqa: E402
+from fastgrad.diagnose.collect.watch import ForwardWatcher  # noqa: E402
 
 
 def mlp(device):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _inputs as I
+from . import _inputs as inputs
+from .decide import agc_factor, agc_limit
 
 __all__ = ["adaptive_clip_grad_"]
 
@@ -32,11 +33,11 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
     To exclude the classifier head (as the NFNet paper does), pass only the other parameters, e.g.
     ``adaptive_clip_grad_([p for n, p in model.named_parameters() if not n.startswith("fc.")])``.
     """
-    params = I.as_list(parameters)
-    clip_factor = I.check_non_negative("clip_factor", clip_factor)
-    eps = I.check_non_negative("eps", eps)
-    p = I.check_norm_type(norm_type)
-    fast = I.pairs_of(params)
+    params = inputs.as_list(parameters)
+    clip_factor = inputs.check_non_negative("clip_factor", clip_factor)
+    eps = inputs.check_non_negative("eps", eps)
+    p = inputs.check_norm_type(norm_type)
+    fast = inputs.pairs_of(params)
     if fast is not None:
         ws, gs = fast  # shapes and devices matched in one C++ pass; read-only use of ws under no_grad
     else:
@@ -50,11 +51,11 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
                     f"shape {tuple(w.shape)} on {w.device}"
                 )
             if w.device != g.device:
-                raise ValueError(I.wrong_device_message("adaptive_clip_grad_", "parameter", i, w.device, g.device))
+                raise ValueError(inputs.wrong_device_message("adaptive_clip_grad_", "parameter", i, w.device, g.device))
     if not gs:
         return None
     # a Checked list (the compiled scan) holds dense tensors only: no per-tensor Python on the usual path
-    sparse = [] if type(gs) is I.Checked else [i for i, g in enumerate(gs) if g.layout != torch.strided]
+    sparse = [] if type(gs) is inputs.Checked else [i for i, g in enumerate(gs) if g.layout != torch.strided]
     if sparse:  # validated here, applied after the dense ones: nothing is modified before every check passed
         for i in sparse:
             _check_sparse(ws[i], gs[i])
@@ -71,15 +72,15 @@ def adaptive_clip_grad_(parameters, clip_factor: float = 0.01, eps: float = 1e-3
 
 
 def _agc_dense(ws, gs, clip_factor: float, eps: float, p: float, backend: str | None) -> None:
-    I.check_tensors(gs, allow_fallback=False)
-    I.check_tensors(ws, "parameters", allow_fallback=False)
-    if type(gs) is I.Checked and type(ws) is I.Checked:  # one device, every tensor checked
-        I.pick("agc", I.checked(ws + gs), backend, norm_type=p).agc_(ws, gs, clip_factor, eps, p)
+    inputs.check_tensors(gs, allow_fallback=False)
+    inputs.check_tensors(ws, "parameters", allow_fallback=False)
+    if type(gs) is inputs.Checked and type(ws) is inputs.Checked:  # one device, every tensor checked
+        inputs.pick("agc", inputs.checked(ws + gs), backend, norm_type=p).agc_(ws, gs, clip_factor, eps, p)
         return None
-    groups = I.group_by_device(gs)
+    groups = inputs.group_by_device(gs)
     for idx in groups.values():
         gw, gg = [ws[i] for i in idx], [gs[i] for i in idx]
-        b = I.pick("agc", gw + gg, backend, norm_type=p)
+        b = inputs.pick("agc", gw + gg, backend, norm_type=p)
         b.agc_(gw, gg, clip_factor, eps, p)
     return None
 
@@ -140,6 +141,5 @@ def _pnorm(x, p: float):
 
 
 def _agc_scale(gn, wn, clip_factor: float, eps: float):
-    """timm's rule as a factor: 1 where ``||G|| < max``, else ``max / max(||G||, 1e-6)`` (NaN stays NaN)."""
-    mx = clip_factor * wn.clamp_min(eps)
-    return torch.where(gn < mx, torch.ones_like(gn), mx / gn.clamp_min(1e-6))
+    """timm's rule as a factor per row (fastgrad.decide: the dense path's own rule)."""
+    return agc_factor(gn, agc_limit(wn, clip_factor, eps))

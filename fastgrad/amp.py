@@ -31,9 +31,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import _inputs as I
-from . import distributed as D
-from .backends import acc_dtype, amp_factor
+from . import _inputs as inputs
+from . import distributed
+from .backends import acc_dtype
+from .decide import amp_factor, grad_scale
 from .backends.torch_backend import combine_norms
 from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
@@ -202,8 +203,8 @@ def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None)
     except (TypeError, ValueError):
         return False
     if grads is None:
-        grads = I.grads_of(optimizer_params(optimizer))
-    if I.has_dtype(grads, torch.float64):
+        grads = inputs.grads_of(optimizer_params(optimizer))
+    if inputs.has_dtype(grads, torch.float64):
         return False
     return _step_keeps_grad_scale(type(scaler).step)
 
@@ -214,9 +215,9 @@ def device_amp_norms(groups: list[list[Tensor]], inv_scale: Tensor, norm_type: f
     """The read pass: per device group, ``(total of the unscaled values, found_inf)`` on that device.
     Backends for this pass and for the write pass are chosen first, so a backend that cannot serve the call
     raises before anything is read or written."""
-    amp = [I.pick("amp_norm", g, backend, norm_type=norm_type) for g in groups]
+    amp = [inputs.pick("amp_norm", g, backend, norm_type=norm_type) for g in groups]
     for g in groups:
-        I.pick("scale", g, backend)
+        inputs.pick("scale", g, backend)
     return [b.amp_norm(g, inv_scale.to(g[0].device, non_blocking=True), norm_type) for b, g in zip(amp, groups)]
 
 
@@ -230,7 +231,7 @@ def combine_device_totals(totals: list[Tensor], norm_type: float, device: torch.
 
 def _scale_groups(groups: list[list[Tensor]], factor: Tensor, backend: str | None) -> None:
     for g in groups:
-        b = I.pick("scale", g, backend)
+        b = inputs.pick("scale", g, backend)
         b.scale_(g, factor.to(g[0].device, non_blocking=True))
 
 
@@ -300,8 +301,8 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         raise TypeError(f"scaler_unscale_and_clip(scaler, optimizer, max_norm): scaler must be a "
                         f"torch.amp.GradScaler, got {type(scaler).__name__}; without AMP call "
                         "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
-    max_norm = I.check_max_norm(max_norm)
-    p = I.check_norm_type(norm_type)
+    max_norm = inputs.check_max_norm(max_norm)
+    p = inputs.check_norm_type(norm_type)
     try:
         params = optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
@@ -320,10 +321,10 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     state = _optimizer_state(scaler, optimizer, traced)
     _check_ready(scaler, state, traced)
     sharded = not traced and _is_sharded(scaler)
-    grads = I.grads_of(params)
-    if not sharded and I.has_dtype(grads, torch.float16):
+    grads = inputs.grads_of(params)
+    if not sharded and inputs.has_dtype(grads, torch.float16):
         raise ValueError("Attempting to unscale FP16 gradients.")
-    if I.check_tensors(grads):
+    if inputs.check_tensors(grads):
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
         # was asked for by name).
         _no_sharded_fallback(process_group)
@@ -334,7 +335,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     inv_scale = _inv_scale(scaler)
     # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
     flag_shape = (1,) if sharded else ()
-    if process_group is not None or D.has_dtensor(grads):
+    if process_group is not None or distributed.has_dtensor(grads):
         return _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p,
                                          error_if_nonfinite, backend, process_group, flag_shape)
     if not grads:
@@ -347,7 +348,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
             _all_reduce_found_inf(scaler, found)
         return torch.tensor(0.0)
 
-    groups = I.split_by_device(grads)
+    groups = inputs.split_by_device(grads)
     if len(groups) == 1 and not sharded and not error_if_nonfinite:
         fused = _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend)
         if fused is not None:
@@ -362,20 +363,20 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     factor = amp_factor(total, max_norm, inv_scale)  # unscale and clip in one multiply
     if zero_write and zero_write_applies(scaler, optimizer, grads):
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = factor.reciprocal()
+        optimizer.grad_scale = grad_scale(factor)
     else:
         _scale_groups(groups, factor, backend)
-    return total.to(I.promoted_dtype(grads))
+    return total.to(inputs.promoted_dtype(grads))
 
 
 def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend
                           ) -> Tensor | None:
-    """One device, a plain GradScaler, no finiteness check (issue 13): the read pass, the factor and the write
+    """One device, a plain GradScaler, no finiteness check: the read pass, the factor and the write
     in ONE backend call (``amp_clip_``), which fused backends run as a few kernels with no torch op between
     them. None (nothing done) when different backends would serve the read and the write; the caller then
     composes the pieces. The scaler state is set as the composed path sets it."""
-    b = I.pick("amp_norm", grads, backend, norm_type=p)
-    if I.pick("scale", grads, backend) is not b:
+    b = inputs.pick("amp_norm", grads, backend, norm_type=p)
+    if inputs.pick("scale", grads, backend) is not b:
         return None
     # decided before the read pass (host-side checks only), so the primitive knows whether to write
     hand_over = zero_write and zero_write_applies(scaler, optimizer, grads)
@@ -384,15 +385,15 @@ def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, 
     _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale, backend)
     if hand_over:
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = factor.reciprocal()
-    return total.to(I.promoted_dtype(grads))
+        optimizer.grad_scale = grad_scale(factor)
+    return total.to(inputs.promoted_dtype(grads))
 
 
 def _scaler_group_is_span(scaler, sh) -> bool:
     """Whether a ShardedGradScaler's process group is exactly the ranks the norm's reduction reached."""
     import torch.distributed as dist
 
-    span = D.span_ranks(sh)
+    span = distributed.span_ranks(sh)
     if span is None:
         return False
     pg = getattr(scaler, "process_group", None)
@@ -407,23 +408,23 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
                               backend, process_group, flag_shape):
     """scaler_unscale_and_clip over local shards (fastgrad.distributed): the same read pass per rank, one
     all-reduce for the norm and the overflow flag, then the same folded write of the local shards."""
-    sh = D.prepare(grads, process_group)
+    sh = distributed.prepare(grads, process_group)
 
     def local_amp(ts):
-        groups = I.split_by_device(ts)
+        groups = inputs.split_by_device(ts)
         parts = device_amp_norms(groups, inv_scale, p, backend)
         total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
         flag = torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
         return total, flag
 
-    total, local_flag, global_flag = D.reduced_amp_norm(sh, p, local_amp)
+    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, local_amp)
     # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly
     # the ranks the norm's all-reduce reached, the global flag that came back with the norm IS that
     # reduction (as 0/1 where torch records the number of ranks that overflowed; step and update read both
     # as "overflow or not"): no second collective. Otherwise the scaler's own reduction of the local flags.
     folded = sharded and _scaler_group_is_span(scaler, sh)
     flag = local_flag if sharded and not folded else global_flag
-    groups = I.split_by_device(sh.writes)
+    groups = inputs.split_by_device(sh.writes)
     found = {g[0].device: flag.to(g[0].device).reshape(flag_shape) for g in groups}
     if sharded and not found:  # it records a flag on the scale's device even with nothing to check
         found[scaler._scale.device] = flag.to(scaler._scale.device).reshape(flag_shape)
@@ -433,4 +434,4 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
     if groups:
         dev = groups[0][0].device
         _scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)
-    return D.wrap_like(total.to(I.promoted_dtype(grads)) if grads else total, sh)
+    return distributed.wrap_like(total.to(inputs.promoted_dtype(grads)) if grads else total, sh)

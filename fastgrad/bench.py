@@ -14,9 +14,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from .benchmark import ops as O
+from .benchmark import ops as benchmark_ops
 from .benchmark import report, runner
-from .benchmark import workloads as W
+from .benchmark import workloads as benchmark_workloads
 
 DESCRIPTION = "Benchmark fastgrad against torch on this machine's device (CUDA when available, else the CPU)."
 EPILOG = ("How to read the results: `python -m fastgrad.bench --explain` prints what every column, mark and "
@@ -91,7 +91,7 @@ def explain_text() -> str:
     empty = runner.Result([], {"confidence": runner.CONFIDENCE, "noise_band": runner.BAND})
     lines = ["How to read python -m fastgrad.bench's results", ""] + report.legend_lines(empty)
     lines += ["", "Ops: floor model and baselines (N = gradient bytes, P = parameter bytes)", ""]
-    lines += report.ops_table(list(O.OPS))
+    lines += report.ops_table(list(benchmark_ops.OPS))
     return "\n".join(lines)
 
 
@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.list:
         print("workloads:")
-        for name, spec in W.WORKLOADS.items():
+        for name, spec in benchmark_workloads.WORKLOADS.items():
             only = f"; ops: {', '.join(spec.ops)} only" if spec.ops else ""
-            print(f"  {name:<11} {spec.title}  ({W.nbytes(spec.build()) / 2**20:.0f} MiB of grads{only})")
+            mib = benchmark_workloads.nbytes(spec.build()) / 2**20
+            print(f"  {name:<11} {spec.title}  ({mib:.0f} MiB of grads{only})")
         print("ops:")
-        for name, spec in O.OPS.items():
+        for name, spec in benchmark_ops.OPS.items():
             print(f"  {name:<11} {spec.title}  (floor: {spec.floor.text()}; baseline: {spec.baseline})")
         return 0
 
@@ -147,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
     if threads > 0:
         torch.set_num_threads(threads)
-    workloads = list(W.DEFAULT_WORKLOADS) if args.workloads == "all" else _csv(args.workloads)
-    ops = list(O.OPS) if args.ops == "all" else _csv(args.ops)
+    workloads = list(benchmark_workloads.DEFAULT_WORKLOADS) if args.workloads == "all" else _csv(args.workloads)
+    ops = list(benchmark_ops.OPS) if args.ops == "all" else _csv(args.ops)
     for name in workloads:
-        if name not in W.WORKLOADS:
-            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(W.WORKLOADS)}")
+        if name not in benchmark_workloads.WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(benchmark_workloads.WORKLOADS)}")
     for name in ops:
-        if name not in O.OPS:
-            raise SystemExit(f"unknown op {name!r}; known: {', '.join(O.OPS)}")
+        if name not in benchmark_ops.OPS:
+            raise SystemExit(f"unknown op {name!r}; known: {', '.join(benchmark_ops.OPS)}")
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     quick = args.quick
     busy = runner.busy_warning("before")

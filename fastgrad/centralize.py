@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _inputs as I
+from . import _inputs as inputs
 
 __all__ = ["centralize_gradient_"]
 
@@ -23,13 +23,13 @@ def centralize_gradient_(parameters, *, gc_conv_only: bool = False, backend: str
 
     Call it after ``backward()`` (and after unscaling under AMP) and before clipping/``optimizer.step()``.
     """
-    params = I.as_list(parameters)
+    params = inputs.as_list(parameters)
     min_ndim = 3 if gc_conv_only else 1
-    all_grads = I.grads_of(params)
-    I.check_tensors(all_grads, allow_fallback=False)
-    grads = I.checked([g for g in all_grads if g.ndim > min_ndim])
+    all_grads = inputs.grads_of(params)
+    inputs.check_tensors(all_grads, allow_fallback=False)
+    grads = inputs.checked([g for g in all_grads if g.ndim > min_ndim])
     if not grads:
         return None
-    for group in I.split_by_device(grads):
-        I.pick("centralize", group, backend).centralize_(group)
+    for group in inputs.split_by_device(grads):
+        inputs.pick("centralize", group, backend).centralize_(group)
     return None

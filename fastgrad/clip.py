@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _inputs as I
+from . import _inputs as inputs
 from . import _scan
-from . import distributed as D
-from .backends import BackendError, acc_dtype, clip_coef
+from . import distributed
+from .backends import BackendError, acc_dtype
+from .decide import clip_coef, nonfinite
 from .backends.torch_backend import combine_norms
 # torch's own functions as captured at import: the fallbacks must not reach a patch_torch() router (recursion)
 from ._torch_fns import TORCH as _torch_utils
@@ -45,7 +46,7 @@ _NONFINITE_MSG = (
 
 def _torch_fallback_allowed(backend: str | None, fn: str) -> None:
     """Sparse and complex gradients go to torch.nn.utils itself; only an automatic or torch choice may."""
-    name = I.requested_backend(backend)
+    name = inputs.requested_backend(backend)
     if name not in (None, "torch"):
         raise BackendError(
             f"fastgrad backend {name!r} cannot run {fn}: sparse, complex or non-standard floating gradients "
@@ -57,15 +58,15 @@ def _norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach:
           per_tensor: bool = False) -> tuple[Tensor, Tensor | None]:
     """Total norm (accumulation dtype, on the first tensor's device) and optionally per-tensor norms in
     input order. One backend call per device; devices combine through their totals."""
-    groups = I.split_by_device(tensors)
+    groups = inputs.split_by_device(tensors)
     if len(groups) == 1:
-        b = I.pick("norm", tensors, backend, norm_type=norm_type)
+        b = inputs.pick("norm", tensors, backend, norm_type=norm_type)
         return b.norm(tensors, norm_type, per_tensor=per_tensor, foreach=foreach)
     first = tensors[0].device
     dtype = acc_dtype(tensors)
     totals, pers = [], []
     for group in groups:
-        b = I.pick("norm", group, backend, norm_type=norm_type)
+        b = inputs.pick("norm", group, backend, norm_type=norm_type)
         total, per = b.norm(group, norm_type, per_tensor=per_tensor, foreach=foreach)
         totals.append(total.to(first, dtype))
         if per_tensor:
@@ -73,39 +74,39 @@ def _norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach:
     total = combine_norms(torch.stack(totals), norm_type)
     per = None
     if per_tensor:
-        per = I.restore_order(torch.cat(pers), I.group_by_device(tensors))
+        per = inputs.restore_order(torch.cat(pers), inputs.group_by_device(tensors))
     return total, per
 
 
 def _sharded_norm(tensors: list[Tensor], norm_type: float, backend: str | None, foreach: bool | None,
-                  per_tensor: bool, process_group, sh: D.Sharded | None = None
-                  ) -> tuple[Tensor, Tensor | None, D.Sharded]:
+                  per_tensor: bool, process_group, sh: distributed.Sharded | None = None
+                  ) -> tuple[Tensor, Tensor | None, distributed.Sharded]:
     """Global norm of DTensor or hand-sharded ``tensors``: local norms through the backends, one
     all-reduce (fastgrad.distributed). ``sh``: the list's local view when the caller already prepared it."""
     if sh is None:
-        sh = D.prepare(tensors, process_group)
-    total, per = D.reduced_norm(sh, norm_type, per_tensor,
+        sh = distributed.prepare(tensors, process_group)
+    total, per = distributed.reduced_norm(sh, norm_type, per_tensor,
                                 lambda ts, per_t: _norm(ts, norm_type, backend, foreach, per_t))
     return total, per, sh
 
 
-def _sharded_view(tensors: list[Tensor], process_group) -> D.Sharded | None:
+def _sharded_view(tensors: list[Tensor], process_group) -> distributed.Sharded | None:
     """The local view of a sharded list, or None when some tensor needs torch's own implementation (sparse,
     complex, other floating dtypes). The compiled scan of the local tensors validates the usual list in one
     C++ pass; only a list it declines pays the Python check (a DTensor's dtype and layout are its local
     tensor's, and reading them through the DTensor costs about a microsecond each)."""
-    sh = D.prepare(tensors, process_group)
-    if not sh.checked and I.check_tensors(tensors):
+    sh = distributed.prepare(tensors, process_group)
+    if not sh.checked and inputs.check_tensors(tensors):
         _no_sharded_fallback(process_group)
         return None
     return sh
 
 
-def _sharded_dtype(sh: D.Sharded, tensors: list[Tensor]) -> torch.dtype:
+def _sharded_dtype(sh: distributed.Sharded, tensors: list[Tensor]) -> torch.dtype:
     """The promoted dtype of a sharded list, from the scan of its local tensors when there is one."""
     if sh.checked:
         return _scan.promoted_dtype_of(sh.writes)
-    return I.promoted_dtype(tensors)
+    return inputs.promoted_dtype(tensors)
 
 
 def _no_sharded_fallback(process_group) -> None:
@@ -115,13 +116,13 @@ def _no_sharded_fallback(process_group) -> None:
 
 def _check_finite(total: Tensor, norm_type: float) -> None:
     # The one host sync the contract allows (docs/contract.md section 3), and only when the caller asked for it.
-    if torch.logical_or(total.isnan(), total.isinf()):
+    if nonfinite(total):
         raise RuntimeError(_NONFINITE_MSG.format(norm_type))
 
 
 def _scale(grads: list[Tensor], coef: Tensor, backend: str | None, foreach: bool | None) -> None:
-    for group in I.split_by_device(grads):
-        b = I.pick("scale", group, backend)
+    for group in inputs.split_by_device(grads):
+        b = inputs.pick("scale", group, backend)
         b.scale_(group, coef.to(group[0].device), foreach=foreach)
 
 
@@ -130,11 +131,11 @@ def _clip_one_backend(grads: list[Tensor], max_norm: float, norm_type: float, ba
     """Norm, coefficient and scale in one backend call (the ``clip_norm_`` primitive, which fused backends
     run without torch ops between their kernels) when the grads are on one device and the same backend
     serves the norm and the scale; else None (the caller composes the pieces)."""
-    groups = I.split_by_device(grads)
+    groups = inputs.split_by_device(grads)
     if len(groups) != 1:
         return None
-    b = I.pick("norm", grads, backend, norm_type=norm_type)
-    if I.pick("scale", grads, backend) is not b:
+    b = inputs.pick("norm", grads, backend, norm_type=norm_type)
+    if inputs.pick("scale", grads, backend) is not b:
         return None
     return b.clip_norm_(grads, max_norm, norm_type, foreach=foreach)
 
@@ -150,14 +151,14 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     this rank's part and the result is the norm over every rank's (a collective: every rank of the group must
     call).
     """
-    tensors = I.checked(I.as_list(tensors))
-    p = I.check_norm_type(norm_type)
+    tensors = inputs.checked(inputs.as_list(tensors))
+    p = inputs.check_norm_type(norm_type)
     if not tensors and process_group is None:
         return torch.tensor(0.0)
     sh = None
-    if process_group is not None or D.has_dtensor(tensors):
+    if process_group is not None or distributed.has_dtensor(tensors):
         sh = _sharded_view(tensors, process_group)
-    if sh is None and I.check_tensors(tensors, "tensors"):
+    if sh is None and inputs.check_tensors(tensors, "tensors"):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "get_total_norm")
         return _torch_utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
@@ -165,11 +166,11 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
         total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group, sh)
         if error_if_nonfinite:
             _check_finite(total, p)
-        return D.wrap_like(total.to(_sharded_dtype(sh, tensors)) if tensors else total, sh)
+        return distributed.wrap_like(total.to(_sharded_dtype(sh, tensors)) if tensors else total, sh)
     total, _ = _norm(tensors, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)
-    return total.to(I.promoted_dtype(tensors))
+    return total.to(inputs.promoted_dtype(tensors))
 
 
 @torch.no_grad()
@@ -178,18 +179,18 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
     """Scale gradients by ``min(max_norm / (total_norm + 1e-6), 1)``, like
     ``torch.nn.utils.clip_grads_with_norm_``. The coefficient is computed on ``total_norm``'s device in
     float32 (float64 with float64 grads or norm); fused backends skip the write when it is 1."""
-    params = I.as_list(parameters)
-    max_norm = I.check_max_norm(max_norm)
-    grads = I.grads_of(params)
+    params = inputs.as_list(parameters)
+    max_norm = inputs.check_max_norm(max_norm)
+    grads = inputs.grads_of(params)
     if not grads:
         return None
-    if I.check_tensors(grads):
+    if inputs.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grads_with_norm_")
         return _torch_utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
     if type(total_norm) is not Tensor:
-        total_norm = D.to_local_norm(total_norm)  # a DTensor norm becomes its replicated value
-    if D.has_dtensor(grads):
-        grads = D.prepare(grads, for_norm=False).writes  # scaling the local shards is the whole job
+        total_norm = distributed.to_local_norm(total_norm)  # a DTensor norm becomes its replicated value
+    if distributed.has_dtensor(grads):
+        grads = distributed.prepare(grads, for_norm=False).writes  # scaling the local shards is the whole job
     if not isinstance(total_norm, Tensor):
         total_norm = torch.tensor(float(total_norm), device=grads[0].device)
     dtype = torch.float64 if total_norm.dtype == torch.float64 else acc_dtype(grads)
@@ -212,9 +213,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     must call (see fastgrad.distributed).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
-    params = parameters if type(parameters) is list else I.as_list(parameters, warn_empty_generator=True)
-    max_norm = I.check_max_norm(max_norm)
-    p = I.check_norm_type(norm_type)
+    params = parameters if type(parameters) is list else inputs.as_list(parameters, warn_empty_generator=True)
+    max_norm = inputs.check_max_norm(max_norm)
+    p = inputs.check_norm_type(norm_type)
     if process_group is None:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
         # (before no_grad: that C++ call records nothing for autograd, and entering no_grad costs ~2.5 us,
         # a tenth of the whole call on a 148-tensor model)
@@ -228,7 +229,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
 
 
 def _grads_once(params: list) -> list[Tensor]:
-    """``I.grads_of``'s Python path, reading each ``.grad`` once."""
+    """``inputs.grads_of``'s Python path, reading each ``.grad`` once."""
     out = []
     try:
         for prm in params:
@@ -236,7 +237,7 @@ def _grads_once(params: list) -> list[Tensor]:
             if g is not None:
                 out.append(g)
     except AttributeError:
-        I.reject_non_tensors(params)  # names the bad item and the fix
+        inputs.reject_non_tensors(params)  # names the bad item and the fix
         raise
     return out
 
@@ -247,15 +248,15 @@ def _sharded_cpu_clip(params: list, max_norm: float, p: float, error_if_nonfinit
     one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local norm) and one more for
     the scale, the same collective and coefficient in between: the same bits. None when it does not apply
     (nothing done)."""
-    fast = D.local_cpu_norm(params, process_group, p, backend)
+    fast = distributed.local_cpu_norm(params, process_group, p, backend)
     if fast is None:
         return None
     sh, local_total, handle = fast
-    total, _ = D.reduced_norm(sh, p, False, None, local_total=local_total)
+    total, _ = distributed.reduced_norm(sh, p, False, None, local_total=local_total)
     if error_if_nonfinite:
         _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
-    D.scale_local_cpu(handle, clip_coef(total, max_norm))
-    return D.wrap_like(total.to(_scan.promoted_dtype_of(sh.writes)), sh)
+    distributed.scale_local_cpu(handle, clip_coef(total, max_norm))
+    return distributed.wrap_like(total.to(_scan.promoted_dtype_of(sh.writes)), sh)
 
 
 def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
@@ -267,17 +268,17 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
         if total is not None:
             return total
         # DTensor parameters' grads without torch-function handling, else one Python read of each .grad
-        grads = D.dtensor_grads(params)
+        grads = distributed.dtensor_grads(params)
         if grads is None:
             grads = _grads_once(params)
     if not grads and process_group is None:
         return torch.tensor(0.0)
     sh = None
-    if process_group is not None or D.has_dtensor(grads):
+    if process_group is not None or distributed.has_dtensor(grads):
         sh = _sharded_view(grads, process_group)
         if sh is not None:
-            D.remember_cpu_clip(params, process_group, sh)  # the next call may take _sharded_cpu_clip
-    if sh is None and I.check_tensors(grads):
+            distributed.remember_cpu_clip(params, process_group, sh)  # the next call may take _sharded_cpu_clip
+    if sh is None and inputs.check_tensors(grads):
         _no_sharded_fallback(process_group)
         _torch_fallback_allowed(backend, "clip_grad_norm_")
         return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
@@ -287,7 +288,7 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
             _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
         if sh.writes:
             _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
-        return D.wrap_like(total.to(_sharded_dtype(sh, grads)) if grads else total, sh)
+        return distributed.wrap_like(total.to(_sharded_dtype(sh, grads)) if grads else total, sh)
     total = None if error_if_nonfinite else _clip_one_backend(grads, max_norm, p, backend, foreach)
     if total is None:
         total, _ = _norm(grads, p, backend, foreach)
@@ -295,7 +296,7 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
             _check_finite(total, p)
         coef = clip_coef(total, max_norm)
         _scale(grads, coef, backend, foreach)
-    return total.to(I.promoted_dtype(grads))
+    return total.to(inputs.promoted_dtype(grads))
 
 
 @torch.no_grad()
@@ -303,22 +304,22 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
                      backend: str | None = None) -> None:
     """Clamp every gradient element to ``[-clip_value, clip_value]`` in place, like
     ``torch.nn.utils.clip_grad_value_``, in one read+write pass (torch makes two). NaN stays NaN."""
-    params = I.as_list(parameters)
-    clip_value = I.check_clip_value(clip_value)
-    grads = I.grads_of(params)
+    params = inputs.as_list(parameters)
+    clip_value = inputs.check_clip_value(clip_value)
+    grads = inputs.grads_of(params)
     if not grads:
         return None
-    if I.check_tensors(grads):
+    if inputs.check_tensors(grads):
         _torch_fallback_allowed(backend, "clip_grad_value_")
         return _torch_utils.clip_grad_value_(params, clip_value, foreach)
-    if D.has_dtensor(grads):
+    if distributed.has_dtensor(grads):
         if any(pl.is_partial() for g in grads for pl in getattr(g, "placements", ())):
             # clamping is not linear: a Partial term cannot be clamped locally; torch redistributes
             _torch_fallback_allowed(backend, "clip_grad_value_ on Partial DTensor gradients")
             return _torch_utils.clip_grad_value_(params, clip_value, foreach)
-        grads = D.prepare(grads, for_norm=False).writes
-    for group in I.split_by_device(grads):
-        b = I.pick("clip_value", group, backend)
+        grads = distributed.prepare(grads, for_norm=False).writes
+    for group in inputs.split_by_device(grads):
+        b = inputs.pick("clip_value", group, backend)
         b.clip_value_(group, clip_value, foreach=foreach)
     return None
 
@@ -336,18 +337,18 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
     this rank's own tensors', the total is over every rank of ``G``. ``process_group=
     fastgrad.distributed.Shards(G)``: tensor i on every rank of ``G`` is a piece of one tensor (ZeRO-style
     hand sharding): the per-tensor norms are the whole tensors', and the ranks' lists must match."""
-    tensors = I.checked(I.as_list(tensors))
-    p = I.check_norm_type(norm_type)
+    tensors = inputs.checked(inputs.as_list(tensors))
+    p = inputs.check_norm_type(norm_type)
     if not tensors and process_group is None:
         total = torch.tensor(0.0)
         return (total, torch.zeros(0)) if per_tensor else total
-    if process_group is not None or D.has_dtensor(tensors):
-        sh = D.prepare(tensors, process_group)
+    if process_group is not None or distributed.has_dtensor(tensors):
+        sh = distributed.prepare(tensors, process_group)
         if not sh.checked:
-            I.check_tensors(tensors, "tensors", allow_fallback=False)
+            inputs.check_tensors(tensors, "tensors", allow_fallback=False)
         total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)
-        total = D.wrap_like(total, sh)
-        return (total, D.wrap_like(per, sh)) if per_tensor else total
-    I.check_tensors(tensors, "tensors", allow_fallback=False)
+        total = distributed.wrap_like(total, sh)
+        return (total, distributed.wrap_like(per, sh)) if per_tensor else total
+    inputs.check_tensors(tensors, "tensors", allow_fallback=False)
     total, per = _norm(tensors, p, backend, None, per_tensor)
     return (total, per) if per_tensor else total

@@ -78,6 +78,7 @@ from torch import Tensor
 
 from . import _scan
 from .backends import acc_dtype
+from .decide import nonfinite
 
 __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
@@ -1186,4 +1187,4 @@ def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) 
     if not spare:
         return None
     n = local_norm(_scan.checked(spare)).reshape(())
-    return torch.where(torch.isfinite(n), 0.0, float("nan")).to(_wide(n.dtype, n.device))
+    return torch.where(nonfinite(n), float("nan"), 0.0).to(_wide(n.dtype, n.device))

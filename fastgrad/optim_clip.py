@@ -28,10 +28,10 @@ import weakref
 import torch
 from torch import Tensor
 
-from . import _inputs as I
-from . import distributed as D
+from . import _inputs as inputs
+from . import distributed
 from .amp import optimizer_params
-from .backends import clip_coef
+from .decide import clip_coef, grad_scale
 from .clip import _check_finite, _norm, clip_grad_norm_
 
 __all__ = ["clip_optimizer_grad_norm_", "zero_write_applies"]
@@ -101,10 +101,10 @@ def zero_write_applies(optimizer, grads: list[Tensor] | None = None) -> bool:
     if rec is not None and rec.in_step and _inside_step(optimizer):  # in_step alone may be left by a raise
         return False
     if grads is None:
-        grads = I.grads_of(optimizer_params(optimizer))
-    if I.check_tensors(grads) or D.has_dtensor(grads):
+        grads = inputs.grads_of(optimizer_params(optimizer))
+    if inputs.check_tensors(grads) or distributed.has_dtensor(grads):
         return False
-    return not I.has_dtype(grads, torch.float64)
+    return not inputs.has_dtype(grads, torch.float64)
 
 
 # ---------------------------------------------------------------- the pending factor and its hooks
@@ -177,7 +177,7 @@ def _pre_step(rec: _Record, optimizer, args, kwargs) -> None:
         if closure is not None:
             raise RuntimeError(_STALE_MSG.format(
                 why="step(closure) recomputes the gradients (clip inside the closure, after its backward)"))
-        if not rec.unchanged(I.grads_of(optimizer_params(optimizer))):
+        if not rec.unchanged(inputs.grads_of(optimizer_params(optimizer))):
             raise RuntimeError(_STALE_MSG.format(
                 why="the gradients changed after the clip (a backward, zero_grad() or an in-place write)"))
     except RuntimeError:
@@ -258,15 +258,15 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
     (``fastgrad.clip_grad_norm_``). No host sync, unless ``error_if_nonfinite=True`` (checked before
     anything is handed over or written).
     """
-    max_norm = I.check_max_norm(max_norm)
-    p = I.check_norm_type(norm_type)
+    max_norm = inputs.check_max_norm(max_norm)
+    p = inputs.check_norm_type(norm_type)
     if not isinstance(zero_write, bool):
         raise TypeError(f"zero_write must be True or False, got {zero_write!r}; the gradients were not modified")
     params = _params(optimizer)
     rec = _RECORDS.get(optimizer)
     if rec is not None:
         rec.drop()  # a new clip replaces a coefficient still pending from an earlier one
-    grads = I.grads_of(params) if zero_write and _fused_torch_optimizer(optimizer) else None
+    grads = inputs.grads_of(params) if zero_write and _fused_torch_optimizer(optimizer) else None
     if grads is not None and rec is None and not torch.compiler.is_compiling() and _inside_step(optimizer):
         # the first clip, inside a step that started before there were hooks: that step's pre-hook never ran
         # and cannot install a factor now. Register the hooks and flag the step (its post-hook, registered
@@ -281,5 +281,5 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
         _check_finite(total, p)
     # clip_grad_norm_'s coefficient, op for op (accumulation dtype float32 here: float64 grads never get here)
     coef = clip_coef(total, max_norm)
-    _record_for(optimizer).pend(coef.reciprocal(), grads)
-    return total.to(I.promoted_dtype(grads))
+    _record_for(optimizer).pend(grad_scale(coef), grads)
+    return total.to(inputs.promoted_dtype(grads))

@@ -2,7 +2,7 @@
 
 ``grad_stats`` is the public entry point (the kernels are the backends' ``grad_stats`` primitive); it
 returns a :class:`GradStats` whose tensors stay on the device, so computing it never syncs the host.
-Rendering a report from it (one sync) is the job of ``fastgrad.report``.
+Rendering a report from it (one sync) is the job of ``fastgrad.diagnose.report``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import _inputs as I
-from . import distributed as D
+from . import _inputs as inputs
+from . import distributed
 from .backends import acc_dtype
 
 __all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names"]
@@ -77,7 +77,7 @@ def row_sparse_names(model, prefix: str = "") -> list[str]:
 def _named(obj) -> list[tuple[str, Tensor]]:
     if isinstance(obj, torch.nn.Module):
         return list(obj.named_parameters())
-    items = I.as_list(obj)
+    items = inputs.as_list(obj)
     named = []
     for i, item in enumerate(items):
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
@@ -125,13 +125,13 @@ def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
     (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
     list (a monitor) passes ``cache``, a dict that keeps them and the device copy of the numels across calls,
-    and ``grads`` when it has just collected ``I.grads_of(params)`` itself (a second scan costs ~1 us per
+    and ``grads`` when it has just collected ``inputs.grads_of(params)`` itself (a second scan costs ~1 us per
     tensor). Else the Python loop."""
     if grads is None:
-        grads = I.grads_of(params)
-    if process_group is not None or D.has_dtensor(grads):
+        grads = inputs.grads_of(params)
+    if process_group is not None or distributed.has_dtensor(grads):
         return _sharded_stats(names, params, backend, process_group)
-    if len(grads) == len(params) and grads and (type(grads) is I.Checked or _all_strided(grads)):
+    if len(grads) == len(params) and grads and (type(grads) is inputs.Checked or _all_strided(grads)):
         numel = cache["numel"] if cache else None
         return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
     named = list(zip(names, params))
@@ -214,9 +214,9 @@ def _sharded_stats(names: list[str], params: list[Tensor], backend: str | None, 
     with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
     no_grad = [n for n, p in zip(names, params) if p.grad is None]
     grads = [g for _, g in with_grad]
-    I.check_tensors(grads, allow_fallback=False)
-    sh = D.prepare(grads, process_group)
-    cols = D.reduced_stats(sh, lambda ts: tensor_stats(ts, backend=backend))
+    inputs.check_tensors(grads, allow_fallback=False)
+    sh = distributed.prepare(grads, process_group)
+    cols = distributed.reduced_stats(sh, lambda ts: tensor_stats(ts, backend=backend))
     return GradStats([n for n, _ in with_grad], [tuple(g.shape) for g in grads], [g.dtype for g in grads],
                      cols["norm"], cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"],
                      cols["total_norm"], no_grad)
@@ -246,18 +246,18 @@ def tensor_stats(tensors: list[Tensor], *, backend: str | None = None, numel: Te
     parameters themselves, for ``find_nonfinite``): a dict of 1-D tensors ``norm``, ``max_abs``, ``nan``,
     ``inf``, ``zero``, ``numel`` in input order and the 0-dim ``total_norm``, on the first tensor's device,
     with no host sync."""
-    tensors = I.checked(tensors)
-    I.check_tensors(tensors, allow_fallback=False)
+    tensors = inputs.checked(tensors)
+    inputs.check_tensors(tensors, allow_fallback=False)
     first = tensors[0].device
     dtype = acc_dtype(tensors)
     parts: dict[str, list[Tensor]] = {}
-    groups = {first: range(len(tensors))} if type(tensors) is I.Checked else I.group_by_device(tensors)
+    groups = {first: range(len(tensors))} if type(tensors) is inputs.Checked else inputs.group_by_device(tensors)
     for idx in groups.values():
         group = tensors if len(groups) == 1 else [tensors[i] for i in idx]
-        out = I.pick("grad_stats", group, backend).grad_stats(group)
+        out = inputs.pick("grad_stats", group, backend).grad_stats(group)
         for k, v in out.items():
             parts.setdefault(k, []).append(v.to(first, dtype if v.is_floating_point() else torch.int64))
-    cols = {k: I.restore_order(torch.cat(v), groups) for k, v in parts.items()}
+    cols = {k: inputs.restore_order(torch.cat(v), groups) for k, v in parts.items()}
     # numel is known on the host; the copy is asynchronous, so it costs no sync. (``numel``: a cached copy.)
     if numel is None or numel.device != first:
         numel = torch.tensor(list(map(Tensor.numel, tensors)), dtype=torch.int64).to(first, non_blocking=True)

@@ -107,8 +107,8 @@ def test_measured_table_drives_automatic_choice_for_cuda(monkeypatch, op):
     monkeypatch.delenv("FASTGRAD_BACKEND", raising=False)
     monkeypatch.setattr(backends, "_default", None)
     short, long = _cuda_list(148), _cuda_list(backends.LONG_LIST_MIN)
-    # What the H100 run of 2026-11-25 measured (see the comment on MEASURED_ORDER): cuda for every op on lists
-    # of up to a few hundred tensors; on long lists of small tensors triton, except AGC and GC (cuda).
+    # What the run named by backends.MEASURED_RUN measured (its AUTO_ORDER.md under benchmarks/results/gpu/): cuda
+    # for every op on lists of up to a few hundred tensors; on long lists of small tensors triton, except AGC and GC.
     assert backends.select(op, short).name == "cuda"
     assert backends.select(op, long).name == ("cuda" if op in ("agc", "centralize") else "triton")
     # The table, not a fixed order, decides: flipping its entry flips the choice.

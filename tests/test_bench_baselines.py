@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad.benchmark import ops as O
-from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark import ops as benchmark_ops
+from fastgrad.benchmark import workloads as benchmark_workloads
 
 SHAPES = [(7, 5), (13,), (6, 3, 3, 3), (1, 9), (5, 1), (4, 2, 3)]
 
@@ -50,9 +50,9 @@ def agc_oracle(params, clip_factor, eps):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 def test_timm_agc_transcription_matches_a_float64_oracle(dtype, tol):
     params = _params(dtype)
-    ref = agc_oracle(params, O.AGC_CLIP_FACTOR, O.AGC_EPS)
+    ref = agc_oracle(params, benchmark_ops.AGC_CLIP_FACTOR, benchmark_ops.AGC_EPS)
     orig = [p.grad.clone() for p in params]
-    O.timm_adaptive_clip_grad(params, O.AGC_CLIP_FACTOR, O.AGC_EPS)
+    benchmark_ops.timm_adaptive_clip_grad(params, benchmark_ops.AGC_CLIP_FACTOR, benchmark_ops.AGC_EPS)
     clipped_units = 0
     for p, r, o in zip(params, ref, orig):
         assert p.grad.dtype == dtype
@@ -69,16 +69,16 @@ def test_timm_agc_transcription_keeps_timms_interface():
     p.grad = torch.randn(4, 3)
     q = torch.nn.Parameter(torch.randn(3))
     ref = agc_oracle([p], 0.01, 1e-3)[0]
-    O.timm_adaptive_clip_grad(p)  # a single tensor, timm's defaults (clip_factor 0.01, eps 1e-3)
+    benchmark_ops.timm_adaptive_clip_grad(p)  # a single tensor, timm's defaults (clip_factor 0.01, eps 1e-3)
     torch.testing.assert_close(p.grad.double(), ref, rtol=2e-6, atol=0)
-    O.timm_adaptive_clip_grad([q, p])  # q has no grad
+    benchmark_ops.timm_adaptive_clip_grad([q, p])  # q has no grad
     assert q.grad is None
 
 
 def test_own_agc_loop_equals_the_timm_transcription_bit_for_bit():
     a, b = _params(seed=3), _params(seed=3)
-    O.timm_adaptive_clip_grad(a, O.AGC_CLIP_FACTOR, O.AGC_EPS)
-    O.agc_loop(b)
+    benchmark_ops.timm_adaptive_clip_grad(a, benchmark_ops.AGC_CLIP_FACTOR, benchmark_ops.AGC_EPS)
+    benchmark_ops.agc_loop(b)
     assert all(torch.equal(x.grad, y.grad) for x, y in zip(a, b))
 
 
@@ -88,7 +88,7 @@ def test_official_gc_matches_a_float64_oracle():
         for p in params:
             p.grad.add_(0.3)  # a mean far from zero, so centralizing changes every element of a matrix
     orig = [p.grad.clone() for p in params]
-    O.official_gc(params)
+    benchmark_ops.official_gc(params)
     for p, o in zip(params, orig):
         if o.ndim <= 1:
             assert torch.equal(p.grad, o)  # vectors untouched
@@ -103,7 +103,7 @@ def test_official_gc_matches_a_float64_oracle():
 
 def test_foreach_stats_match_float64_norms_and_max():
     params = _params(seed=7, grad_scale=[1.0] * len(SHAPES))
-    st = O.foreach_stats(params)
+    st = benchmark_ops.foreach_stats(params)
     for p, n, m in zip(params, st["norm"], st["max_abs"]):
         g = p.grad.double()
         assert float(n) == pytest.approx(float(torch.linalg.vector_norm(g)), rel=1e-6)
@@ -115,20 +115,20 @@ def test_foreach_stats_match_float64_norms_and_max():
 @pytest.mark.parametrize("op", ["agc", "gc", "grad_stats", "clip_trig", "clip_value"])
 def test_every_baseline_of_an_op_agrees_with_fastgrad(op):
     """On a real model's shapes (scaled down), each torch baseline and fastgrad's call give the same result."""
-    w = W.prepare("resnet50", 1 << 20)
-    st = O.OpState(W.materialize(w, "cpu", seed=2))
+    w = benchmark_workloads.prepare("resnet50", 1 << 20)
+    st = benchmark_ops.OpState(benchmark_workloads.materialize(w, "cpu", seed=2))
     st.save()
     out = {}
-    for b in O.OPS[op].baselines:
+    for b in benchmark_ops.OPS[op].baselines:
         st.restore()
         res = b.make(st)()
         out[b.impl] = (res, [g.clone() for g in st.grads])
     st.restore()
-    mine = O.fastgrad_fn(op, st, None)()
+    mine = benchmark_ops.fastgrad_fn(op, st, None)()
     mine_grads = [g.clone() for g in st.grads]
     st.restore()
     for impl, (res, grads) in out.items():
-        if O.OPS[op].mutates:
+        if benchmark_ops.OPS[op].mutates:
             for a, b in zip(grads, mine_grads):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{op}: {impl}")
         else:  # grad_stats: the fields both compute
@@ -142,12 +142,12 @@ def test_every_baseline_of_an_op_agrees_with_fastgrad(op):
 
 
 def test_every_op_names_its_baselines():
-    for name, spec in O.OPS.items():
+    for name, spec in benchmark_ops.OPS.items():
         assert spec.baselines and spec.baselines[0].impl == "torch eager", name
         assert len({b.impl for b in spec.baselines}) == len(spec.baselines), name
-    assert "timm" in O.OPS["agc"].baseline and "1.0.28" in O.OPS["agc"].baseline
-    assert "Gradient-Centralization" in O.OPS["gc"].baseline
-    assert "_foreach_norm" in O.OPS["grad_stats"].baseline
+    assert "timm" in benchmark_ops.OPS["agc"].baseline and "1.0.28" in benchmark_ops.OPS["agc"].baseline
+    assert "Gradient-Centralization" in benchmark_ops.OPS["gc"].baseline
+    assert "_foreach_norm" in benchmark_ops.OPS["grad_stats"].baseline
     # the benchmark's own loops stay, labelled
-    assert [b.impl for b in O.OPS["agc"].baselines[1:]] == ["torch: own loop"]
-    assert [b.impl for b in O.OPS["grad_stats"].baselines[1:]] == ["torch: own loop"]
+    assert [b.impl for b in benchmark_ops.OPS["agc"].baselines[1:]] == ["torch: own loop"]
+    assert [b.impl for b in benchmark_ops.OPS["grad_stats"].baselines[1:]] == ["torch: own loop"]

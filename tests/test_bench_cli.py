@@ -9,9 +9,9 @@ import math
 import pytest
 
 from fastgrad import bench
-from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import ops as benchmark_ops
 from fastgrad.benchmark import report
-from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark import workloads as benchmark_workloads
 from fastgrad.benchmark.runner import usable_backends
 
 
@@ -25,25 +25,25 @@ from fastgrad.benchmark.runner import usable_backends
     ("mixed", 124_439_808),
 ])
 def test_workload_parameter_counts(name, params):
-    assert sum(W.numel(s) for _, s, _ in W.WORKLOADS[name].build()) == params
+    assert sum(benchmark_workloads.numel(s) for _, s, _ in benchmark_workloads.WORKLOADS[name].build()) == params
 
 
 def test_small_tensor_workload():
-    entries = W.small_tensors()
+    entries = benchmark_workloads.small_tensors()
     assert len(entries) == 4000
-    assert all(1024 <= W.numel(s) <= 16384 for _, s, _ in entries)
+    assert all(1024 <= benchmark_workloads.numel(s) <= 16384 for _, s, _ in entries)
 
 
 def test_scaling_keeps_tensor_count_and_inner_dims():
-    w = W.prepare("gpt2-124m", 8 * 2**20)
-    full = W.gpt2_small()
+    w = benchmark_workloads.prepare("gpt2-124m", 8 * 2**20)
+    full = benchmark_workloads.gpt2_small()
     assert w.n_tensors == len(full) and w.note
     assert w.grad_bytes <= 8 * 2**20
     for (_, s, _), (_, f, _) in zip(w.entries, full):
         assert len(s) == len(f) and tuple(s[1:]) == tuple(f[1:])
     # small-4000 is defined by its sizes: never shrunk, only annotated
-    s = W.prepare("small-4000", 2**20)
-    assert s.entries == W.small_tensors() and s.note
+    s = benchmark_workloads.prepare("small-4000", 2**20)
+    assert s.entries == benchmark_workloads.small_tensors() and s.note
 
 
 def test_cli_tiny(tmp_path, capsys, monkeypatch):
@@ -69,15 +69,15 @@ def test_cli_tiny(tmp_path, capsys, monkeypatch):
     auto = "cpu" if "cpu" in backends else "torch"
     impls = {"torch eager", "fastgrad auto"}
     # the ops with another torch baseline (the benchmark's own loop) have its row too
-    others = {(op, b.impl) for op, spec in O.OPS.items() for b in spec.baselines[1:]}
+    others = {(op, b.impl) for op, spec in benchmark_ops.OPS.items() for b in spec.baselines[1:]}
     assert others == {("agc", "torch: own loop"), ("grad_stats", "torch: own loop")}
-    assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in O.OPS for i in impls} | others
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, i) for op in benchmark_ops.OPS for i in impls} | others
     for r in rows:
         assert not r["note"].startswith("failed"), r
         assert float(r["median_ms"]) > 0 and int(r["rounds"]) >= 1
         assert math.isfinite(float(r["pct_floor"])) and float(r["floor_ms"]) > 0 and float(r["gbps"]) > 0
         assert r["floor_kind"] in ("cache", "memory")
-        spec = O.OPS[r["op"]]
+        spec = benchmark_ops.OPS[r["op"]]
         assert r["baseline"] == (spec.baseline if r["impl"] == "torch eager" else
                                  next((b.what for b in spec.baselines if b.impl == r["impl"]), ""))
         # counted on the CPU: torch operators per call; kernels and syncs are CUDA-only (empty)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fastgrad import bench
-from fastgrad.benchmark import ops as O
+from fastgrad.benchmark import ops as benchmark_ops
 from fastgrad.benchmark import counting, report, runner, timing
-from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark import workloads as benchmark_workloads
 
 
 # ------------------------------------------------------------------------------------- a faked CUDA device
@@ -53,8 +53,9 @@ def fake_cuda(monkeypatch):
     for name in ("empty", "ones"):
         orig = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, device=None, _f=orig, **k: _f(*a, device=on_cpu(device), **k))
-    orig_materialize = W.materialize
-    monkeypatch.setattr(W, "materialize", lambda w, device, seed=0: orig_materialize(w, on_cpu(device), seed))
+    orig_materialize = benchmark_workloads.materialize
+    monkeypatch.setattr(benchmark_workloads, "materialize",
+                        lambda w, device, seed=0: orig_materialize(w, on_cpu(device), seed))
 
     def count(name, ret=None):
         def f(*a, **k):
@@ -268,23 +269,23 @@ def test_floor_model_bytes_per_op():
         "gc": (n, n),
         "grad_stats": (n, 0),
     }
-    assert set(expected) == set(O.OPS)
+    assert set(expected) == set(benchmark_ops.OPS)
     for op, (read, written) in expected.items():
-        f = O.OPS[op].floor
+        f = benchmark_ops.OPS[op].floor
         assert (f.bytes_read(n, p), f.bytes_written(n, p)) == (read, written), op
         assert f.bytes_moved(n, p) == read + written
         # priced by kind of pass: the read-only passes' bytes, and the read+write passes' (read + written)
         assert f.read_only_bytes(n, p) + f.rw_bytes(n, p) == read + written, op
         assert f.working_set(n, p) == n + (p if op == "agc" else 0), op
-    assert O.OPS["clip_trig"].floor.text() == "read 2N, write N"
-    assert O.OPS["agc"].floor.text() == "read P + N, write N"
-    s = O.OPS["clip_trig"]
+    assert benchmark_ops.OPS["clip_trig"].floor.text() == "read 2N, write N"
+    assert benchmark_ops.OPS["agc"].floor.text() == "read P + N, write N"
+    s = benchmark_ops.OPS["clip_trig"]
     assert s.floor_s(n, p, read_gbps=1.0, rw_gbps=4.0) == pytest.approx(n / 1e9 + 2 * n / 4e9)
 
 
-@pytest.mark.parametrize("op", list(O.OPS))
+@pytest.mark.parametrize("op", list(benchmark_ops.OPS))
 def test_floor_pass_does_the_ops_passes_and_changes_no_byte(op):
-    f = O.OPS[op].floor
+    f = benchmark_ops.OPS[op].floor
     gen = torch.Generator().manual_seed(1)
     g = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
     # every bit pattern a float32 view can hold, NaNs included: a read+write pass must leave them as they are
@@ -304,11 +305,11 @@ def test_floor_pass_does_the_ops_passes_and_changes_no_byte(op):
 
 
 def test_floor_buffers_have_the_ops_bytes():
-    w = W.prepare("tiny", None)
-    st = O.OpState(W.materialize(w, "cpu"))
-    gbuf, pbuf = st.floor_buffers(O.OPS["norm"].floor)
+    w = benchmark_workloads.prepare("tiny", None)
+    st = benchmark_ops.OpState(benchmark_workloads.materialize(w, "cpu"))
+    gbuf, pbuf = st.floor_buffers(benchmark_ops.OPS["norm"].floor)
     assert pbuf is None and gbuf.numel() == st.grad_bytes - st.grad_bytes % 4
-    gbuf, pbuf = st.floor_buffers(O.OPS["agc"].floor)
+    gbuf, pbuf = st.floor_buffers(benchmark_ops.OPS["agc"].floor)
     assert pbuf is not None and pbuf.numel() == st.param_bytes - st.param_bytes % 4
     # the saved gradients live in the buffer the pass streams over (no second N-byte allocation) ...
     assert all(s.untyped_storage().data_ptr() == gbuf.untyped_storage().data_ptr() for s in st._saved)
@@ -338,8 +339,8 @@ def test_pct_floor_is_the_paired_floor_pass_over_the_op(monkeypatch, tmp_path):
     the same rounds: a floor pass of ~10 ms against an op of ~20 ms reads about 50%."""
     monkeypatch.setattr(runner, "MIN_FLOOR_BYTES", 0)
     monkeypatch.setattr(runner, "last_level_cache_bytes", lambda: 2**30)
-    monkeypatch.setattr(O.OpState, "floor_fn", lambda self, floor: (lambda: time.sleep(0.010), None))
-    monkeypatch.setattr(O, "fastgrad_fn", lambda op, st, backend: lambda: time.sleep(0.020))
+    monkeypatch.setattr(benchmark_ops.OpState, "floor_fn", lambda self, floor: (lambda: time.sleep(0.010), None))
+    monkeypatch.setattr(benchmark_ops, "fastgrad_fn", lambda op, st, backend: lambda: time.sleep(0.020))
     rc = bench.main(["--quick", "--device", "cpu", "--workloads", "tiny", "--ops", "norm", "--backends", "cpu",
                      "--out", str(tmp_path), "--no-progress", "--no-plot", "--no-counts", "--budget", "0",
                      "--min-rounds", "6", "--max-rounds", "6"])
@@ -416,16 +417,16 @@ def test_host_workload_rows_and_env_backend_ignored(monkeypatch, tmp_path, capsy
 
 
 def test_host_workloads():
-    assert [s for _, s, _ in W.one_element()] == [(1,)] * 4000
-    entries = W.gpt2_count_small()
-    assert len(entries) == len(W.gpt2_small()) == 148
-    assert W.nbytes(entries) < 2**20
+    assert [s for _, s, _ in benchmark_workloads.one_element()] == [(1,)] * 4000
+    entries = benchmark_workloads.gpt2_count_small()
+    assert len(entries) == len(benchmark_workloads.gpt2_small()) == 148
+    assert benchmark_workloads.nbytes(entries) < 2**20
     assert runner.ops_for("host-148", ["norm", "clip", "gc"]) == ["clip"]
     assert runner.ops_for("gpt2-124m", ["norm", "clip"]) == ["norm", "clip"]
 
 
 def _res(rows):
-    base = runner._row("a", "norm", "x", "auto", "cpu", W.prepare("tiny", None))
+    base = runner._row("a", "norm", "x", "auto", "cpu", benchmark_workloads.prepare("tiny", None))
     meta = {"device": "test", "date": "d", "torch": "t", "backends": ["torch", "cpu"],
             "backends_not_benchmarked": {}, "confidence": 0.95, "noise_band": 0.05,
             "workloads": {w: {"host": False, "title": w, "tensors": 1, "grad_bytes": 4, "full_grad_bytes": 4,

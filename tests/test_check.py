@@ -628,7 +628,7 @@ def test_gradscaler_script_gets_unscale_in_code_to_add(tmp_path):
 
 def test_no_leaky_relu_advice_for_a_recurrent_model():
     from fastgrad.diagnose.advice import advise
-    from fastgrad.report import Finding
+    from fastgrad.diagnose.finding import Finding
 
     dead = [Finding("dead", "warning", "dead parameters")]
     lstm = dict((c, t + s) for c, t, s in advise(dead, {"modules": ["Embedding", "LSTM", "Linear"]}))
@@ -874,7 +874,7 @@ def test_the_exploding_wording_says_what_the_clip_did():
 
 
 def test_a_falling_norm_above_the_healthy_range_is_not_decaying():
-    from fastgrad.monitor import detect_trends
+    from fastgrad.diagnose.rules.trends import detect_trends
 
     falling = [1e7 * 0.8 ** i for i in range(60)]  # 1e7 -> 1.5e1: 1000x down, still above 10
     assert "decaying" not in [f.code for f in detect_trends(list(range(1, 61)), falling)]
@@ -884,7 +884,7 @@ def test_a_falling_norm_above_the_healthy_range_is_not_decaying():
 
 def test_advice_never_raises_a_learning_rate_while_the_run_diverges():
     from fastgrad.diagnose.advice import advise
-    from fastgrad.report import Finding
+    from fastgrad.diagnose.finding import Finding
 
     depth = Finding("depth_vanishing", "warning", "vanishing across depth")
     div = Finding("loss_diverging", "critical", "the loss is diverging")
@@ -902,7 +902,7 @@ def test_advice_never_raises_a_learning_rate_while_the_run_diverges():
 
 def test_a_notice_never_says_no_action_under_a_worse_verdict():
     from fastgrad.diagnose.advice import advise
-    from fastgrad.report import Finding
+    from fastgrad.diagnose.finding import Finding
 
     small = Finding("small_but_learning", "notice", "small gradients, but the loss is improving")
     assert "no action needed" in advise([small])[0][1]

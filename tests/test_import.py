@@ -43,7 +43,7 @@ def test_import_fastgrad_imports_no_dynamo_or_triton():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the triton backend's availability imports triton")
 def test_cpu_calls_and_cli_entry_points_import_no_dynamo_or_triton():
     code = """
-import torch, fastgrad, fastgrad.check, fastgrad.info, fastgrad.report
+import torch, fastgrad, fastgrad.check, fastgrad.info, fastgrad.diagnose.report
 fastgrad.available_backends()
 fastgrad.info.render(fastgrad.info.collect())
 m = torch.nn.Linear(5, 3)

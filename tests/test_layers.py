@@ -21,8 +21,8 @@ ROOT = Path(fastgrad.__file__).resolve().parent
 
 # Bottom first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[list[str]] = [
-    # 0: no fastgrad imports: build facts, torch's captured functions
-    ["fastgrad._archs", "fastgrad._smoke", "fastgrad._torch_fns"],
+    # 0: no fastgrad imports: build facts, torch's captured functions, the decisions every route shares
+    ["fastgrad._archs", "fastgrad._smoke", "fastgrad._torch_fns", "fastgrad.decide"],
     # 1: the compiled extension's loader
     ["fastgrad._ext"],
     # 2: one-pass list scans (the registry hands its selector down to it: _scan.set_selector)
@@ -72,8 +72,6 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.report"],
     ["fastgrad.diagnose.result", "fastgrad.diagnose.loggers"],
     ["fastgrad.diagnose.monitor", "fastgrad.diagnose.run"],
-    # the old module paths: thin re-exports
-    ["fastgrad.report", "fastgrad.monitor", "fastgrad.watch", "fastgrad.nonfinite", "fastgrad.check_report"],
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
     ["fastgrad", "fastgrad.check", "fastgrad.info"],

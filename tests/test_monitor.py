@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastgrad
-from fastgrad.monitor import detect_trends
+from fastgrad.diagnose.rules.trends import detect_trends
 
 from . import helpers as H
 from . import oracle

@@ -111,7 +111,7 @@ class _LogOf(nn.Module):
 
 
 def test_watcher_names_where_the_nan_was_born():
-    from fastgrad.watch import ForwardWatcher
+    from fastgrad.diagnose.collect.watch import ForwardWatcher
 
     torch.manual_seed(1)
     m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _LogOf(), nn.Linear(8, 2))

@@ -14,7 +14,8 @@ from torch import nn
 
 import fastgrad
 import fastgrad.diagnose.finding
-from fastgrad.report import Thresholds, loss_progress
+from fastgrad.diagnose.rules.trends import loss_progress
+from fastgrad.diagnose.thresholds import Thresholds
 
 
 def _mlp_stack(depth, width, act, std=None, seed=0):
@@ -483,7 +484,7 @@ def _emb_lm_run(steps=30, seed=0):
 
 
 def test_no_false_depth_vanishing_on_a_healthy_embedding_lm():
-    from fastgrad.report import GradientReport
+    from fastgrad import GradientReport
 
     m, x, losses, w0 = _emb_lm_run()
     # ground truth without fastgrad
@@ -512,7 +513,7 @@ def test_depth_rule_still_fires_on_dense_layers_next_to_an_embedding():
     # what was left out
     named = [("emb.weight", _emb_grad()), ("a.weight", _one_grad(1e-6)), ("b.weight", _one_grad(1e-6)),
              ("c.weight", _one_grad(1.0)), ("d.weight", _one_grad(1.0))]
-    from fastgrad.report import GradientReport
+    from fastgrad import GradientReport
 
     rep = GradientReport.from_stats(fastgrad.grad_stats(named), row_sparse=["emb.weight"])
     f = rep.finding("depth_vanishing")

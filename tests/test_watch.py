@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.modules.module as M
 
-from fastgrad.watch import ForwardWatcher
+from fastgrad.diagnose.collect.watch import ForwardWatcher
 
 
 class Log(torch.nn.Module):

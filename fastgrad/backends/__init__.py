@@ -28,7 +28,7 @@ from .base import OPS, Backend, BackendError, acc_dtype, amp_factor, clip_coef, 
 __all__ = [
     "Backend", "BackendError", "OPS", "AUTO_ORDER", "acc_dtype", "amp_factor", "clip_coef", "is_fast_norm_type", "register", "get",
     "registered", "available_backends", "set_backend", "get_default_backend", "select", "select_automatic", "selects_builtin",
-    "auto_order", "MEASURED_ORDER", "MEASURED_LONG_ORDER", "LONG_LIST_MIN",
+    "auto_order", "MEASURED_ORDER", "MEASURED_LONG_ORDER", "LONG_LIST_MIN", "MEASURED_RUN",
 ]
 
 #: Automatic choice per device type. The Triton interpreter is never chosen automatically for CPU
@@ -39,39 +39,27 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 _FALLBACK_ORDER = ("torch",)
 
-# Automatic order per op and list-size class, by measurement: the H100 run of 2026-11-25 (project commit 67a8aa3,
-# `python -m fastgrad.bench --compile off --budget 0.25`, all workloads; benchmarks/results/gpu/2026-11-25-h100/
-# matrix/results.csv, machine loaded: load average 67). Derivation: for each (workload, op) the bench times the
-# automatic choice and the other fused backend in the same run; the cuda/triton ratio of their medians is read
-# against their spreads (the half-width of the interval of the median, `spread_pct`), and an order changes only
-# where the difference exceeds both spreads on most workloads of a size class. Median ms, cuda vs triton:
-#   lists of <= 291 tensors (6 workloads: resnet50, vit-b16, gpt2-124m, mixed, llama-1b, llama-7b):
-#     norm, scale (clip), amp_norm (amp_clip): cuda faster on all 6 (gpt2 norm 0.251 vs 0.304, clip 0.281 vs 0.324,
-#       amp_clip 0.683 vs 0.732; llama-1b clip 1.084 vs 1.359);
-#     clip_value: cuda faster or within 4% on all 6 (llama-7b 9.800 vs 9.833);
-#     agc, centralize (GC): cuda faster on all 6, by 7-32% (gpt2 agc 0.840 vs 0.943, gc 0.611 vs 0.773; llama-7b
-#       agc 22.06 vs 31.60, gc 17.82 vs 23.06): the cuda row kernels were rewritten after the 2026-11-22 run, which
-#       had triton first for these two;
-#     grad_stats: cuda ~2x faster on llama-1b/7b (1.73 vs 3.65, 5.66 vs 10.99) and on resnet50 (0.362 vs 0.454);
-#       triton 5-19% faster on gpt2, vit-b16 and mixed, each within about one spread (11-17%): cuda kept first;
-#   lists of >= 1,000 tensors (small-4000: 4,000 tensors of 33 KB on average; host-4000 for clip):
-#     norm, scale, clip_value: triton faster (norm 0.559 vs 0.748, clip 0.911 vs 1.056, clip_value 0.787 vs 1.029,
-#       host-4000 clip 1.474 vs 1.610);
-#     centralize: cuda faster (1.524 vs 1.898, spreads 16% and 12%); agc: cuda 3.503 vs triton 3.771 (spreads
-#       20% and 5%): cuda first for both, as on the short lists;
-#     amp_norm (2.787 vs 2.997, spreads 24% and 37%) and grad_stats (5.31 vs 5.90, spreads 67%): not resolved by this
-#       run; triton kept first, as the 2026-11-22 run measured (amp_clip 2.03 vs 2.99, grad_stats 10.9 vs 12.0).
-# The list length is the one cheap signal (no per-tensor Python): the measured lists have either <= 291 or 4,000
-# tensors, so LONG_LIST_MIN = 1,000 splits them; where exactly between the two the cross-over lies was not measured.
-MEASURED_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {op: ("cuda", "triton", "torch") for op in OPS},
-}
-#: Order for lists of at least LONG_LIST_MIN tensors, per device type and op (derived with MEASURED_ORDER above).
-MEASURED_LONG_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
-    "cuda": {op: (("cuda", "triton", "torch") if op in ("agc", "centralize") else ("triton", "cuda", "torch"))
-             for op in OPS},
-}
+_CUDA_FIRST = ("cuda", "triton", "torch")
+_TRITON_FIRST = ("triton", "cuda", "torch")
+
+#: The run the automatic CUDA orders below were measured on; the derivation and the timings it rests on are in
+#: benchmarks/results/gpu/<run>/AUTO_ORDER.md.
+MEASURED_RUN = "2026-11-25-h100"
+#: Lists of at least this many tensors take the long-list order (the measured lists had <= 291 or 4,000 tensors).
 LONG_LIST_MIN = 1000
+#: op -> (order for shorter lists, order for lists of at least LONG_LIST_MIN tensors), CUDA tensors.
+MEASURED_CUDA: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "norm": (_CUDA_FIRST, _TRITON_FIRST),
+    "amp_norm": (_CUDA_FIRST, _TRITON_FIRST),
+    "scale": (_CUDA_FIRST, _TRITON_FIRST),
+    "clip_value": (_CUDA_FIRST, _TRITON_FIRST),
+    "agc": (_CUDA_FIRST, _CUDA_FIRST),
+    "centralize": (_CUDA_FIRST, _CUDA_FIRST),
+    "grad_stats": (_CUDA_FIRST, _TRITON_FIRST),
+}
+#: Automatic order per device type and op (from MEASURED_CUDA), and for long lists.
+MEASURED_ORDER: dict[str, dict[str, tuple[str, ...]]] = {"cuda": {op: o[0] for op, o in MEASURED_CUDA.items()}}
+MEASURED_LONG_ORDER: dict[str, dict[str, tuple[str, ...]]] = {"cuda": {op: o[1] for op, o in MEASURED_CUDA.items()}}
 
 
 def auto_order(op: str, device_type: str, n_tensors: int) -> tuple[str, ...]:

@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 
 from .._scan import Checked, acc_dtype_of
+# the decisions every route shares (fastgrad/decide.py); re-exported: the primitives below default to them
+from ..decide import amp_factor, clip_coef
 
 #: Names of the primitives, as passed to :meth:`Backend.supports`.
 OPS = ("norm", "amp_norm", "scale", "clip_value", "agc", "centralize", "grad_stats")
@@ -47,23 +49,6 @@ def acc_dtype(tensors: Sequence[Tensor]) -> torch.dtype:
     if type(tensors) is Checked:
         return acc_dtype_of(tensors)
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def clip_coef(total: Tensor, max_norm: float) -> Tensor:
-    """The clip coefficient ``min(max_norm / (total + 1e-6), 1)`` exactly as ``torch.nn.utils.clip_grad_norm_``
-    evaluates it on the 0-dim total, in the total's dtype (NaN stays NaN). Every torch-op path uses this one
-    expression; the fused kernels that compute it on the device reproduce its order (reciprocal, multiply,
-    clamp) and are tested bit for bit against it."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
-def amp_factor(total: Tensor, max_norm: float, inv_scale: Tensor) -> Tensor:
-    """Unscale and clip folded into one factor, ``inv_scale * clip_coef(total, max_norm)``, on the total's
-    device in its dtype (inv_scale converted first, the product rounded once, as torch multiplies two 0-dim
-    tensors). With the usual power-of-two scales the product is exact, so ``g * factor`` equals torch's
-    ``(g * inv_scale) * coef`` bit for bit in fp32. Every torch-op AMP path uses this expression; the fused
-    kernels reproduce it and are tested bit for bit against it."""
-    return inv_scale.to(total.device, total.dtype) * clip_coef(total, max_norm)
 
 
 def is_fast_norm_type(norm_type: float) -> bool:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..decide import agc_factor, agc_limit
 from .base import Backend, acc_dtype
 
 try:  # private helpers torch.nn.utils itself uses; present since torch 2.0
@@ -207,11 +208,8 @@ class TorchBackend(Backend):
             dims = tuple(range(1, g.ndim)) if g.ndim > 1 else None
             p_norm = _unit_norm(p, norm_type, dims, dtype)
             g_norm = _unit_norm(g, norm_type, dims, dtype)
-            max_norm = p_norm.clamp(min=eps).mul_(clip_factor)
-            ratio = max_norm / g_norm.clamp(min=1e-6)
-            # timm keeps G where g_norm < max_norm and clips everywhere else, so NaN norms clip (to NaN).
-            # Multiplying the kept units by exactly 1 leaves their bits unchanged.
-            g.mul_(torch.where(g_norm < max_norm, torch.ones_like(ratio), ratio))
+            # multiplying the kept units by exactly 1 leaves their bits unchanged
+            g.mul_(agc_factor(g_norm, agc_limit(p_norm, clip_factor, eps)))
 
     def centralize_(self, grads):
         for g in grads:

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from . import ops as O
+from . import ops as benchmark_ops
 from .runner import (ALTERNATIVE, AUTO, AUTOMATIC, BASELINE, CACHE_FLOOR, COMPILE, COMPILED, EAGER,
                      MIN_FLOOR_BYTES, REFERENCE, Result)
 from .timing import FASTER, NOISE, SLOWER
@@ -320,7 +320,7 @@ def ops_table(ops: list[str]) -> list[str]:
     out = ["| op | what | bytes read | bytes written | floor passes | torch eager (headline baseline) | "
            "other torch baselines |", "|---|---|---|---|---|---|---|"]
     for op in ops:
-        s = O.OPS[op]
+        s = benchmark_ops.OPS[op]
         f = s.floor
         read = f.text().split(",")[0].removeprefix("read ")
         written = f.text().split(",")[1].strip().removeprefix("write ")
@@ -490,7 +490,7 @@ def _panels(res: Result, path: Path, impls: list[str], value, *, ylabel: str, lo
                 lambda y, pos: tick_fmt(y, pos) if y > 0 and f"{y:.0e}"[0] in "25" else ""))
             ax.tick_params(axis="y", which="minor", labelsize=6)
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(tick_fmt))
-        ax.set_title(f"{op}: {O.OPS[op].title}", fontsize=9)
+        ax.set_title(f"{op}: {benchmark_ops.OPS[op].title}", fontsize=9)
         ax.set_xticks(range(len(wls)))
         ax.set_xticklabels(wls, rotation=40, ha="right", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)

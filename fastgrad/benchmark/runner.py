@@ -42,8 +42,8 @@ import fastgrad
 from fastgrad import backends as _backends
 
 from . import counting
-from . import ops as O
-from . import workloads as W
+from . import ops as benchmark_ops
+from . import workloads as benchmark_workloads
 from .timing import (BAND, CONFIDENCE, Ratio, Timer, copy_bandwidth, inplace_bandwidth, paired_ratio,
                      read_bandwidth, verdict)
 
@@ -232,7 +232,7 @@ def _compiled(fn: Callable[[], object]) -> Callable[[], object]:
 
 def ops_for(workload: str, ops: list[str]) -> list[str]:
     """The requested ops that ``workload`` runs (the host-overhead workloads run clip only)."""
-    only = W.WORKLOADS[workload].ops
+    only = benchmark_workloads.WORKLOADS[workload].ops
     return [o for o in ops if only is None or o in only]
 
 
@@ -256,9 +256,9 @@ def busy_warning(when: str) -> str | None:
             "and noisy, so the intervals are wider and more rows may read 'within noise'")
 
 
-def auto_backend(op: str, st: O.OpState) -> str:
+def auto_backend(op: str, st: benchmark_ops.OpState) -> str:
     """The backend fastgrad's automatic choice runs ``op``'s main primitive with on this workload."""
-    spec = O.OPS[op]
+    spec = benchmark_ops.OPS[op]
     by_dev: dict[str, list[torch.Tensor]] = {}
     for g in st.grads:
         by_dev.setdefault(str(g.device), []).append(g)
@@ -271,7 +271,7 @@ def auto_backend(op: str, st: O.OpState) -> str:
     return ",".join(dict.fromkeys(names))
 
 
-def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: W.Workload) -> dict:
+def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: benchmark_workloads.Workload) -> dict:
     nan = float("nan")
     return {"workload": wname, "op": op, "impl": impl, "role": role, "backend": backend or "", "baseline": "",
             "tensors": w.n_tensors, "grad_mb": w.grad_bytes / 2**20, "median_ms": nan, "min_ms": nan,
@@ -351,14 +351,14 @@ def _run(cfg: Config, progress, on_workload, usable: list[str], meta: dict, note
         ops = ops_for(wname, cfg.ops)
         if not ops:
             continue
-        w = W.prepare(wname, max_bytes)
+        w = benchmark_workloads.prepare(wname, max_bytes)
         if w.note:
             notes.append(f"{wname}: {w.note}")
         workload_meta[wname] = {"title": w.title, "tensors": w.n_tensors, "grad_bytes": w.grad_bytes,
                                 "full_grad_bytes": w.full_bytes, "scale": w.scale, "note": w.note,
                                 "host": w.host}
-        params = W.materialize(w, device, seed=cfg.seed)
-        st = O.OpState(params)
+        params = benchmark_workloads.materialize(w, device, seed=cfg.seed)
+        st = benchmark_ops.OpState(params)
         st.save()  # for restoring the ops that write gradients, and the floor pass's buffer
         use_compile = cfg.compile and (cfg.compile_workloads is None or wname in cfg.compile_workloads)
         for op in ops:
@@ -393,23 +393,23 @@ def floor_kind(device: torch.device, working_set: int, llc: int) -> str:
     return MEMORY_FLOOR
 
 
-def _run_case(cfg: Config, timer: Timer, w: W.Workload, st: O.OpState, op: str, usable: list[str],
-              use_compile: bool, llc: int, meta: dict) -> list[dict]:
+def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: benchmark_ops.OpState, op: str,
+              usable: list[str], use_compile: bool, llc: int, meta: dict) -> list[dict]:
     """Every implementation of one (workload, op) and its floor pass, timed in interleaved rounds; rows with
     ratios, verdicts, the % of the op's floor and the counts of one call."""
-    spec = O.OPS[op]
+    spec = benchmark_ops.OPS[op]
     reset = st.restore if spec.mutates else None
     auto = auto_backend(op, st)
     impls: list[tuple[str, str, str | None, Callable[[], Callable[[], object]], str]] = []
     for k, b in enumerate(spec.baselines):
         impls.append((b.impl, BASELINE if k == 0 else ALTERNATIVE, None, lambda b=b: b.make(st), b.what))
     if use_compile:
-        impls.append((COMPILE, COMPILED, None, lambda: _compiled(O.torch_fn(op, st)),
+        impls.append((COMPILE, COMPILED, None, lambda: _compiled(benchmark_ops.torch_fn(op, st)),
                       "torch.compile of " + spec.baseline))
-    impls.append((AUTO, AUTOMATIC, auto, lambda: O.fastgrad_fn(op, st, None), ""))
+    impls.append((AUTO, AUTOMATIC, auto, lambda: benchmark_ops.fastgrad_fn(op, st, None), ""))
     for b in usable:
         if b not in auto.split(","):  # the automatic row already times the backend it picks
-            impls.append((f"fastgrad:{b}", REFERENCE, b, lambda b=b: O.fastgrad_fn(op, st, b), ""))
+            impls.append((f"fastgrad:{b}", REFERENCE, b, lambda b=b: benchmark_ops.fastgrad_fn(op, st, b), ""))
     rows = [_row(w.name, op, impl, role, backend, w) | {"baseline": what}
             for impl, role, backend, _, what in impls]
     fns: list[Callable[[], object]] = []

@@ -5,4 +5,4 @@
 Layers, bottom first: ``thresholds``/``finding`` -> ``collect`` -> ``rules`` -> ``advice`` -> ``render`` ->
 ``report``/``result`` -> ``monitor``/``loggers``/``run`` -> ``fastgrad.check`` (the command line). The public
 names stay where users import them: ``fastgrad.GradientMonitor``, ``fastgrad.gradient_report``,
-``fastgrad.find_nonfinite``, ``fastgrad.report``, ``fastgrad.monitor``, ``fastgrad.watch``."""
+``fastgrad.find_nonfinite``; the rest are imported from here (e.g. ``fastgrad.diagnose.collect.watch``)."""

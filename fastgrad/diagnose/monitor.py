@@ -3,7 +3,7 @@
 Every call runs the fused ``grad_stats`` pass and writes its results into preallocated device ring buffers
 (``fastgrad.diagnose.collect.history``) at a slot chosen by a host-side step counter, so a non-logging step
 launches a few kernels and never waits for the device. Every ``every`` steps the monitor reads the buffers and
-the current statistics in ONE sync, builds a :class:`~fastgrad.report.GradientReport` with the trends of the
+the current statistics in ONE sync, builds a :class:`~fastgrad.diagnose.report.GradientReport` with the trends of the
 history (``fastgrad.diagnose.rules.trends``: steady growth, k-sigma spikes, decay to ~0) and hands it to the
 logger(s) (``fastgrad.diagnose.loggers``)."""
 
@@ -98,7 +98,7 @@ class GradientMonitor:
     device, no sync) or a number; a NaN/Inf loss on any step is reported, as critical, at the next logging
     step with the first step it happened (a device-side flag: no sync in between).
 
-    Alert rules (:func:`detect_trends`, :func:`~fastgrad.report.detect_loss_jumps`): robust baselines
+    Alert rules (:func:`detect_trends`, :func:`~fastgrad.diagnose.rules.trends.detect_loss_jumps`): robust baselines
     (median and MAD of the last ``baseline`` steps), nothing judged during the first ``warmup`` steps; a
     spike must be ``spike_z`` robust std above the median and ``spike_ratio`` times it (a warning from
     ``warn_ratio``); a loss jump of 10x its recent median is a warning, of 3x a notice.

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import decide
 from ._state import Mode
 
 
@@ -24,7 +25,8 @@ class AutoClipMode(Mode):
     def fits(self, n_params: int) -> bool:
         return bool(self.state)
 
-    def update(self, g: Tensor, finite: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, g: Tensor, finite: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(coefficient, spike-or-None) on the norm's device; the history updated."""
         o, s = self.o, self.state
         H = o["history_size"]
         idx = (s["n"] % H).reshape(1)
@@ -35,10 +37,6 @@ class AutoClipMode(Mode):
         # linear interpolation = torch's); unfilled slots are NaN and ignored
         thr = torch.nanquantile(s["ring"], o["percentile"] / 100.0)
         limit = thr if self.max_norm is None else torch.clamp(thr, max=self.max_norm)
-        coef = torch.clamp(limit / (g + 1e-6), max=1.0)  # clip_grad_norm_(params, limit)'s coefficient
-        spike = None
-        bad = ~finite
-        if self.skip_factor is not None:
-            spike = finite & (g > self.skip_factor * thr)
-            bad = bad | spike
-        return coef, bad, spike
+        coef = decide.clip_coef(g, limit)  # clip_grad_norm_(params, limit)'s coefficient
+        spike = None if self.skip_factor is None else decide.spike(g, self.skip_factor, thr, finite)
+        return coef, spike

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backends import clip_coef
+from .. import decide
 from ._state import Mode, zeros
 
 
@@ -21,13 +21,10 @@ class NormMode(Mode):
     def fits(self, n_params: int) -> bool:
         return self.skip_factor is None or "mean" in self.state
 
-    def update(self, total: Tensor, finite: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(coefficient, bad, spike-or-None) on the total's device."""
-        coef = clip_coef(total, self.max_norm)
-        if self.skip_factor is None:
-            return coef, ~finite, None
-        spike = self.spike(total, finite)
-        return coef, spike | ~finite, spike
+    def update(self, total: Tensor, finite: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(coefficient, spike-or-None) on the total's device."""
+        coef = decide.clip_coef(total, self.max_norm)
+        return coef, (self.spike(total, finite) if self.skip_factor is not None else None)
 
     def spike(self, g: Tensor, finite: Tensor) -> Tensor:
         """Is this finite norm more than k times the run's usual norm?
@@ -42,7 +39,7 @@ class NormMode(Mode):
         k, a = self.skip_factor, o["alpha"]
         ready = s["n"] >= o["warmup_steps"]
         ref = s["mean"]
-        spike = ready & finite & (g > k * ref)
+        spike = decide.spike(g, k, ref, finite, ready)
         x = torch.where(spike, k * ref, g)
         warm_mean = ref + (g - ref) / (s["n"] + 1)
         new = torch.where(ready, a * ref + (1 - a) * x, warm_mean)

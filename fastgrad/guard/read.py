@@ -8,16 +8,19 @@ write or the zero-write hand-over, each in as few backend calls as the layout al
 * :func:`general`: every mode, any layout (sharded, GradScaler, per-tensor norms), through clip.py's
   dispatch and the mode's rule in device ops.
 
-Each returns the total norm and leaves the decision with the guard (``g._decided``)."""
+Each reads in its own way and decides nothing itself: the coefficient, the spike and the verdict come from
+the mode's rule and ``fastgrad.decide``; each returns the total norm and hands the outcome to the guard
+(``g._decided``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .. import _inputs as I
+from .. import _inputs as inputs
+from .. import decide
 from .. import _scan
-from .. import distributed as D
+from .. import distributed
 from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
 from ..backends import acc_dtype
 from ..clip import _norm, _scale
@@ -32,15 +35,15 @@ def cpu_write(g, params, grads=None) -> Tensor | None:
         return None
     total, nonfinite = fast
     if grads is None:
-        grads = _scan.plain_grads_of(params) or I.grads_of(params)  # (validated by the C++ clip)
+        grads = _scan.plain_grads_of(params) or inputs.grads_of(params)  # (validated by the C++ clip)
     g._ensure_state(total, 0)
     if g._flags is None:
         g._flags = (torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.float32))
-    bad = g._flags[bool(nonfinite)]
     spike = None
     if g.skip_factor is not None:
-        spike = g._mode.spike(total, torch.isfinite(total)).to(torch.float32)
-        bad = torch.maximum(bad, spike)
+        spike = g._mode.spike(total, ~decide.nonfinite(total)).to(torch.float32)
+    # the C++ clip judged the norm with the same rule (decide.nonfinite); its answer as a cached 0/1 flag
+    bad = decide.bad_step(g._flags[bool(nonfinite)], spike_flag=spike)
     g._decided(total, None, None, bad, spike, None, grads)
     return total
 
@@ -55,10 +58,10 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
         out = cpu_write(g, params, grads)
         if out is not None:
             return out
-    if len(I.split_by_device(grads)) != 1:
+    if len(inputs.split_by_device(grads)) != 1:
         return None
-    b = I.pick("amp_norm", grads, g.backend, norm_type=p)
-    if I.pick("scale", grads, g.backend) is not b:
+    b = inputs.pick("amp_norm", grads, g.backend, norm_type=p)
+    if inputs.pick("scale", grads, g.backend) is not b:
         return None
     dev = grads[0].device
     if g._one is None or g._one.device != dev:
@@ -70,18 +73,13 @@ def one_call(g, params, grads, inv_scale, scaler, state, hand_over) -> Tensor | 
                           g.backend)
     g._ensure_state(total, 0)
     spike = None
-    # bad: a non-finite norm, as on every other path. The read pass's flag says "an element is NaN/Inf"
-    # (the scaler's overflow, recorded above as such); finite gradients whose norm overflows the
-    # accumulation dtype would otherwise be clipped to zero and stepped (Adam's moments decay, weight decay
-    # and momentum move the weights) while the counters call the step non-finite
-    finite = torch.isfinite(total)
-    bad = torch.where(finite, found.reshape(()), g._one)
+    nonfinite = decide.nonfinite(total)
     if g.skip_factor is not None:
-        spike = g._mode.spike(total, finite).to(torch.float32)
-        bad = torch.maximum(bad, spike)
+        spike = g._mode.spike(total, ~nonfinite).to(torch.float32)
+    bad = decide.bad_step(nonfinite, found, spike)
     g._decided(total, factor, None if inv_scale is None else inv, bad, spike,
-               factor.reciprocal() if hand_over else None, grads)
-    return total.to(I.promoted_dtype(grads))
+               decide.grad_scale(factor) if hand_over else None, grads)
+    return total.to(inputs.promoted_dtype(grads))
 
 
 def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler) -> Tensor:
@@ -92,23 +90,23 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     if use_scaler and sharded:
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
-        sh = D.prepare(grads, g.process_group)
+        sh = distributed.prepare(grads, g.process_group)
         backend = g.backend
 
         def local_amp(ts):
-            groups = I.split_by_device(ts)
+            groups = inputs.split_by_device(ts)
             parts = device_amp_norms(groups, inv_scale, p, backend)
             total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
             return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
 
-        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
-        total, _, flag = D.reduced_amp_norm(sh, p, local_amp, poison)
-        groups = I.split_by_device(sh.writes)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, _, flag = distributed.reduced_amp_norm(sh, p, local_amp, poison)
+        groups = inputs.split_by_device(sh.writes)
         found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, g.backend)
         writes, per = sh.writes, None
     elif use_scaler:
-        groups = I.split_by_device(grads)
+        groups = inputs.split_by_device(grads)
         if per_tensor:
             total, per, found = _amp_norms_per_tensor(g, grads, inv_scale)
         else:
@@ -121,32 +119,34 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     elif sharded:
         # clip.py's sharded norm, plus the flag of the copies this rank holds but does not count, folded
         # into the same all-reduce: every rank takes the same decision (fastgrad.distributed.nonfinite_poison)
-        sh = D.prepare(grads, g.process_group)
-        poison = D.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
-        total, per = D.reduced_norm(sh, p, per_tensor, lambda ts, per_t: _norm(ts, p, g.backend, None, per_t),
-                                    poison)
+        sh = distributed.prepare(grads, g.process_group)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        total, per = distributed.reduced_norm(sh, p, per_tensor,
+                                              lambda ts, per_t: _norm(ts, p, g.backend, None, per_t), poison)
         writes = sh.writes
     else:
         total, per = _norm(grads, p, g.backend, None, per_tensor)
         writes, sh = grads, None
 
     g._ensure_state(total, len(params))
+    nonfinite = decide.nonfinite(total)
     if per_tensor:
         index = _param_index(g, params, grads)
-        coefs, bad, clipped_norm, spike = g._mode.update(total, per, index)
+        coefs, clipped_norm, spike = g._mode.update(total, per, index)
         if inv_scale is not None:
-            coefs = coefs * inv_scale.to(coefs.device, coefs.dtype)
+            coefs = decide.with_unscale(coefs, inv_scale)
         _scale_per_tensor(writes, coefs)
         coef = clipped_norm / total
         factor = None
     else:
-        coef, bad, spike = g._mode.update(total, torch.isfinite(total))
-        factor = coef if inv_scale is None else inv_scale.to(coef.device, coef.dtype) * coef
+        coef, spike = g._mode.update(total, ~nonfinite)
+        factor = coef if inv_scale is None else decide.with_unscale(coef, inv_scale)
         if not hand_over and writes:
             _scale(writes, factor, g.backend, None)
-    g._decided(total, coef, None, bad.to(torch.float32), spike, factor.reciprocal() if hand_over else None, grads)
-    out = total.to(I.promoted_dtype(grads)) if grads else total
-    return D.wrap_like(out, sh) if sh is not None else out
+    g._decided(total, coef, None, decide.bad_step(nonfinite, spike_flag=spike), spike,
+               decide.grad_scale(factor) if hand_over else None, grads)
+    out = total.to(inputs.promoted_dtype(grads)) if grads else total
+    return distributed.wrap_like(out, sh) if sh is not None else out
 
 
 def _param_index(g, params: list, grads: list) -> Tensor | None:
@@ -161,7 +161,7 @@ def _amp_norms_per_tensor(g, grads, inv_scale):
     """AdaGC under a GradScaler: the overflow flags from the AMP read pass, then the per-tensor norms of the
     unscaled values (a second read: the AMP primitive has no per-tensor output)."""
     p = g.norm_type
-    groups = I.split_by_device(grads)
+    groups = inputs.split_by_device(grads)
     parts = device_amp_norms(groups, inv_scale, p, g.backend)
     found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
     total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))

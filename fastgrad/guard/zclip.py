@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import decide
 from ._state import Mode, zeros
 
 
@@ -25,7 +26,8 @@ class ZClipMode(Mode):
     def fits(self, n_params: int) -> bool:
         return bool(self.state)
 
-    def update(self, g: Tensor, finite: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, g: Tensor, finite: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(coefficient, spike-or-None) on the norm's device; the statistics updated."""
         o, s = self.o, self.state
         W, a, zt = o["warmup_steps"], o["alpha"], o["z_thresh"]
         ready = s["n"] >= W
@@ -39,11 +41,7 @@ class ZClipMode(Mode):
         if self.max_norm is not None:
             limit = torch.clamp(limit, max=self.max_norm)
         coef = torch.where(g > limit, limit / (g + 1e-6), torch.ones_like(g))
-        spike = None
-        bad = ~finite
-        if self.skip_factor is not None:
-            spike = ready & finite & (g > self.skip_factor * s["mean"])
-            bad = bad | spike
+        spike = None if self.skip_factor is None else decide.spike(g, self.skip_factor, s["mean"], finite, ready)
         # statistics: warm-up buffer, then the EMA of the (ZClip-clipped) norm; a non-finite norm changes nothing
         take = finite & ~ready
         s["buf"] = torch.where((s["slots"] == s["n"]) & take, g, s["buf"])
@@ -58,4 +56,4 @@ class ZClipMode(Mode):
         s["mean"] = torch.where(upd, ema_mean, torch.where(just, init_mean, s["mean"]))
         s["var"] = torch.where(upd, ema_var, torch.where(just, init_var, s["var"]))
         s["n"] = n_new
-        return coef, bad, spike
+        return coef, spike

@@ -35,7 +35,7 @@ class NonFiniteReport:
     params: list[NonFiniteEntry] = field(default_factory=list)
     checked_grads: int = 0
     checked_params: int = 0
-    #: the first module output that went non-finite, from a ``fastgrad.watch.ForwardWatcher`` when one was
+    #: the first module output that went non-finite, from a ``fastgrad.diagnose.collect.watch.ForwardWatcher`` when one was
     #: passed (None: none given, or every watched output stayed finite)
     origin: object | None = None
 
@@ -134,7 +134,7 @@ def find_nonfinite(model_or_parameters, loss=None, *, check_params: bool = True,
     """Locate NaN/Inf: whether ``loss`` (tensor or number) is non-finite, which parameters' gradients hold
     NaN/Inf, and (with ``check_params``) which parameters themselves do. Accepts a module, parameters, or
     ``(name, param)`` pairs; parameters without a gradient are still checked as parameters. One pass over the
-    gradients, one over the parameters, one host sync. ``watcher``: a ``fastgrad.watch.ForwardWatcher`` that
+    gradients, one over the parameters, one host sync. ``watcher``: a ``fastgrad.diagnose.collect.watch.ForwardWatcher`` that
     watched the forward passes; the first module output it saw go non-finite is reported as ``origin`` and
     leads the diagnosis (one more sync, the watcher's)."""
     named = _named(model_or_parameters)
