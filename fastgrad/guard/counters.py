@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..backends import clip_coef
+from ..decide import clip_coef
 
 #: Slots of ``StepGuard.counters()`` (one device tensor, float64 where the device has it).
 COUNTERS = ("steps", "clipped", "skipped", "consecutive_skipped", "nonfinite", "spikes")
