@@ -253,6 +253,19 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "usual start), or drop the clip.",
         "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
     ),
+    "stall": (
+        "The loss is where it started. If the learning rate is tiny (an update/weight ratio far below ~1e-3), "
+        "raise it; if it is large, the optimizer may be bouncing across a valley: lower it. At chance level, "
+        "also check that the labels match the inputs (a shuffled or constant target) and that the model's "
+        "output reaches the loss.",
+        "print([g['lr'] for g in optimizer.param_groups])   # and the update/weight ratio in this report\n"
+        "x, y = next(iter(loader))\n"
+        "for _ in range(200):                               # can it overfit one batch? if not, the setup is wrong\n"
+        "    optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()",
+    ),
+    "decaying:converging": (
+        "The gradient norm decays while the loss keeps improving: usual near convergence, no action needed. If "
+        "it keeps falling after the loss flattens, check the learning-rate schedule.", ""),
     "not_checked": ("Nothing was checked: make the script take at least one optimizer step (or one scalar "
                     "backward()) under the checker, e.g. with fewer epochs or --steps.", ""),
     "amp_skipped": ("Skipped steps are how a GradScaler handles fp16 overflow; worry only if they keep coming.",
@@ -349,7 +362,7 @@ def reword_notices(findings: list[Finding]) -> None:
 
 
 # notices whose advice is "nothing to do": left out when a warning or critical finding is present
-_NO_ACTION = {"small_but_learning", "increasing", "amp_skipped"}
+_NO_ACTION = {"small_but_learning", "increasing", "amp_skipped", "decaying"}
 
 
 def _indent_replace(snippet: str) -> str:

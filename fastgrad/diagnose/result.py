@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .advice import reword_notices
 from .collect.steps import StepRecord
+from .consistency import reconcile
 from .finding import Finding, fmt, steps_text
 from .render import plot as _plot, run_text
 from .report import GradientReport
@@ -22,7 +23,8 @@ from .thresholds import RANK, Thresholds, rate_norm, worst
 __all__ = ["CheckResult", "build_result", "EXIT_CODES"]
 
 EXIT_CODES = {
-    0: "no critical finding (warnings and notices may be present)",
+    0: "no critical finding (warnings and notices may be present). A run whose every NaN/Inf step a StepGuard or "
+       "GradScaler skipped is protected: its NaN findings are warnings, so it exits 0",
     1: "a critical finding (NaN/Inf gradients or loss, norm > 1000 or overflowed, no learning, a critical red flag)",
     2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
        "missing script), found before the script runs",
@@ -103,7 +105,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   scalar_backward_calls=chk.scalar_backward_calls, errors=list(chk.errors), crashed=crashed,
                   crash_text=crash_text,
                   ctx={"scaler": getattr(chk, "scaler_used", False),
-                       "modules": sorted(getattr(chk, "module_types", ()))})
+                       "modules": sorted(getattr(chk, "module_types", ())),
+                       "classes": getattr(chk, "ce_classes", None)})
     used = run.used
     per = run.per
     run.last_series = used[-1].series if used else 0
@@ -114,7 +117,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     if chk._bad_steps is not None:
         run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
 
-    findings = _order(evaluate(run))
+    last_losses = [r.loss for r in per.get(run.last_series, []) if r.loss is not None and math.isfinite(r.loss)]
+    findings = _order(reconcile(evaluate(run), last_losses, run.th))
     reword_notices(findings)
     trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
               if recs else "no steps read" for k, recs in per.items()]
@@ -204,6 +208,12 @@ def _sev(findings: list[Finding], *codes: str, series: int | None = None) -> str
 _NORM_CODES = ("nonfinite", "no_learning", "elevated", "low", "vanishing", "small_but_learning")
 
 
+def _protected(findings: list[Finding]) -> bool:
+    """Every NaN/Inf the run met was kept out of the weights (a StepGuard or GradScaler skipped its steps)."""
+    nf = [f for f in findings if f.code in ("nonfinite", "nonfinite_history", "nonfinite_loss")]
+    return bool(nf) and all(f.evidence.get("protected") for f in nf)
+
+
 def _summary(run: RunView, findings: list[Finding], trends: list[str], born, stopped: bool):
     th = Thresholds()
     rows = []
@@ -215,7 +225,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     ng = len(run.guarded)
     rows.append(("Steps checked", f"{n}{what}" + (f" ({run.amp_skipped} skipped by the GradScaler)"
                                                   if run.amp_skipped else "")
-                 + (f" ({ng} skipped by the step guard)" if ng else "") + (" (stopped by --steps)" if stopped else ""),
+                 + (f" ({ng} skipped by the step guard" + (": the run is protected)" if _protected(findings)
+                                                           else ")") if ng else "") + (" (stopped by --steps)" if stopped else ""),
                  "healthy" if n else "warning"))
     for k, recs in per.items():
         sfx = f" [{names[k]}]" if run.multi else ""
@@ -257,8 +268,12 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             bl = [r.step for r in losses if not math.isfinite(r.loss)]
             if bl:
                 val += f" (non-finite at {len(bl)} step(s), first at step {bl[0]})"
+            st = next((f for f in findings if f.code == "stall" and f.evidence.get("series") == k), None)
+            if st is not None:
+                val += (f" (not improved over {st.evidence['window']} steps"
+                        + (", at chance" if st.evidence["at_chance"] else "") + ")")
             rows.append((f"Loss (first -> last step){sfx}", val,
-                         "critical" if bl else _sev(findings, "loss_diverging", series=k)))
+                         "critical" if bl else _sev(findings, "loss_diverging", "stall", series=k)))
         else:
             rows.append((f"Loss{sfx}", "not seen (no scalar backward() in the step)", "notice"))
     nparams = len(last.params) if last else 0
@@ -278,7 +293,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                      worst(_sev(findings, "dead", "no_learning", "clip_zeroes"),
                            _sev(findings, "zero_grads", series=run.last_series))))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
-                 + (f": {born.module}" if born.module else ""), "critical" if born is not None else "healthy"))
+                 + (f": {born.module}" if born.module else ""),
+                 "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")
+                                                 if _protected(findings) else "critical")))
     clip = f"{run.clip_calls} call(s)" if run.clip_calls else "none"
     rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
                                                  "no_clipping", "clip_zeroes")))

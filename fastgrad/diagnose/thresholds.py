@@ -59,6 +59,17 @@ class RunLimits:
     min_steps: int = 6
     #: a bootstrapped value/TD loss with gradient norms below this (and a stable trend) is at most a notice
     modest_norm: float = 100.0
+    #: stall: losses at least, and the window judged (the last this many losses of one optimizer)
+    stall_min_steps: int = 20
+    stall_window: int = 1000
+    #: ... the loss improved when its last quarter's mean is below its first quarter's by more than this many
+    #: standard errors of that difference (the step-to-step noise, robust to a trend) AND by more than
+    #: ``Thresholds.loss_progress`` of its level (the rule that says "the loss is improving" elsewhere)
+    stall_z: float = 3.0
+    #: ... a loss this close to ln(classes) (relative) sits at chance: a uniform guess scores as well
+    stall_chance: float = 0.05
+    #: ... and a loss whose noise and change are both below this share of its level is flat: a warning
+    stall_flat: float = 1e-3
 
 
 def worst(*severities: str) -> str:

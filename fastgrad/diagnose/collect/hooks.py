@@ -114,6 +114,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._read_this_step = False
         self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
+        self.ce_classes: int | None = None  # classes of the last cross-entropy the script computed (its chance level)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -144,6 +145,9 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         for mod in (root, fg_amp):
             self._patch(mod, "scaler_unscale_and_clip", self._wrap_fused_amp)
         self._patch(StepGuard, "clip_", self._wrap_guard_clip)
+        # nn.CrossEntropyLoss and NLLLoss call these through the module attribute: one patch sees both forms
+        for name in ("cross_entropy", "nll_loss"):
+            self._patch(torch.nn.functional, name, self._wrap_class_loss)
 
     def _patch(self, owner, name: str, wrapper) -> None:
         orig = getattr(owner, name)
@@ -191,6 +195,16 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
                     chk.errors.append(f"backward {chk.backward_calls}: could not read the gradients: {e}")
             return out
         return backward
+
+    def _wrap_class_loss(self, orig):
+        chk = self
+
+        def loss(input, *args, **kwargs):
+            # the class count is a shape, read on the host: a uniform guess scores ln(classes)
+            if isinstance(input, Tensor) and input.dim() >= 1:
+                chk.ce_classes = int(input.shape[1] if input.dim() >= 2 else input.shape[0])
+            return orig(input, *args, **kwargs)
+        return loss
 
     def _on_backward(self, tensor) -> bool:
         """Host bookkeeping before a backward(); returns whether to read the gradients after it (a scalar

@@ -35,6 +35,7 @@ def to_markdown(res) -> str:
             else "optimizer step(s)")
     out = ["## Gradient Health Report", "",
            f"Script: `{cmd}`; {n} {unit} checked{how}. Overall status: **{res.status.upper()}**.",
+           "", "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).",
            "", "### Summary", "", "| Metric | Value | Status |", "|---|---|---|"]
     out += [f"| {m} | {v} | {s} |" for m, v, s in res.summary]
     out += ["", "### Gradient Norm Trend", "", f"Trend: **{res.trend}**.", ""]

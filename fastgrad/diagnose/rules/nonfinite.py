@@ -93,13 +93,23 @@ class NonfiniteLoss(Rule):
         if not bad:
             return []
         run.key_steps.add(bad[0])
+        # steps a StepGuard or a GradScaler kept out of the weights: the loss was bad, the update never happened
+        kept_out = {r.step for r in run.steps if r.guard_skipped or r.skipped}
+        protected = all(s in kept_out for s in bad)
         finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
         text, layers, ev = _origin_text(run)
+        ev = ev | {"first_step": bad[0], "count": len(bad), "protected": protected}
+        head = f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
+        if protected:
+            who = "the step guard" if any(r.guard_skipped for r in run.steps if r.step in bad) else "the GradScaler"
+            return [Finding(
+                self.code, "warning", f"NaN/Inf loss at step(s) {who} skipped: the run is protected",
+                f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw it."
+                + text, layers, bad, ev)]
         return [Finding(
             self.code, "critical", "NaN/Inf loss; check the loss before backward()",
-            f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
-            + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
-               else ".") + text, layers, bad, ev | {"first_step": bad[0], "count": len(bad)})]
+            head + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
+                    else ".") + text, layers, bad, ev)]
 
 
 class NonfiniteHistory(Rule):
@@ -130,7 +140,8 @@ class NonfiniteHistory(Rule):
 
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
-    "gradients); names where it was born: a module's forward, the loss computation, or backward")
+    "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
+    "when a StepGuard or GradScaler skipped every such step (the run is protected)")
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
     "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)")
