@@ -1,0 +1,240 @@
+"""``python -m fastgrad.check``'s judgement on runs whose statistics were right but whose verdict was not: a
+loss that never improves (``stall``), findings that contradicted each other or a StepGuard that protected the
+run, and the small errors a user trips on. Each script records its own float64 truth (``_truth.py``); each
+rule is tested on both sides of its threshold."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastgrad
+from fastgrad import check as C
+from fastgrad.diagnose.advice import advise
+from fastgrad.diagnose.collect.steps import StepRecord
+from fastgrad.diagnose.consistency import reconcile
+from fastgrad.diagnose.finding import Finding
+from fastgrad.diagnose.rules.base import RunView
+from fastgrad.diagnose.rules.clip_zeroes import CLIP_ZEROES, zeroed_by_clip
+from fastgrad.diagnose.rules.stall import STALL, loss_stall
+from fastgrad.diagnose.thresholds import RunLimits, Thresholds
+
+SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
+_cache: dict = {}
+
+
+def run(name, tmp_path_factory, *args):
+    key = (name, args)
+    if key not in _cache:
+        truth = tmp_path_factory.mktemp("judge") / "truth.json"
+        os.environ["FG_TRUTH"] = str(truth)
+        try:
+            res = C.run_script(str(SCRIPTS / name), list(args))
+        finally:
+            os.environ.pop("FG_TRUTH", None)
+        _cache[key] = {"res": res, "md": res.to_markdown(), "rc": res.exit_code,
+                       "json": json.loads(json.dumps(res.to_dict(), default=str)),
+                       "truth": json.loads(truth.read_text()) if truth.exists() else None}
+    return _cache[key]
+
+
+def codes(r, severity=None):
+    return [f["code"] for f in r["json"]["findings"] if severity is None or f["severity"] == severity]
+
+
+def finding(r, code):
+    return next(f for f in r["json"]["findings"] if f["code"] == code)
+
+
+def row(r, metric):
+    return next(x for x in r["json"]["summary"] if x["metric"].startswith(metric))
+
+
+def same_losses(r):
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    assert len(steps) == len(truth)
+    for s, t in zip(steps, truth):
+        assert abs(s["loss"] - t["loss"]) <= 1e-6 * abs(t["loss"]), (s["step"], s["loss"], t["loss"])
+        assert abs(s["grad_norm"] - t["norm"]) <= 1e-6 * t["norm"], (s["step"], s["grad_norm"], t["norm"])
+
+
+# ---------------------------------------------------------------------------------------------- stall
+@pytest.mark.parametrize("script, severity, classes", [
+    ("stall_sgd_reflect.py", "warning", None),   # reflected through the optimum: the loss is flat
+    ("stall_adam_tiny_lr.py", "notice", 4),      # lr 1e-9: batch noise around ln 4
+    ("stall_cnn_chance.py", "notice", 10),       # labels without signal: at ln 10
+])
+def test_a_loss_that_never_improves_is_a_stall(script, severity, classes, tmp_path_factory):
+    r = run(script, tmp_path_factory)
+    same_losses(r)
+    losses = [t["loss"] for t in r["truth"]["steps"]]
+    q = len(losses) // 4
+    assert abs(sum(losses[:q]) / q - sum(losses[-q:]) / q) < 0.01 * losses[0]  # the premise: no progress
+    f = finding(r, "stall")
+    assert f["severity"] == severity and r["rc"] == 0 and not codes(r, "critical")
+    assert f["evidence"]["lr"] == r["res"].steps[-1].lr and "learning rate was" in f["detail"]
+    assert f["evidence"]["at_chance"] == (classes is not None)
+    if classes:
+        assert f["evidence"]["classes"] == classes and math.isclose(f["evidence"]["chance"], math.log(classes))
+        assert "at chance" in row(r, "Loss")["value"]
+    assert "not improved over" in row(r, "Loss")["value"] and row(r, "Loss")["status"] == severity
+    assert "`stall`" in r["md"]
+
+
+@pytest.mark.parametrize("script, args", [("healthy_mlp.py", ()), ("embedding_lm.py", ()), ("dqn_td.py", ())])
+def test_runs_whose_loss_moves_have_no_stall(script, args, tmp_path_factory):
+    assert "stall" not in codes(run(script, tmp_path_factory, *args))
+
+
+def _series(vals):
+    return [100.0 + v for v in vals]
+
+
+def test_stall_sits_between_its_rule_and_the_nearest_wrong_variants():
+    lim, rel = RunLimits(), Thresholds().loss_progress
+    kw = dict(window=lim.stall_window, z=lim.stall_z, rel=rel)
+    n = 40
+    # noise-free: only the 1% floor decides; a fall of just over 1% of the level is progress, just under is not
+    for share, stalled in ((0.0105, False), (0.0095, True)):
+        first = 100.0
+        vals = [first] * 10 + [first] * 20 + [first * (1 - share)] * 10
+        assert (loss_stall(vals, **kw) is not None) == stalled, share
+    # noisy: the noise decides (an alternating +-e wiggle has step-to-step noise 2e*1.4826/sqrt(2)/... ); a
+    # fall of 4 standard errors is progress, 2 is not
+    e = 2.0
+    wig = [e if i % 2 else -e for i in range(n)]
+    base = loss_stall(_series(wig), **kw)
+    assert base is not None and base["drop"] == 0
+    se = base["se"]
+    for k, stalled in ((4.0, False), (2.0, True)):
+        vals = _series(wig[:10] + wig[10:30] + [w - k * se for w in wig[30:]])
+        got = loss_stall(vals, **kw)
+        assert (got is not None) == stalled, (k, got)
+    # a rise beyond the same bound is not a stall (loss_diverging judges a rise)
+    assert loss_stall([100.0] * 30 + [110.0] * 10, **kw) is None
+
+
+def _view(losses, classes=None, lr=0.1):
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=1.0, lr=lr) for i, v in enumerate(losses)]
+    return RunView(steps=steps, lrs=[lr], ctx={"classes": classes})
+
+
+def test_stall_chance_level_and_flat_tiers():
+    lim = RunLimits()
+    c = math.log(10)
+    wig = [0.01 if i % 2 else -0.01 for i in range(40)]
+    inside = STALL.evaluate(_view([c * (1 + lim.stall_chance * 0.9) + w for w in wig], classes=10))
+    outside = STALL.evaluate(_view([c * (1 + lim.stall_chance * 1.1) + w for w in wig], classes=10))
+    assert inside[0].evidence["at_chance"] and not outside[0].evidence["at_chance"]
+    assert inside[0].severity == "notice"
+    flat_in = STALL.evaluate(_view([5.0 + 5.0 * lim.stall_flat * 0.5 * (i % 2) for i in range(40)]))
+    flat_out = STALL.evaluate(_view([5.0 + 5.0 * lim.stall_flat * 3 * (i % 2) for i in range(40)]))
+    assert flat_in[0].severity == "warning" and flat_out[0].severity == "notice"
+    assert not STALL.evaluate(_view([5.0] * (lim.stall_min_steps - 1)))
+    assert STALL.evaluate(_view([5.0] * lim.stall_min_steps))
+
+
+# ---------------------------------------------------------------------------------------------- consistency
+def test_a_nan_loss_the_guard_skipped_is_a_protected_run(tmp_path_factory):
+    r = run("guarded_nan_loss.py", tmp_path_factory)
+    truth = r["truth"]
+    assert truth["steps"][20]["loss"] == "nan" and truth["skipped"] == 1  # the premise: step 21, skipped
+    for s, t in zip(r["json"]["steps"], truth["steps"]):
+        if s["step"] != 21:
+            assert abs(s["loss"] - t["loss"]) <= 1e-6 * t["loss"]
+    f = finding(r, "nonfinite_loss")
+    assert f["severity"] == "warning" and f["steps"] == [21] and f["evidence"]["protected"]
+    assert "stayed finite" not in f["detail"] and "garbage" not in f["detail"] and "protected" in f["title"]
+    assert finding(r, "guard_skipped")["steps"] == [21]
+    assert r["rc"] == 0 and r["json"]["status"] == "warning"
+    assert "the run is protected" in row(r, "Steps checked")["value"]
+    assert row(r, "NaN/Inf born in")["status"] == "warning"
+    assert "protected" in C.EXIT_CODES[0]
+
+
+def test_a_nan_loss_nothing_skipped_stays_critical(tmp_path_factory):
+    r = run("nan_loss.py", tmp_path_factory)
+    f = finding(r, "nonfinite_loss")
+    assert f["severity"] == "critical" and not f["evidence"]["protected"] and r["rc"] == 1
+
+
+def _f(code, severity="warning", **ev):
+    return Finding(code, severity, code, code + " detail", evidence=dict(ev))
+
+
+def test_loss_facts_agree_across_findings():
+    th = Thresholds()
+    falling = [2.0 - 0.02 * i for i in range(40)]
+    # the loss improves and no stall: decaying is convergence, never "training has stalled"
+    out = reconcile([_f("decaying")], falling, th)
+    assert out[0].severity == "notice" and out[0].evidence["variant"] == "converging"
+    assert all("stalled" not in text for _, text, _ in advise(out))
+    # a stall: small_but_learning's "the loss is improving" cannot stand beside it
+    out = reconcile([_f("stall", "notice"), _f("small_but_learning", "notice")], [1.0] * 40, th)
+    assert [f.code for f in out] == ["stall", "vanishing"] and "improving" not in out[1].title.replace(
+        "not improving", "")
+    # without the stall the loss is improving: small_but_learning stays
+    out = reconcile([_f("small_but_learning", "notice")], falling, th)
+    assert [f.code for f in out] == ["small_but_learning"]
+    # a clip of still-scaled gradients explains the small norm: no vanishing advice beside it
+    out = reconcile([_f("clip_scaled", "critical"), _f("vanishing")], falling, th)
+    assert [f.code for f in out] == ["clip_scaled"]
+
+
+def test_amp_clip_before_unscale_gets_no_init_advice(tmp_path_factory):
+    r = run("amp_clip_before_unscale.py", tmp_path_factory)
+    assert "clip_scaled" in codes(r) and "vanishing" not in codes(r)
+    assert "kaiming" not in r["md"]
+
+
+# ---------------------------------------------------------------------------------------------- clip_zeroes
+def test_clip_zeroes_sits_between_its_rule_and_the_nearest_wrong_variants():
+    def rec(**kw):
+        return StepRecord(step=1, clipped=kw.pop("clipped", True), **kw)
+    assert zeroed_by_clip(rec(clip_max=0.0, clip_norm=3.0, total_norm=0.0))
+    assert zeroed_by_clip(rec(clip_max=0.0, clip_norm=None, total_norm=0.0))           # bound 0, norm unread
+    assert zeroed_by_clip(rec(clip_max=1e-3, clip_norm=3.0, total_norm=0.0))          # nonzero bound, zero update
+    assert not zeroed_by_clip(rec(clip_max=1e-3, clip_norm=3.0, total_norm=1e-3))     # clipped, not zeroed
+    assert not zeroed_by_clip(rec(clip_max=1.0, clip_norm=math.inf, total_norm=0.0))  # overflow: exploding's
+    assert not zeroed_by_clip(rec(clip_max=1.0, clip_norm=0.0, total_norm=0.0))       # nothing to zero
+    assert not zeroed_by_clip(rec(clipped=False, clip_max=0.0, clip_norm=3.0, total_norm=0.0))
+    run_ = RunView(steps=[rec(clip_max=1e-3, clip_norm=3.0, total_norm=0.0)])
+    (f,) = CLIP_ZEROES.evaluate(run_)
+    assert f.severity == "critical" and f.evidence["max_norm"] == 1e-3 and f.evidence["norm_before"] == 3.0
+
+
+# ---------------------------------------------------------------------------------------------- small things
+def test_command_line_errors_say_what_is_wrong(tmp_path, capsys):
+    for argv, text in (([], "the training script to check is required"),
+                       ([str(tmp_path)], "is a directory")):
+        with pytest.raises(SystemExit) as e:
+            C.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and text in err and "required: script, args" not in err
+    with pytest.raises(SystemExit):
+        C.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--help)" not in out and "numbered from 1" in out
+
+
+def test_the_report_states_its_step_numbering(tmp_path_factory):
+    assert "Steps are numbered from 1" in run("guarded_nan_loss.py", tmp_path_factory)["md"]
+
+
+def test_clear_errors_for_the_usual_mistakes():
+    with pytest.raises(TypeError, match="parameters is None"):
+        fastgrad.clip_grad_norm_(None, 1.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'cuda' cannot run in this process"):
+            fastgrad.set_backend("cuda")
+        assert fastgrad.backends.get_default_backend() != "cuda"
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(3, 2)).sum().backward()
+    g = m.weight.grad.clone()
+    with pytest.raises(RuntimeError, match=r"before scaler\.scale\(loss\)"):
+        fastgrad.scaler_unscale_and_clip(torch.amp.GradScaler("cpu"), opt, 1.0)
+    assert torch.equal(m.weight.grad, g)
