@@ -238,3 +238,25 @@ def test_clear_errors_for_the_usual_mistakes():
     with pytest.raises(RuntimeError, match=r"before scaler\.scale\(loss\)"):
         fastgrad.scaler_unscale_and_clip(torch.amp.GradScaler("cpu"), opt, 1.0)
     assert torch.equal(m.weight.grad, g)
+
+
+# ---------------------------------------------------------------------------------------------- advice fits
+def test_no_advice_to_add_a_clip_where_the_script_clips(tmp_path_factory):
+    r = run("clipped_elevated.py", tmp_path_factory)
+    same_losses(r)
+    acted = sum(1 for t in r["truth"]["steps"] if t["norm"] > 5.0)
+    assert acted == 1  # the premise: the outlier batch of step 30 only
+    assert "spike" in codes(r)
+    recs = {x["code"]: x for x in r["json"]["recommendations"]}
+    for code in ("spike", "exploding"):
+        assert "clip_grad_norm_(" not in recs[code]["code_to_add"]
+        assert "clip the norm" not in recs[code]["text"].lower()
+    assert f"max_norm=5, at 40 of 40 step(s)); it acted at {acted} of the 40" in recs["spike"]["text"]
+    assert "clip_grad_norm_(" not in r["md"].split("### Code to Add")[1]
+    assert row(r, "Learning rate")["value"] == "0.01"
+
+
+def test_the_clip_advice_is_unchanged_where_nothing_clips():
+    f = Finding("spike", "warning", "spike", "")
+    ((_, text, snippet),) = advise([f], {})
+    assert "clip the norm" in text and "clip_grad_norm_(" in snippet

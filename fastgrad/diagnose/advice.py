@@ -341,6 +341,8 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = ("unused = [n for n, p in model.named_parameters()\n"
                        "          if p.grad is not None and (p.grad == 0).float().mean() > 0.5]\n"
                        "print('mostly-zero gradients:', unused)")
+        if ctx.get("clip") and f.code in _ADDS_A_CLIP and f.evidence.get("variant") not in _READ_THE_CLIP:
+            text, snippet = _fit_clip(text, snippet, ctx["clip"])
         if ctx.get("scaler") and "clip_grad_norm_(" in snippet and "unscale_" not in snippet:
             # under a GradScaler the gradients must be unscaled before the clip (or use the fused call)
             snippet = snippet.replace("loss.backward()\n", "scaler.scale(loss).backward()\n")
@@ -349,6 +351,34 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if text:
             out.append((f.code, text, snippet))
     return out
+
+
+# Advice that would add a norm clip: where the script already clips, it says so instead (its bound, and whether
+# the clip acted), and the code to add keeps everything but the clip.
+#: exploding's variants that already describe the script's clip (bounded the update, never acted, overflowed)
+_READ_THE_CLIP = {"clipped", "loose_clip", "overflow"}
+_ADDS_A_CLIP = {"exploding", "elevated", "spike", "increasing", "loss_spike", "loss_diverging"}
+_CLIP_PHRASES = (
+    ("Clip the gradient norm before every optimizer step; above", "Above"),
+    ("Clip the gradient norm before every optimizer step; if", "If"),
+    (", clip the gradient norm, and warm it up", " and warm it up"),
+    (": clip the norm.", "."), (" and clip the norm.", "."),
+    ("Clip the gradient norm, lower the learning rate,", "Lower the learning rate,"),
+    ("; clipping at max_norm=1.0 is cheap insurance.", "."),
+)
+
+
+def _fit_clip(text: str, snippet: str, clip: dict) -> tuple[str, str]:
+    for old, new in _CLIP_PHRASES:
+        text = text.replace(old, new)
+    bound = f"max_norm={clip['bound']:g}" if clip.get("bound") is not None else "its own bound"
+    acted = (f"it acted at {clip['acted']} of the {clip['read']} step(s) whose norm it returned" if clip["read"]
+             else "whether it acted is not known (its norm was not readable)")
+    text += f" The script already clips ({bound}, at {clip['steps']} of {clip['of']} step(s)); {acted}."
+    # the clip line goes, and the backward/step lines that only placed it
+    lines = [ln for ln in snippet.split("\n")
+             if "clip_grad_norm_(" not in ln and ln.strip() not in ("loss.backward()", "optimizer.step()")]
+    return text, "\n".join(lines).strip("\n")
 
 
 def reword_notices(findings: list[Finding]) -> None:

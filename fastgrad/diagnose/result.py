@@ -109,6 +109,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "classes": getattr(chk, "ce_classes", None)})
     used = run.used
     per = run.per
+    run.ctx["clip"] = _clip_setup(used)
     run.last_series = used[-1].series if used else 0
     if chk.last_stats is not None and len(chk.last_stats) and used:
         hist = [r.loss for r in per[run.last_series] if r.loss is not None]
@@ -139,6 +140,18 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
                        stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+
+
+def _clip_setup(used: list[StepRecord]) -> dict | None:
+    """The script's own norm clip, for advice that fits it: its bound (the last one passed), the steps that
+    clipped, and at how many of those whose norm was readable the clip acted (the norm above the bound)."""
+    clipped = [r for r in used if r.clipped]
+    if not clipped:
+        return None
+    bounds = [r.clip_max for r in clipped if r.clip_max is not None]
+    read = [r for r in clipped if r.clip_norm is not None and r.clip_max is not None]
+    return {"bound": bounds[-1] if bounds else None, "steps": len(clipped), "of": len(used), "read": len(read),
+            "acted": sum(1 for r in read if r.clip_norm > r.clip_max)}
 
 
 # ---------------------------------------------------------------------------------------------- trend labels
@@ -261,6 +274,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                          series=k)
         broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
+        lrs = [r.lr for r in recs if r.lr is not None]
+        if lrs:  # the evidence the rules that blame a learning rate quote
+            rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
+                                                                 else ""), "healthy"))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             first_f = next((r.loss for r in losses if math.isfinite(r.loss)), math.nan)
