@@ -260,3 +260,33 @@ def test_the_clip_advice_is_unchanged_where_nothing_clips():
     f = Finding("spike", "warning", "spike", "")
     ((_, text, snippet),) = advise([f], {})
     assert "clip the norm" in text and "clip_grad_norm_(" in snippet
+
+
+# ---------------------------------------------------------------------------------------------- false alarms
+def test_a_fine_tune_whose_norm_rises_while_the_loss_falls_is_not_increasing(tmp_path_factory):
+    r = run("finetune_rising_norm.py", tmp_path_factory)
+    same_losses(r)
+    t = r["truth"]["steps"]
+    assert t[-1]["loss"] < 0.85 * t[0]["loss"] and max(x["norm"] for x in t[80:]) > 2 * t[20]["norm"]  # premise
+    assert "increasing" not in codes(r, "warning") and r["rc"] == 0 and not codes(r, "warning")
+
+
+def _trend_run(norms, losses, clipped):
+    steps = [StepRecord(step=i, total_norm=v, loss=l, has_loss=True, clipped=clipped, numel=10)
+             for i, (v, l) in enumerate(zip(norms, losses), 1)]
+    return RunView(steps=steps)
+
+
+def test_increasing_under_a_clip_of_every_step_with_the_loss_falling_is_a_notice():
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    n = 100
+    norms = [20.0 * (1 + 5 * i / n) for i in range(n)]      # 20 -> 120: above the healthy band, rising
+    down = [3.0 - 2.0 * i / n for i in range(n)]
+    up = [1.0 + 2.0 * i / n for i in range(n)]
+
+    def sev(losses, clipped):
+        return {f.code: f.severity for f in NORM_TRENDS.evaluate(_trend_run(norms, losses, clipped))}["increasing"]
+    assert sev(down, True) == "notice"
+    assert sev(down, False) == "warning"   # nothing bounded the updates
+    assert sev(up, True) == "warning"      # the loss did not fall
