@@ -290,3 +290,22 @@ def test_increasing_under_a_clip_of_every_step_with_the_loss_falling_is_a_notice
     assert sev(down, True) == "notice"
     assert sev(down, False) == "warning"   # nothing bounded the updates
     assert sev(up, True) == "warning"      # the loss did not fall
+
+
+def test_the_plot_keeps_the_arguments_and_its_legend_off_the_curves(tmp_path_factory, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from fastgrad.diagnose.render import plot
+
+    r = run("stall_cnn_chance.py", tmp_path_factory, "--lr", "0.01")
+    figs = []
+    make = plot._figure
+    monkeypatch.setattr(plot, "_figure", lambda size: figs.append(make(size)) or figs[-1])
+    r["res"].plot(str(tmp_path / "p.png"))
+    fig = figs[0]
+    ax = fig.axes[0]
+    assert "stall_cnn_chance.py --lr 0.01" in ax.get_title().replace("\n", " ")
+    leg = ax.get_legend()
+    assert "loss (right axis)" in [t.get_text() for t in leg.get_texts()]
+    fig.canvas.draw()
+    box, area = leg.get_window_extent(), ax.get_window_extent()
+    assert box.y1 <= area.y0  # below the plotting area: it covers no curve
