@@ -64,7 +64,7 @@ def same_losses(r):
 # ---------------------------------------------------------------------------------------------- stall
 @pytest.mark.parametrize("script, severity, classes", [
     ("stall_sgd_reflect.py", "warning", None),   # reflected through the optimum: the loss is flat
-    ("stall_adam_tiny_lr.py", "notice", 4),      # lr 1e-9: batch noise around ln 4
+    ("stall_adam_tiny_lr.py", "warning", 4),     # lr 1e-9: batch noise around ln 4, updates ~1e-9
     ("stall_cnn_chance.py", "notice", 10),       # labels without signal: at ln 10
 ])
 def test_a_loss_that_never_improves_is_a_stall(script, severity, classes, tmp_path_factory):
@@ -309,3 +309,62 @@ def test_the_plot_keeps_the_arguments_and_its_legend_off_the_curves(tmp_path_fac
     fig.canvas.draw()
     box, area = leg.get_window_extent(), ax.get_window_extent()
     assert box.y1 <= area.y0  # below the plotting area: it covers no curve
+
+
+# ---------------------------------------------------------------------------------------------- update size
+def _measured(r):
+    return {u["step"]: u for u in r["json"]["updates"]}
+
+
+def test_the_update_size_is_measured_against_the_scripts_own_float64_truth(tmp_path_factory):
+    r = run("stall_adam_tiny_lr.py", tmp_path_factory)
+    got = _measured(r)
+    assert sorted(got)[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 16]  # the first 8 steps, then every 16th
+    for t in r["truth"]["steps"]:
+        if int(t["step"]) in got:
+            assert abs(got[int(t["step"])]["ratio"] - t["update"]) <= 1e-5 * t["update"], t
+    f = finding(r, "stall")
+    assert f["severity"] == "warning" and f["evidence"]["tiny_update"]  # 1e-9: the weights do not move
+    assert "too small to move them" in f["detail"] and "### Update Size" in r["md"]
+    assert row(r, "Update/weight ratio")["value"].startswith("median ")
+
+
+def test_a_one_step_blow_up_blames_the_learning_rate_not_a_log0(tmp_path_factory):
+    r = run("lr50_blowup.py", tmp_path_factory)
+    t = r["truth"]["steps"]
+    assert t[0]["norm"] < 5 and t[1]["loss"] in ("inf", "nan")  # the premise: a modest norm, then inf
+    assert abs(_measured(r)[1]["ratio"] - t[0]["update"]) <= 1e-5 * t[0]["update"] and t[0]["update"] > 1
+    f = finding(r, "nonfinite_loss")
+    assert f["evidence"]["variant"] == "learning_rate" and "learning rate 50" in f["detail"]
+    assert "log(0)" not in r["md"] and "hand-written" not in r["md"]
+    recs = [x["code"] for x in r["json"]["recommendations"]]
+    assert recs.count("nonfinite_loss") == 1 and "nonfinite" not in recs  # the cause said once
+    assert "learning rate is far too high" in r["md"] and "| Learning rate | 50 |" in r["md"]
+
+
+def _blowup_run(ratio):
+    from fastgrad.diagnose.rules.nonfinite import trace_origin
+
+    steps = [StepRecord(step=1, has_loss=True, loss=1.0, total_norm=2.0, lr=50.0),
+             StepRecord(step=2, has_loss=True, loss=math.inf, total_norm=math.nan, nonfinite=3.0, lr=50.0)]
+    run_ = RunView(steps=steps, ctx={"updates": [{"step": 1, "series": 0, "lr": 50.0, "ratio": ratio,
+                                                  "layers": {}}]})
+    return trace_origin(run_)
+
+
+def test_the_blow_up_cause_sits_between_its_bound_and_just_below_it():
+    lim = RunLimits()
+    assert _blowup_run(lim.blowup_update).cause == "learning_rate"
+    below = _blowup_run(lim.blowup_update * 0.99)
+    assert below.cause is None and below.where == "loss" and "hand-written" in below.text
+
+
+def test_tiny_update_tier_of_the_stall():
+    lim = RunLimits()
+    wig = [0.05 if i % 2 else -0.05 for i in range(40)]
+
+    def sev(ratio):
+        v = _view([2.0 + w for w in wig])
+        v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
+        return STALL.evaluate(v)[0].severity
+    assert sev(lim.stall_tiny_update * 0.9) == "warning" and sev(lim.stall_tiny_update * 1.1) == "notice"

@@ -226,6 +226,16 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "print('samples with NaN/Inf:', bad.nonzero().flatten().tolist())\n"
         "x = torch.nan_to_num(x, nan=0.0)                    # or drop / impute them in the dataset",
     ),
+    # one measured update moved the weights by their own size or more, and the next loss was NaN/Inf
+    "nonfinite:learning_rate": (
+        "One update moved the weights by more than their own size, so the next forward pass ran on weights far "
+        "out of range and the loss overflowed: the learning rate is far too high for this model (the report "
+        "quotes it and the update/weight ratio; about 1e-3 is typical). Lower it until the first updates stay "
+        "well below the weights' size, and warm it up. Nothing in the loss's formula needs an eps or a clamp.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.01                     # the update was ~1x the weights: aim for ~1e-3\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
+    ),
     "loss_diverging:unrecovered": (
         "The loss jumped an order of magnitude and never got back to where it started: the run ends worse than "
         "it began. The usual cause is a learning rate too high for this model: lower it (10x), clip the "
@@ -318,7 +328,13 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             continue
         seen.add(f.code)
         variant = f"{f.code}:{f.evidence.get('variant')}" if f.evidence.get("variant") else None
-        if f.code in _DIVERGING and f.evidence.get("born_in") == "input":
+        if f.code in _DIVERGING and f.evidence.get("variant") == "learning_rate":
+            # one update threw the weights out of range: every NaN finding has that cause, said once
+            if "nonfinite:learning_rate" in seen:
+                continue
+            seen.add("nonfinite:learning_rate")
+            variant = "nonfinite:learning_rate"
+        elif f.code in _DIVERGING and f.evidence.get("born_in") == "input":
             # every NaN finding of the run has the same cause: say it once
             if "nonfinite:input" in seen:
                 continue

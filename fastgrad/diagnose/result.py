@@ -110,6 +110,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     used = run.used
     per = run.per
     run.ctx["clip"] = _clip_setup(used)
+    run.ctx["updates"] = update_sizes(getattr(chk, "updates", []), {r.step: r for r in steps})
     run.last_series = used[-1].series if used else 0
     if chk.last_stats is not None and len(chk.last_stats) and used:
         hist = [r.loss for r in per[run.last_series] if r.loss is not None]
@@ -140,6 +141,33 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
                        stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+
+
+def _ratio(sq_update: float, sq_weight: float) -> float:
+    """sqrt(update^2 / weight^2): NaN where either is not finite (an update on NaN weights), inf for an update
+    of weights that were all zero (a zero-initialised head), 0 for no update."""
+    if not (math.isfinite(sq_update) and math.isfinite(sq_weight)):
+        return math.nan
+    if sq_weight == 0:
+        return math.inf if sq_update > 0 else 0.0
+    return math.sqrt(sq_update / sq_weight)
+
+
+def update_sizes(rows, by_step: dict) -> list[dict]:
+    """Per measured step: the update/weight ratio of the whole model and of each layer (its parameters' update
+    norm over the norm of the weights it was applied to), the series and the learning rate of that step."""
+    out = []
+    for step, names, (upd, size) in rows:
+        layers: dict[str, list[float]] = {}
+        for n, u, w in zip(names, upd, size):
+            acc = layers.setdefault(n.rsplit(".", 1)[0] if "." in n else n, [0.0, 0.0])
+            acc[0] += u * u
+            acc[1] += w * w
+        r = by_step.get(step)
+        out.append({"step": step, "series": r.series if r else 0, "lr": r.lr if r else None,
+                    "ratio": _ratio(sum(u * u for u in upd), sum(w * w for w in size)),
+                    "layers": {k: _ratio(a, b) for k, (a, b) in layers.items()}})
+    return out
 
 
 def _clip_setup(used: list[StepRecord]) -> dict | None:
@@ -274,6 +302,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                          series=k)
         broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
+        ups = [u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"])]
+        if ups:
+            rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median(ups))} over {len(ups)} measured step(s), "
+                         f"largest {fmt(max(ups))} (about 1e-3 is typical)", "healthy"))
         lrs = [r.lr for r in recs if r.lr is not None]
         if lrs:  # the evidence the rules that blame a learning rate quote
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]

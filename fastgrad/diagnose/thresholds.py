@@ -70,6 +70,12 @@ class RunLimits:
     stall_chance: float = 0.05
     #: ... and a loss whose noise and change are both below this share of its level is flat: a warning
     stall_flat: float = 1e-3
+    #: ... or whose measured updates are below this share of the weights (median update/weight ratio; about
+    #: 1e-3 is typical): the learning rate does not move the weights, a warning
+    stall_tiny_update: float = 1e-6
+    #: nonfinite_loss: an update at least this size relative to the weights, the step before the loss went
+    #: non-finite, threw the weights out of range: the learning rate is the cause, not the loss's formula
+    blowup_update: float = 1.0
 
 
 def worst(*severities: str) -> str:

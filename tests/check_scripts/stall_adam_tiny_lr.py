@@ -15,6 +15,9 @@ for step in range(1, 81):
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    truth.add(step=step, norm=grad_norm(model.parameters()), loss=loss.item())
+    before = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     opt.step()
+    after = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    truth.add(step=step, norm=grad_norm(model.parameters()), loss=loss.item(),
+              update=float((after - before).norm() / before.norm()))
 print("done")

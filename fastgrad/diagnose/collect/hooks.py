@@ -114,6 +114,9 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._read_this_step = False
         self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
+        self._upd_before = None  # (optimizer ref, named parameters, their copies) on a sampled step
+        self.update_rows: list = []  # (step, names, device [2, n]: update norm, weight norm per parameter)
+        self.updates: list = []      # the same on the host, read once after the run
         self.ce_classes: int | None = None  # classes of the last cross-entropy the script computed (its chance level)
 
     # ---------------------------------------------------------------- install / remove
@@ -253,6 +256,12 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
             self.steps = self._m_host + self._read(self._m_steps)
             self._m_steps = []
             self.last_stats = self._m_last
+        if self.update_rows:
+            vals = torch.stack([t.to(self.update_rows[0][2].device) for _, _, t in self.update_rows]) \
+                if len({t.shape for _, _, t in self.update_rows}) == 1 else None
+            rows = vals.tolist() if vals is not None else [t.tolist() for _, _, t in self.update_rows]
+            self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
+            self.update_rows = []
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:

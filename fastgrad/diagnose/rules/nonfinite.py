@@ -44,6 +44,15 @@ def trace_origin(run: RunView) -> NanOrigin | None:
         return NanOrigin("forward", first, o.module,
                          f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}"
                          + after)
+    blow = _update_blowup(run, first)
+    if bad_loss == first and blow is not None:
+        u = blow
+        lr = f" (learning rate {u['lr']:g})" if u.get("lr") is not None else ""
+        return NanOrigin("loss", first, None,
+                         f"born in the loss at step {first}, right after the update of step {u['step']} moved the "
+                         f"weights by {fmt(u['ratio'])}x their own size{lr}: every module output was still finite, "
+                         "but the weights were thrown out of range and the loss overflowed on them. The learning "
+                         "rate is the cause, not the loss's formula" + later, cause="learning_rate")
     if bad_loss == first:
         return NanOrigin("loss", first, None,
                          f"born in the loss at step {first}: every module output of that step was finite, so the "
@@ -53,6 +62,16 @@ def trace_origin(run: RunView) -> NanOrigin | None:
                      f"born in backward at step {first}: the loss and every module output of that step were "
                      "finite, the gradients were not (an op with an unstable derivative, e.g. sqrt or log at 0, "
                      "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later + after)
+
+
+def _update_blowup(run: RunView, first: int) -> dict | None:
+    """The last measured update before step ``first`` when it was at least ``RunLimits.blowup_update`` times
+    the weights it was applied to (and finite): one step rewrote the model."""
+    prev = [u for u in run.ctx.get("updates") or () if u["step"] < first]
+    if not prev or prev[-1]["step"] != first - 1:
+        return None
+    u = prev[-1]
+    return u if math.isfinite(u["ratio"]) and u["ratio"] >= run.limits.blowup_update else None
 
 
 def _input_text(o, mod: str, step: int | None) -> str:
@@ -84,7 +103,8 @@ def _origin_text(run: RunView) -> tuple[str, list[str], dict]:
     if o is None:
         return "", [], {}
     return (" The NaN/Inf was " + o.text + ".", [o.module] if o.module else [],
-            {"born_in": o.where, "born_at_step": o.step, "born_module": o.module})
+            {"born_in": o.where, "born_at_step": o.step, "born_module": o.module}
+            | ({"variant": "learning_rate"} if o.cause == "learning_rate" else {}))
 
 
 class NonfiniteLoss(Rule):

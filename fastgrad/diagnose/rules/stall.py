@@ -7,7 +7,8 @@ successive differences about their mean over sqrt(2), which a steady trend does 
 ``Thresholds.loss_progress`` asks of a "loss improving" everywhere else. A loss that rose by more than that is
 not a stall (``loss_diverging`` judges a rise). A cross-entropy's chance level is ln(classes): a loss that ends
 within ``stall_chance`` of it learned nothing a uniform guess does not know. A notice, or a warning when the
-loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it); never
+loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it) or when the
+measured updates are below ``stall_tiny_update`` of the weights (the learning rate cannot move them); never
 critical, the run may still be right (a loss that cannot fall: labels without signal)."""
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ class Stall(Rule):
             chance = math.log(classes) if classes and classes > 1 else None
             at_chance = chance is not None and abs(s["last"] - chance) <= lim.stall_chance * chance
             lr = run.lrs[k] if k < len(run.lrs) else None
+            ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k
+                         and math.isfinite(u["ratio"]))
+            upd = ups[len(ups) // 2] if ups else None
+            tiny = upd is not None and upd < lim.stall_tiny_update
             ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
                   "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
-                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "flat": flat}
+                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "flat": flat,
+                  "update_ratio": upd, "tiny_update": tiny}
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
             why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
@@ -69,15 +75,19 @@ class Stall(Rule):
             at = (f" It sits at chance: a cross-entropy over {classes} classes scores ln({classes}) = "
                   f"{fmt(chance)} with a uniform guess." if at_chance else "")
             out.append(Finding(
-                self.code, "warning" if flat else "notice",
+                self.code, "warning" if flat or tiny else "notice",
                 f"{label}the loss has not improved over {s['n']} steps" + (" (at chance level)" if at_chance else ""),
                 f"{label}{'mean' if label else 'Mean'} loss {fmt(s['first'])} over steps {steps[0]}-"
                 f"{steps[s['quarter'] - 1]} -> {fmt(s['last'])} over steps {steps[-s['quarter']]}-{steps[-1]}: "
-                f"{why}.{at}" + run.lr_text(k), steps=[steps[0], steps[-1]], evidence=ev))
+                f"{why}.{at}" + run.lr_text(k) + (
+                    "" if upd is None else f" Each update moved the weights by {fmt(upd)} of their size (the median "
+                    f"over the measured steps; about 1e-3 is typical)" + (": the learning rate is too small to move "
+                                                                         "them." if tiny else ".")), steps=[steps[0], steps[-1]], evidence=ev))
         return out
 
 
 STALL = Stall(
     "stall", "warning", "each step's finite loss, the learning rate and the cross-entropy's class count",
     "the loss did not improve over the run (last quarter vs first, beyond 3 standard errors of its noise and "
-    "1% of its level; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat")
+    "1% of its level; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat or when the "
+    "updates are below 1e-6 of the weights")
