@@ -368,3 +368,17 @@ def test_tiny_update_tier_of_the_stall():
         v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
         return STALL.evaluate(v)[0].severity
     assert sev(lim.stall_tiny_update * 0.9) == "warning" and sev(lim.stall_tiny_update * 1.1) == "notice"
+
+
+def test_loss_diverging_quotes_the_real_peak_of_the_loss():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    # a loss that climbs 10x over the run, with a spike at step 12 that does not hold, long before the ratio
+    # is held (the peak used to be sought only from there on)
+    losses = [0.3] * 10 + [0.3 + 3.0 * i / 49 for i in range(50)]
+    losses[11] = 6.09
+    steps = [StepRecord(step=i, total_norm=1.0 + 0.01 * (i % 3), loss=v, has_loss=True, numel=10)
+             for i, v in enumerate(losses, 1)]
+    (f,) = LOSS_DIVERGING.evaluate(RunView(steps=steps))
+    assert f.evidence["peak"] == 6.09 and f.evidence["peak_step"] == 12
+    assert "peak 6.09 at step 12" in f.detail
