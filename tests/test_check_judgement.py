@@ -382,3 +382,26 @@ def test_loss_diverging_quotes_the_real_peak_of_the_loss():
     (f,) = LOSS_DIVERGING.evaluate(RunView(steps=steps))
     assert f.evidence["peak"] == 6.09 and f.evidence["peak_step"] == 12
     assert "peak 6.09 at step 12" in f.detail
+
+
+def test_an_ordinary_relu_max_pool_cnn_is_not_mostly_zero(tmp_path_factory):
+    r = run("relu_pool_cnn.py", tmp_path_factory)
+    same_losses(r)
+    z = [t["zero_fraction"] for t in r["truth"]["steps"]]
+    assert 0.5 < z[-1] < Thresholds().mostly_zero  # the premise: over half the values zero, by construction
+    assert abs(r["res"].last.zero / r["res"].last.numel - z[-1]) < 1e-12
+    assert "mostly_zero" not in codes(r) and not codes(r, "warning") and r["rc"] == 0
+
+
+@pytest.mark.parametrize("share, fires", [(0.74, False), (0.76, True)])
+def test_mostly_zero_sits_at_its_threshold(share, fires):
+    th = Thresholds()
+    assert th.mostly_zero == 0.75
+    p = torch.nn.Parameter(torch.ones(100))
+    p.grad = torch.ones(100)
+    p.grad[: int(share * 100)] = 0
+    q = torch.nn.Parameter(torch.ones(100))
+    q.grad = torch.ones(100)
+    q.grad[: int(share * 100)] = 0
+    rep = fastgrad.gradient_report([p, q])
+    assert ("mostly_zero" in rep.codes()) == fires

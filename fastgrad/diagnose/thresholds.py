@@ -37,6 +37,10 @@ class Thresholds:
     critical: float = 1000.0
     vanishing: float = 1e-3
     dead_fraction: float = 0.5
+    # mostly_zero: more than this share of the dense gradient values exactly zero. Not 0.5: ReLU units that are
+    # off and the positions a max-pool did not pick pass no gradient, so an ordinary ReLU + max-pool CNN sits
+    # at 50-60% by construction.
+    mostly_zero: float = 0.75
     depth_ratio: float = 1000.0
     # A loss history "shows progress" when its last quarter's mean is this fraction below its first quarter's.
     loss_progress: float = 0.01

@@ -70,8 +70,9 @@ class Stall(Rule):
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
             why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
-                   f"it {moved}, less than {fmt(lim.stall_z)} standard errors of that difference ({fmt(s['se'])}, "
-                   f"from a step-to-step noise of {fmt(s['noise'])}) or {run.th.loss_progress:.0%} of its level")
+                   f"it {moved}, less than {fmt(lim.stall_z)} standard errors of that difference ({fmt(lim.stall_z)} x "
+                   f"{fmt(s['se'])}, from a step-to-step noise of {fmt(s['noise'])}) or less than "
+                   f"{run.th.loss_progress:.0%} of its level")
             at = (f" It sits at chance: a cross-entropy over {classes} classes scores ln({classes}) = "
                   f"{fmt(chance)} with a uniform guess." if at_chance else "")
             out.append(Finding(
