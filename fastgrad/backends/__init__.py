@@ -116,13 +116,13 @@ def available_backends() -> list[str]:
 
 def set_backend(name: str | None) -> None:
     """Make ``name`` the process-wide default backend (it overrides ``FASTGRAD_BACKEND``); None restores
-    automatic choice. The name must be registered and usable in this process (RuntimeError with the reason
+    automatic choice. The name must be registered and usable in this process (BackendError with the reason
     otherwise); whether it can serve a given call is checked per call."""
     global _default
     if name is not None:
         why = get(name).unavailable_reason()
         if why is not None:  # refused now, not at the next clip far from this call
-            raise RuntimeError(f"fastgrad backend {name!r} cannot run in this process: {why}")
+            raise BackendError(f"fastgrad backend {name!r} cannot run in this process: {why}")
     _default = name
 
 
