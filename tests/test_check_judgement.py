@@ -405,3 +405,28 @@ def test_mostly_zero_sits_at_its_threshold(share, fires):
     q.grad[: int(share * 100)] = 0
     rep = fastgrad.gradient_report([p, q])
     assert ("mostly_zero" in rep.codes()) == fires
+
+
+def test_the_stall_advice_follows_the_update_size():
+    lim = RunLimits()
+    wig = [0.05 if i % 2 else -0.05 for i in range(40)]
+
+    def stall(ratio):
+        v = _view([2.0 + w for w in wig])
+        v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
+        (f,) = STALL.evaluate(v)
+        ((_, text, snippet),) = advise([f])
+        return f, text + snippet
+    f, text = stall(lim.stall_large_update * 1.1)
+    assert f.evidence["variant"] == "large_update" and "Lower the learning rate" in text and "*= 0.1" in text
+    f, text = stall(lim.stall_large_update * 0.9)
+    assert "variant" not in f.evidence and "*= 0.1" not in text
+    f, text = stall(lim.stall_tiny_update * 0.9)
+    assert f.evidence["variant"] == "tiny_update" and "*= 100" in text
+
+
+def test_the_reflecting_sgd_stall_is_told_to_lower_its_learning_rate(tmp_path_factory):
+    r = run("stall_sgd_reflect.py", tmp_path_factory)
+    f = finding(r, "stall")
+    assert f["evidence"]["update_ratio"] > 1 and f["evidence"]["variant"] == "large_update"
+    assert "the learning rate is too large" in f["detail"] and "Lower the learning rate" in r["md"]

@@ -273,6 +273,18 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for _ in range(200):                               # can it overfit one batch? if not, the setup is wrong\n"
         "    optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()",
     ),
+    "stall:tiny_update": (
+        "The updates are a vanishing share of the weights (see the update/weight ratio): the learning rate is too "
+        "small to move them. Raise it until the ratio approaches ~1e-3.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 100                      # then watch the update/weight ratio (~1e-3)",
+    ),
+    "stall:large_update": (
+        "Each update is a large share of the weights and the loss does not improve: the optimizer steps across "
+        "the minimum and back. Lower the learning rate until the update/weight ratio is nearer ~1e-3.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)",
+    ),
     "decaying:converging": (
         "The gradient norm decays while the loss keeps improving: usual near convergence, no action needed. If "
         "it keeps falling after the loss flattens, check the learning-rate schedule.", ""),

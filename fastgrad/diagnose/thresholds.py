@@ -77,6 +77,9 @@ class RunLimits:
     #: ... or whose measured updates are below this share of the weights (median update/weight ratio; about
     #: 1e-3 is typical): the learning rate does not move the weights, a warning
     stall_tiny_update: float = 1e-6
+    #: ... and above this share, updates that large without progress: the optimizer bounces across the valley
+    #: (the advice is then to lower the learning rate, not to raise it)
+    stall_large_update: float = 0.1
     #: nonfinite_loss: an update at least this size relative to the weights, the step before the loss went
     #: non-finite, threw the weights out of range: the learning rate is the cause, not the loss's formula
     blowup_update: float = 1.0

@@ -63,10 +63,13 @@ class Stall(Rule):
                          and math.isfinite(u["ratio"]))
             upd = ups[len(ups) // 2] if ups else None
             tiny = upd is not None and upd < lim.stall_tiny_update
+            large = upd is not None and upd > lim.stall_large_update
             ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
                   "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
                   "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "flat": flat,
                   "update_ratio": upd, "tiny_update": tiny}
+            if tiny or large:  # the advice follows the update size: raise the learning rate, or lower it
+                ev["variant"] = "tiny_update" if tiny else "large_update"
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
             why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
@@ -83,7 +86,11 @@ class Stall(Rule):
                 f"{why}.{at}" + run.lr_text(k) + (
                     "" if upd is None else f" Each update moved the weights by {fmt(upd)} of their size (the median "
                     f"over the measured steps; about 1e-3 is typical)" + (": the learning rate is too small to move "
-                                                                         "them." if tiny else ".")), steps=[steps[0], steps[-1]], evidence=ev))
+                                                                         "them." if tiny else
+                                                                         ": steps that large without progress "
+                                                                         "bounce across the minimum, the learning "
+                                                                         "rate is too large." if large else ".")),
+                steps=[steps[0], steps[-1]], evidence=ev))
         return out
 
 
