@@ -37,6 +37,9 @@ def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
     generator warns as torch.nn.utils.clip_grad_norm_ does)."""
     if isinstance(parameters, Tensor):
         return [parameters]
+    if parameters is None:
+        raise TypeError("parameters is None: pass the tensors whose gradients to use, e.g. model.parameters(); "
+                        "the gradients were not modified")
     is_generator = isinstance(parameters, types.GeneratorType)
     try:
         items = list(parameters)

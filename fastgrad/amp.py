@@ -103,6 +103,10 @@ def _known_unscale(scaler) -> bool:
     return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
 
 
+class ScaleNotStartedError(RuntimeError, AssertionError):
+    """A GradScaler used before its first ``scale()`` (an AssertionError too, as torch raises there)."""
+
+
 def _check_ready(scaler, state: dict, traced: bool = False) -> None:
     """torch's checks in unscale_, in torch's order and with its texts."""
     if traced:  # _check_scale_growth_tracker's checks, inlined (its method cannot be traced)
@@ -318,6 +322,11 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
                                process_group=process_group)
 
+    if not traced and getattr(scaler, "_scale", True) is None:
+        # torch's own check says only "_scale is None": say which call is missing
+        raise ScaleNotStartedError(
+            "scaler_unscale_and_clip was called before scaler.scale(loss): the GradScaler has no scale yet. "
+            "Call scaler.scale(loss).backward() first in each iteration; the gradients were not modified")
     state = _optimizer_state(scaler, optimizer, traced)
     _check_ready(scaler, state, traced)
     sharded = not traced and _is_sharded(scaler)

@@ -72,8 +72,10 @@ def _writable_folder(path: str) -> str | None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastgrad.check",
-        description="Run an unmodified training script and report its gradient health. The findings and the "
-                    "exit codes are listed below (python -m fastgrad.check --help).",
+        usage="python -m fastgrad.check [-h] [--steps N] [--out DIR] [--flush K] SCRIPT [ARGS ...]",
+        description="Run an unmodified training script and report its gradient health. Steps are numbered from "
+                    "1: step N is the N-th optimizer step (the batch of `step == N - 1` in a loop counted from "
+                    "0). The findings and the exit codes are listed below.",
         epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=_positive("--steps"), default=None, metavar="N",
                         help="stop the script after N optimizer steps (default: run it to its end)")
@@ -82,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: print the report only)")
     parser.add_argument("--flush", type=_positive("--flush"), default=64, metavar="K",
                         help="read the device statistics every K steps (default: 64)")
-    parser.add_argument("script", help="the training script")
+    # optional to argparse, so that a missing script gets its own message (REMAINDER args would be listed
+    # as required too, and they are not)
+    parser.add_argument("script", nargs="?", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (default: none)")
     return parser
 
@@ -90,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(argv)
+    if ns.script is None:
+        parser.error("the training script to check is required: python -m fastgrad.check SCRIPT [ARGS...]")
+    if os.path.isdir(ns.script):
+        parser.error(f"{ns.script} is a directory: give the training script itself (a .py file)")
     if not os.path.isfile(ns.script):
         parser.error(f"script not found: {ns.script}")
     if ns.out:

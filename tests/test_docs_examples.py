@@ -17,6 +17,10 @@ fence's info string:
   aside; a ``...`` line marks an elision) must appear, in order, in one complete example of the same page,
   so a fragment cannot drift away from code that runs.
 * Any other info string (bash, text, console, ...): not Python. A fence without one fails: say what it is.
+
+A ``# prints: TEXT`` comment in a complete example is a promise about its output: the test fails unless what
+the example printed holds TEXT (several, in the order written), so a comment cannot promise output the
+example does not print.
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ def test_every_fence_says_what_it_holds():
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
-def test_example_runs(block, tmp_path, monkeypatch):
+def test_example_runs(block, tmp_path, monkeypatch, capsys):
     # compiled everywhere, so a block that only a GPU or several processes run still has to be Python;
     # its source is registered with linecache so a traceback shows the page's lines
     linecache.cache[block.id] = (len(block.code), None, block.code.splitlines(True), block.id)
@@ -173,6 +177,26 @@ def test_example_runs(block, tmp_path, monkeypatch):
         return
     monkeypatch.chdir(tmp_path)
     run_as_main(code)
+    problem = printed_problem(block.code, capsys.readouterr().out)
+    assert problem is None, f"{block.id}: {problem}"
+
+
+_PRINTS = re.compile(r"#\s*prints:\s*(.+?)\s*$")
+
+
+def printed_problem(code: str, out: str) -> str | None:
+    """A ``# prints: TEXT`` comment promises that the example's output holds TEXT; several are found in the
+    order written. None when every promise is kept, else which one is not."""
+    at = 0
+    for line in code.splitlines():
+        m = _PRINTS.search(line)
+        if m is None:
+            continue
+        i = out.find(m.group(1), at)
+        if i < 0:
+            return f"'# prints: {m.group(1)}' is not what it printed:\n{out}"
+        at = i + len(m.group(1))
+    return None
 
 
 def run_as_main(code) -> dict:
@@ -275,5 +299,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert plan("# needs: pip install no-such-package-xyz\n")[0] == "skip"
     with pytest.raises(AssertionError, match="unknown"):
         plan("# needs: processes\n")
+    # a printed-output comment is compared with what the example printed, in order
+    assert printed_problem("print(1)  # prints: [1]\nprint(2)  # prints: 2\n", "[1]\n2\n") is None
+    assert "is not what it printed" in printed_problem("print(x)  # prints: output\n", "input\n")
+    assert printed_problem("a  # prints: 2\nb  # prints: 1\n", "1\n2\n") is not None
     with pytest.raises(AssertionError, match="never closed"):
         parse_blocks("```python\nx = 1\n", ROOT / "README.md")

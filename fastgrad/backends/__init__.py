@@ -104,10 +104,13 @@ def available_backends() -> list[str]:
 
 def set_backend(name: str | None) -> None:
     """Make ``name`` the process-wide default backend (it overrides ``FASTGRAD_BACKEND``); None restores
-    automatic choice. The name must be registered; whether it can serve a call is checked per call."""
+    automatic choice. The name must be registered and usable in this process (BackendError with the reason
+    otherwise); whether it can serve a given call is checked per call."""
     global _default
     if name is not None:
-        get(name)
+        why = get(name).unavailable_reason()
+        if why is not None:  # refused now, not at the next clip far from this call
+            raise BackendError(f"fastgrad backend {name!r} cannot run in this process: {why}")
     _default = name
 
 

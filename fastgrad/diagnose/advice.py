@@ -226,6 +226,16 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "print('samples with NaN/Inf:', bad.nonzero().flatten().tolist())\n"
         "x = torch.nan_to_num(x, nan=0.0)                    # or drop / impute them in the dataset",
     ),
+    # one measured update moved the weights by their own size or more, and the next loss was NaN/Inf
+    "nonfinite:learning_rate": (
+        "One update moved the weights by more than their own size, so the next forward pass ran on weights far "
+        "out of range and the loss overflowed: the learning rate is far too high for this model (the report "
+        "quotes it and the update/weight ratio; about 1e-3 is typical). Lower it until the first updates stay "
+        "well below the weights' size, and warm it up. Nothing in the loss's formula needs an eps or a clamp.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.01                     # the update was ~1x the weights: aim for ~1e-3\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
+    ),
     "loss_diverging:unrecovered": (
         "The loss jumped an order of magnitude and never got back to where it started: the run ends worse than "
         "it began. The usual cause is a learning rate too high for this model: lower it (10x), clip the "
@@ -253,6 +263,31 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "usual start), or drop the clip.",
         "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
     ),
+    "stall": (
+        "The loss is where it started. If the learning rate is tiny (an update/weight ratio far below ~1e-3), "
+        "raise it; if it is large, the optimizer may be bouncing across a valley: lower it. At chance level, "
+        "also check that the labels match the inputs (a shuffled or constant target) and that the model's "
+        "output reaches the loss.",
+        "print([g['lr'] for g in optimizer.param_groups])   # and the update/weight ratio in this report\n"
+        "x, y = next(iter(loader))\n"
+        "for _ in range(200):                               # can it overfit one batch? if not, the setup is wrong\n"
+        "    optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()",
+    ),
+    "stall:tiny_update": (
+        "The updates are a vanishing share of the weights (see the update/weight ratio): the learning rate is too "
+        "small to move them. Raise it until the ratio approaches ~1e-3.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 100                      # then watch the update/weight ratio (~1e-3)",
+    ),
+    "stall:large_update": (
+        "Each update is a large share of the weights and the loss does not improve: the optimizer steps across "
+        "the minimum and back. Lower the learning rate until the update/weight ratio is nearer ~1e-3.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)",
+    ),
+    "decaying:converging": (
+        "The gradient norm decays while the loss keeps improving: usual near convergence, no action needed. If "
+        "it keeps falling after the loss flattens, check the learning-rate schedule.", ""),
     "not_checked": ("Nothing was checked: make the script take at least one optimizer step (or one scalar "
                     "backward()) under the checker, e.g. with fewer epochs or --steps.", ""),
     "amp_skipped": ("Skipped steps are how a GradScaler handles fp16 overflow; worry only if they keep coming.",
@@ -305,7 +340,13 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             continue
         seen.add(f.code)
         variant = f"{f.code}:{f.evidence.get('variant')}" if f.evidence.get("variant") else None
-        if f.code in _DIVERGING and f.evidence.get("born_in") == "input":
+        if f.code in _DIVERGING and f.evidence.get("variant") == "learning_rate":
+            # one update threw the weights out of range: every NaN finding has that cause, said once
+            if "nonfinite:learning_rate" in seen:
+                continue
+            seen.add("nonfinite:learning_rate")
+            variant = "nonfinite:learning_rate"
+        elif f.code in _DIVERGING and f.evidence.get("born_in") == "input":
             # every NaN finding of the run has the same cause: say it once
             if "nonfinite:input" in seen:
                 continue
@@ -328,6 +369,8 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = ("unused = [n for n, p in model.named_parameters()\n"
                        "          if p.grad is not None and (p.grad == 0).float().mean() > 0.5]\n"
                        "print('mostly-zero gradients:', unused)")
+        if ctx.get("clip") and f.code in _ADDS_A_CLIP and f.evidence.get("variant") not in _READ_THE_CLIP:
+            text, snippet = _fit_clip(text, snippet, ctx["clip"])
         if ctx.get("scaler") and "clip_grad_norm_(" in snippet and "unscale_" not in snippet:
             # under a GradScaler the gradients must be unscaled before the clip (or use the fused call)
             snippet = snippet.replace("loss.backward()\n", "scaler.scale(loss).backward()\n")
@@ -336,6 +379,34 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if text:
             out.append((f.code, text, snippet))
     return out
+
+
+# Advice that would add a norm clip: where the script already clips, it says so instead (its bound, and whether
+# the clip acted), and the code to add keeps everything but the clip.
+#: exploding's variants that already describe the script's clip (bounded the update, never acted, overflowed)
+_READ_THE_CLIP = {"clipped", "loose_clip", "overflow"}
+_ADDS_A_CLIP = {"exploding", "elevated", "spike", "increasing", "loss_spike", "loss_diverging"}
+_CLIP_PHRASES = (
+    ("Clip the gradient norm before every optimizer step; above", "Above"),
+    ("Clip the gradient norm before every optimizer step; if", "If"),
+    (", clip the gradient norm, and warm it up", " and warm it up"),
+    (": clip the norm.", "."), (" and clip the norm.", "."),
+    ("Clip the gradient norm, lower the learning rate,", "Lower the learning rate,"),
+    ("; clipping at max_norm=1.0 is cheap insurance.", "."),
+)
+
+
+def _fit_clip(text: str, snippet: str, clip: dict) -> tuple[str, str]:
+    for old, new in _CLIP_PHRASES:
+        text = text.replace(old, new)
+    bound = f"max_norm={clip['bound']:g}" if clip.get("bound") is not None else "its own bound"
+    acted = (f"it acted at {clip['acted']} of the {clip['read']} step(s) whose norm it returned" if clip["read"]
+             else "whether it acted is not known (its norm was not readable)")
+    text += f" The script already clips ({bound}, at {clip['steps']} of {clip['of']} step(s)); {acted}."
+    # the clip line goes, and the backward/step lines that only placed it
+    lines = [ln for ln in snippet.split("\n")
+             if "clip_grad_norm_(" not in ln and ln.strip() not in ("loss.backward()", "optimizer.step()")]
+    return text, "\n".join(lines).strip("\n")
 
 
 def reword_notices(findings: list[Finding]) -> None:
@@ -349,7 +420,7 @@ def reword_notices(findings: list[Finding]) -> None:
 
 
 # notices whose advice is "nothing to do": left out when a warning or critical finding is present
-_NO_ACTION = {"small_but_learning", "increasing", "amp_skipped"}
+_NO_ACTION = {"small_but_learning", "increasing", "amp_skipped", "decaying"}
 
 
 def _indent_replace(snippet: str) -> str:

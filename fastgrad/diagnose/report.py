@@ -21,7 +21,7 @@ NaN or Inf loss (even with finite grads)  critical    ``nonfinite_loss`` (the cu
                                                       value of the loss history)
 loss jumps >= 10x its recent median       warning     ``loss_spike`` (>= 3x: a notice)
 > 50% of parameter tensors all-zero grad  warning     ``dead``
-> 50% of dense gradient values zero       notice      ``mostly_zero`` (when ``dead`` does not apply)
+> 75% of dense gradient values zero       notice      ``mostly_zero`` (when ``dead`` does not apply)
 early layers' norms > 1000x below late    warning     ``depth_vanishing`` (row-sparse layers, i.e.
                                                       embeddings, and free parameters such as a learned
                                                       initial state or a scalar gain left out)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .advice import reword_notices
 from .collect.steps import StepRecord
+from .consistency import reconcile
 from .finding import Finding, fmt, steps_text
 from .render import plot as _plot, run_text
 from .report import GradientReport
@@ -22,7 +23,8 @@ from .thresholds import RANK, Thresholds, rate_norm, worst
 __all__ = ["CheckResult", "build_result", "EXIT_CODES"]
 
 EXIT_CODES = {
-    0: "no critical finding (warnings and notices may be present)",
+    0: "no critical finding (warnings and notices may be present). A run whose every NaN/Inf step a StepGuard or "
+       "GradScaler skipped is protected: its NaN findings are warnings, so it exits 0",
     1: "a critical finding (NaN/Inf gradients or loss, norm > 1000 or overflowed, no learning, a critical red flag)",
     2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
        "missing script), found before the script runs",
@@ -103,9 +105,12 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   scalar_backward_calls=chk.scalar_backward_calls, errors=list(chk.errors), crashed=crashed,
                   crash_text=crash_text,
                   ctx={"scaler": getattr(chk, "scaler_used", False),
-                       "modules": sorted(getattr(chk, "module_types", ()))})
+                       "modules": sorted(getattr(chk, "module_types", ())),
+                       "classes": getattr(chk, "ce_classes", None)})
     used = run.used
     per = run.per
+    run.ctx["clip"] = _clip_setup(used)
+    run.ctx["updates"] = update_sizes(getattr(chk, "updates", []), {r.step: r for r in steps})
     run.last_series = used[-1].series if used else 0
     if chk.last_stats is not None and len(chk.last_stats) and used:
         hist = [r.loss for r in per[run.last_series] if r.loss is not None]
@@ -114,7 +119,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     if chk._bad_steps is not None:
         run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
 
-    findings = _order(evaluate(run))
+    last_losses = [r.loss for r in per.get(run.last_series, []) if r.loss is not None and math.isfinite(r.loss)]
+    findings = _order(reconcile(evaluate(run), last_losses, run.th))
     reword_notices(findings)
     trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
               if recs else "no steps read" for k, recs in per.items()]
@@ -135,6 +141,45 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
                        stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+
+
+def _ratio(sq_update: float, sq_weight: float) -> float:
+    """sqrt(update^2 / weight^2): NaN where either is not finite (an update on NaN weights), inf for an update
+    of weights that were all zero (a zero-initialised head), 0 for no update."""
+    if not (math.isfinite(sq_update) and math.isfinite(sq_weight)):
+        return math.nan
+    if sq_weight == 0:
+        return math.inf if sq_update > 0 else 0.0
+    return math.sqrt(sq_update / sq_weight)
+
+
+def update_sizes(rows, by_step: dict) -> list[dict]:
+    """Per measured step: the update/weight ratio of the whole model and of each layer (its parameters' update
+    norm over the norm of the weights it was applied to), the series and the learning rate of that step."""
+    out = []
+    for step, names, (upd, size) in rows:
+        layers: dict[str, list[float]] = {}
+        for n, u, w in zip(names, upd, size):
+            acc = layers.setdefault(n.rsplit(".", 1)[0] if "." in n else n, [0.0, 0.0])
+            acc[0] += u * u
+            acc[1] += w * w
+        r = by_step.get(step)
+        out.append({"step": step, "series": r.series if r else 0, "lr": r.lr if r else None,
+                    "ratio": _ratio(sum(u * u for u in upd), sum(w * w for w in size)),
+                    "layers": {k: _ratio(a, b) for k, (a, b) in layers.items()}})
+    return out
+
+
+def _clip_setup(used: list[StepRecord]) -> dict | None:
+    """The script's own norm clip, for advice that fits it: its bound (the last one passed), the steps that
+    clipped, and at how many of those whose norm was readable the clip acted (the norm above the bound)."""
+    clipped = [r for r in used if r.clipped]
+    if not clipped:
+        return None
+    bounds = [r.clip_max for r in clipped if r.clip_max is not None]
+    read = [r for r in clipped if r.clip_norm is not None and r.clip_max is not None]
+    return {"bound": bounds[-1] if bounds else None, "steps": len(clipped), "of": len(used), "read": len(read),
+            "acted": sum(1 for r in read if r.clip_norm > r.clip_max)}
 
 
 # ---------------------------------------------------------------------------------------------- trend labels
@@ -204,6 +249,12 @@ def _sev(findings: list[Finding], *codes: str, series: int | None = None) -> str
 _NORM_CODES = ("nonfinite", "no_learning", "elevated", "low", "vanishing", "small_but_learning")
 
 
+def _protected(findings: list[Finding]) -> bool:
+    """Every NaN/Inf the run met was kept out of the weights (a StepGuard or GradScaler skipped its steps)."""
+    nf = [f for f in findings if f.code in ("nonfinite", "nonfinite_history", "nonfinite_loss")]
+    return bool(nf) and all(f.evidence.get("protected") for f in nf)
+
+
 def _summary(run: RunView, findings: list[Finding], trends: list[str], born, stopped: bool):
     th = Thresholds()
     rows = []
@@ -215,7 +266,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     ng = len(run.guarded)
     rows.append(("Steps checked", f"{n}{what}" + (f" ({run.amp_skipped} skipped by the GradScaler)"
                                                   if run.amp_skipped else "")
-                 + (f" ({ng} skipped by the step guard)" if ng else "") + (" (stopped by --steps)" if stopped else ""),
+                 + (f" ({ng} skipped by the step guard" + (": the run is protected)" if _protected(findings)
+                                                           else ")") if ng else "") + (" (stopped by --steps)" if stopped else ""),
                  "healthy" if n else "warning"))
     for k, recs in per.items():
         sfx = f" [{names[k]}]" if run.multi else ""
@@ -250,6 +302,14 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                          series=k)
         broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
+        ups = [u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"])]
+        if ups:
+            rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median(ups))} over {len(ups)} measured step(s), "
+                         f"largest {fmt(max(ups))} (about 1e-3 is typical)", "healthy"))
+        lrs = [r.lr for r in recs if r.lr is not None]
+        if lrs:  # the evidence the rules that blame a learning rate quote
+            rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
+                                                                 else ""), "healthy"))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             first_f = next((r.loss for r in losses if math.isfinite(r.loss)), math.nan)
@@ -257,8 +317,12 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             bl = [r.step for r in losses if not math.isfinite(r.loss)]
             if bl:
                 val += f" (non-finite at {len(bl)} step(s), first at step {bl[0]})"
+            st = next((f for f in findings if f.code == "stall" and f.evidence.get("series") == k), None)
+            if st is not None:
+                val += (f" (not improved over {st.evidence['window']} steps"
+                        + (", at chance" if st.evidence["at_chance"] else "") + ")")
             rows.append((f"Loss (first -> last step){sfx}", val,
-                         "critical" if bl else _sev(findings, "loss_diverging", series=k)))
+                         "critical" if bl else _sev(findings, "loss_diverging", "stall", series=k)))
         else:
             rows.append((f"Loss{sfx}", "not seen (no scalar backward() in the step)", "notice"))
     nparams = len(last.params) if last else 0
@@ -278,7 +342,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                      worst(_sev(findings, "dead", "no_learning", "clip_zeroes"),
                            _sev(findings, "zero_grads", series=run.last_series))))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
-                 + (f": {born.module}" if born.module else ""), "critical" if born is not None else "healthy"))
+                 + (f": {born.module}" if born.module else ""),
+                 "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")
+                                                 if _protected(findings) else "critical")))
     clip = f"{run.clip_calls} call(s)" if run.clip_calls else "none"
     rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
                                                  "no_clipping", "clip_zeroes")))

@@ -37,6 +37,10 @@ class Thresholds:
     critical: float = 1000.0
     vanishing: float = 1e-3
     dead_fraction: float = 0.5
+    # mostly_zero: more than this share of the dense gradient values exactly zero. Not 0.5: ReLU units that are
+    # off and the positions a max-pool did not pick pass no gradient, so an ordinary ReLU + max-pool CNN sits
+    # at 50-60% by construction.
+    mostly_zero: float = 0.75
     depth_ratio: float = 1000.0
     # A loss history "shows progress" when its last quarter's mean is this fraction below its first quarter's.
     loss_progress: float = 0.01
@@ -59,6 +63,26 @@ class RunLimits:
     min_steps: int = 6
     #: a bootstrapped value/TD loss with gradient norms below this (and a stable trend) is at most a notice
     modest_norm: float = 100.0
+    #: stall: losses at least, and the window judged (the last this many losses of one optimizer)
+    stall_min_steps: int = 20
+    stall_window: int = 1000
+    #: ... the loss improved when its last quarter's mean is below its first quarter's by more than this many
+    #: standard errors of that difference (the step-to-step noise, robust to a trend) AND by more than
+    #: ``Thresholds.loss_progress`` of its level (the rule that says "the loss is improving" elsewhere)
+    stall_z: float = 3.0
+    #: ... a loss this close to ln(classes) (relative) sits at chance: a uniform guess scores as well
+    stall_chance: float = 0.05
+    #: ... and a loss whose noise and change are both below this share of its level is flat: a warning
+    stall_flat: float = 1e-3
+    #: ... or whose measured updates are below this share of the weights (median update/weight ratio; about
+    #: 1e-3 is typical): the learning rate does not move the weights, a warning
+    stall_tiny_update: float = 1e-6
+    #: ... and above this share, updates that large without progress: the optimizer bounces across the valley
+    #: (the advice is then to lower the learning rate, not to raise it)
+    stall_large_update: float = 0.1
+    #: nonfinite_loss: an update at least this size relative to the weights, the step before the loss went
+    #: non-finite, threw the weights out of range: the learning rate is the cause, not the loss's formula
+    blowup_update: float = 1.0
 
 
 def worst(*severities: str) -> str:

@@ -114,6 +114,10 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._read_this_step = False
         self._read_failed = False
         self.errors: list[str] = []  # failures of the checker itself (reported, never raised into the script)
+        self._upd_before = None  # (optimizer ref, named parameters, their copies) on a sampled step
+        self.update_rows: list = []  # (step, names, device [2, n]: update norm, weight norm per parameter)
+        self.updates: list = []      # the same on the host, read once after the run
+        self.ce_classes: int | None = None  # classes of the last cross-entropy the script computed (its chance level)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -144,6 +148,9 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         for mod in (root, fg_amp):
             self._patch(mod, "scaler_unscale_and_clip", self._wrap_fused_amp)
         self._patch(StepGuard, "clip_", self._wrap_guard_clip)
+        # nn.CrossEntropyLoss and NLLLoss call these through the module attribute: one patch sees both forms
+        for name in ("cross_entropy", "nll_loss"):
+            self._patch(torch.nn.functional, name, self._wrap_class_loss)
 
     def _patch(self, owner, name: str, wrapper) -> None:
         orig = getattr(owner, name)
@@ -192,6 +199,16 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
             return out
         return backward
 
+    def _wrap_class_loss(self, orig):
+        chk = self
+
+        def loss(input, *args, **kwargs):
+            # the class count is a shape, read on the host: a uniform guess scores ln(classes)
+            if isinstance(input, Tensor) and input.dim() >= 1:
+                chk.ce_classes = int(input.shape[1] if input.dim() >= 2 else input.shape[0])
+            return orig(input, *args, **kwargs)
+        return loss
+
     def _on_backward(self, tensor) -> bool:
         """Host bookkeeping before a backward(); returns whether to read the gradients after it (a scalar
         backward while no optimizer has stepped yet)."""
@@ -239,6 +256,12 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
             self.steps = self._m_host + self._read(self._m_steps)
             self._m_steps = []
             self.last_stats = self._m_last
+        if self.update_rows:
+            vals = torch.stack([t.to(self.update_rows[0][2].device) for _, _, t in self.update_rows]) \
+                if len({t.shape for _, _, t in self.update_rows}) == 1 else None
+            rows = vals.tolist() if vals is not None else [t.tolist() for _, _, t in self.update_rows]
+            self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
+            self.update_rows = []
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:

@@ -11,10 +11,17 @@ import weakref
 
 import torch
 
+from ...clip import multi_tensor_norm
 from ...stats import grad_stats
 from .steps import StopCheck
 
-__all__ = ["OptimizerStepReader"]
+__all__ = ["OptimizerStepReader", "UPDATE_ALWAYS", "UPDATE_EVERY"]
+
+#: the steps whose update is measured: every one of the first UPDATE_ALWAYS (where a learning rate far too
+#: high shows first), then every UPDATE_EVERY-th. A measured step holds one copy of the optimizer's parameters
+#: for the duration of its step().
+UPDATE_ALWAYS = 8
+UPDATE_EVERY = 16
 
 
 class OptimizerStepReader:
@@ -30,7 +37,37 @@ class OptimizerStepReader:
         return stats
 
 
+    def _keep_weights(self, opt) -> None:
+        """On a sampled step, a device copy of the optimizer's parameters, so that the update can be measured
+        after the step (``_measure_update``). No host value is read."""
+        self._upd_before = None
+        step = self.steps_done + 1
+        if step > UPDATE_ALWAYS and step % UPDATE_EVERY:
+            return
+        named = [(n, p) for n, p in self._named(opt) if p.grad is not None]
+        if named:
+            self._upd_before = (weakref.ref(opt), named, [p.detach().clone() for _, p in named])
+
+    def _measure_update(self, opt) -> None:
+        """After a sampled step: per parameter, the norm of the update (new - old) and of the weights before it,
+        kept on the device until the run ends."""
+        kept, self._upd_before = self._upd_before, None
+        if kept is None or kept[0]() is not opt:
+            return
+        _, named, old = kept
+        new = [p.detach() for _, p in named]
+        diff = torch._foreach_sub(new, old)
+        _, upd = multi_tensor_norm(diff, per_tensor=True)
+        _, size = multi_tensor_norm(old, per_tensor=True)  # the weights the update was applied to
+        self.update_rows.append((self.steps_done + 1, [n for n, _ in named],
+                                 torch.stack([upd.to(torch.float64), size.to(upd.device, torch.float64)])))
+
     def _pre_step(self, opt, args, kwargs):
+        try:
+            self._keep_weights(opt)
+        except Exception as e:  # noqa: BLE001 - the update size is evidence, never a reason to fail the step
+            self._upd_before = None
+            self.errors.append(f"step {self.steps_done + 1}: could not keep the weights: {e}")
         if not self._opt_started:  # the first optimizer step: the hand-written-loop reading ends
             self._opt_started = True
             self._m_steps, self._m_host, self._m_row, self._m_used = [], [], None, None
@@ -98,6 +135,10 @@ class OptimizerStepReader:
             except Exception as e:  # noqa: BLE001
                 self.errors.append(f"step {self.steps_done + 1}: could not read the gradients: {e}")
                 self._read_failed = True
+        try:
+            self._measure_update(opt)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"step {self.steps_done + 1}: could not measure the update: {e}")
         try:
             self._boundary(opt, skipped=False)
         except Exception as e:  # noqa: BLE001 - never break the user's optimizer step

@@ -6,6 +6,7 @@ non-finite steps purple vertical lines, steps whose norm overflowed float32 purp
 from __future__ import annotations
 
 import math
+import textwrap
 
 from ..rules.trends import detect_trends
 from ..thresholds import Thresholds
@@ -81,13 +82,20 @@ def plot_run(res, path: str) -> str:
     ax.set_ylabel("gradient norm (before clipping)" if before or not any(r.clipped for r in res.steps)
                   else "gradient norm (after clipping: the clip's return was not readable)")
     losses = [(r.step, r.loss) for r in res.steps if r.loss is not None and math.isfinite(r.loss)]
+    handles, labels = ax.get_legend_handles_labels()
     if losses:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*losses), color="gray", lw=0.8, alpha=0.7)
+        (line,) = ax2.plot(*zip(*losses), color="gray", lw=0.8, alpha=0.7)
+        handles.append(line)
+        labels.append("loss (right axis)")
         ax2.set_ylabel("loss (gray)")
         if min(v for _, v in losses) > 0 and max(v for _, v in losses) > 100 * min(v for _, v in losses):
             ax2.set_yscale("log")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"{res.script}: {res.status.upper()}; trend: {res.trend}"[:120])
+    # below the axes, never over the curves (inside, it covered the loss at the start of the run)
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
+    # the whole command: runs of one script differ by their arguments
+    cmd = " ".join([res.script] + list(res.args))
+    ax.set_title("\n".join(textwrap.wrap(cmd, 90) + textwrap.wrap(f"{res.status.upper()}; trend: {res.trend}", 90)),
+                 fontsize=9)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     return path

@@ -3,6 +3,7 @@ only: findings, advice and verdict are decided before."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 from ..advice import advise
@@ -35,6 +36,7 @@ def to_markdown(res) -> str:
             else "optimizer step(s)")
     out = ["## Gradient Health Report", "",
            f"Script: `{cmd}`; {n} {unit} checked{how}. Overall status: **{res.status.upper()}**.",
+           "", "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).",
            "", "### Summary", "", "| Metric | Value | Status |", "|---|---|---|"]
     out += [f"| {m} | {v} | {s} |" for m, v, s in res.summary]
     out += ["", "### Gradient Norm Trend", "", f"Trend: **{res.trend}**.", ""]
@@ -52,6 +54,7 @@ def to_markdown(res) -> str:
                        + f" {fmt(r.total_norm)} | {before} | {fmt(r.loss)} |")
         if res.key_steps:
             out += ["", "(!) a step where a finding was triggered; always shown."]
+    out += _update_table(res.context.get("updates") or [], multi, res.series)
     out += ["", "### Issues Detected", ""]
     if not res.findings:
         out.append("No issues detected: the gradients look healthy.")
@@ -70,11 +73,37 @@ def to_markdown(res) -> str:
     return "\n".join(out) + "\n"
 
 
+def _update_table(updates: list[dict], multi: bool, series: list[str], limit: int = 12) -> list[str]:
+    """Per layer, the median update/weight ratio over the measured steps (a learning rate's effect, read
+    without a sync while the script ran)."""
+    if not updates:
+        return []
+    per: dict[tuple[int, str], list[float]] = {}
+    for u in updates:
+        for layer, r in u["layers"].items():
+            per.setdefault((u["series"], layer), []).append(r)
+    steps = ", ".join(str(u["step"]) for u in updates[:10]) + (", ..." if len(updates) > 10 else "")
+    out = ["", "### Update Size", "",
+           f"The size of each layer's update relative to its weights, ||w_after - w_before|| / ||w_before||, "
+           f"measured at steps {steps} (about 1e-3 is typical; far below, the learning rate barely moves the "
+           "weights; near or above 1, one step rewrites them).", "",
+           "| Layer |" + (" Optimizer |" if multi else "") + " Update/weight (median) | Largest |",
+           "|---|" + ("---|" if multi else "") + "---|---|"]
+    items = list(per.items())
+    for (k, layer), rs in items[:limit]:
+        s = sorted(r for r in rs if not math.isnan(r))  # an update of NaN weights has no size
+        out.append(f"| {layer} |" + (f" {series[k]} |" if multi and k < len(series) else "")
+                   + (f" {fmt(s[len(s) // 2])} | {fmt(s[-1])} |" if s else " - | - |"))
+    if len(items) > limit:
+        out.append(f"| ... (+{len(items) - limit} layers: report.json) |" + (" |" if multi else "") + " | |")
+    return out
+
+
 def to_dict(res) -> dict:
     return {
         "script": res.script, "args": res.args, "status": res.status, "exit_code": res.exit_code,
         "crashed": res.crashed, "crash": res.crash_text, "stopped_by_steps": res.stopped,
-        "trend": res.trend, "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,
+        "trend": res.trend, "updates": res.context.get("updates"), "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,
         "series": res.series, "key_steps": res.key_steps,
         "summary": [{"metric": m, "value": v, "status": s} for m, v, s in res.summary],
         "findings": [asdict(f) for f in res.findings],

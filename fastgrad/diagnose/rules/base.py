@@ -32,6 +32,8 @@ class NanOrigin:
     step: int
     module: str | None
     text: str
+    #: "learning_rate" when a measured update just before threw the weights out of range
+    cause: str | None = None
 
 
 @dataclass

@@ -28,7 +28,8 @@ __all__ = ["LossDiverging", "loss_divergence"]
 
 
 def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None = None):
-    """(base step, base loss, first step at >= ratio x base, its loss, peak step, peak loss, end level) when the
+    """(base step, base loss, first step at >= ratio x base, its loss, peak step, peak loss, end level, step of
+    the highest loss from the first step on) when the
     series' finite loss rises to ``ratio`` times its start, holds for ``hold`` steps (or to the end), and the
     median of the run's last quarter is still at least ``end_ratio`` (default: ``ratio``) times the start, as is
     the median of its last half when ``end_ratio`` is given; else None."""
@@ -47,9 +48,12 @@ def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None =
         return None
     for i in range(1, len(pts)):
         if min(vals[i:i + hold]) >= ratio * base:
-            j = max(range(i, len(pts)), key=lambda t: vals[t])
+            # the run's real peak is quoted (a spike before the first step that held the ratio is still the
+            # peak); the highest point from that step on says whether the loss is still climbing
+            j = max(range(len(pts)), key=lambda t: vals[t])
+            c = max(range(i, len(pts)), key=lambda t: vals[t])
             b = next(k for k in range(len(pts)) if vals[k] == base)
-            return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j], end
+            return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j], end, pts[c][0]
     return None
 
 
@@ -70,7 +74,7 @@ class LossDiverging(Rule):
                 d = loss_divergence(recs, ratio, hold=1, end_ratio=lim.unrecovered_ratio)
             if d is None:
                 continue
-            s0, v0, s1, v1, sp, vp, end = d
+            s0, v0, s1, v1, sp, vp, end, sc = d
             norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
             q = max(1, len(norms) // 4)
             modest = bool(norms) and max(norms) < lim.modest_norm and len(norms) == len(recs)
@@ -81,7 +85,7 @@ class LossDiverging(Rule):
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
             order = [r.step for r in recs]
-            pos = order.index(sp) if sp in order else 0
+            pos = order.index(sc) if sc in order else 0
             late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
             # ... and it took a while to get there: a loss that passes the ratio within the first quarter of the
             # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets

@@ -44,6 +44,15 @@ def trace_origin(run: RunView) -> NanOrigin | None:
         return NanOrigin("forward", first, o.module,
                          f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}"
                          + after)
+    blow = _update_blowup(run, first)
+    if bad_loss == first and blow is not None:
+        u = blow
+        lr = f" (learning rate {u['lr']:g})" if u.get("lr") is not None else ""
+        return NanOrigin("loss", first, None,
+                         f"born in the loss at step {first}, right after the update of step {u['step']} moved the "
+                         f"weights by {fmt(u['ratio'])}x their own size{lr}: every module output was still finite, "
+                         "but the weights were thrown out of range and the loss overflowed on them. The learning "
+                         "rate is the cause, not the loss's formula" + later, cause="learning_rate")
     if bad_loss == first:
         return NanOrigin("loss", first, None,
                          f"born in the loss at step {first}: every module output of that step was finite, so the "
@@ -53,6 +62,16 @@ def trace_origin(run: RunView) -> NanOrigin | None:
                      f"born in backward at step {first}: the loss and every module output of that step were "
                      "finite, the gradients were not (an op with an unstable derivative, e.g. sqrt or log at 0, "
                      "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later + after)
+
+
+def _update_blowup(run: RunView, first: int) -> dict | None:
+    """The last measured update before step ``first`` when it was at least ``RunLimits.blowup_update`` times
+    the weights it was applied to (and finite): one step rewrote the model."""
+    prev = [u for u in run.ctx.get("updates") or () if u["step"] < first]
+    if not prev or prev[-1]["step"] != first - 1:
+        return None
+    u = prev[-1]
+    return u if math.isfinite(u["ratio"]) and u["ratio"] >= run.limits.blowup_update else None
 
 
 def _input_text(o, mod: str, step: int | None) -> str:
@@ -84,7 +103,8 @@ def _origin_text(run: RunView) -> tuple[str, list[str], dict]:
     if o is None:
         return "", [], {}
     return (" The NaN/Inf was " + o.text + ".", [o.module] if o.module else [],
-            {"born_in": o.where, "born_at_step": o.step, "born_module": o.module})
+            {"born_in": o.where, "born_at_step": o.step, "born_module": o.module}
+            | ({"variant": "learning_rate"} if o.cause == "learning_rate" else {}))
 
 
 class NonfiniteLoss(Rule):
@@ -93,13 +113,23 @@ class NonfiniteLoss(Rule):
         if not bad:
             return []
         run.key_steps.add(bad[0])
+        # steps a StepGuard or a GradScaler kept out of the weights: the loss was bad, the update never happened
+        kept_out = {r.step for r in run.steps if r.guard_skipped or r.skipped}
+        protected = all(s in kept_out for s in bad)
         finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
         text, layers, ev = _origin_text(run)
+        ev = ev | {"first_step": bad[0], "count": len(bad), "protected": protected}
+        head = f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
+        if protected:
+            who = "the step guard" if any(r.guard_skipped for r in run.steps if r.step in bad) else "the GradScaler"
+            return [Finding(
+                self.code, "warning", f"NaN/Inf loss at step(s) {who} skipped: the run is protected",
+                f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw it."
+                + text, layers, bad, ev)]
         return [Finding(
             self.code, "critical", "NaN/Inf loss; check the loss before backward()",
-            f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
-            + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
-               else ".") + text, layers, bad, ev | {"first_step": bad[0], "count": len(bad)})]
+            head + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
+                    else ".") + text, layers, bad, ev)]
 
 
 class NonfiniteHistory(Rule):
@@ -130,7 +160,8 @@ class NonfiniteHistory(Rule):
 
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
-    "gradients); names where it was born: a module's forward, the loss computation, or backward")
+    "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
+    "when a StepGuard or GradScaler skipped every such step (the run is protected)")
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
     "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)")

@@ -93,11 +93,11 @@ def classify(rep) -> list[Finding]:
                              f"{len(zero_params)} of {len(rep.params)} parameter tensors have an all-zero gradient "
                              f"(> {th.dead_fraction:.0%}); {rep.zero / rep.numel:.1%} of all gradient values are "
                              "zero.", zero_params))
-    elif dense_numel and total != 0 and dense_zero / dense_numel > th.dead_fraction:
-        mostly = [r.name for r in dense if r.numel and r.zero / r.numel > th.dead_fraction]
+    elif dense_numel and total != 0 and dense_zero / dense_numel > th.mostly_zero:
+        mostly = [r.name for r in dense if r.numel and r.zero / r.numel > th.mostly_zero]
         found.append(Finding("mostly_zero", "notice", "most gradient values are exactly zero",
                              f"{dense_zero / dense_numel:.1%} of the values of the dense gradients are exactly "
-                             f"zero (> {th.dead_fraction:.0%}); {len(zero_params)} of {len(rep.params)} tensors "
+                             f"zero (> {th.mostly_zero:.0%}); {len(zero_params)} of {len(rep.params)} tensors "
                              "are entirely zero.", mostly))
 
     excluded = {r.name for r in rep.row_sparse if r.excluded}

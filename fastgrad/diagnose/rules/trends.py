@@ -11,7 +11,7 @@ from typing import Sequence
 from ..finding import Finding, fmt as _fmt
 from ..thresholds import Thresholds
 
-__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends"]
+__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends", "loss_falling"]
 
 
 def loss_progress(history: Sequence[float], rel: float = Thresholds.loss_progress) -> bool | None:
@@ -115,7 +115,7 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
         if all(b > a for a, b in zip(med, med[1:])) and med[3] >= trend_ratio * med[0]:
             detail = (f"Median norm grew {med[3] / med[0] if med[0] else math.inf:.3g}x since step "
                       f"{first_step} ({' -> '.join(f'{m:.3g}' for m in med)}).")
-            falling = _loss_falling(steps, losses, first_step, window)
+            falling = loss_falling(steps, losses, first_step, window)
             if falling is not None and all(th.healthy_low <= m <= th.healthy_high for m in med):
                 found.append(Finding("increasing", "notice", "gradient norm rising inside the healthy range while "
                                      "the loss falls", detail + f" It stays within {_fmt(th.healthy_low)} to "
@@ -131,7 +131,7 @@ def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: in
     return found
 
 
-def _loss_falling(steps: Sequence[int], losses: Sequence[float] | None, first_step: int, window: int
+def loss_falling(steps: Sequence[int], losses: Sequence[float] | None, first_step: int, window: int
                   ) -> str | None:
     """``"a -> b"`` (the mean of the first and of the last quarter of the finite losses from ``first_step`` on,
     within the last ``window`` steps) when the loss fell over them (``loss_progress``), else None."""

@@ -1,0 +1,101 @@
+"""``stall``: the loss has not improved over the run (the last ``RunLimits.stall_window`` losses of one
+optimizer), judged against its own noise and, for a cross-entropy, against chance level.
+
+The first and the last quarter of the window are compared by their means. Their difference counts as an
+improvement only when it exceeds ``stall_z`` standard errors (the step-to-step noise: the scaled MAD of the
+successive differences about their mean over sqrt(2), which a steady trend does not inflate) and the share of the level that
+``Thresholds.loss_progress`` asks of a "loss improving" everywhere else. A loss that rose by more than that is
+not a stall (``loss_diverging`` judges a rise). A cross-entropy's chance level is ln(classes): a loss that ends
+within ``stall_chance`` of it learned nothing a uniform guess does not know. A notice, or a warning when the
+loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it) or when the
+measured updates are below ``stall_tiny_update`` of the weights (the learning rate cannot move them); never
+critical, the run may still be right (a loss that cannot fall: labels without signal)."""
+
+from __future__ import annotations
+
+import math
+
+from ..finding import Finding, fmt
+from .base import Rule, RunView, median
+
+__all__ = ["Stall", "loss_stall"]
+
+
+def loss_stall(losses: list[float], *, window: int, z: float, rel: float) -> dict | None:
+    """``{"first", "last", "noise", "se", "drop", "n"}`` when ``losses`` (finite, oldest first) did not improve
+    over their last ``window`` values (see the module docstring), else None."""
+    vals = losses[-window:]
+    q = max(2, len(vals) // 4)
+    first, last = sum(vals[:q]) / q, sum(vals[-q:]) / q
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    md = sum(diffs) / len(diffs)  # the trend per step (an alternating wiggle has a median difference of +-e)
+    noise = 1.4826 * median([abs(d - md) for d in diffs]) / math.sqrt(2)
+    se = noise * math.sqrt(2 / q)
+    need = max(z * se, rel * abs(first))
+    drop = first - last
+    if drop > need or drop < -need:  # improved, or rose (not a stall)
+        return None
+    return {"first": first, "last": last, "noise": noise, "se": se, "drop": drop, "n": len(vals), "quarter": q}
+
+
+class Stall(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        lim, out = run.limits, []
+        if run.codes() & {"nonfinite_loss", "nonfinite_history", "loss_diverging", "zero_grads", "clip_zeroes",
+                          "lr_zero"}:
+            return []  # a stronger cause explains a loss that does not fall
+        for k, recs in run.per.items():
+            pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
+            if len(pts) < lim.stall_min_steps or run.multi:
+                continue  # adversarial and actor-critic losses are not meant to fall: one series only
+            vals = [v for _, v in pts]
+            s = loss_stall(vals, window=lim.stall_window, z=lim.stall_z, rel=run.th.loss_progress)
+            if s is None:
+                continue
+            steps = [st for st, _ in pts[-s["n"]:]]
+            level = abs(s["last"]) or 1.0
+            flat = s["noise"] <= lim.stall_flat * level and abs(s["drop"]) <= lim.stall_flat * level
+            classes = run.ctx.get("classes")
+            chance = math.log(classes) if classes and classes > 1 else None
+            at_chance = chance is not None and abs(s["last"] - chance) <= lim.stall_chance * chance
+            lr = run.lrs[k] if k < len(run.lrs) else None
+            ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k
+                         and math.isfinite(u["ratio"]))
+            upd = ups[len(ups) // 2] if ups else None
+            tiny = upd is not None and upd < lim.stall_tiny_update
+            large = upd is not None and upd > lim.stall_large_update
+            ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
+                  "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
+                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "flat": flat,
+                  "update_ratio": upd, "tiny_update": tiny}
+            if tiny or large:  # the advice follows the update size: raise the learning rate, or lower it
+                ev["variant"] = "tiny_update" if tiny else "large_update"
+            label = run.label(k)
+            moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
+            why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
+                   f"it {moved}, less than {fmt(lim.stall_z)} standard errors of that difference ({fmt(lim.stall_z)} x "
+                   f"{fmt(s['se'])}, from a step-to-step noise of {fmt(s['noise'])}) or less than "
+                   f"{run.th.loss_progress:.0%} of its level")
+            at = (f" It sits at chance: a cross-entropy over {classes} classes scores ln({classes}) = "
+                  f"{fmt(chance)} with a uniform guess." if at_chance else "")
+            out.append(Finding(
+                self.code, "warning" if flat or tiny else "notice",
+                f"{label}the loss has not improved over {s['n']} steps" + (" (at chance level)" if at_chance else ""),
+                f"{label}{'mean' if label else 'Mean'} loss {fmt(s['first'])} over steps {steps[0]}-"
+                f"{steps[s['quarter'] - 1]} -> {fmt(s['last'])} over steps {steps[-s['quarter']]}-{steps[-1]}: "
+                f"{why}.{at}" + run.lr_text(k) + (
+                    "" if upd is None else f" Each update moved the weights by {fmt(upd)} of their size (the median "
+                    f"over the measured steps; about 1e-3 is typical)" + (": the learning rate is too small to move "
+                                                                         "them." if tiny else
+                                                                         ": steps that large without progress "
+                                                                         "bounce across the minimum, the learning "
+                                                                         "rate is too large." if large else ".")),
+                steps=[steps[0], steps[-1]], evidence=ev))
+        return out
+
+
+STALL = Stall(
+    "stall", "warning", "each step's finite loss, the learning rate and the cross-entropy's class count",
+    "the loss did not improve over the run (last quarter vs first, beyond 3 standard errors of its noise and "
+    "1% of its level; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat or when the "
+    "updates are below 1e-6 of the weights")
