@@ -49,17 +49,37 @@ _EAGER = ("fastgrad.StepGuard runs guard.clip_() and its optimizer step hooks ou
           "(torch.compile(model)) and call guard.clip_() and optimizer.step() outside it")
 
 
+_DISABLED: list = []  # (function, holder of its disabled twin) still to make: _make_eager, on the first StepGuard
+
+
 def _eager(fn):
     """``fn`` kept out of any compiled graph (see _EAGER); called directly when not compiling, since the
-    disable wrapper costs ~2 us a call."""
-    off = torch.compiler.disable(fn, reason=_EAGER)
+    disable wrapper costs ~2 us a call. The disabled twin is made when the first StepGuard is built
+    (:func:`_make_eager`): making it imports torch._dynamo, which ``import fastgrad`` must not."""
+    off = [None]
+    _DISABLED.append((fn, off))
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return off(*args, **kwargs)
+            return off[0](*args, **kwargs)
         return fn(*args, **kwargs)
     return run
+
+
+def _make_eager(fn=None):
+    """Make the disabled twins of the class's methods (once); with ``fn`` (a guard's own step hook, made
+    while the guard is built), also return ``fn`` wrapped as :func:`_eager` with its twin made now."""
+    while _DISABLED:
+        method, off = _DISABLED.pop()
+        try:
+            off[0] = torch.compiler.disable(method, reason=_EAGER)
+        except TypeError:  # a torch whose disable() takes no reason: fullgraph's error then lacks our text
+            off[0] = torch.compiler.disable(method)
+    if fn is not None:
+        run = _eager(fn)
+        _make_eager()
+        return run
 
 
 def guard_for(optimizer) -> "StepGuard | None":
@@ -188,13 +208,13 @@ class StepGuard:
 
         ref = weakref.ref(self)
 
-        @_eager
+        @_make_eager
         def pre(opt, args, kwargs):
             g = ref()
             if g is not None:
                 return g._skip.pre_step(opt, args, kwargs)
 
-        @_eager
+        @_make_eager
         def post(opt, args, kwargs):
             g = ref()
             if g is not None:
