@@ -780,10 +780,15 @@ def test_deferred_verdict_on_cuda_without_host_sync():
     """On CUDA a totals-only call does not wait for the agreement verdict: it is copied to pinned memory with
     an event (no host sync) and the next sharded call raises it; a clean verdict raises nothing."""
     D.clear_cache()
+    # the verdicts are made before the watch: a tensor built from a Python list is a pageable host-to-device
+    # copy, which the sync debug mode reports (the 2026-11-27 H200 run failed there, not in _settle)
+    clean = torch.zeros(3, dtype=torch.bool, device="cuda")
+    bad = torch.tensor([False, True, False], device="cuda")
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        D._settle(torch.zeros(3, dtype=torch.bool, device="cuda"), blocking=False)
-        D._settle(torch.tensor([False, True, False], device="cuda"), blocking=False)
+        D._settle(clean, blocking=False)
+        D._settle(bad, blocking=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
