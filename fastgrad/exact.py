@@ -290,3 +290,96 @@ def norm(tensors, p: float, dtype: torch.dtype, *, per_tensor: bool = False, per
     if extra_dtype is not None:
         out = out + (finish(dg, fl, p, extra_dtype),)
     return out
+
+
+# ------------------------------------------------------------------------------------------- public routes
+# (fastgrad.clip's keyword lands here: single-process lists on any devices, and sharded lists)
+_EXACT_KIND = 4  # the collective's signature for exact payloads: a rank calling without exact=True mismatches
+
+
+def applies(exact: bool, p: float) -> bool:
+    """Whether ``exact=True`` changes the computation: p = 1 or 2 (inf is a max, exact already). Rejects any
+    other order with ValueError before any work."""
+    if not exact:
+        return False
+    return check_norm_type(p) != math.inf
+
+
+def reject_fallback() -> None:
+    raise TypeError("exact=True supports dense real floating tensors (float16, bfloat16, float32, float64) only")
+
+
+def local_digits(tensors, p: float, backend: str | None, per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """Digits and flags of a plain list on any devices (rows per tensor in input order when ``per_tensor``,
+    else one row), on the first tensor's device. Each device's part comes from the backend that
+    ``backend=`` selects for its norm: the compiled kernel on the cpu backend, else the torch reference."""
+    from . import _inputs as I
+
+    groups = I.group_by_device(tensors)
+    first = tensors[0].device
+    dgs, fls = [], []
+    for idx in groups.values():
+        part = [tensors[i] for i in idx] if len(groups) > 1 else tensors
+        b = I.pick("norm", part, backend, norm_type=p)
+        dg, fl = limbs(part, p, per_tensor, compiled=b.name == "cpu")
+        dgs.append(dg.to(first))
+        fls.append(fl.to(first))
+    if len(dgs) == 1:
+        return dgs[0], fls[0]
+    if not per_tensor:
+        return normalize(torch.stack(dgs).sum(0)), torch.stack(fls).sum(0)
+    return I.restore_order(torch.cat(dgs), groups), I.restore_order(torch.cat(fls), groups)
+
+
+def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
+    """The whole list's digits and flags over every rank of a sharded list (``fastgrad.distributed.prepare``),
+    the same on every rank: this rank's counted shards' digits travel, as float64 integers below 2^32, in the
+    one SUM all-reduce that carries the agreement header (sums of < 2^21 ranks' digits are exact). With
+    ``per_tensor``: also ``(digits, flags)`` per tensor in input order (whole tensors where shards combine, one
+    more collective, as the default path; a pipeline stage's own tensors otherwise)."""
+    from . import distributed as D
+
+    base, nl = _WINDOWS[p]
+    dev, dtype = D._local_dev_dtype(sh)
+    sel, local = D._counted(sh, dtype, dev)
+    n = len(sh.reads)
+    rows = None
+    if len(local):
+        dg, fl = local_digits(local, p, backend, per_tensor)
+        if per_tensor:
+            rows = torch.cat([dg, fl], dim=1)[: len(sel)]
+            dg, fl = total_digits(dg, fl)
+        else:
+            dg, fl = dg[0], fl[0]
+        payload = torch.cat([dg, fl]).to(dev, torch.float64)
+    else:
+        payload = torch.zeros(nl + 2, dtype=torch.float64, device=dev)
+    red, _ = D._phase_a(sh, _EXACT_KIND, p, per_tensor, payload, None)
+    red = red.to(torch.int64)
+    total = (normalize(red[:nl]), red[nl:])
+    if not per_tensor:
+        return total, None
+    vals = torch.zeros((n, nl + 2), dtype=torch.int64, device=dev)
+    if rows is not None:
+        vals[torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)] = rows
+    if sh.plan.vec_steps:
+        vals = D._combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, nl + 2)
+        vals = vals.to(torch.int64)
+    return total, (normalize(vals[:, :nl]), vals[:, nl:])
+
+
+def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The whole plain list's correctly rounded norm in dtypes ``a`` and ``b`` (one sum, two roundings). CPU
+    tensors on the cpu backend: the compiled ``exact_total``, which decides from a float64 sum with an error bound
+    when it can (then no digits are built) and otherwise returns the exact digits, rounded here."""
+    from . import _inputs as I
+
+    if len(I.split_by_device(tensors)) == 1 and _compiled_ok(tensors) and hasattr(torch.ops.fastgrad, "exact_total"):
+        if I.pick("norm", tensors, backend, norm_type=p).name == "cpu":
+            base, nl = _WINDOWS[p]
+            ra, rb, dg, fl = torch.ops.fastgrad.exact_total(list(tensors), int(p), base, nl, a, b)
+            if dg.shape[0] == 0:  # decided by the bound (a shape, not a value, is read)
+                return ra, rb
+            return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
+    dg, fl = local_digits(tensors, p, backend)
+    return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
