@@ -190,3 +190,23 @@ def test_compiled_total_decides_by_its_bound_or_leaves_it_to_the_digits(p):
     # NaN/inf and float64 lists go to the digits too
     assert op([torch.tensor([1.0, math.nan])], int(p), *X.window(p), f32, f32)[2].shape[0] == 1
     assert op([torch.ones(3, dtype=torch.float64)], int(p), *X.window(p), torch.float64, torch.float64)[2].shape[0] == 1
+
+
+@pytest.mark.parametrize("zero_write", [True, False])
+def test_clip_optimizer_grad_norm_exact(zero_write):
+    from fastgrad.optim_clip import zero_write_applies
+
+    ts = _list(8, [torch.float32], sizes=(300, 7, 5000))
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in ts]
+    for prm, t in zip(params, ts):
+        prm.grad = t.clone()
+    opt = torch.optim.Adam(params, lr=0.1, fused=True)
+    total = fastgrad.clip_optimizer_grad_norm_(opt, 0.5, zero_write=zero_write, exact=True)
+    assert _bits(total) == _bits(correctly_rounded(_vals(ts), 2.0, torch.float32))
+    if zero_write and zero_write_applies(opt, [prm.grad for prm in params]):
+        assert all(torch.equal(prm.grad, t) for prm, t in zip(params, ts))  # handed to the step, not written
+        opt.step()
+    else:  # clipped in place: clip_grad_norm_(exact=True)'s gradients
+        want = [Holder(t.clone()) for t in ts]
+        fastgrad.clip_grad_norm_(want, 0.5, exact=True)
+        assert all(_bits(prm.grad) == _bits(w.grad) for prm, w in zip(params, want))
