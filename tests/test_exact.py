@@ -187,3 +187,26 @@ def test_normalize_ripples_carries_through_full_digits():
 def test_bad_norm_type_is_rejected():
     with pytest.raises(ValueError, match="exact=True supports norm_type 1, 2 and inf"):
         X.check_norm_type(3.0)
+
+
+def test_no_host_read_or_host_value_on_the_way():
+    # no .item()/bool() of a tensor (a host sync on a GPU) and no Python value lifted into a tensor (a host to
+    # device copy): the whole computation, rounding included, stays tensor ops
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.hits = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__
+            if name.startswith(("_local_scalar_dense", "lift_fresh", "item")):
+                self.hits.append(name)
+            return func(*args, **(kwargs or {}))
+
+    ts = [torch.randn(100), torch.randn(7, dtype=torch.bfloat16), torch.zeros(0)]
+    with Watch() as w:
+        for p in (1.0, 2.0):
+            X.norm(ts, p, torch.float32, per_tensor=True, compiled=False, extra_dtype=torch.bfloat16)
+    assert w.hits == []

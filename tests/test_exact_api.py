@@ -210,3 +210,10 @@ def test_clip_optimizer_grad_norm_exact(zero_write):
         want = [Holder(t.clone()) for t in ts]
         fastgrad.clip_grad_norm_(want, 0.5, exact=True)
         assert all(_bits(prm.grad) == _bits(w.grad) for prm, w in zip(params, want))
+
+
+@needs_kernel
+def test_opcheck_exact_limbs():
+    ts = [torch.randn(5, 3), torch.randn(40, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.float64)]
+    for per_tensor in (False, True):
+        torch.library.opcheck(torch.ops.fastgrad.exact_limbs.default, (ts, 2, *X.window(2.0), per_tensor))
