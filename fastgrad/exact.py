@@ -36,7 +36,11 @@ list or all-zero values give 0.
 The implementation below is the reference, in torch ops (CPU and CUDA tensors). The compiled CPU kernel
 (``torch.ops.fastgrad.exact_limbs``, csrc/cpu/exact.cpp) computes the same normalised digits with integer
 bins per exponent, in parallel, the partials merged by integer addition; the rounding is this module's in
-both cases, so both give the same bytes.
+both cases, so both give the same bytes. For a whole plain list without float64 the CPU backend first tries
+``exact_total``: a float64 sum of the (exact) terms with a proven relative error bound; when both ends of the
+interval it defines round to the same value, that value is the correctly rounded norm (rounding is
+monotonic), and no digits are built. Only sums within about 2^-44 of a rounding midpoint, NaN/inf and float64
+lists take the digits.
 """
 
 from __future__ import annotations
@@ -383,3 +387,19 @@ def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtyp
             return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
     dg, fl = local_digits(tensors, p, backend)
     return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
+
+
+def grad_stats_total(grads, backend: str | None, process_group, like: Tensor) -> Tensor:
+    """``grad_stats(..., exact=True)``'s ``total_norm``: the exact L2 norm of ``grads`` (plain or sharded), in
+    ``like``'s dtype and on its device (the default total it replaces)."""
+    from . import _inputs as I
+    from . import distributed as D
+
+    if any(g.layout != torch.strided or not g.dtype.is_floating_point or g.is_complex() for g in grads):
+        reject_fallback()
+    if process_group is not None or D.has_dtensor(grads):
+        (dg, fl), _ = reduced_digits(D.prepare(grads, process_group), 2.0, backend)
+        return finish(dg, fl, 2.0, like.dtype).to(like.device)
+    if not grads:
+        return like
+    return totals(grads, 2.0, backend, like.dtype, like.dtype)[0].to(like.device)

@@ -217,3 +217,14 @@ def test_opcheck_exact_limbs():
     ts = [torch.randn(5, 3), torch.randn(40, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.float64)]
     for per_tensor in (False, True):
         torch.library.opcheck(torch.ops.fastgrad.exact_limbs.default, (ts, 2, *X.window(2.0), per_tensor))
+
+
+def test_grad_stats_exact_total():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+    model(torch.randn(3, 30)).square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    default = fastgrad.grad_stats(model)
+    st = fastgrad.grad_stats(model, exact=True)
+    assert _bits(st.total_norm) == _bits(correctly_rounded(_vals(grads), 2.0, torch.float32))
+    assert torch.equal(st.norm, default.norm)  # the columns are the default's
+    assert _bits(fastgrad.grad_stats(model).total_norm) == _bits(default.total_norm)

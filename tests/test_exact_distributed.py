@@ -77,6 +77,12 @@ def _scenario_shards(rank, world):
             assert c.n == 2, c.kinds
             w_total, w_per = fastgrad.multi_tensor_norm(fulls, p, per_tensor=True, exact=True)
             assert _bits(total) == _bits(w_total) and _bits(per) == _bits(w_per)
+            if p == 2.0:  # grad_stats' total
+                params = [torch.nn.Parameter(torch.zeros_like(m)) for m in mine]
+                for prm, m in zip(params, mine):
+                    prm.grad = m
+                st = fastgrad.grad_stats(params, process_group=pieces, exact=True)
+                assert _bits(st.total_norm) == _bits(want)
             # clipped pieces are the slices of the single-process clip
             c_total, c_grads = _clipped(fulls, p)
             t = fastgrad.clip_grad_norm_([Holder(g) for g in mine], 0.5, p, process_group=pieces, exact=True)
