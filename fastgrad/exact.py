@@ -8,13 +8,14 @@ dtype mix, the number of ranks or the sharding layout. p = inf is a maximum, exa
 Why it is exact
 ---------------
 Every float16/bfloat16/float32/float64 value is ``x = +-M * 2^e`` with an integer ``M < 2^53``. For p = 1 the
-term ``M * 2^e`` is added; for p = 2 the term ``x^2 = M^2 * 2^(2e)`` is split into three integer pieces (``M =
-a * 2^26 + b``: ``a^2 * 2^52``, ``2ab * 2^26``, ``b^2``, each below 2^55), so no product is ever rounded. Each
-term is added into a fixed-point integer accumulator: int64 limbs holding 32-bit digits, limb ``k`` weighing
+term ``M * 2^e`` is added; for p = 2 the term ``x^2 = M^2 * 2^(2e)``, split into integer pieces (``M = a 2^36 + b
+2^18 + c``: five coefficients of ``M^2`` below 2^37), so no product is ever rounded. The pieces are first
+summed per exponent of ``x`` (integer bins), then each bin is added into a fixed-point integer accumulator: int64 limbs holding 32-bit digits, limb ``k`` weighing
 ``2^(BASE + 32 k)``. BASE lies below the lowest bit any term (or any rounding midpoint, below) can have, and
 the limbs reach far above the largest possible sum (float64 squares up to 2^2048 times 2^63 terms), so no bit
-is dropped and nothing overflows. A term touches at most three limbs with less than 2^33 each, so a limb can
-take 2^29 such additions before the carries are normalised (a chunk of input is at most 2^24 elements).
+is dropped and nothing overflows. A chunk of at most 2^24 elements keeps every bin below 2^61; a bin touches
+at most three limbs with less than 2^33 each, and a limb receives a few hundred such additions per chunk, far
+from 2^63, before the carries are normalised.
 Integer addition is associative: partial accumulators of chunks, threads, tensors, devices and ranks just
 add, and the carry normalisation gives the one base-2^32 representation of the value (unique), so every route
 reaches the same digits. Across ranks the normalised digits (below 2^32) travel as float64 in the usual SUM
@@ -60,7 +61,7 @@ _MASK = (1 << 32) - 1
 # (2^-1074)^2 written as M^2 * 2^(2e) with e >= -1126 (M normalised to 53 bits), midpoints of a float64
 # result down to 2^-2150; up to 2^2048 * 2^63 terms. p = 1: terms from 2^-1126, sums below 2^1087.
 _WINDOWS = {2.0: (-2304, 142), 1.0: (-1152, 74)}
-# Elements per chunk of the reference path: at most three terms of < 2^33 per limb each, 3 * 2^33 * 2^24 < 2^63.
+# Elements per chunk of the reference path: bins of coefficients below 2^37 stay below 2^37 * 2^24 = 2^61.
 _CHUNK = 1 << 24
 
 # Target grids: (precision in bits, exponent of the smallest subnormal, largest exponent).
@@ -100,23 +101,38 @@ def _deposit(m: Tensor, exp: Tensor, base: int) -> tuple[Tensor, Tensor]:
 
 
 def _split(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``|x| = M * 2^e`` (int64 M < 2^53, int64 e) for finite x, M = 0 elsewhere; and the finite mask."""
-    xd = x.to(torch.float64)
-    fin = torch.isfinite(xd)
-    f, e = torch.frexp(torch.where(fin, xd, 0.0))
-    m = (f.abs() * 2.0 ** 53).to(torch.int64)
-    return m, e.to(torch.int64) - 53, fin
+    """``|x| = M * 2^e`` (int64 M < 2^53, int64 e in [-1074, 971]) for finite x, M = 0 elsewhere, read from the
+    bits of the float64 value (exact for every input dtype); and the finite mask."""
+    u = x.to(torch.float64).view(torch.int64)
+    be = (u >> 52) & 0x7FF
+    fin = be != 0x7FF
+    m = torch.where(fin, (u & ((1 << 52) - 1)) | torch.where(be > 0, 1 << 52, 0), 0)
+    return m, be.clamp(min=1, max=0x7FE) - 1075, fin  # (inf/NaN: M = 0 at a valid exponent)
 
 
-def _terms(x: Tensor, p: float) -> tuple[Tensor, Tensor]:
-    """The exact integer terms of ``|x|^p``: ``(mantissas, exponents)``, int64, last dim the pieces."""
+# Exponent bins of the reference path: x = M * 2^e with e in [-1074, 971] for every float64.
+_EMIN, _NBINS = -1074, 2046
+_P18 = (1 << 18) - 1
+
+
+def _binned(x: Tensor, p: float, base: int) -> tuple[Tensor, Tensor]:
+    """The exact terms of ``|x|^p`` summed per exponent: ``M = a 2^36 + b 2^18 + c`` (pieces below 2^18), so
+    ``M^2`` is five integer coefficients below 2^37 (``M`` three below 2^18) at offsets ``18 k``; each is added
+    into a bin per exponent of ``x`` (``index_add_`` of integers: exact, any order), a chunk of at most 2^24
+    elements keeping every bin below 2^61. Returns ``(index, values)`` of the bins' digits (see :func:`_deposit`)."""
     m, e, _ = _split(x)
+    a, b, c = m >> 36, (m >> 18) & _P18, m & _P18
     if p == 1.0:
-        return m.unsqueeze(-1), e.unsqueeze(-1)
-    a, b = m >> 26, m & ((1 << 26) - 1)
-    ms = torch.stack([a * a, 2 * a * b, b * b], dim=-1)
-    es = torch.stack([2 * e + 52, 2 * e + 26, 2 * e], dim=-1)
-    return ms, es
+        coefs = torch.stack([c, b, a])
+    else:
+        coefs = torch.stack([c * c, 2 * b * c, 2 * a * c + b * b, 2 * a * b, a * a])
+    k = coefs.shape[0]
+    where = (e - _EMIN) + _NBINS * torch.arange(k, device=x.device).unsqueeze(1)
+    bins = torch.zeros(k * _NBINS, dtype=torch.int64, device=x.device)
+    bins.index_add_(0, where.reshape(-1), coefs.reshape(-1))
+    ex = torch.arange(_NBINS, device=x.device) + _EMIN
+    ex = (ex if p == 1.0 else 2 * ex) + 18 * torch.arange(k, device=x.device).unsqueeze(1)
+    return _deposit(bins.reshape(k, _NBINS), ex, base)
 
 
 def normalize(d: Tensor) -> Tensor:
@@ -155,8 +171,7 @@ def limbs_torch(tensors, p: float, per_tensor: bool = False) -> tuple[Tensor, Te
             fl = torch.zeros(2, dtype=torch.int64, device=dev)
         for start in range(0, flat.numel(), _CHUNK):
             x = flat[start:start + _CHUNK]
-            ms, es = _terms(x, p)
-            idx, vals = _deposit(ms, es, base)
+            idx, vals = _binned(x, p, base)
             acc = normalize(acc.scatter_add(0, idx.reshape(-1), vals.reshape(-1)))
             xd = x.to(torch.float64)
             fl = fl + torch.stack([xd.isnan().sum(), xd.isinf().sum()])
