@@ -41,6 +41,14 @@ TORCH_LIBRARY(fastgrad, m) {
   m.def("centralize_(Tensor(a!)[] grads) -> ()");
   // (L2 norm, max |x|, #NaN, #Inf, #zeros) per tensor.
   m.def("grad_stats(Tensor[] tensors) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // exact=True (fastgrad/exact.py): normalised base-2^32 digits (int64, limb k weighs 2^(base + 32 k)) of the exact
+  // sum of |x|^p, p = 1 or 2, per tensor (T, nlimbs) or for the list (1, nlimbs), and (NaN, inf) counts alike.
+  m.def("exact_limbs(Tensor[] tensors, int p, int base, int nlimbs, bool per_tensor) -> (Tensor, Tensor)");
+  // The list's exact norm rounded to dtypes a and b, decided from a float64 sum with an error bound when that
+  // suffices (then the digits are (0, nlimbs)); else the values are zeros and exact_limbs' (1, nlimbs) digits
+  // and flags come back for the rounding in fastgrad/exact.py.
+  m.def("exact_total(Tensor[] tensors, int p, int base, int nlimbs, ScalarType a, ScalarType b) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace fastgrad {

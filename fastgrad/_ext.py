@@ -247,3 +247,15 @@ def _register_fakes() -> None:
         return (t0.new_empty((n,), dtype=dt, device=dev), t0.new_empty((n,), dtype=dt, device=dev),
                 t0.new_empty((n,), dtype=torch.int64, device=dev), t0.new_empty((n,), dtype=torch.int64, device=dev),
                 t0.new_empty((n,), dtype=torch.int64, device=dev))
+
+    @fake("exact_limbs")
+    def _exact_limbs(tensors, p, base, nlimbs, per_tensor):
+        rows, t0 = (len(tensors) if per_tensor else 1), tensors[0]
+        return (t0.new_empty((rows, nlimbs), dtype=torch.int64, device=t0.device),
+                t0.new_empty((rows, 2), dtype=torch.int64, device=t0.device))
+
+    @fake("exact_total")
+    def _exact_total(tensors, p, base, nlimbs, a, b):
+        t0, rows = tensors[0], torch.library.get_ctx().new_dynamic_size(max=1)
+        return (t0.new_empty((), dtype=a), t0.new_empty((), dtype=b), t0.new_empty((rows, nlimbs), dtype=torch.int64),
+                t0.new_empty((rows, 2), dtype=torch.int64))

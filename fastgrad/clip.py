@@ -29,6 +29,7 @@ from torch import Tensor
 from . import _inputs as inputs
 from . import _scan
 from . import distributed
+from . import exact as exact_norm
 from .backends import BackendError, acc_dtype
 from .decide import clip_coef, nonfinite
 from .backends.torch_backend import combine_norms
@@ -142,17 +143,20 @@ def _clip_one_backend(grads: list[Tensor], max_norm: float, norm_type: float, ba
 
 @torch.no_grad()
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                   foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
+                   foreach: bool | None = None, *, backend: str | None = None, process_group=None,
+                   exact: bool = False) -> Tensor:
     """Norm of the per-tensor norms of ``tensors``, like ``torch.nn.utils.get_total_norm``.
 
     Returns a 0-dim tensor on the first tensor's device in the promoted dtype of the tensors
     (``torch.tensor(0.0)`` on the CPU for an empty list, with no kernel launched). DTensor input gives a
     ``Replicate()`` DTensor; ``process_group=`` (or ``fastgrad.distributed.Shards(group)``): ``tensors`` are
     this rank's part and the result is the norm over every rank's (a collective: every rank of the group must
-    call).
+    call). ``exact=True`` (p = 1, 2, inf): the exact norm of all values correctly rounded to that dtype, the
+    same bits whatever the backend, order, grouping, ranks or layout (fastgrad.exact).
     """
     tensors = inputs.checked(inputs.as_list(tensors))
     p = inputs.check_norm_type(norm_type)
+    ex = exact_norm.applies(exact, p)
     if not tensors and process_group is None:
         return torch.tensor(0.0)
     sh = None
@@ -160,14 +164,23 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
         sh = _sharded_view(tensors, process_group)
     if sh is None and inputs.check_tensors(tensors, "tensors"):
         _no_sharded_fallback(process_group)
+        if ex:
+            exact_norm.reject_fallback()
         _torch_fallback_allowed(backend, "get_total_norm")
         return _torch_utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
     if sh is not None:
-        total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group, sh)
+        if ex:  # rounded once, straight to the returned dtype
+            (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
+            total = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, tensors) if tensors else torch.float32)
+        else:
+            total, _, sh = _sharded_norm(tensors, p, backend, foreach, False, process_group, sh)
         if error_if_nonfinite:
             _check_finite(total, p)
         return distributed.wrap_like(total.to(_sharded_dtype(sh, tensors)) if tensors else total, sh)
-    total, _ = _norm(tensors, p, backend, foreach)
+    if ex:
+        total = exact_norm.totals(tensors, p, backend, acc_dtype(tensors), inputs.promoted_dtype(tensors))[1]
+    else:
+        total, _ = _norm(tensors, p, backend, foreach)
     if error_if_nonfinite:
         _check_finite(total, p)
     return total.to(inputs.promoted_dtype(tensors))
@@ -200,7 +213,8 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: Tensor, forea
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, *, backend: str | None = None, process_group=None) -> Tensor:
+                    foreach: bool | None = None, *, backend: str | None = None, process_group=None,
+                    exact: bool = False) -> Tensor:
     """Clip the gradients' total norm in place, like ``torch.nn.utils.clip_grad_norm_``; returns the total
     norm before clipping (0-dim, first grad's device, promoted grad dtype).
 
@@ -210,13 +224,15 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     layouts, local shards clipped, a ``Replicate()`` DTensor returned when all are on one mesh.
     ``process_group=``: plain grads are this rank's own (a stage; ``Shards(group)``: pieces of the same
     tensors); with DTensors, the group that connects pipeline stages (or the world). Every rank of the group
-    must call (see fastgrad.distributed).
+    must call (see fastgrad.distributed). ``exact=True`` (p = 1, 2, inf): the correctly rounded norm
+    (fastgrad.exact) is returned and the coefficient computed from it (so shards clip as slices of the whole).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
     params = parameters if type(parameters) is list else inputs.as_list(parameters, warn_empty_generator=True)
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    if process_group is None:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
+    ex = exact_norm.applies(exact, p)
+    if process_group is None and not ex:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
         # (before no_grad: that C++ call records nothing for autograd, and entering no_grad costs ~2.5 us,
         # a tenth of the whole call on a 148-tensor model)
         fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
@@ -225,7 +241,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
                 raise RuntimeError(_NONFINITE_MSG.format(p))
             return fast[0]
     with torch.no_grad():
-        return _clip_grad_norm_general(params, max_norm, p, error_if_nonfinite, foreach, backend, process_group)
+        return _clip_grad_norm_general(params, max_norm, p, error_if_nonfinite, foreach, backend, process_group, ex)
 
 
 def _grads_once(params: list) -> list[Tensor]:
@@ -260,11 +276,11 @@ def _sharded_cpu_clip(params: list, max_norm: float, p: float, error_if_nonfinit
 
 
 def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
-                            foreach: bool | None, backend: str | None, process_group) -> Tensor:
+                            foreach: bool | None, backend: str | None, process_group, ex: bool = False) -> Tensor:
     """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
     grads = _scan.grads_of(params)
     if grads is None:  # not plain tensors: DTensor grads whose layout the last call cached, in one C++ pass
-        total = _sharded_cpu_clip(params, max_norm, p, error_if_nonfinite, backend, process_group)
+        total = None if ex else _sharded_cpu_clip(params, max_norm, p, error_if_nonfinite, backend, process_group)
         if total is not None:
             return total
         # DTensor parameters' grads without torch-function handling, else one Python read of each .grad
@@ -280,15 +296,29 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
             distributed.remember_cpu_clip(params, process_group, sh)  # the next call may take _sharded_cpu_clip
     if sh is None and inputs.check_tensors(grads):
         _no_sharded_fallback(process_group)
+        if ex:
+            exact_norm.reject_fallback()
         _torch_fallback_allowed(backend, "clip_grad_norm_")
         return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
     if sh is not None:
-        total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
+        if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
+            (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
+            total = exact_norm.finish(dg, fl, p, distributed._local_dev_dtype(sh)[1])
+            out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
+        else:
+            total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
+            out = total.to(_sharded_dtype(sh, grads)) if grads else total
         if error_if_nonfinite:
             _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
         if sh.writes:
             _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
-        return distributed.wrap_like(total.to(_sharded_dtype(sh, grads)) if grads else total, sh)
+        return distributed.wrap_like(out, sh)
+    if ex:
+        total, out = exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
+        if error_if_nonfinite:
+            _check_finite(total, p)
+        _scale(grads, clip_coef(total, max_norm), backend, foreach)
+        return out
     total = None if error_if_nonfinite else _clip_one_backend(grads, max_norm, p, backend, foreach)
     if total is None:
         total, _ = _norm(grads, p, backend, foreach)
@@ -326,7 +356,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None,
 
 @torch.no_grad()
 def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = False,
-                      backend: str | None = None, process_group=None):
+                      backend: str | None = None, process_group=None, exact: bool = False):
     """Total p-norm of a list of tensors in float32 (float64 if any tensor is float64), on the first
     tensor's device; with ``per_tensor=True`` returns ``(total, per_tensor_norms)``, the latter a 1-D tensor
     in input order. Unlike get_total_norm the result keeps the accumulation dtype. Dense real floating
@@ -336,9 +366,11 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
     with ``process_group=G``: each rank holds its own tensors (a pipeline stage): the per-tensor norms are
     this rank's own tensors', the total is over every rank of ``G``. ``process_group=
     fastgrad.distributed.Shards(G)``: tensor i on every rank of ``G`` is a piece of one tensor (ZeRO-style
-    hand sharding): the per-tensor norms are the whole tensors', and the ranks' lists must match."""
+    hand sharding): the per-tensor norms are the whole tensors', and the ranks' lists must match.
+    ``exact=True`` (p = 1, 2, inf): both results correctly rounded from the exact norms (fastgrad.exact)."""
     tensors = inputs.checked(inputs.as_list(tensors))
     p = inputs.check_norm_type(norm_type)
+    ex = exact_norm.applies(exact, p)
     if not tensors and process_group is None:
         total = torch.tensor(0.0)
         return (total, torch.zeros(0)) if per_tensor else total
@@ -346,9 +378,20 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
         sh = distributed.prepare(tensors, process_group)
         if not sh.checked:
             inputs.check_tensors(tensors, "tensors", allow_fallback=False)
-        total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)
+        if ex:
+            (dg, fl), rows = exact_norm.reduced_digits(sh, p, backend, per_tensor)
+            dtype = distributed._local_dev_dtype(sh)[1]
+            total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
+        else:
+            total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)
         total = distributed.wrap_like(total, sh)
         return (total, distributed.wrap_like(per, sh)) if per_tensor else total
     inputs.check_tensors(tensors, "tensors", allow_fallback=False)
-    total, per = _norm(tensors, p, backend, None, per_tensor)
+    if ex:
+        dg, fl = exact_norm.local_digits(tensors, p, backend, per_tensor)
+        dtype = acc_dtype(tensors)
+        per = exact_norm.finish(dg, fl, p, dtype) if per_tensor else None
+        total = exact_norm.finish(*exact_norm.total_digits(dg, fl), p, dtype)
+    else:
+        total, per = _norm(tensors, p, backend, None, per_tensor)
     return (total, per) if per_tensor else total

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
+from . import exact as exact_norm
 from .amp import optimizer_params
 from .decide import clip_coef, grad_scale
 from .clip import _check_finite, _norm, clip_grad_norm_
@@ -244,7 +245,7 @@ def _params(optimizer) -> list[Tensor]:
 @torch.no_grad()
 def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0,
                               error_if_nonfinite: bool = False, *, zero_write: bool = True,
-                              backend: str | None = None) -> Tensor:
+                              backend: str | None = None, exact: bool = False) -> Tensor:
     """Clip the total norm of the gradients of ``optimizer``'s parameters (all its groups) to ``max_norm``,
     like ``clip_grad_norm_(params, max_norm, norm_type)``; returns the total norm before clipping.
 
@@ -256,10 +257,12 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
     ``scaler.step(optimizer)``) next, with no backward, ``zero_grad`` or gradient write in between: the
     step refuses a coefficient whose gradients changed. Everywhere else the gradients are clipped in place
     (``fastgrad.clip_grad_norm_``). No host sync, unless ``error_if_nonfinite=True`` (checked before
-    anything is handed over or written).
+    anything is handed over or written). ``exact=True``: the norm and coefficient of ``clip_grad_norm_(...,
+    exact=True)`` (fastgrad.exact).
     """
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
+    ex = exact_norm.applies(exact, p)
     if not isinstance(zero_write, bool):
         raise TypeError(f"zero_write must be True or False, got {zero_write!r}; the gradients were not modified")
     params = _params(optimizer)
@@ -273,13 +276,17 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
         # now, still runs and clears the flag), so this clip and any other in the closure write.
         _record_for(optimizer).in_step = True
     if grads is None or not zero_write_applies(optimizer, grads):
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
+        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend, exact=exact)
     if not grads:
         return torch.tensor(0.0)
-    total, _ = _norm(grads, p, backend, None)
+    out = None
+    if ex:  # float32 and the grads' dtype from one exact sum
+        total, out = exact_norm.totals(grads, p, backend, torch.float32, inputs.promoted_dtype(grads))
+    else:
+        total, _ = _norm(grads, p, backend, None)
     if error_if_nonfinite:
         _check_finite(total, p)
     # clip_grad_norm_'s coefficient, op for op (accumulation dtype float32 here: float64 grads never get here)
     coef = clip_coef(total, max_norm)
     _record_for(optimizer).pend(grad_scale(coef), grads)
-    return total.to(inputs.promoted_dtype(grads))
+    return total.to(inputs.promoted_dtype(grads)) if out is None else out

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
+from . import exact as exact_norm
 from .backends import acc_dtype
 
 __all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names"]
@@ -94,7 +95,7 @@ def _named(obj) -> list[tuple[str, Tensor]]:
 
 @torch.no_grad()
 def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None = None,
-               process_group=None) -> GradStats:
+               process_group=None, exact: bool = False) -> GradStats:
     """Read each gradient once and return, per tensor, its L2 norm, max |g|, and counts of NaN, Inf and
     exact zeros, plus numel and the total L2 norm, all on the device (no host sync).
 
@@ -108,10 +109,16 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     stage's own tensors; plain tensors with a bare group are each rank's own tensors, with
     ``fastgrad.distributed.Shards(group)`` pieces of the same tensors). Three collectives (the total with the
     ranks' agreement check, then a sum and a max of the columns); one for plain pipeline stages.
+
+    ``exact=True``: ``total_norm`` is the correctly rounded L2 norm of all the gradient values (fastgrad.exact;
+    sharded gradients: one more collective, which carries its digits).
     """
     obj = parameters_or_named_parameters_or_module
     named = _named(obj)
     st = _stats_of([n for n, _ in named], [p for _, p in named], backend, process_group=process_group)
+    if exact:
+        st.total_norm = exact_norm.grad_stats_total([p.grad for _, p in named if p.grad is not None], backend,
+                                                    process_group, st.total_norm)
     hint = row_sparse_names(obj)
     if hint:
         seen = set(st.row_sparse)

@@ -40,7 +40,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
     ["fastgrad.backends"],
     # 6: helpers of the public ops
-    ["fastgrad._inputs", "fastgrad.distributed"],
+    ["fastgrad._inputs", "fastgrad.distributed", "fastgrad.exact"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],
