@@ -373,7 +373,7 @@ PyObject* monitor_clip_cpu(PyObject*, PyObject* args) {
 }
 
 // ------------------------------------------------------------------------------ sharded gradients (DTensor)
-// The local shards of a sharded clip (fastgrad/distributed.py local_cpu_norm), kept between the norm and the
+// The local shards of a sharded clip (fastgrad/distributed/layout.py local_cpu_norm), kept between the norm and the
 // scale: their flat views, valid as long as `keep` (a tuple of the local tensors' Python objects, owned here)
 // holds the tensors, whatever Python does in between. Python references, not at::Tensor copies: a tensor with
 // a Python object counts its C++ references through the interpreter (a virtual call each way), which on
