@@ -626,3 +626,14 @@ def test_plain_calls_do_not_touch_distributed():
     assert not distributed.has_dtensor(g)
     assert not distributed.is_dtensor(torch.tensor(1.0))
     assert fastgrad.clip_grad_norm_([Holder(g[0])], 1.0, backend="torch").dim() == 0
+
+
+def test_no_group_keys_the_caches_by_a_constant():
+    """A call without a process group keys its cached layouts by 0, not ``id(None)``: the Dynamo of torch 2.11
+    cannot trace ``id(None)``, which ``clip_grad_norm_`` reaches under ``torch.compile(fullgraph=True)``. A
+    group keys by its identity (the caches check the object itself on a hit)."""
+    from fastgrad.distributed.plan import group_key
+
+    group = object()
+    assert group_key(None) == 0
+    assert group_key(group) == id(group) != 0
