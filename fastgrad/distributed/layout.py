@@ -145,7 +145,7 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     reduction. ``process_group``: a group, or :class:`Shards` (plain tensors that are pieces of one another).
     ``for_norm=False`` gives only the write targets (no plan, no redistribution of Partial tensors).
 
-    Host cost: the layout (see the module's docstring) is cached, so a repeat call costs a few C-level passes
+    Host cost: the layout (see the package's docstring) is cached, so a repeat call costs a few C-level passes
     over the list (its types, its DTensors' spec objects, their local tensors) and the compiled scan of the
     local tensors; no DTensor dispatch."""
     if _PENDING:

@@ -126,7 +126,7 @@ class _Plan:
     rank of the process group, so every rank of the group builds the same buffer); p = 0's stage counts are
     combined over ``cross`` (this rank contributing when ``cross_contrib``). ``plain_counted``: whether
     plain tensors count on this rank; ``mesh_counted``: the same per mesh (False for a copy of a slice, see
-    the module's docstring). ``device``: where a rank without local tensors builds its buffer. ``span``:
+    the package's docstring). ``device``: where a rank without local tensors builds its buffer. ``span``:
     the ranks the steps reach (None when this rank cannot tell)."""
 
     __slots__ = ("steps", "vec_steps", "staged", "slots", "slot", "cross", "cross_contrib", "plain_counted",

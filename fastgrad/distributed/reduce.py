@@ -142,7 +142,7 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
     single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
-    module's docstring (the OR over ranks lands in ``sh.flags``).
+    package's docstring (the OR over ranks lands in ``sh.flags``).
 
     The total: ONE collective per step of the plan (one for the usual layouts) carrying the p-th-power sum
     (SUM) or the max/min with a NaN flag (MAX/MIN), and the agreement header. Per-tensor results that combine
@@ -311,7 +311,7 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
     """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
     values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max), the
     overflow flag and the agreement header together. Returns ``(global total, local found_inf, global
-    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the module's docstring; ``poison``: as
+    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the package's docstring; ``poison``: as
     in :func:`reduced_norm` (a NaN only this rank sees is an overflow on every rank). norm_type 0 has no
     sharded AMP form (the read pass yields totals, not per-tensor counts)."""
     p = norm_type
