@@ -39,8 +39,8 @@ LAYERS: list[list[str]] = [
     # 5: the backends, then their registry
     ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
     ["fastgrad.backends"],
-    # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and agreement header, which
-    # ranks reduce together, a list's local view, the collectives, then the package
+    # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and one collective, which
+    # ranks reduce together, a list's local view, what each kind of call reduces, then the package
     ["fastgrad._inputs", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
     ["fastgrad.distributed.plan"],
     ["fastgrad.distributed.layout"],

@@ -68,8 +68,9 @@ Seam for callers that decide more than the norm (e.g. a step guard's bad-step fl
 back OR-ed over every rank in ``sh.flags`` (no extra collective).
 
 Modules: ``dtensor`` (DTensor adapters), ``plan`` (which ranks reduce together, and the caches), ``layout``
-(a list's local view, and its one-pass C++ form for CPU shards), ``agreement`` (the header and
-:class:`RankMismatchError`), ``reduce`` (the collectives of a norm, AMP's read pass and grad_stats).
+(a list's local view, and its one-pass C++ form for CPU shards), ``agreement`` (a call's one
+collective with its header, and :class:`RankMismatchError`), ``reduce`` (what a norm, AMP's read pass and
+grad_stats reduce).
 """
 
 from __future__ import annotations

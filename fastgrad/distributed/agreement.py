@@ -1,6 +1,7 @@
-"""The agreement header of a sharded call: what tells every rank, from the reduced buffer alone, whether all
-the ranks made the same call on the same list (see fastgrad.distributed's docstring, "Agreement between
-ranks"), and the error raised alike on every rank when they did not."""
+"""A sharded call's ONE collective (``_phase_a``: the payload, the flags to OR and the agreement header in one
+buffer) and the header itself: what tells every rank, from the reduced buffer alone, whether all the ranks
+made the same call on the same list (see fastgrad.distributed's docstring, "Agreement between ranks"), and
+the error raised alike on every rank when they did not."""
 
 from __future__ import annotations
 
@@ -114,3 +115,55 @@ def _raise_pending() -> None:
 def _signature(kind: int, p: float, vector: bool, plan) -> int:
     """The call's part of the header: what every rank of one call must agree on (``plan``: its _Plan)."""
     return hash((kind, p, vector, plan.staged, plan.pieces, plan.slots)) & 0xFFFF
+
+
+_NORM, _AMP, _STATS = 1, 2, 3  # the kinds of call (the signature's first field)
+
+
+def _all_reduce(t: Tensor, op, steps: list) -> None:
+    import torch.distributed as dist
+
+    for g in steps:
+        dist.all_reduce(t, op=op, group=g)
+
+
+def _reduce_op(op: int):
+    import torch.distributed as dist
+
+    return (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)[op]
+
+
+def _phase_a(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor | None
+             ) -> tuple[Tensor, Tensor | None]:
+    """THE collective of a call: ``payload`` (already in its reduction's form: p-th power sums, a max/min with
+    its identity where this rank adds nothing), ``ors`` (0/1 flags to OR over the ranks) and the agreement
+    header, in one buffer, over the plan's steps. Returns the reduced payload and flags; raises
+    RankMismatchError (on every rank alike) when the header disagrees."""
+    plan = sh.plan
+    op = _op_of(p) if kind != _STATS else _SUM
+    wide = payload.dtype
+    n = len(sh.reads)
+    groups: list = [(_signature(kind, p, vector, plan), 0), None if plan.staged else (n & 0xFFFF, sh.fp)]
+    if plan.slots:
+        slots: list = [None] * plan.slots
+        if plan.slot is not None:
+            slots[plan.slot] = (n & 0xFFFF, sh.fp)
+        groups += slots
+    check = wide == torch.float64
+    head = torch.tensor(_header(op, groups), dtype=wide) if check else payload.new_zeros(0)
+    parts = [payload]
+    k = 0
+    if ors is not None:
+        k = ors.numel()
+        parts.append(-ors if op == _MIN else ors)
+    parts.append(head.to(payload.device, non_blocking=True))
+    buf = torch.cat(parts)
+    _all_reduce(buf, _reduce_op(op), plan.steps)
+    m = payload.numel()
+    out_ors = None
+    if ors is not None:
+        r = buf[m:m + k]
+        out_ors = ((-r if op == _MIN else r) > 0).to(ors.dtype)
+    if check:
+        _settle(_bad_groups(buf[m + k:], op), blocking=vector and bool(plan.vec_steps))
+    return buf[:m], out_ors
