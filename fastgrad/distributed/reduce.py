@@ -1,6 +1,7 @@
-"""The reduction protocol: a sharded call's local norms, its ONE collective (payload, flags and agreement
-header in one buffer, over the plan's steps) and the per-tensor vectors reduced after it, for norms, AMP's
-read pass and grad_stats."""
+"""The reduction protocol: what a sharded norm, AMP's read pass and grad_stats reduce. This rank's local
+values go into the call's ONE collective (fastgrad.distributed.agreement: payload, flags and agreement header
+in one buffer, over the plan's steps); per-tensor vectors are reduced after it, once the header said the
+ranks' lists agree."""
 
 from __future__ import annotations
 
