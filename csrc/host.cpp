@@ -232,11 +232,8 @@ inline bool plain_flat(const at::Tensor& t, c10::DispatchKeySet keys, fastgrad::
 // their order (the first failing tensor decides, Tensor::grad()'s warning for a missing grad comes in list
 // order) are as in a tensor-by-tensor loop.
 //
-// Tried on 2026-11-25 (fresh autograd-made one-element grads, benchmarks/host_overhead.py's workload, TSC
-// cycles of this walk per call, variants interleaved in one process, 2-core VM at load 1-3): a software
-// pipeline (tensor i checked while later tensors' links are in flight, 4-16 ahead) took 1.7-1.8x these
-// cycles at 1,000 and 4,000 grads and 0.83x at 20,000; the same stages over blocks of 16-64 tensors took
-// 1.8x / 2.1x / 0.53x. This walk is kept: fastest at the list sizes models have; no variant won everywhere.
+// Kept over a software-pipelined and a blocked walk, which were slower at the list sizes models have
+// (benchmarks/results/host-cpu/README.md).
 bool cpu_grads(const Items& items, bool all, std::vector<fastgrad::cpu::Flat>* fl, int* mask) {
   const c10::DispatchKeySet keys = plain_cpu_keys();
   const Py_ssize_t n = items.size();
@@ -373,7 +370,7 @@ PyObject* monitor_clip_cpu(PyObject*, PyObject* args) {
 }
 
 // ------------------------------------------------------------------------------ sharded gradients (DTensor)
-// The local shards of a sharded clip (fastgrad/distributed.py local_cpu_norm), kept between the norm and the
+// The local shards of a sharded clip (fastgrad/distributed/layout.py local_cpu_norm), kept between the norm and the
 // scale: their flat views, valid as long as `keep` (a tuple of the local tensors' Python objects, owned here)
 // holds the tensors, whatever Python does in between. Python references, not at::Tensor copies: a tensor with
 // a Python object counts its C++ references through the interpreter (a virtual call each way), which on

@@ -1,8 +1,8 @@
 """Smoke check of a built ``fastgrad._C``, in a separate process, before a training process loads it.
 
 A ``_C.so`` built with a C++ compiler whose runtime does not match torch's can import fine and then crash the
-process (SIGSEGV) the first time a ``TORCH_CHECK`` message formats a number (the GPU image of the H100 runs of
-2026-11-22 and 2026-11-25: its ``/opt/gcc`` g++). A crash cannot be caught, so the check runs in a child
+process (SIGSEGV) the first time a ``TORCH_CHECK`` message formats a number (a GPU image's own g++ did:
+benchmarks/results/gpu/2026-11-25-h100/RUN_NOTES.md, finding 1). A crash cannot be caught, so the check runs in a child
 process: it loads the module by path, runs an op, and makes a CPU op (and, where the build has CUDA kernels and
 a GPU is visible, a CUDA op) fail a check whose message formats a number. The parent learns "usable" or the
 reason it is not. The result is cached per build (module path, size and mtime, torch version), so the check

@@ -303,7 +303,7 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
     if sh is not None:
         if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
             (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
-            total = exact_norm.finish(dg, fl, p, distributed._local_dev_dtype(sh)[1])
+            total = exact_norm.finish(dg, fl, p, distributed.reduce._local_dev_dtype(sh)[1])
             out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
         else:
             total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
@@ -380,7 +380,7 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
             inputs.check_tensors(tensors, "tensors", allow_fallback=False)
         if ex:
             (dg, fl), rows = exact_norm.reduced_digits(sh, p, backend, per_tensor)
-            dtype = distributed._local_dev_dtype(sh)[1]
+            dtype = distributed.reduce._local_dev_dtype(sh)[1]
             total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
         else:
             total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)

@@ -313,7 +313,6 @@ def norm(tensors, p: float, dtype: torch.dtype, *, per_tensor: bool = False, per
 
 # ------------------------------------------------------------------------------------------- public routes
 # (fastgrad.clip's keyword lands here: single-process lists on any devices, and sharded lists)
-_EXACT_KIND = 4  # the collective's signature for exact payloads: a rank calling without exact=True mismatches
 
 
 def applies(exact: bool, p: float) -> bool:
@@ -356,11 +355,11 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
     one SUM all-reduce that carries the agreement header (sums of < 2^21 ranks' digits are exact). With
     ``per_tensor``: also ``(digits, flags)`` per tensor in input order (whole tensors where shards combine, one
     more collective, as the default path; a pipeline stage's own tensors otherwise)."""
-    from . import distributed
+    from .distributed import agreement, reduce
 
     base, nl = _WINDOWS[p]
-    dev, dtype = distributed._local_dev_dtype(sh)
-    sel, local = distributed._counted(sh, dtype, dev)
+    dev, dtype = reduce._local_dev_dtype(sh)
+    sel, local = reduce._counted(sh, dtype, dev)
     n = len(sh.reads)
     rows = None
     if len(local):
@@ -373,7 +372,7 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
         payload = torch.cat([dg, fl]).to(dev, torch.float64)
     else:
         payload = torch.zeros(nl + 2, dtype=torch.float64, device=dev)
-    red, _ = distributed._phase_a(sh, _EXACT_KIND, p, per_tensor, payload, None)
+    red, _ = agreement._phase_a(sh, agreement._EXACT, p, per_tensor, payload, None)
     red = red.to(torch.int64)
     total = (normalize(red[:nl]), red[nl:])
     if not per_tensor:
@@ -382,7 +381,7 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
     if rows is not None:
         vals[torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)] = rows
     if sh.plan.vec_steps:
-        vals = distributed._combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, nl + 2)
+        vals = reduce._combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, nl + 2)
         vals = vals.to(torch.int64)
     return total, (normalize(vals[:, :nl]), vals[:, nl:])
 

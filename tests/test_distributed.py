@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import distributed as D
+from fastgrad import distributed
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
@@ -135,7 +135,7 @@ def _vs_torch(ours, theirs, want, dtype, what, p=2.0, same=True, single=None, ul
 def _torch_per_tensor(ts, p, acc):
     """torch's per-tensor norms (0 for a zero-size tensor, where torch raises for inf), as one plain
     tensor: torch._foreach_norm (what torch.nn.utils uses) for plain tensors, vector_norm for DTensors."""
-    if not any(D.is_dtensor(t) for t in ts):
+    if not any(distributed.is_dtensor(t) for t in ts):
         idx = [i for i, t in enumerate(ts) if t.numel()]
         out = torch.zeros(len(ts), dtype=acc)
         if idx:
@@ -144,13 +144,13 @@ def _torch_per_tensor(ts, p, acc):
     out = []
     for t in ts:
         n = torch.linalg.vector_norm(t, p, dtype=acc) if t.numel() else torch.zeros((), dtype=acc)
-        out.append(n.full_tensor() if D.is_dtensor(n) else n)
+        out.append(n.full_tensor() if distributed.is_dtensor(n) else n)
     return torch.stack(out)
 
 
 def _check_norms_and_clip(rank, backend, fulls, dts, tag):
     """All checks on one list of DTensors ``dts`` whose full values are ``fulls``."""
-    DTensor = D._dtensor_cls()
+    DTensor = distributed.dtensor._dtensor_cls()
     acc = torch.float64 if any(f.dtype == torch.float64 for f in fulls) else torch.float32
     # torch raises for the inf norm of a zero-size tensor (fastgrad: 0, docs/contract.md section 3), so torch's
     # references leave those out; they add nothing to any norm of order >= 0. It also raises for the inf
@@ -335,7 +335,7 @@ def _scenario_fsdp2(rank, world, backend):
     model(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
 
-    DTensor = D._dtensor_cls()
+    DTensor = distributed.dtensor._dtensor_cls()
     params = list(model.parameters())
     assert all(isinstance(p.grad, DTensor) and p.grad.placements[0].is_shard() for p in params)
     twins = [Holder(p.grad.clone()) for p in params]  # torch's clip on the same DTensors
@@ -395,7 +395,7 @@ def _scenario_process_group(rank, world, backend):
     world_group = dist.group.WORLD
     # Tensor i on every rank is a piece of one tensor: per-tensor results (and norm_type 0's count of tensors
     # with a nonzero) are the whole tensors'. Totals are the same with the bare group (tested below).
-    pieces = D.Shards(world_group)
+    pieces = distributed.Shards(world_group)
     for dtypes in ([torch.float32], [torch.float32, torch.bfloat16, torch.float64]):
         fulls = _full_tensors(shapes, dtypes, seed=2, zero_index=6)
         acc = torch.float64 if torch.float64 in dtypes else torch.float32
@@ -508,7 +508,7 @@ def _scaled_setup(fulls, makers, scale):
 
 
 def _local(t):
-    return t._local_tensor if D.is_dtensor(t) else t
+    return t._local_tensor if distributed.is_dtensor(t) else t
 
 
 def _scenario_amp(rank, world, backend):
@@ -623,6 +623,17 @@ def test_scaler_unscale_and_clip_sharded(spawned, world, backend):
 def test_plain_calls_do_not_touch_distributed():
     """The common call pays one type check and never imports torch.distributed.tensor for it."""
     g = [torch.randn(4)]
-    assert not D.has_dtensor(g)
-    assert not D.is_dtensor(torch.tensor(1.0))
+    assert not distributed.has_dtensor(g)
+    assert not distributed.is_dtensor(torch.tensor(1.0))
     assert fastgrad.clip_grad_norm_([Holder(g[0])], 1.0, backend="torch").dim() == 0
+
+
+def test_no_group_keys_the_caches_by_a_constant():
+    """A call without a process group keys its cached layouts by 0, not ``id(None)``: the Dynamo of torch 2.11
+    cannot trace ``id(None)``, which ``clip_grad_norm_`` reaches under ``torch.compile(fullgraph=True)``. A
+    group keys by its identity (the caches check the object itself on a hit)."""
+    from fastgrad.distributed.plan import group_key
+
+    group = object()
+    assert group_key(None) == 0
+    assert group_key(group) == id(group) != 0

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import distributed as D
+from fastgrad import distributed
 
 from . import oracle
 from .conftest import BACKEND_DEVICES
@@ -89,14 +89,14 @@ def _fulls(shapes, seed, dtype=torch.float32):
 
 def _value(t) -> torch.Tensor:
     """A returned norm as a plain tensor: a Replicate DTensor's local value (no collective)."""
-    if D.is_dtensor(t):
+    if distributed.is_dtensor(t):
         assert all(pl.is_replicate() for pl in t.placements), t.placements
         return t._local_tensor
     return t
 
 
 def _full(g) -> torch.Tensor:
-    return g.full_tensor() if D.is_dtensor(g) else g
+    return g.full_tensor() if distributed.is_dtensor(g) else g
 
 
 def _same_on_every_rank(x: torch.Tensor, what: str) -> None:
@@ -233,7 +233,7 @@ def _scenario_moe(rank, backend):
     _check(rank, backend, fulls, mine, make, "moe")
     # the expert mesh alone (torch's 2-D case): the result is torch's Replicate DTensor on that mesh
     out = fastgrad.get_total_norm([make(i) for i in range(nd, len(fulls))], backend=backend)
-    assert D.is_dtensor(out) and out.device_mesh is ep_mesh
+    assert distributed.is_dtensor(out) and out.device_mesh is ep_mesh
     _close(_value(out), oracle.total_norm(expert_fulls, 2.0), "moe experts only")
     # a mixed-mesh result is a plain tensor, the same on every rank
     assert type(fastgrad.get_total_norm([make(i) for i in mine], backend=backend)) is torch.Tensor
@@ -507,7 +507,7 @@ def _same_error_everywhere(fn, tag: str, n: int | None = None) -> str:
         with _Count() as c:
             fn()
         text = None
-    except D.RankMismatchError as e:
+    except distributed.RankMismatchError as e:
         text = str(e)
     assert n is None or c.n == n, f"{tag}: {c.n} collectives {c.kinds} before the error, documented {n}"
     got = [None] * dist.get_world_size()
@@ -555,7 +555,7 @@ def _scenario_mismatch(rank, backend):
                                                        backend=backend), "grad_stats")
     # ZeRO-style pieces (Shards): lists of different lengths, then the same length with another dtype.
     pieces = [fulls[i][rank::WORLD].clone() for i in range(3)]
-    whole = D.Shards(dist.group.WORLD)
+    whole = distributed.Shards(dist.group.WORLD)
     _same_error_everywhere(lambda: fastgrad.multi_tensor_norm(pieces[: 2 + (rank == 1)], per_tensor=True,
                                                               backend=backend, process_group=whole), "shards length")
     typed = [x.double() if rank == 3 and i == 1 else x for i, x in enumerate(pieces)]
@@ -658,13 +658,14 @@ def _scenario_cache(rank, backend):
     _close(_value(fastgrad.get_total_norm(grads, backend=backend)), want, "cache: the first list again")
 
     # The flags= seam (e.g. a step guard's own flags): 0/1 values OR-ed over every rank in the same collective.
-    from fastgrad import clip as C
+    from fastgrad import clip as fastgrad_clip
 
     for p in (2.0, INF):
-        sh = D.prepare(grads)
+        sh = distributed.prepare(grads)
         flags = torch.tensor([float(rank == 2), 0.0, float(rank < 2)])
         with _Count() as c:
-            total, _ = D.reduced_norm(sh, p, False, lambda ts, per: C._norm(ts, p, backend, None, per), flags=flags)
+            local = lambda ts, per: fastgrad_clip._norm(ts, p, backend, None, per)  # noqa: E731
+            total, _ = distributed.reduced_norm(sh, p, False, local, flags=flags)
         assert c.n == COUNTS["total"] and sh.flags.tolist() == [1.0, 0.0, 1.0], (c.kinds, sh.flags)
         _close(total, oracle.total_norm(fulls, p), f"flags seam p={p}")
 
@@ -698,7 +699,8 @@ def test_has_dtensor_sees_past_a_plain_first_tensor():
     from fastgrad import _scan
 
     plain = [torch.randn(3), torch.randn(2)]
-    assert not D.has_dtensor(plain) and not D.has_dtensor([]) and not D.has_dtensor(_scan.checked(plain))
+    assert not distributed.has_dtensor(plain) and not distributed.has_dtensor([])
+    assert not distributed.has_dtensor(_scan.checked(plain))
 
 
 # Every row of docs/distributed.md's table, by its first cell, and the COUNTS entry that the scenarios above
@@ -748,18 +750,19 @@ def test_docs_table_is_pinned():
     assert COUNTS["sharded_scaler_other_group"] == 2 and "(two collectives)" in amp
 
 
-@pytest.mark.parametrize("op", [D._SUM, D._MAX, D._MIN])
+@pytest.mark.parametrize("op", [distributed.agreement._SUM, distributed.agreement._MAX, distributed.agreement._MIN])
 def test_agreement_header_math(op):
     """The header's verdict from reduced headers, simulated: all-equal contributors pass, any differing one
     (in any field, in any group) fails, absent groups pass; exact for 16-bit values on many ranks."""
-    combine = {D._SUM: lambda a, b: a + b, D._MAX: torch.maximum, D._MIN: torch.minimum}[op]
+    agreement = distributed.agreement
+    combine = {agreement._SUM: lambda a, b: a + b, agreement._MAX: torch.maximum, agreement._MIN: torch.minimum}[op]
 
     def reduced(per_rank):
-        heads = [torch.tensor(D._header(op, groups), dtype=torch.float64) for groups in per_rank]
+        heads = [torch.tensor(distributed.agreement._header(op, groups), dtype=torch.float64) for groups in per_rank]
         out = heads[0]
         for h in heads[1:]:
             out = combine(out, h)
-        return D._bad_groups(out, op).tolist()
+        return distributed.agreement._bad_groups(out, op).tolist()
 
     same = [[(0xFFFF, 7), None, (3, 0xBEEF)]] * 1000
     assert reduced(same) == [False, False, False]
@@ -779,7 +782,7 @@ def test_agreement_header_math(op):
 def test_deferred_verdict_on_cuda_without_host_sync():
     """On CUDA a totals-only call does not wait for the agreement verdict: it is copied to pinned memory with
     an event (no host sync) and the next sharded call raises it; a clean verdict raises nothing."""
-    D.clear_cache()
+    distributed.clear_cache()
     # the verdicts are made before the watch: a tensor built from a Python list is a pageable host-to-device
     # copy, which the sync debug mode reports (the 2026-11-27 H200 run failed there, not in _settle)
     clean = torch.zeros(3, dtype=torch.bool, device="cuda")
@@ -787,11 +790,11 @@ def test_deferred_verdict_on_cuda_without_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        D._settle(clean, blocking=False)
-        D._settle(bad, blocking=False)
+        distributed.agreement._settle(clean, blocking=False)
+        distributed.agreement._settle(bad, blocking=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    with pytest.raises(D.RankMismatchError, match="gradient lists differ.*previous sharded call"):
-        D._raise_pending()
-    assert not D._PENDING
+    with pytest.raises(distributed.RankMismatchError, match="gradient lists differ.*previous sharded call"):
+        distributed.agreement._raise_pending()
+    assert not distributed.agreement._PENDING

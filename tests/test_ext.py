@@ -427,7 +427,7 @@ def test_wrong_device_has_one_wording_for_every_op():
     test_cuda_op_input_checks reaches them on a GPU."""
     import re
 
-    from fastgrad import _inputs as I
+    from fastgrad import _inputs as inputs
 
     cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
     meta = torch.ones(4, 3, device="meta")
@@ -453,13 +453,13 @@ def test_wrong_device_has_one_wording_for_every_op():
         with pytest.raises(RuntimeError) as info:
             fn()
         msg = _first_line(info.value)
-        assert re.fullmatch(I.WRONG_DEVICE_PATTERN, msg), f"{what}: {msg!r}"
+        assert re.fullmatch(inputs.WRONG_DEVICE_PATTERN, msg), f"{what}: {msg!r}"
         # the same words as the Python checks build
-        assert msg == I.wrong_device_message(op, item, index, "meta", expected), what
+        assert msg == inputs.wrong_device_message(op, item, index, "meta", expected), what
     # the Python checks build the same words (compared with the C++ message above); a gradient on another device
     # than its parameter cannot be built through torch's API, so AGC's Python check is held to the pattern only
-    assert re.fullmatch(I.WRONG_DEVICE_PATTERN, I.wrong_device_message("adaptive_clip_grad_", "parameter", 2, "cpu",
-                                                                        "cuda:0"))
+    agc_text = inputs.wrong_device_message("adaptive_clip_grad_", "parameter", 2, "cpu", "cuda:0")
+    assert re.fullmatch(inputs.WRONG_DEVICE_PATTERN, agc_text)
     # and no other wording is left in the C++ sources
     for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.*"), recursive=True):
         text = open(path).read()

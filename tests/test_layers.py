@@ -39,8 +39,15 @@ LAYERS: list[list[str]] = [
     # 5: the backends, then their registry
     ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
     ["fastgrad.backends"],
-    # 6: helpers of the public ops
-    ["fastgrad._inputs", "fastgrad.distributed", "fastgrad.exact"],
+    # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and one collective, which
+    # ranks reduce together, a list's local view, what each kind of call reduces, then the package; the exact
+    # norm, whose sharded form rides on that package's collective
+    ["fastgrad._inputs", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
+    ["fastgrad.distributed.plan"],
+    ["fastgrad.distributed.layout"],
+    ["fastgrad.distributed.reduce"],
+    ["fastgrad.distributed"],
+    ["fastgrad.exact"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import distributed as D
+from fastgrad import distributed
 
 from .helpers import run_scenarios, scenario_outcome, spawn_ranks
 
@@ -63,18 +63,18 @@ class Seen:
 
     def __enter__(self):
         self.answers = []
-        self._real = D.local_cpu_norm
+        self._real = distributed.local_cpu_norm
 
         def spy(*a, **k):
             out = self._real(*a, **k)
             self.answers.append(out is not None)
             return out
 
-        D.local_cpu_norm = spy
+        distributed.local_cpu_norm = spy
         return self
 
     def __exit__(self, *exc):
-        D.local_cpu_norm = self._real
+        distributed.local_cpu_norm = self._real
 
     @property
     def fast(self) -> bool:
@@ -85,12 +85,12 @@ class General:
     """The general path only (the one-pass local part switched off) during a block."""
 
     def __enter__(self):
-        self._real = D.local_cpu_norm
-        D.local_cpu_norm = lambda *a, **k: None
+        self._real = distributed.local_cpu_norm
+        distributed.local_cpu_norm = lambda *a, **k: None
         return self
 
     def __exit__(self, *exc):
-        D.local_cpu_norm = self._real
+        distributed.local_cpu_norm = self._real
 
 
 def _dt():
@@ -276,7 +276,7 @@ def _scenario_many_lists(rank, world):
     ps, qs = _params(mesh, LAYOUT, 5), _params(mesh, LAYOUT, 5)
     fastgrad.clip_grad_norm_(ps, 1e6)
     others = []  # kept alive, so no other list reuses their first parameter's id
-    for k in range(2 * D._LIST_CAP + 3):
+    for k in range(2 * distributed.layout._LIST_CAP + 3):
         o = _params(mesh, LAYOUT[:2], 1000 + k)
         with Seen() as s:
             fastgrad.clip_grad_norm_(o, 1e6)
@@ -286,7 +286,8 @@ def _scenario_many_lists(rank, world):
             with Seen() as s:
                 fastgrad.clip_grad_norm_(ps, 1e6)
             assert s.fast, ("the list in use lost its layout", k, s.answers)
-    assert len(D._CPU_CLIP) <= D._LIST_CAP and len(D._LAYOUTS) <= D._LIST_CAP
+    layout = distributed.layout
+    assert len(layout._CPU_CLIP) <= layout._LIST_CAP and len(layout._LAYOUTS) <= layout._LIST_CAP
     with Seen() as s:  # long evicted
         fastgrad.clip_grad_norm_(others[0], 1e6)
     assert s.answers == [False], s.answers
@@ -397,15 +398,15 @@ def _scenario_nonfinite_and_handles(rank, world):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     # a handle scales once; a foreign object is refused
     _restore(ps, [b.nan_to_num() for b in before])
-    out = D.local_cpu_norm(ps, None, 2.0, None)
+    out = distributed.local_cpu_norm(ps, None, 2.0, None)
     assert out is not None
     sh, local_total, handle = out
-    D.reduced_norm(sh, 2.0, False, None, local_total=local_total)  # (the collective every rank makes)
-    D.scale_local_cpu(handle, torch.tensor(0.5))
+    distributed.reduced_norm(sh, 2.0, False, None, local_total=local_total)  # (the collective every rank makes)
+    distributed.scale_local_cpu(handle, torch.tensor(0.5))
     with pytest.raises(RuntimeError, match="already used"):
-        D.scale_local_cpu(handle, torch.tensor(0.5))
+        distributed.scale_local_cpu(handle, torch.tensor(0.5))
     with pytest.raises((ValueError, TypeError)):
-        D.scale_local_cpu((handle[0], object()), torch.tensor(0.5))
+        distributed.scale_local_cpu((handle[0], object()), torch.tensor(0.5))
     for p, b in zip(ps, before):
         assert torch.equal(p.grad._local_tensor, b.nan_to_num() * torch.tensor(0.5).to(b.dtype)) or b.numel() == 0
 

@@ -42,9 +42,9 @@ __device__ __forceinline__ __nv_bfloat16 from_op<__nv_bfloat16>(float v) { retur
 
 // Store a double result into T with exactly one rounding (to nearest even). Going through float first
 // would round twice: a double just above a 16-bit tie rounds to the tie in float and then to even, 1 ulp
-// off the correctly rounded value (the H100 run of 2026-11-22 saw 83 in 2^20 fp16 AGC results differ from
-// Triton's). 16-bit goes through the float rounded to odd (csrc/round_odd.h): the operations the CPU kernels
-// run and the CPU tests check, then one float -> T conversion that cannot round a second time. (It replaced
+// off the correctly rounded value (seen on a GPU: benchmarks/results/gpu/2026-11-25-h100/RUN_NOTES.md).
+// 16-bit goes through the float rounded to odd (csrc/round_odd.h): the operations the CPU kernels run and
+// the CPU tests check, then one float -> T conversion that cannot round a second time. (It replaced
 // __double2half / __double2bfloat16, whose lowering by ptxas, cvt.rn.f16.f64 / cvt.rn.bf16.f64 on each arch,
 // no CPU test can see.)
 // Host-callable too: tests/cuda/round_check.cu runs these very functions on the CPU.
@@ -73,7 +73,7 @@ __device__ __forceinline__ T store(double v) { return from_double<T>(v); }
 // Neumaier-compensated double sum, the device twin of csrc/cpu/kernels.h CompensatedSum: the CPU kernels
 // add every partial (block totals, chunks, tensors) this way, and plain double adds over a 128-element
 // thread run and thousands of partials cost the fp64 p-norms several ulps (amplified 1/p times by the
-// root: the H100 run's fp64 p = 0.5 total was less accurate than the CPU's). Needs --fmad=false, which
+// root, also seen there). Needs --fmad=false, which
 // setup.py passes: a contracted (sum - t) + x would lose the error term.
 struct Comp {
   double sum = 0.0, comp = 0.0;
@@ -410,8 +410,8 @@ void launch_reduce(int mode, unsigned grid, cudaStream_t st, const Seg* segs, in
     case kL2: k_reduce<kL2, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
     case kInf: k_reduce<kInf, A, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
     // Fractional and other p: terms and per-thread sums in double (compensated) for every dtype. In float a
-    // thread's 128-term run costs a few ulps of the power sum, which the root multiplies by 1/p (the H100 run of
-    // 2026-11-25: an fp16 p = 0.5 per-tensor norm 2.55 ulps off, torch 0.45); in double the norm is rounded once,
+    // thread's 128-term run costs a few ulps of the power sum, which the root multiplies by 1/p (seen on a GPU:
+    // benchmarks/results/gpu/2026-11-25-h100/RUN_NOTES.md); in double the norm is rounded once,
     // from a sum exact to ~1e-16, as the Triton kernels (fp64 accumulators) and the CPU's pow already do.
     default: k_reduce<kP, double, AMP><<<grid, kThreads, 0, st>>>(segs, nseg, p, inv, use2, part, flags); break;
   }

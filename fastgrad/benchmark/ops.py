@@ -139,19 +139,12 @@ class OpSpec:
         """What the headline speedup is measured against."""
         return self.baselines[0].what
 
-    @property
-    def floor_text(self) -> str:
-        return f"{self.floor.text()} ({self.floor.passes_text()})"
-
     # The byte counts by kind of pass (kept for callers that price a floor at measured rates).
     def read_bytes(self, n: int, p: int) -> int:
         return self.floor.read_only_bytes(n, p)
 
     def rw_bytes(self, n: int, p: int) -> int:
         return self.floor.rw_bytes(n, p)
-
-    def floor_bytes(self, n: int, p: int) -> int:
-        return self.floor.bytes_moved(n, p)
 
     def floor_s(self, n: int, p: int, read_gbps: float, rw_gbps: float) -> float:
         """Seconds the op needs at least at rates measured elsewhere: its read-only bytes at the read-stream

@@ -73,16 +73,6 @@ def _count(x) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else f"{int(x)}"
 
 
-def _per_call(r: dict | None) -> str:
-    """``ops 148, kernels 23, syncs 0`` for one row (what was counted)."""
-    if r is None:
-        return "-"
-    parts = [f"{name} {_count(r[key])}" for name, key in (("kernels", "kernels_per_call"),
-                                                          ("syncs", "syncs_per_call"), ("ops", "ops_per_call"))
-             if not (isinstance(r.get(key), float) and math.isnan(r[key]))]
-    return ", ".join(parts) or "-"
-
-
 def _per_call_pair(base: dict | None, cand: dict) -> str:
     """Counts of torch eager -> fastgrad, e.g. ``kernels 23 -> 3, syncs 0 -> 0, ops 8 -> 1``."""
     parts = []

@@ -25,8 +25,8 @@ import weakref
 import torch
 from torch import Tensor
 
-from .. import _inputs as I
-from .. import distributed as D
+from .. import _inputs as inputs
+from .. import distributed
 from ..amp import _check_ready, _inv_scale, _is_sharded, _known_unscale, _optimizer_state, optimizer_params
 from ..amp import zero_write_applies as _amp_zero_write_applies
 from ..optim_clip import zero_write_applies
@@ -292,12 +292,12 @@ class StepGuard:
             out = read.cpu_write(self, params)
             if out is not None:
                 return out
-        grads = I.grads_of(params)
-        if grads and I.check_tensors(grads):
+        grads = inputs.grads_of(params)
+        if grads and inputs.check_tensors(grads):
             raise TypeError("StepGuard supports dense real floating gradients (float16/bfloat16/float32/float64); "
                             "got sparse, complex or other gradients. Clip those with fastgrad.clip_grad_norm_ "
                             "(nothing was modified)")
-        sharded = self.process_group is not None or D.has_dtensor(grads)
+        sharded = self.process_group is not None or distributed.has_dtensor(grads)
         use_scaler = scaler is not None and scaler.is_enabled()
         if use_scaler and sharded and (self.mode == "adagc" or _is_sharded(scaler)):
             raise NotImplementedError("StepGuard.clip_(scaler) with sharded (DTensor or process_group) gradients "
@@ -321,7 +321,7 @@ class StepGuard:
         if use_scaler:
             state = _optimizer_state(scaler, opt, False)
             _check_ready(scaler, state)
-            if I.has_dtype(grads, torch.float16):
+            if inputs.has_dtype(grads, torch.float16):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             inv_scale = _inv_scale(scaler)
         fused = is_fused(opt)

@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
-from .. import _inputs as I
+from .. import _inputs as inputs
 from ..backends import get as get_backend
 from .adagc import AdaGCMode
 from .autoclip import AutoClipMode
@@ -72,7 +72,7 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
         raise TypeError(f"zero_write must be True or False, got {zero_write!r}")
     if backend is not None:
         get_backend(backend)  # ValueError naming the registered backends
-    norm_type = I.check_norm_type(norm_type)
+    norm_type = inputs.check_norm_type(norm_type)
     if mode != "norm" and norm_type != 2.0:
         raise ValueError(f"mode={mode!r} is defined on the 2-norm (as its paper); norm_type must be 2")
     if mode == "norm":
@@ -80,7 +80,7 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
             raise ValueError("mode='norm' needs max_norm (the clip threshold)")
     elif mode == "adagc" and max_norm is None:
         max_norm = 1.0  # the paper's lambda_abs
-    max_norm = None if max_norm is None else I.check_max_norm(max_norm)
+    max_norm = None if max_norm is None else inputs.check_max_norm(max_norm)
     if mode != "norm" and max_norm == 0:
         # (mode "norm" keeps clip_grad_norm_'s meaning of 0: every gradient clipped to zero)
         raise ValueError(

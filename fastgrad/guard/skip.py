@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _inputs as I
-from .. import distributed as D
+from .. import _inputs as inputs
+from .. import distributed
 from ..amp import optimizer_params
 from ..optim_clip import _Record, _fused_torch_optimizer
 
@@ -39,7 +39,7 @@ _STALE = ("StepGuard.clip_() decided on this optimizer's next step, but {why}, s
 
 
 def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if D.is_dtensor(t) else t
+    return t._local_tensor if distributed.is_dtensor(t) else t
 
 
 class Pending:
@@ -131,7 +131,7 @@ class Skipper:
         closure returns), so the fused path stays sync-free here too."""
         def guarded_closure():
             out = closure()
-            if self.pending is None and I.grads_of(optimizer_params(opt)):
+            if self.pending is None and inputs.grads_of(optimizer_params(opt)):
                 raise RuntimeError(
                     "optimizer.step(closure) on an optimizer with a StepGuard: the closure made gradients but did "
                     "not call guard.clip_(), so nothing decided whether this step is safe. Call guard.clip_() "
@@ -154,7 +154,7 @@ class Skipper:
             pend = self.sticky
             if pend is None:
                 return
-        grads = I.grads_of(optimizer_params(opt))
+        grads = inputs.grads_of(optimizer_params(opt))
         if pend is self.sticky and not grads:
             self.sticky = None  # nothing to step on (zero_grad(set_to_none=True)): nothing to guard
             return
@@ -280,7 +280,7 @@ class Skipper:
             if cur is orig:
                 lv = _local(cur)
                 lv.copy_(torch.where(bad, snap, lv))
-            elif isinstance(cur, Tensor) and not D.is_dtensor(cur):
+            elif isinstance(cur, Tensor) and not distributed.is_dtensor(cur):
                 st[key] = torch.where(bad, snap.to(cur.dtype), cur)
             else:  # replaced by something we cannot merge on the device: decide on the host
                 if bool(bad):

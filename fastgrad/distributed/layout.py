@@ -1,0 +1,331 @@
+"""The local view of a sharded list: its local shards, what this rank counts and the list's fingerprint,
+from a layout cached per list (see fastgrad.distributed's docstring, "Host cost"), and the same view read in
+one C++ pass for DTensor gradients with CPU local shards."""
+
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _scan
+from .agreement import _PENDING, _raise_pending
+from .dtensor import _dtensor_cls
+from .plan import Shards, _Plan, _keep, _plan_for, _spec_info, _unwrap, _used, group_key
+
+_LAYOUTS: dict = {}
+_LIST_CAP = 64  # list layouts kept (_LAYOUTS, _CPU_CLIP): a model's clip lists, each a few KB
+_CPU_CLIP: dict = {}  # (number of params, group key, id(first param)) -> their grads' _Layout (local_cpu_norm)
+
+
+_SPEC = operator.attrgetter("_spec")
+_LOCAL = operator.attrgetter("_local_tensor")
+_MESH_PL = operator.attrgetter("mesh", "placements")
+_NUMEL = torch.Tensor.numel
+_DCODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _dcode(dtype) -> int:
+    code = _DCODE.get(dtype)
+    if code is None:  # (not str's hash: that one differs between processes)
+        import zlib
+
+        code = 16 + zlib.crc32(str(dtype).encode()) % 1000
+    return code
+
+
+def _fingerprint(n: int, tokens) -> int:
+    """16 bits that every rank computes alike for the same list: the hash of a tuple of ints (Python's
+    int and tuple hashes do not depend on the process, unlike str's)."""
+    return hash((n, tuple(tokens))) & 0xFFFF
+
+
+class Sharded:
+    """Local view of a sharded gradient list.
+
+    ``reads[i]``: local tensor whose values enter the norm; ``writes[i]``: local tensor scaled in place
+    (a :class:`fastgrad._scan.Checked` list when the compiled scan accepted them: ``checked``);
+    ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
+    ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
+    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``flags``: after
+    a reduction given ``flags=``, their OR over every rank; ``layout``: the cached layout it came from (None
+    for ``for_norm=False``)."""
+
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags", "layout")
+
+    def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
+        self.reads: list[Tensor] = reads
+        self.writes: list[Tensor] = writes
+        self.counts: list[bool] = counts
+        self.sel: list[int] | None = sel
+        self.mesh = mesh
+        self.plan: _Plan = plan
+        self.fp = fp
+        self.checked = type(writes) is _scan.Checked
+        self.flags: Tensor | None = None
+        self.layout: _Layout | None = None
+
+
+class _Layout:
+    """What a list's structure decides, cached between calls: the DTensor positions, their spec objects and
+    (mesh, placements), which of them count on this rank, the Partial ones, the plan, the result mesh and
+    the DTensor part of the fingerprint."""
+
+    __slots__ = ("types", "dt_pos", "plain_pos", "specs", "mesh_pl", "counted", "partial", "plan", "mesh",
+                 "group", "tokens", "fp", "empties", "counts", "sel", "counted_eff")
+
+
+def _build_layout(tensors, types, cls, group, pieces) -> _Layout:
+    lay = _Layout()
+    lay.types = types
+    lay.group = group
+    dt_pos, plain_pos, specs, where = [], [], [], []
+    meshes: list = []
+    info_of: list = []
+    last_mesh = last_pl = info = None
+    pos = -1
+    for i, t in enumerate(tensors):
+        if cls is None or not isinstance(t, cls):
+            plain_pos.append(i)
+            continue
+        spec = t._spec
+        m = spec.mesh
+        pl = spec.placements
+        if m is not last_mesh or pl is not last_pl and pl != last_pl:
+            if m is not last_mesh:
+                for pos, x in enumerate(meshes):
+                    if x is m:
+                        break
+                else:  # DTensor ops may hand out an equal copy of a mesh: one mesh for the plan
+                    for pos, x in enumerate(meshes):
+                        if x == m:
+                            m = x
+                            break
+                    else:
+                        pos = len(meshes)
+                        meshes.append(m)
+            info = _spec_info(m, pl)
+            last_mesh, last_pl = spec.mesh, pl
+        dt_pos.append(i)
+        specs.append(spec)
+        where.append(pos)
+        info_of.append(info)
+    lay.plan = _plan_for(meshes, group, pieces) if (meshes or group is not None) else None
+    mesh_counted = lay.plan.mesh_counted if lay.plan is not None else ()
+    lay.dt_pos = None if len(dt_pos) == len(tensors) else dt_pos
+    lay.plain_pos = plain_pos
+    lay.specs = specs
+    lay.mesh_pl = list(map(_MESH_PL, specs))
+    lay.counted = [inf[0] and mesh_counted[k] for inf, k in zip(info_of, where)]
+    lay.partial = [(j, meshes[where[j]], inf[2]) for j, inf in enumerate(info_of) if inf[1]]
+    lay.mesh = meshes[0] if len(meshes) == 1 and not plain_pos else None
+    lay.tokens = _dt_tokens(tensors, dt_pos, specs)
+    lay.fp = None if plain_pos else _fingerprint(len(tensors), lay.tokens)
+    lay.empties = lay.counts = lay.sel = lay.counted_eff = None  # set from the local tensors (prepare)
+    return lay
+
+
+def _dt_tokens(tensors, dt_pos, specs) -> list:
+    """The DTensors' part of the fingerprint: global shape and dtype, from the spec (no DTensor dispatch)."""
+    out = []
+    for i, spec in zip(dt_pos, specs):
+        meta = spec.tensor_meta
+        if meta is None:
+            t = tensors[i]
+            out.append((i, tuple(t.shape), _dcode(t.dtype)))
+        else:
+            out.append((i, tuple(meta.shape), _dcode(meta.dtype)))
+    return out
+
+
+def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = True) -> Sharded:
+    """Local shards of ``tensors`` (DTensors on any meshes, plain tensors, mixed) and the plan of the
+    reduction. ``process_group``: a group, or :class:`Shards` (plain tensors that are pieces of one another).
+    ``for_norm=False`` gives only the write targets (no plan, no redistribution of Partial tensors).
+
+    Host cost: the layout (see the package's docstring) is cached, so a repeat call costs a few C-level passes
+    over the list (its types, its DTensors' spec objects, their local tensors) and the compiled scan of the
+    local tensors; no DTensor dispatch."""
+    if _PENDING:
+        _raise_pending()
+    group, pieces = _unwrap(process_group)
+    cls = _dtensor_cls()
+    if not for_norm:
+        writes = [t._local_tensor if cls is not None and isinstance(t, cls) else t for t in tensors]
+        return Sharded(writes, _scan.checked(writes) if writes else writes, [], None, None, None)
+    n = len(tensors)
+    first = getattr(tensors[0], "_spec", None) if n else None
+    key = (n, group_key(group), pieces, id(first))
+    lay, dts = _cached_layout(tensors, _LAYOUTS.get(key), group)
+    if lay is None:
+        lay = _build_layout(tensors, list(map(type, tensors)), cls, group, pieces)
+        _keep(_LAYOUTS, key, lay, _LIST_CAP)
+        dts = tensors if lay.dt_pos is None else [tensors[i] for i in lay.dt_pos]
+    else:
+        _used(_LAYOUTS, key)
+    plan = lay.plan
+    locs = list(map(_LOCAL, dts))
+    if lay.empties is None:  # local shapes follow from the specs: which local shards are empty is cached
+        lay.empties = frozenset(j for j, loc in enumerate(locs) if loc.numel() == 0)
+        counted = [c and j not in lay.empties for j, c in enumerate(lay.counted)]
+        lay.counts = counted if lay.dt_pos is None else None
+        lay.sel = None if all(counted) else [j for j, c in enumerate(counted) if c]
+        lay.counted_eff = counted
+    if lay.dt_pos is None:
+        writes = locs
+    else:
+        writes = list(tensors)
+        for i, loc in zip(lay.dt_pos, locs):
+            writes[i] = loc
+    writes = _scan.checked(writes) if writes else writes
+    reads = writes
+    if lay.partial:  # the norm of a Partial tensor is read from its Replicate copy (a collective each)
+        reads = list(writes)
+        pos = lay.dt_pos if lay.dt_pos is not None else range(n)
+        for j, m, pl in lay.partial:
+            reads[pos[j]] = dts[j].redistribute(m, pl)._local_tensor
+
+    counts, sel = _counts(lay, reads, n)
+    fp = _list_fingerprint(lay, reads, n, pieces)
+    sh = Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
+    sh.layout = lay
+    return sh
+
+
+def _cached_layout(tensors, lay: _Layout | None, group) -> tuple[_Layout | None, list | None]:
+    """``(layout, its DTensors)`` when the cached ``lay`` still describes ``tensors`` (the same types, the same
+    spec objects, or new ones on the same meshes and placements), else ``(None, None)``."""
+    if lay is None or lay.group is not group:
+        return None, None
+    if lay.dt_pos is None:  # all DTensors: reading the specs is the type check too
+        dts = tensors
+        try:
+            specs = list(map(_SPEC, tensors))
+        except AttributeError:
+            return None, None
+    elif list(map(type, tensors)) == lay.types:
+        dts = [tensors[i] for i in lay.dt_pos]
+        specs = list(map(_SPEC, dts))
+    else:
+        return None, None
+    if not all(map(operator.is_, specs, lay.specs)):
+        # new spec objects: the same layout when every (mesh, placements) is the same objects or equal
+        if list(map(_MESH_PL, specs)) != lay.mesh_pl:
+            return None, None
+        lay = _refresh(lay, tensors, dts, specs)
+    return lay, dts
+
+
+def _counts(lay: _Layout, reads, n: int) -> tuple[list[bool], list[int] | None]:
+    """What this rank counts, ``(counts, sel)``: the layout's decision per DTensor, plain tensors on the plan's
+    say; empty local tensors never (they add nothing, and an empty one would only make the local pass
+    special-case it)."""
+    if lay.counts is not None:
+        return lay.counts, lay.sel
+    counts = [True] * n
+    for i, c in zip(lay.dt_pos, lay.counted_eff):
+        counts[i] = c
+    keep_plain = lay.plan is None or lay.plan.plain_counted
+    for i in lay.plain_pos:
+        counts[i] = keep_plain and reads[i].numel() > 0
+    return counts, None if all(counts) else [i for i, c in enumerate(counts) if c]
+
+
+_CPU = torch.device("cpu")
+
+
+def _refresh(lay: _Layout, tensors, dts, specs) -> _Layout:
+    """A layout whose DTensors came with new spec objects on the same meshes and placements: the decisions
+    stand; the fingerprint (global shapes) and the empty local shards are read again."""
+    lay.specs = specs
+    lay.tokens = _dt_tokens(tensors, lay.dt_pos if lay.dt_pos is not None else range(len(tensors)), specs)
+    lay.fp = None if lay.plain_pos else _fingerprint(len(tensors), lay.tokens)
+    lay.empties = None
+    return lay
+
+
+def _list_fingerprint(lay: _Layout, reads, n: int, pieces: bool) -> int:
+    """What the ranks that must hold the same list compare: its length, and the global shapes and dtypes of
+    its DTensors and plain tensors (only the dtypes for ZeRO pieces, whose local shapes differ)."""
+    if pieces:
+        return _fingerprint(n, map(_dcode, map(operator.attrgetter("dtype"), reads)))
+    if lay.fp is not None:  # DTensors only: the layout's (their shapes and dtypes are the specs')
+        return lay.fp
+    if lay.plan is not None and lay.plan.staged and not lay.specs:
+        return _fingerprint(n, ())  # a plain stage: nobody else holds this list
+    plain = [(i, tuple(reads[i].shape), _dcode(reads[i].dtype)) for i in lay.plain_pos]
+    return _fingerprint(n, lay.tokens + plain)
+
+
+# ------------------------------------------------------------------ the local pass in one C++ call (CPU)
+# A sharded clip's per-tensor host work is reading each parameter's .grad, its spec and local tensor, then two
+# backend calls over the local tensors (the norm, then the scale), each converting the whole list for the
+# dispatcher: about 4 us per DTensor gradient. For DTensor grads whose local shards are plain CPU tensors on
+# the cpu backend, fastgrad._C.dtensor_local_norm does all of the per-tensor part of that in one pass, checked
+# against the layout the general path cached for the same grads (csrc/host.cpp); the collective and the
+# coefficient stay here, unchanged.
+_DESCS: list = []
+
+
+def _slot_descs(cls) -> tuple:
+    """DTensor's ``_spec`` and ``_local_tensor`` slot descriptors (what ``_SPEC`` and ``_LOCAL`` read)."""
+    if not _DESCS or _DESCS[0] is not cls:
+        _DESCS[:] = [cls, cls.__dict__["_spec"], cls.__dict__["_local_tensor"]]
+    return _DESCS[1], _DESCS[2]
+
+
+def remember_cpu_clip(params: Sequence[Tensor], process_group, sh: Sharded) -> None:
+    """After the general path prepared the grads of ``params``: keep their layout for :func:`local_cpu_norm`
+    when its pass can serve them (all DTensors, no Partial, local shards on the CPU in one compiled scan)."""
+    lay = sh.layout
+    if (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
+            or isinstance(process_group, Shards) or not sh.checked or not sh.writes
+            or sh.writes.device.type != "cpu" or sh.reads is not sh.writes):
+        return
+    _keep(_CPU_CLIP, (len(params), group_key(process_group), id(params[0])), lay, _LIST_CAP)
+
+
+def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, backend: str | None
+                   ) -> tuple[Sharded, Tensor | None, object] | None:
+    """The local part of a sharded clip in one C++ call, for the grads of ``params`` when their layout was
+    remembered (:func:`remember_cpu_clip`) and still holds: ``(sh, local_total, handle)`` (``local_total``: this
+    rank's norm of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for :func:`scale_local_cpu`),
+    else None (nothing done; the general path runs). The layout holds when every grad is a DTensor with the
+    very spec object the layout recorded at its position (same mesh, placements, global shape and dtype), as
+    many grads as it has; the C++ pass checks that on every call, so a changed list never reuses it."""
+    if not params:
+        return None
+    # (the key only finds a candidate: whether it holds is checked below, grad by grad)
+    key = (len(params), group_key(process_group), id(params[0]))
+    lay = _CPU_CLIP.get(key)
+    if lay is None or lay.group is not process_group or lay.empties is None:
+        return None
+    _used(_CPU_CLIP, key)
+    c = _scan.helpers()
+    if c is None or not hasattr(c, "dtensor_local_norm"):
+        return None
+    selects_builtin = _scan._selects_builtin()
+    if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
+        return None
+    if _PENDING:
+        _raise_pending()
+    cls = _dtensor_cls()
+    spec_desc, local_desc = _slot_descs(cls)
+    out = c.dtensor_local_norm(params, cls, spec_desc, local_desc, lay.specs, lay.counted, norm_type)
+    if out is None:
+        return None
+    locs, mask, contiguous, total, handle = out
+    writes = _scan.Checked(locs)
+    writes.device, writes.dtype_mask, writes.contiguous = _CPU, mask, contiguous
+    sh = Sharded(writes, writes, lay.counts, lay.sel, lay.mesh, lay.plan, lay.fp)
+    sh.layout = lay
+    return sh, total, (c, handle)
+
+
+def scale_local_cpu(handle, factor: Tensor) -> None:
+    """Scale the local tensors of a :func:`local_cpu_norm` call by ``factor`` (a one-element CPU tensor), as the
+    cpu backend's scale_ does (nothing written when it is 1); once per handle."""
+    c, capsule = handle
+    c.dtensor_local_scale(capsule, factor)

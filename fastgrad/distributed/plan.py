@@ -1,0 +1,280 @@
+"""Which ranks reduce together: the plan of a sharded call's collectives, built once per set of meshes and
+group and cached (see fastgrad.distributed's docstring, "Which ranks reduce together"), and the bounded
+caches every layout decision shares."""
+
+from __future__ import annotations
+
+import torch
+
+from .dtensor import _placements
+
+
+class Shards:
+    """``process_group=Shards(group)``: the plain tensors at position i of every rank's list are pieces of
+    ONE tensor (ZeRO-style hand sharding), so per-tensor results (``per_tensor=True``, ``norm_type=0``,
+    ``grad_stats``) are the whole tensors' and every rank of ``group`` must pass a list of the same length
+    and dtypes (checked in the collective). A bare ``group`` means each rank holds its own tensors (pipeline
+    stages); totals are the same either way."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        if isinstance(group, Shards):
+            group = group.group
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"Shards({self.group!r})"
+
+
+def _unwrap(process_group):
+    """``(group, pieces)``: the process group, and whether plain lists are pieces of the same tensors."""
+    if isinstance(process_group, Shards):
+        if process_group.group is None:
+            raise ValueError("Shards(group) needs a process group (e.g. dist.group.WORLD)")
+        return process_group.group, True
+    return process_group, False
+
+
+# ------------------------------------------------------------------------------- caches (host cost)
+# Keyed by object identity; the value keeps the object so that an id reused after garbage collection can
+# not alias (the entry is checked with `is`). Small: one entry per (mesh, placements) kind and per plan.
+_SPEC_CACHE: dict = {}
+_MESH_RANKS: dict = {}
+_PLAN_CACHE: dict = {}
+
+
+def _keep(cache: dict, key, value, cap: int) -> None:
+    """Store ``value`` in a bounded cache, dropping the least recently used entry when full (dicts keep insertion
+    order and :func:`_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
+    of the list a training loop clips every step whenever another list came and went in between."""
+    cache.pop(key, None)
+    while len(cache) >= cap:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def _used(cache: dict, key) -> None:
+    """Mark a hit as the most recently used entry (a no-op when it already is)."""
+    if next(reversed(cache)) != key:
+        cache[key] = cache.pop(key)
+
+
+def group_key(group) -> int:
+    """A process group's part of a cache key: its id, and 0 for no group (no object has id 0). A constant,
+    not ``id(None)``, which Dynamo cannot trace under ``torch.compile(fullgraph=True)``."""
+    return 0 if group is None else id(group)
+
+
+def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
+    """``(counted, has_partial, read_placements)`` for a DTensor on ``mesh`` with ``placements`` on this
+    rank: whether its local values enter the norm (coordinate 0 of every dimension on which it is
+    replicated), and the placements to redistribute to for the norm when some are Partial."""
+    key = (id(mesh), placements)
+    hit = _SPEC_CACHE.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"this rank is not part of the DeviceMesh {mesh} of some of the gradients")
+    partial = any(p.is_partial() for p in placements)
+    read_pl = None
+    if partial:
+        Replicate = _placements()
+        read_pl = tuple(Replicate() if p.is_partial() else p for p in placements)
+    eff = read_pl if partial else placements
+    counted = all(coord[d] == 0 for d, p in enumerate(eff) if p.is_replicate())
+    info = (counted, partial, read_pl)
+    _keep(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
+    return info
+
+
+def _ranks_of_mesh(mesh) -> frozenset:
+    hit = _MESH_RANKS.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    ranks = frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+    _MESH_RANKS[id(mesh)] = (mesh, ranks)
+    return ranks
+
+
+def _root_ranks(mesh) -> frozenset | None:
+    """Ranks of the mesh ``mesh`` was sliced from (itself when not a slice); None when torch cannot say."""
+    root = None
+    getter = getattr(mesh, "_get_root_mesh", None)
+    try:
+        if getter is not None:
+            root = getter()
+        else:
+            from torch.distributed.device_mesh import _mesh_resources
+
+            root = _mesh_resources.get_root_mesh(mesh)
+    except Exception:  # noqa: BLE001 - a private API that moved: skip the check rather than fail the call
+        return None
+    return None if root is None else _ranks_of_mesh(root)
+
+
+# ------------------------------------------------------------------------------------------ the plan
+class _Plan:
+    """The collectives of one call.
+
+    ``steps``: the groups the fixed-size buffer (totals, flags, header) is all-reduced over in turn, each
+    rank's contribution pre-weighted so that the result is the whole model's (``None``: the default group).
+    ``vec_steps``: the groups per-tensor vectors are reduced over; ``[]`` when per-tensor results are this
+    rank's own (plain pipeline stages, an empty rank). ``staged``: the ranks of the span hold different
+    lists (pipeline stages): each stage's agreement travels in its own header ``slot`` of ``slots`` (one per
+    rank of the process group, so every rank of the group builds the same buffer); p = 0's stage counts are
+    combined over ``cross`` (this rank contributing when ``cross_contrib``). ``plain_counted``: whether
+    plain tensors count on this rank; ``mesh_counted``: the same per mesh (False for a copy of a slice, see
+    the package's docstring). ``device``: where a rank without local tensors builds its buffer. ``span``:
+    the ranks the steps reach (None when this rank cannot tell)."""
+
+    __slots__ = ("steps", "vec_steps", "staged", "slots", "slot", "cross", "cross_contrib", "plain_counted",
+                 "mesh_counted", "device", "keep", "span", "pieces")
+
+    def __init__(self, steps, vec_steps, *, staged, slots, slot, cross, cross_contrib, plain_counted, device,
+                 keep, span, pieces=False):
+        self.steps = steps
+        self.vec_steps = vec_steps
+        self.staged = staged
+        self.slots = slots
+        self.slot = slot
+        self.cross = cross
+        self.cross_contrib = cross_contrib
+        self.plain_counted = plain_counted
+        self.device = device
+        self.keep = keep  # the meshes and group the plan was built for (keeps their ids valid)
+        self.span = span
+        self.pieces = pieces
+        # per mesh of keep[0]: whether its tensors count here (the copy of a slice holding the lowest rank)
+        meshes = keep[0]
+        union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes)) if meshes else frozenset()
+        self.mesh_counted = tuple(min(union) in _ranks_of_mesh(m) for m in meshes)
+
+
+def _group_ranks(group) -> frozenset:
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return frozenset(range(dist.get_world_size()))
+    return frozenset(dist.get_process_group_ranks(group))
+
+
+def _mesh_steps(meshes: list, union: frozenset) -> list:
+    """Groups that reduce over exactly ``union``: the one of a 1-D mesh spanning it, or each dimension of
+    a multi-dimensional one in turn (SUM/MAX/MIN are associative, so that reaches every rank)."""
+    import torch.distributed as dist
+
+    if len(union) == dist.get_world_size():
+        return [None]
+    best = None
+    for m in meshes:
+        if _ranks_of_mesh(m) == union and (best is None or m.ndim < best.ndim):
+            best = m
+    if best is None:
+        raise ValueError(
+            "the gradients' DeviceMeshes cover different sets of ranks ("
+            + ", ".join(str(sorted(_ranks_of_mesh(m))) for m in meshes)
+            + ") and none of them spans their union, so no reduction over these meshes counts every element "
+            "once; put the parameters on meshes of one root mesh that spans them, or pass process_group= a "
+            "group holding all these ranks"
+        )
+    return [best.get_group(d) for d in range(best.ndim)]
+
+
+def _refuse_a_slice(meshes: list, union: frozenset) -> None:
+    """Without a group, meshes that are a slice of a larger mesh would leave the other slices out of the norm."""
+    for m in meshes:
+        root = _root_ranks(m)
+        if root is not None and not root <= union:
+            raise ValueError(
+                f"the gradients' DeviceMesh covers ranks {sorted(union)}, a slice of a mesh over "
+                f"{len(root)} ranks: the other slices' gradients (pipeline stages?) would be left out "
+                "of the norm. Pass process_group= the group that connects the stages (or "
+                "dist.group.WORLD); to reduce over these ranks only, pass the mesh's own group"
+            )
+
+
+def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("sharded gradients need an initialized torch.distributed process group")
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    if group is not None and (group is dist.GroupMember.NON_GROUP_MEMBER or me not in _group_ranks(group)):
+        raise ValueError(f"this rank ({me}) is not a member of process_group")
+    if pieces and meshes:
+        raise ValueError("process_group=Shards(group) is for plain tensors that are pieces of one another; "
+                         "DTensors carry their own placements: pass the group itself")
+    granks = _group_ranks(group)
+    order = sorted(granks)
+    slots = 0 if (group is None or pieces) else len(granks)
+    dev = _group_device(group)
+    if not meshes:
+        if group is None:  # plain tensors without a group never get here (single-process path)
+            raise ValueError("plain tensors need process_group= to be reduced across ranks")
+        if pieces:  # ZeRO pieces: tensor i on every rank is one tensor; one reduction over the group
+            return _Plan([group], [group], staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+                         plain_counted=True, device=dev, keep=((), group), span=granks, pieces=True)
+        # each rank its own tensors (a stage, or nothing): per-tensor results are local
+        return _Plan([group], [], staged=True, slots=slots, slot=order.index(me), cross=group,
+                     cross_contrib=True, plain_counted=True, device=dev, keep=((), group), span=granks)
+    union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes))
+    plain_counted = me == min(union)
+    keep = (tuple(meshes), group)
+    if group is None:
+        if len(union) < world:
+            _refuse_a_slice(meshes, union)
+        steps = _mesh_steps(meshes, union)
+        return _Plan(steps, steps, staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+                     plain_counted=plain_counted, device=_group_device(steps[0]), keep=keep, span=union)
+    if union <= granks:
+        # The group contains the meshes: one all-reduce over it. Ranks of the group outside the meshes hold
+        # other parameters (stages); per-tensor vectors are reduced within the meshes then.
+        if granks == union:
+            return _Plan([group], [group], staged=False, slots=slots, slot=None, cross=None, cross_contrib=False,
+                         plain_counted=plain_counted, device=dev, keep=keep, span=granks)
+        stage = _mesh_steps(meshes, union)
+        return _Plan([group], stage, staged=True, slots=slots, slot=order.index(min(union)), cross=group,
+                     cross_contrib=plain_counted, plain_counted=plain_counted, device=dev, keep=keep, span=granks)
+    if granks & union != {me}:
+        raise ValueError(
+            f"process_group (ranks {sorted(granks)}) shares ranks with the gradients' meshes (ranks "
+            f"{sorted(union)}) without containing them: it must either contain the meshes (e.g. "
+            "dist.group.WORLD) or connect ranks holding different parameters, one per stage (a pipeline group)"
+        )
+    stage = _mesh_steps(meshes, union)
+    tiled = len(granks) * len(union) == world
+    steps = [None] if tiled else stage + [group]
+    return _Plan(steps, stage, staged=True, slots=slots, slot=order.index(me), cross=group, cross_contrib=True,
+                 plain_counted=plain_counted, device=dev, keep=keep,
+                 span=frozenset(range(world)) if tiled else None)
+
+
+def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
+    key = (tuple(id(m) for m in meshes), group_key(group), pieces)
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None and hit.keep[-1] is group and all(a is b for a, b in zip(hit.keep[0], meshes)):
+        _used(_PLAN_CACHE, key)
+        return hit
+    plan = _build_plan(meshes, group, pieces)
+    _keep(_PLAN_CACHE, key, plan, 256)
+    return plan
+
+
+def span_ranks(sh: "Sharded") -> frozenset | None:
+    """The ranks whose contributions the call's total combines (None when this rank cannot tell, e.g. a
+    pipeline whose stages do not tile the world): a caller may fold another reduction over exactly these
+    ranks into the norm's (fastgrad.amp does so for a ShardedGradScaler's overflow flags)."""
+    return sh.plan.span
+
+
+def _group_device(group) -> torch.device:
+    """Where a rank with no local tensor puts its contribution: the device the group's backend reduces."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(group)).lower()
+    if "nccl" in name and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
