@@ -124,6 +124,22 @@ def test_scaler_unscale_and_clip_exact_overflow_skips_the_step():
     assert scaler.get_scale() == 2.0
 
 
+def test_scaler_unscale_and_clip_exact_error_if_nonfinite():
+    """A non-finite exact norm raises as unscale_ + clip_grad_norm_(error_if_nonfinite=True): the gradients
+    unscaled but not clipped, the scaler state recorded."""
+    grads = _grads(6)
+    grads[1][0] = math.nan
+    params, opt = _setup(grads, 4.0)
+    scaler = _scaler(4.0)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, exact=True, error_if_nonfinite=True)
+    un = _unscaled(grads, scaler, 4.0)
+    assert all(_bits(prm.grad) == _bits(u) for prm, u in zip(params, un))
+    state = scaler._per_optimizer_states[id(opt)]
+    assert state["stage"] is OptState.UNSCALED
+    assert [f.item() for f in state["found_inf_per_device"].values()] == [1.0]
+
+
 def test_scaler_unscale_and_clip_exact_rejects_before_any_work():
     grads = _grads(3)
     params, opt = _setup(grads, 2.0)
