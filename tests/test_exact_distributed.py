@@ -222,7 +222,32 @@ def _scenario_amp_guard(rank, world):
         assert [f.item() for f in flags.values()] == [1.0]
 
 
-SCENARIOS = {"amp_guard": _scenario_amp_guard,
+def _scenario_guard_copy(rank, world):
+    """A NaN in a Replicate() copy that only the last rank holds uncounted: every rank's exact verdict is NaN
+    (one collective), so every rank skips alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fastgrad.guard import StepGuard
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = _fulls([torch.float32], [(8, 3), (5,)], seed=5)
+    params = [torch.nn.Parameter(distribute_tensor(f, mesh, [pl])) for f, pl in zip(fulls, (Shard(0), Replicate()))]
+    for prm, f in zip(params, fulls):
+        prm.grad = prm.detach().clone()
+    if world > 1 and rank == world - 1:
+        params[1].grad.to_local()[0] = math.nan
+    opt = torch.optim.SGD(params, lr=0.1)
+    with CollectiveCount() as c:
+        got = StepGuard(opt, 0.5, exact=True).clip_().full_tensor()
+    assert c.n == 1, c.kinds
+    if world > 1:
+        assert math.isnan(got.item())
+    else:
+        assert _bits(got) == _bits(_single(fulls, 2.0))
+
+
+SCENARIOS = {"amp_guard": _scenario_amp_guard, "guard_copy": _scenario_guard_copy,
              "shards": _scenario_shards, "fsdp2": _scenario_fsdp2, "stages": _scenario_stages, "dtensor_1d": _scenario_dtensor_1d,
              "dtensor_2d": _scenario_dtensor_2d}
 

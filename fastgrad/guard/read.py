@@ -165,7 +165,9 @@ def exact_norms(g, grads, inv_scale, scaler, state, sharded, use_scaler):
     groups = inputs.split_by_device(writes)
     found = unscale_first(groups, inv_scale) if use_scaler else None
     if sh is not None:
-        (dg, fl), rows = exact_norm.reduced_digits(sh, p, g.backend, per_tensor)
+        # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        (dg, fl), rows = exact_norm.reduced_digits(sh, p, g.backend, per_tensor, poison)
         dtype = distributed._local_dev_dtype(sh)[1]
         total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
         if use_scaler:
