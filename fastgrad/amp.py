@@ -33,10 +33,11 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
+from . import exact as exact_norm
 from .backends import acc_dtype
-from .decide import amp_factor, grad_scale
+from .decide import amp_factor, clip_coef, grad_scale, nonfinite
 from .backends.torch_backend import combine_norms
-from .clip import _check_finite, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
+from .clip import _check_finite, _no_sharded_fallback, _sharded_dtype, _torch_fallback_allowed, clip_grad_norm_
 
 try:
     from torch.amp.grad_scaler import GradScaler, OptState
@@ -274,7 +275,7 @@ def _explain_bad_args(scaler, optimizer, swapped_only: bool = False) -> None:
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
                             error_if_nonfinite: bool = False, zero_write: bool = False,
-                            backend: str | None = None, process_group=None) -> Tensor:
+                            backend: str | None = None, process_group=None, exact: bool = False) -> Tensor:
     """``scaler.unscale_(optimizer)`` then ``clip_grad_norm_`` over the optimizer's parameters, fused: one
     read of the gradients for the overflow check and the norm, one write for unscale and clip together
     (none when the combined factor is 1).
@@ -298,6 +299,14 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     torch's, a second collective); the local shards are written; the norm is a Replicate() DTensor when all grads are
     DTensors on one mesh. ``zero_write`` does not
     apply there; norm_type 0 is not supported there.
+
+    ``exact=True`` (p = 1, 2, inf): the returned norm is the exact norm of the UNSCALED gradients correctly
+    rounded (fastgrad.exact; ``g * inv_scale`` is itself rounded unless the scale is a power of two and
+    nothing underflows, so the gradients are unscaled first, as ``unscale_`` does, then read once more for the
+    exact norm, then clipped by the coefficient computed from it). The scaler state is left as ``unscale_``
+    leaves it; ``zero_write`` does not apply (the gradients are written). Sharded gradients: the norm and the
+    overflow verdict travel in one all-reduce. p = inf takes the default route (a max of the rounded unscaled
+    values is exact already).
     """
     if scaler is None or not hasattr(scaler, "unscale_"):
         _explain_bad_args(scaler, optimizer, swapped_only=True)
@@ -307,6 +316,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
                         "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
+    ex = exact_norm.applies(exact, p)  # inf: a max of correctly rounded unscaled values, exact already
     try:
         params = optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
@@ -314,13 +324,13 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     traced = _traced_plain(scaler)
     if not _enabled(scaler, traced):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
-                               process_group=process_group)
+                               process_group=process_group, exact=ex)
 
     if not traced and not _known_unscale(scaler):
         # A scaler with its own unscale_ (and its own rules): run it, then clip.
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
-                               process_group=process_group)
+                               process_group=process_group, exact=ex)
 
     if not traced and getattr(scaler, "_scale", True) is None:
         # torch's own check says only "_scale is None": say which call is missing
@@ -337,6 +347,8 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
         # was asked for by name).
         _no_sharded_fallback(process_group)
+        if ex:
+            exact_norm.reject_fallback()
         _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
@@ -344,6 +356,9 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     inv_scale = _inv_scale(scaler)
     # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
     flag_shape = (1,) if sharded else ()
+    if ex and (grads or process_group is not None):
+        return _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite,
+                                       backend, process_group, flag_shape)
     if process_group is not None or distributed.has_dtensor(grads):
         return _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p,
                                          error_if_nonfinite, backend, process_group, flag_shape)
@@ -376,6 +391,57 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     else:
         _scale_groups(groups, factor, backend)
     return total.to(inputs.promoted_dtype(grads))
+
+
+def unscale_first(groups: list[list[Tensor]], inv_scale: Tensor, flag_shape=()) -> dict:
+    """``unscale_``'s own pass per device group: the overflow flag read from the SCALED values, the
+    gradients multiplied by ``inv_scale`` in place. Returns the flags by device."""
+    found = {}
+    for g in groups:
+        dev = g[0].device
+        f = torch.zeros(flag_shape, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(g, f, inv_scale.to(dev, non_blocking=True))
+        found[dev] = f
+    return found
+
+
+def exact_unscaled_norm(grads: list[Tensor], p: float, backend: str | None, sh=None) -> tuple[Tensor, Tensor]:
+    """The exact norm of gradients already unscaled: ``(total in the accumulation dtype, returned value)``,
+    over every rank with one all-reduce for a sharded view ``sh`` (fastgrad.exact.reduced_digits)."""
+    if sh is not None:
+        (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
+        total = exact_norm.finish(dg, fl, p, distributed._local_dev_dtype(sh)[1])
+        out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
+        return total, distributed.wrap_like(out, sh)
+    return exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
+
+
+def _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite, backend,
+                            process_group, flag_shape):
+    """exact=True: unscale (the flags as unscale_ records them), the exact norm of the unscaled values (one more
+    read), then the clip by the coefficient computed from it (one write, skipped on the device when 1)."""
+    for g in inputs.split_by_device(grads):  # the backends that will write, checked before anything is
+        inputs.pick("scale", g, backend)
+    sh = None
+    if process_group is not None or distributed.has_dtensor(grads):
+        sh = distributed.prepare(grads, process_group)
+    groups = inputs.split_by_device(sh.writes if sh is not None else grads)
+    found = unscale_first(groups, inv_scale, flag_shape)
+    total, out = exact_unscaled_norm(grads, p, backend, sh)
+    if sh is not None:
+        # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled), so
+        # the same found_inf everywhere without a second collective
+        bad = nonfinite(total).to(torch.float32)
+        found = {dev: bad.to(dev).reshape(flag_shape) for dev in found}
+        if sharded and not found:
+            found[scaler._scale.device] = bad.to(scaler._scale.device).reshape(flag_shape)
+        sharded = False
+    _record_read_pass(scaler, state, sharded, found, total, p, False, groups, inv_scale, backend)
+    if error_if_nonfinite:
+        _check_finite(total, p)  # the gradients stay unscaled and unclipped, as the two torch calls leave them
+    if groups:
+        _scale_groups(groups, clip_coef(total.to(groups[0][0].device), max_norm), backend)
+    return out
 
 
 def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend

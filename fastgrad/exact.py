@@ -349,12 +349,14 @@ def local_digits(tensors, p: float, backend: str | None, per_tensor: bool = Fals
     return inputs.restore_order(torch.cat(dgs), groups), inputs.restore_order(torch.cat(fls), groups)
 
 
-def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
+def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False, poison: Tensor | None = None):
     """The whole list's digits and flags over every rank of a sharded list (``fastgrad.distributed.prepare``),
     the same on every rank: this rank's counted shards' digits travel, as float64 integers below 2^32, in the
     one SUM all-reduce that carries the agreement header (sums of < 2^21 ranks' digits are exact). With
     ``per_tensor``: also ``(digits, flags)`` per tensor in input order (whole tensors where shards combine, one
-    more collective, as the default path; a pipeline stage's own tensors otherwise)."""
+    more collective, as the default path; a pipeline stage's own tensors otherwise). ``poison``
+    (``fastgrad.distributed.nonfinite_poison``): NaN counts as one NaN value in the same payload, so a
+    non-finite copy this rank holds but does not count makes the total NaN on every rank."""
     from .distributed import agreement, reduce
 
     base, nl = _WINDOWS[p]
@@ -372,6 +374,8 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False):
         payload = torch.cat([dg, fl]).to(dev, torch.float64)
     else:
         payload = torch.zeros(nl + 2, dtype=torch.float64, device=dev)
+    if poison is not None:
+        payload[nl] += torch.isnan(poison).to(payload.device, payload.dtype)
     red, _ = agreement._phase_a(sh, agreement._EXACT, p, per_tensor, payload, None)
     red = red.to(torch.int64)
     total = (normalize(red[:nl]), red[nl:])

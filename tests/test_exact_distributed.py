@@ -176,7 +176,79 @@ def _scenario_fsdp2(rank, world):
             assert _bits(p.grad.full_tensor()) == _bits(q.grad)
 
 
-SCENARIOS = {"shards": _scenario_shards, "fsdp2": _scenario_fsdp2, "stages": _scenario_stages, "dtensor_1d": _scenario_dtensor_1d,
+def _scenario_amp_guard(rank, world):
+    """scaler_unscale_and_clip and StepGuard.clip_(scaler) with exact=True on hand-sharded pieces: the norm of
+    the unscaled pieces in one all-reduce, the same bytes as the single-process exact clip (a power-of-two
+    scale: the unscaled values are the gradients themselves), the clipped pieces its slices."""
+    from torch.amp.grad_scaler import GradScaler
+
+    from fastgrad.guard import StepGuard
+
+    pieces = D.Shards(dist.group.WORLD)
+    scale = 2.0 ** 8
+    for dtypes in ([torch.float32], [torch.float32, torch.bfloat16]):
+        fulls = _fulls(dtypes, [(13, 7), (5,), (64, 9), (1,), (301,)], seed=4)
+        c_total, c_grads = _clipped(fulls, 2.0)
+        for how in ("amp", "guard"):
+            params = [torch.nn.Parameter(_piece(f, rank, world).clone()) for f in fulls]
+            for prm in params:
+                prm.grad = prm.detach() * scale
+            opt = torch.optim.SGD(params, lr=0.1)
+            scaler = GradScaler("cpu", init_scale=scale)
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+            with CollectiveCount() as c:
+                if how == "amp":
+                    got = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, process_group=pieces, exact=True)
+                else:
+                    got = StepGuard(opt, 0.5, process_group=pieces, exact=True).clip_(scaler)
+            assert c.n == 1, c.kinds
+            assert _bits(got) == _bits(c_total), (how, dtypes)
+            for prm, cg in zip(params, c_grads):
+                assert _bits(prm.grad) == _bits(_piece(cg, rank, world)), (how, dtypes)
+            flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+            assert [f.item() for f in flags.values()] == [0.0]
+        # an overflow on one rank: every rank records it and skips
+        params = [torch.nn.Parameter(_piece(f, rank, world).clone()) for f in fulls]
+        for prm in params:
+            prm.grad = prm.detach() * scale
+        if rank == world - 1:
+            params[-1].grad[0] = math.inf
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = GradScaler("cpu", init_scale=scale)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        got = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, process_group=pieces, exact=True)
+        assert not math.isfinite(got.item())
+        flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+        assert [f.item() for f in flags.values()] == [1.0]
+
+
+def _scenario_guard_copy(rank, world):
+    """A NaN in a Replicate() copy that only the last rank holds uncounted: every rank's exact verdict is NaN
+    (one collective), so every rank skips alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fastgrad.guard import StepGuard
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = _fulls([torch.float32], [(8, 3), (5,)], seed=5)
+    params = [torch.nn.Parameter(distribute_tensor(f, mesh, [pl])) for f, pl in zip(fulls, (Shard(0), Replicate()))]
+    for prm, f in zip(params, fulls):
+        prm.grad = prm.detach().clone()
+    if world > 1 and rank == world - 1:
+        params[1].grad.to_local()[0] = math.nan
+    opt = torch.optim.SGD(params, lr=0.1)
+    with CollectiveCount() as c:
+        got = StepGuard(opt, 0.5, exact=True).clip_().full_tensor()
+    assert c.n == 1, c.kinds
+    if world > 1:
+        assert math.isnan(got.item())
+    else:
+        assert _bits(got) == _bits(_single(fulls, 2.0))
+
+
+SCENARIOS = {"amp_guard": _scenario_amp_guard, "guard_copy": _scenario_guard_copy,
+             "shards": _scenario_shards, "fsdp2": _scenario_fsdp2, "stages": _scenario_stages, "dtensor_1d": _scenario_dtensor_1d,
              "dtensor_2d": _scenario_dtensor_2d}
 
 

@@ -155,6 +155,9 @@ class StepGuard:
             warmup_steps finite norms then their EMA (defaults 0.97, 25).
         percentile, history_size: AutoClip (defaults 10, 1000).
         lambda_rel, beta, warmup_steps, eps: AdaGC (defaults 1.05, 0.98, 100, 1e-8).
+        exact: every decision taken from the correctly rounded norm (fastgrad.exact; p = 1, 2, inf; AdaGC's
+            per-tensor norms too), one more read of the gradients; with a GradScaler they are unscaled in
+            place first (zero_write does not apply there).
     """
 
     def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = "norm",
@@ -162,7 +165,8 @@ class StepGuard:
                  non_fused: str = "sync", zero_write: bool = True, process_group=None, backend: str | None = None,
                  alpha: float | None = None, z_thresh: float | None = None, warmup_steps: int | None = None,
                  eps: float | None = None, clip_factor: float | None = None, percentile: float | None = None,
-                 history_size: int | None = None, lambda_rel: float | None = None, beta: float | None = None):
+                 history_size: int | None = None, lambda_rel: float | None = None, beta: float | None = None,
+                 exact: bool = False):
         optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
@@ -183,7 +187,7 @@ class StepGuard:
             raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
         o = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
                           max_consecutive_skips=max_consecutive_skips, non_fused=non_fused, zero_write=zero_write,
-                          backend=backend,
+                          backend=backend, exact=exact,
                           alpha=alpha, z_thresh=z_thresh, warmup_steps=warmup_steps, eps=eps,
                           clip_factor=clip_factor, percentile=percentile, history_size=history_size,
                           lambda_rel=lambda_rel, beta=beta)
@@ -197,6 +201,8 @@ class StepGuard:
         self.zero_write = zero_write
         self.process_group = process_group
         self.backend = backend
+        self.exact = exact
+        self._exact = o.exact  # the norms from fastgrad.exact (read.general's exact route)
         self._optimizer = optimizer
         self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
         self._counters = Counters(self.max_norm)
@@ -286,7 +292,8 @@ class StepGuard:
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
         params = optimizer_params(opt)
-        if self.mode == "norm" and scaler is None and self.process_group is None and not is_fused(opt):
+        if (self.mode == "norm" and scaler is None and self.process_group is None and not is_fused(opt)
+                and not self._exact):
             # the common CPU case first: clip_grad_norm_'s one-call C++ clip, which answers None (nothing
             # done) for anything but plain dense CPU gradients, before any Python pass over the list
             out = read.cpu_write(self, params)
@@ -326,9 +333,11 @@ class StepGuard:
             inv_scale = _inv_scale(scaler)
         fused = is_fused(opt)
         # decided on the host before the read pass (checks of types and attributes only)
+        # (exact=True under a scaler unscales in place first: nothing left to hand over)
         hand_over = (fused and self.zero_write and not sharded and self.mode != "adagc" and
+                     not (self._exact and use_scaler) and
                      (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
-        if self.mode == "norm" and not sharded:
+        if self.mode == "norm" and not sharded and not self._exact:
             # (outside no_grad, as clip_grad_norm_'s one-call path: these calls record nothing for autograd)
             out = read.one_call(self, params, grads, inv_scale, scaler, state, hand_over)
             if out is not None:

@@ -7,6 +7,7 @@ import numbers
 from typing import Any, NamedTuple
 
 from .. import _inputs as inputs
+from .. import exact as exact_norm
 from ..backends import get as get_backend
 from .adagc import AdaGCMode
 from .autoclip import AutoClipMode
@@ -23,6 +24,7 @@ class Options(NamedTuple):
     skip_factor: float | None
     max_consecutive_skips: int | None
     mode_options: dict
+    exact: bool = False  # the norms come from fastgrad.exact (p = 1 or 2; inf is a max, exact already)
 
 
 def _number(name: str, value, *, low: float, high: float = math.inf, low_open: bool = True,
@@ -61,7 +63,7 @@ _WHY = {
 
 
 def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_skips, non_fused, zero_write,
-                  backend=None, **mode_kw) -> Options:
+                  backend=None, exact=False, **mode_kw) -> Options:
     """Every option checked before the guard is built (nothing registered, nothing read)."""
     if mode not in MODES:
         raise ValueError(f"StepGuard mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -73,6 +75,9 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
     if backend is not None:
         get_backend(backend)  # ValueError naming the registered backends
     norm_type = inputs.check_norm_type(norm_type)
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be True or False, got {exact!r}")
+    exact = exact_norm.applies(exact, norm_type)  # ValueError for a norm_type other than 1, 2, inf
     if mode != "norm" and norm_type != 2.0:
         raise ValueError(f"mode={mode!r} is defined on the 2-norm (as its paper); norm_type must be 2")
     if mode == "norm":
@@ -121,7 +126,7 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
     if "percentile" in given:
         o["percentile"] = _number("percentile", o["percentile"], low=0.0, high=100.0, low_open=False,
                                   high_open=False, why=_WHY["percentile"])
-    return Options(norm_type, max_norm, skip_factor, max_consecutive_skips, o)
+    return Options(norm_type, max_norm, skip_factor, max_consecutive_skips, o, exact)
 
 
 def make_mode(mode: str, max_norm, skip_factor, options: dict):

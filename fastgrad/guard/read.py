@@ -6,7 +6,8 @@ write or the zero-write hand-over, each in as few backend calls as the layout al
 * :func:`one_call`: mode "norm" on one device: the read pass, the non-finite flag, the coefficient and the
   write in ONE backend call (the fused AMP primitive).
 * :func:`general`: every mode, any layout (sharded, GradScaler, per-tensor norms), through clip.py's
-  dispatch and the mode's rule in device ops.
+  dispatch and the mode's rule in device ops; with ``exact=True`` the norms from fastgrad.exact instead
+  (:func:`exact_norms`).
 
 Each reads in its own way and decides nothing itself: the coefficient, the spike and the verdict come from
 the mode's rule and ``fastgrad.decide``; each returns the total norm and hands the outcome to the guard
@@ -21,7 +22,8 @@ from .. import _inputs as inputs
 from .. import decide
 from .. import _scan
 from .. import distributed
-from ..amp import _record_read_pass, device_amp_norms, combine_device_totals
+from .. import exact as exact_norm
+from ..amp import _record_read_pass, device_amp_norms, combine_device_totals, unscale_first
 from ..backends import acc_dtype
 from ..clip import _norm, _scale
 
@@ -87,7 +89,10 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
     device ops, then the write or the hand-over."""
     p = g.norm_type
     per_tensor = g._mode.per_tensor
-    if use_scaler and sharded:
+    if g._exact:  # the gradients are unscaled by now: the rule below clips them without inv_scale
+        total, per, writes, sh = exact_norms(g, grads, inv_scale, scaler, state, sharded, use_scaler)
+        inv_scale = None
+    elif use_scaler and sharded:
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
         sh = distributed.prepare(grads, g.process_group)
@@ -147,6 +152,37 @@ def general(g, params, grads, inv_scale, scaler, state, hand_over, sharded, use_
                decide.grad_scale(factor) if hand_over else None, grads)
     out = total.to(inputs.promoted_dtype(grads)) if grads else total
     return distributed.wrap_like(out, sh) if sh is not None else out
+
+
+def exact_norms(g, grads, inv_scale, scaler, state, sharded, use_scaler):
+    """exact=True's read: with a scaler, ``unscale_``'s own pass first (the overflow flags from the scaled
+    values), then the correctly rounded norms of the unscaled values (per tensor for AdaGC): ``(total, per,
+    writes, sharded view)``. Sharded: one all-reduce; every rank's found_inf is then the reduced norm's
+    verdict (an overflowed scaled value is non-finite unscaled), the same everywhere."""
+    p, per_tensor = g.norm_type, g._mode.per_tensor
+    sh = distributed.prepare(grads, g.process_group) if sharded else None
+    writes = sh.writes if sh is not None else grads
+    groups = inputs.split_by_device(writes)
+    found = unscale_first(groups, inv_scale) if use_scaler else None
+    if sh is not None:
+        # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
+        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+        (dg, fl), rows = exact_norm.reduced_digits(sh, p, g.backend, per_tensor, poison)
+        dtype = distributed._local_dev_dtype(sh)[1]
+        total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
+        if use_scaler:
+            bad = decide.nonfinite(total).to(torch.float32)
+            found = {dev: bad.to(dev) for dev in found}
+    elif per_tensor:
+        dg, fl = exact_norm.local_digits(grads, p, g.backend, True)
+        dtype = acc_dtype(grads)
+        per = exact_norm.finish(dg, fl, p, dtype)
+        total = exact_norm.finish(*exact_norm.total_digits(dg, fl), p, dtype)
+    else:  # clip_grad_norm_(exact=True)'s read (on the cpu backend, the compiled kernel's bound decides most)
+        total, per = exact_norm.totals(grads, p, g.backend, acc_dtype(grads), acc_dtype(grads))[0], None
+    if use_scaler:
+        _record_read_pass(scaler, state, False, found, total, p, False, groups, None, g.backend)
+    return total, per, writes, sh
 
 
 def _param_index(g, params: list, grads: list) -> Tensor | None:
