@@ -284,8 +284,8 @@ def test_traced_clip_never_reaches_the_sharded_layout_lookup(monkeypatch):
     distributed.local_cpu_norm, reached because the C++ grads scan is off while tracing, and Dynamo 2.11
     cannot trace id(None). While tracing, the function must return before its id()-keyed lookup; eagerly, the
     same call still looks the layout up (the control: the watch sees lookups)."""
-    from fastgrad import distributed as D
     from fastgrad import _scan
+    from fastgrad.distributed import layout
 
     if _scan.helpers() is None or not hasattr(_scan.helpers(), "dtensor_local_norm"):
         pytest.skip("needs the compiled host helpers")
@@ -296,10 +296,10 @@ def test_traced_clip_never_reaches_the_sharded_layout_lookup(monkeypatch):
             seen.append(key)
             return super().get(key, default)
 
-    monkeypatch.setattr(D, "_CPU_CLIP", Watch())
+    monkeypatch.setattr(layout, "_CPU_CLIP", Watch())
     ps = _fresh("cpu")
-    assert D.local_cpu_norm(ps, None, 2.0, None) is None and len(seen) == 1  # eager: looked up (and missed)
+    assert layout.local_cpu_norm(ps, None, 2.0, None) is None and len(seen) == 1  # eager: looked up (and missed)
     seen.clear()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert D.local_cpu_norm(ps, None, 2.0, None) is None
+    assert layout.local_cpu_norm(ps, None, 2.0, None) is None
     assert seen == [], "local_cpu_norm reached its id()-keyed lookup while tracing"

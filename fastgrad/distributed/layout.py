@@ -295,7 +295,10 @@ def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, ba
     else None (nothing done; the general path runs). The layout holds when every grad is a DTensor with the
     very spec object the layout recorded at its position (same mesh, placements, global shape and dtype), as
     many grads as it has; the C++ pass checks that on every call, so a changed list never reuses it."""
-    if not params:
+    # helpers() first: None while torch.compile traces, so a traced call never reaches the id()-keyed lookup
+    # below (Dynamo 2.11 cannot trace every id()); eager calls make the same checks
+    c = _scan.helpers()
+    if not params or c is None or not hasattr(c, "dtensor_local_norm"):
         return None
     # (the key only finds a candidate: whether it holds is checked below, grad by grad)
     key = (len(params), group_key(process_group), id(params[0]))
@@ -303,9 +306,6 @@ def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, ba
     if lay is None or lay.group is not process_group or lay.empties is None:
         return None
     _used(_CPU_CLIP, key)
-    c = _scan.helpers()
-    if c is None or not hasattr(c, "dtensor_local_norm"):
-        return None
     selects_builtin = _scan._selects_builtin()
     if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
         return None
