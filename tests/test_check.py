@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import check as C
+from fastgrad import check
 from fastgrad.diagnose.finding import fmt as _fmt
+
+from .check_runs import codes as _codes, finding as _finding, row as _row
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
@@ -100,23 +102,11 @@ def _inproc(args, steps=None, script="accumulation.py", truth=None):
     if truth is not None:
         os.environ["FG_TRUTH"] = str(truth)
     try:
-        res = C.run_script(str(SCRIPTS / script), args, steps=steps)
+        res = check.run_script(str(SCRIPTS / script), args, steps=steps)
     finally:
         os.environ.pop("FG_TRUTH", None)
     return {"rc": res.exit_code, "stdout": res.to_markdown(), "stderr": res.crash_text,
             "json": json.loads(json.dumps(res.to_dict(), default=str))}
-
-
-def _codes(run, severity=None):
-    return [f["code"] for f in run["json"]["findings"] if severity is None or f["severity"] == severity]
-
-
-def _finding(run, code):
-    return next(f for f in run["json"]["findings"] if f["code"] == code)
-
-
-def _row(run, metric):
-    return next(r for r in run["json"]["summary"] if r["metric"].startswith(metric))
 
 
 def test_healthy_mlp_exit_0_no_warnings_and_all_outputs(runs):
@@ -247,16 +237,16 @@ def test_crashed_script_exit_3_with_partial_report(runs):
 def test_no_optimizer_step_exit_4(tmp_path, capsys):
     script = tmp_path / "no_steps.py"
     script.write_text("import torch\nprint('no optimizer here')\n")
-    assert C.main([str(script)]) == 4
+    assert check.main([str(script)]) == 4
     assert "no optimizer here" in capsys.readouterr().out
 
 
 def test_usage_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        C.main([str(tmp_path / "missing.py")])
+        check.main([str(tmp_path / "missing.py")])
     assert e.value.code == 2 and "script not found" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        C.main(["--steps", "0", str(SCRIPTS / "healthy_mlp.py")])
+        check.main(["--steps", "0", str(SCRIPTS / "healthy_mlp.py")])
     assert e.value.code == 2
 
 
@@ -276,10 +266,10 @@ def _global_state():
 
 def test_interceptors_and_hooks_removed_after_run():
     before = _global_state()
-    res = C.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "5"], steps=3)
+    res = check.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "5"], steps=3)
     assert len(res.steps) == 3 and res.stopped
     assert _global_state() == before
-    res = C.run_script(str(SCRIPTS / "crash_after_steps.py"), [])
+    res = check.run_script(str(SCRIPTS / "crash_after_steps.py"), [])
     assert res.crashed and res.exit_code == 3
     assert _global_state() == before
 
@@ -298,7 +288,7 @@ def test_no_host_sync_while_the_script_runs(monkeypatch):
 
     for n in real:
         monkeypatch.setattr(torch.Tensor, n, guard(n))
-    orig_install, orig_remove = C.Checker.install, C.Checker.remove
+    orig_install, orig_remove = check.Checker.install, check.Checker.remove
 
     def install(self):
         orig_install(self)
@@ -308,27 +298,27 @@ def test_no_host_sync_while_the_script_runs(monkeypatch):
         armed["on"] = False
         orig_remove(self)
 
-    monkeypatch.setattr(C.Checker, "install", install)
-    monkeypatch.setattr(C.Checker, "remove", remove)
+    monkeypatch.setattr(check.Checker, "install", install)
+    monkeypatch.setattr(check.Checker, "remove", remove)
     # flush_every larger than the run: the only reads are the final ones. SGD scripts: torch's Adam and
     # GradScaler.step read the device themselves (not ours to fix).
-    res = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], flush_every=1000)
+    res = check.run_script(str(SCRIPTS / "no_zero_grad.py"), [], flush_every=1000)
     assert not res.crashed, res.crash_text
     assert len(res.steps) == 30 and "no_zero_grad" in res.codes()
-    res = C.run_script(str(SCRIPTS / "nan_loss.py"), [], flush_every=1000)
+    res = check.run_script(str(SCRIPTS / "nan_loss.py"), [], flush_every=1000)
     assert not res.crashed, res.crash_text
     assert res.origin.startswith("LogLoss") and "nonfinite_loss" in res.codes()
 
 
 def test_fused_amp_clip_is_clean_and_fastgrad_clip_of_scaled_grads_is_flagged(tmp_path):
-    res = C.run_script(str(SCRIPTS / "accumulation.py"), ["--clip", "fused", "--amp", "--steps", "5"])
+    res = check.run_script(str(SCRIPTS / "accumulation.py"), ["--clip", "fused", "--amp", "--steps", "5"])
     assert not res.crashed and not any(res.flags.values()) and res.status == "healthy"
     assert all(s.clip_norm is not None and 0 < s.clip_norm < 10 for s in res.steps)  # unscaled norms
     src = (SCRIPTS / "amp_clip_before_unscale.py").read_text()
     bad = tmp_path / "amp_fastgrad_clip.py"
     bad.write_text("import fastgrad\n" + src.replace("torch.nn.utils.clip_grad_norm_", "fastgrad.clip_grad_norm_")
                    .replace("range(20)", "range(4)"))
-    res = C.run_script(str(bad), [])
+    res = check.run_script(str(bad), [])
     assert res.flags["clip_scaled"] == [1, 2, 3, 4] and res.exit_code == 1
 
 
@@ -350,10 +340,10 @@ def test_sharded_grad_scaler_clip_before_unscale_is_flagged(tmp_path):
                     .replace("init_method=" + repr((tmp_path / "pg").as_uri()),
                              "init_method=" + repr((tmp_path / "pg2").as_uri()))
                     + "dist.destroy_process_group()\n")
-    res = C.run_script(str(bad), [])
+    res = check.run_script(str(bad), [])
     assert not res.crashed, res.crash_text
     assert res.flags["clip_scaled"] == [1, 2, 3, 4] and res.exit_code == 1
-    res = C.run_script(str(good), [])
+    res = check.run_script(str(good), [])
     assert not res.crashed, res.crash_text
     assert not res.flags["clip_scaled"] and res.exit_code == 0
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -361,8 +351,8 @@ def test_sharded_grad_scaler_clip_before_unscale_is_flagged(tmp_path):
 
 
 def test_periodic_flush_gives_the_same_history():
-    a = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=3)
-    b = C.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=1000)
+    a = check.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=3)
+    b = check.run_script(str(SCRIPTS / "no_zero_grad.py"), [], steps=10, flush_every=1000)
     assert [s.step for s in a.steps] == list(range(1, 11))
     assert [(s.total_norm, s.loss, s.leftover) for s in a.steps] == [(s.total_norm, s.loss, s.leftover)
                                                                      for s in b.steps]
@@ -376,7 +366,7 @@ def test_sparse_gradients_are_read_not_refused(tmp_path, capsys):
                       "    opt.zero_grad(); emb(torch.tensor([1, 2, 2])).sum().backward()\n"
                       "    norms.append(float(emb.weight.grad.to_dense().norm())); opt.step()\n"
                       f"json.dump(norms, open({str(tmp_path / 'n.json')!r}, 'w'))\nprint('script finished')\n")
-    res = C.run_script(str(script), [])
+    res = check.run_script(str(script), [])
     assert "script finished" in capsys.readouterr().out
     assert not res.crashed and res.exit_code == 0 and len(res.steps) == 3
     assert "checker_error" not in res.codes()
@@ -393,7 +383,7 @@ def test_checker_failure_never_breaks_the_script(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(hooks, "grad_stats", broken)
     monkeypatch.setattr(interceptors, "grad_stats", broken)
     monkeypatch.setattr(optimizer_hooks, "grad_stats", broken)
-    res = C.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "3"])
+    res = check.run_script(str(SCRIPTS / "healthy_mlp.py"), ["--steps", "3"])
     assert "done 3" in capsys.readouterr().out
     assert not res.crashed and len(res.steps) == 3 and all(s.unread for s in res.steps)
     # three steps ran but none could be read: not healthy, and no "norm 0" verdict
@@ -644,7 +634,7 @@ def test_crash_text_has_no_ansi_escape_codes(tmp_path):
     script.write_text("import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
                       "m(torch.ones(1, 2)).sum().backward(); opt.step()\n"
                       "raise RuntimeError('\\x1b[1;31mCUDA out of memory\\x1b[0m')\n")
-    res = C.run_script(str(script), [])
+    res = check.run_script(str(script), [])
     assert res.exit_code == 3 and res.crash_text == "RuntimeError: CUDA out of memory"
     assert "\x1b" not in res.to_markdown() and "\x1b" not in json.dumps(res.to_dict())
 
@@ -652,7 +642,7 @@ def test_crash_text_has_no_ansi_escape_codes(tmp_path):
 def test_nothing_checked_is_never_healthy(tmp_path, capsys):
     script = tmp_path / "no_scalar.py"
     script.write_text("import torch\nw = torch.ones(3, requires_grad=True)\n(w * 2).backward(torch.ones(3))\n")
-    res = C.run_script(str(script), [])
+    res = check.run_script(str(script), [])
     assert res.exit_code == 4 and res.status == "not checked" and not res.steps
     f = next(f for f in res.findings if f.code == "not_checked")
     assert "none on a scalar loss" in f.detail and "not HEALTHY" in f.detail
@@ -924,7 +914,7 @@ def test_every_run_rule_is_listed_in_help_and_has_advice_or_says_why_not():
     from fastgrad.diagnose.advice import RUN_ADVICE, STEP_ADVICE
     from fastgrad.diagnose.rules.registry import RUN_RULES
 
-    ref = C.reference()
+    ref = check.reference()
     for rule in RUN_RULES:
         if rule.code != "last_step":
             assert rule.code in ref
@@ -950,7 +940,7 @@ def _marker_script(tmp_path):
 def test_bad_numbers_are_refused_before_the_script_runs(tmp_path, capsys, opts, message):
     script, marker = _marker_script(tmp_path)
     with pytest.raises(SystemExit) as e:
-        C.main([*opts, str(script)])
+        check.main([*opts, str(script)])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not marker.exists()
 
@@ -961,23 +951,23 @@ def test_an_unwritable_out_is_refused_before_the_script_runs(tmp_path, capsys):
     a_file.write_text("not a folder")
     for out in (a_file, a_file / "sub"):
         with pytest.raises(SystemExit) as e:
-            C.main(["--out", str(out), str(script)])
+            check.main(["--out", str(out), str(script)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"--out {str(out)!r}" in err and "Traceback" not in err
         assert not marker.exists()
     # a folder that does not exist yet is made, and the run goes on
-    assert C.main(["--out", str(tmp_path / "new" / "dir"), str(script)]) == 4 and marker.exists()
+    assert check.main(["--out", str(tmp_path / "new" / "dir"), str(script)]) == 4 and marker.exists()
 
 
 def test_help_carries_the_reference_and_every_default(capsys):
     with pytest.raises(SystemExit) as e:
-        C.main(["--help"])
+        check.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal
     assert e.value.code == 0 and "contract.md" not in out and "docs/" not in out
     for text in ("(default: 64)", "(default: run it to its end)", "(default: print the report only)",
                  "exploding (critical)", "zero_grads (critical)", "exit codes:", "2: usage error"):
         assert text in out, text
-    assert all(f" {k}: " in out for k in C.EXIT_CODES)
+    assert all(f" {k}: " in out for k in check.EXIT_CODES)
 
 
 def test_scaler_unscale_and_clip_without_a_scaler_is_a_clear_error():
@@ -999,7 +989,7 @@ def test_the_hooks_lift_no_host_value_while_the_script_runs():
 
     for script in ("no_zero_grad.py", "nan_loss.py", "overflow_clip.py", "guarded_nan_and_spike.py"):
         with HostValueWatch() as w:
-            res = C.run_script(str(SCRIPTS / script), [], flush_every=1000, steps=12)
+            res = check.run_script(str(SCRIPTS / script), [], flush_every=1000, steps=12)
         assert not res.crashed, res.crash_text
         # the hooks' own values only: what the script and the ops below do is not theirs
         assert not w.hits, script + ":\n" + "\n".join(h for _, h in w.hits)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fastgrad import check as C
 from fastgrad.diagnose.thresholds import RANK
 
-SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
+from .check_runs import checked_run, codes, finding, row
+
 
 RUNS = {
     "amp_overflow": ("ho_amp_scaler_overflow.py", []),
@@ -50,28 +50,8 @@ def run(name, tmp):
     """The checked run (in this process) and the script's own truth."""
     if name not in _cache:
         script, args = RUNS[name]
-        truth = tmp / f"{name}.truth.json"
-        os.environ["FG_TRUTH"] = str(truth)
-        try:
-            res = C.run_script(str(SCRIPTS / script), args)
-        finally:
-            os.environ.pop("FG_TRUTH", None)
-        j = json.loads(json.dumps(res.to_dict(), default=str))
-        _cache[name] = {"res": res, "json": j, "md": res.to_markdown(), "rc": res.exit_code,
-                        "truth": json.loads(truth.read_text()) if truth.exists() else None}
+        _cache[name] = checked_run(script, args, tmp / f"{name}.truth.json")
     return _cache[name]
-
-
-def codes(r, severity=None):
-    return [f["code"] for f in r["json"]["findings"] if severity is None or f["severity"] == severity]
-
-
-def finding(r, code):
-    return next(f for f in r["json"]["findings"] if f["code"] == code)
-
-
-def row(r, metric):
-    return next(x for x in r["json"]["summary"] if x["metric"].startswith(metric))
 
 
 def num(v):

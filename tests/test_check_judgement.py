@@ -3,16 +3,13 @@ loss that never improves (``stall``), findings that contradicted each other or a
 run, and the small errors a user trips on. Each script records its own float64 truth (``_truth.py``); each
 rule is tested on both sides of its threshold."""
 
-import json
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import fastgrad
-from fastgrad import check as C
+from fastgrad import check
 from fastgrad.diagnose.advice import advise
 from fastgrad.diagnose.collect.steps import StepRecord
 from fastgrad.diagnose.consistency import reconcile
@@ -22,35 +19,16 @@ from fastgrad.diagnose.rules.clip_zeroes import CLIP_ZEROES, zeroed_by_clip
 from fastgrad.diagnose.rules.stall import STALL, loss_stall
 from fastgrad.diagnose.thresholds import RunLimits, Thresholds
 
-SCRIPTS = Path(__file__).resolve().parent / "check_scripts"
+from .check_runs import checked_run, codes, finding, row
+
 _cache: dict = {}
 
 
 def run(name, tmp_path_factory, *args):
     key = (name, args)
     if key not in _cache:
-        truth = tmp_path_factory.mktemp("judge") / "truth.json"
-        os.environ["FG_TRUTH"] = str(truth)
-        try:
-            res = C.run_script(str(SCRIPTS / name), list(args))
-        finally:
-            os.environ.pop("FG_TRUTH", None)
-        _cache[key] = {"res": res, "md": res.to_markdown(), "rc": res.exit_code,
-                       "json": json.loads(json.dumps(res.to_dict(), default=str)),
-                       "truth": json.loads(truth.read_text()) if truth.exists() else None}
+        _cache[key] = checked_run(name, args, tmp_path_factory.mktemp("judge") / "truth.json")
     return _cache[key]
-
-
-def codes(r, severity=None):
-    return [f["code"] for f in r["json"]["findings"] if severity is None or f["severity"] == severity]
-
-
-def finding(r, code):
-    return next(f for f in r["json"]["findings"] if f["code"] == code)
-
-
-def row(r, metric):
-    return next(x for x in r["json"]["summary"] if x["metric"].startswith(metric))
 
 
 def same_losses(r):
@@ -152,7 +130,7 @@ def test_a_nan_loss_the_guard_skipped_is_a_protected_run(tmp_path_factory):
     assert r["rc"] == 0 and r["json"]["status"] == "warning"
     assert "the run is protected" in row(r, "Steps checked")["value"]
     assert row(r, "NaN/Inf born in")["status"] == "warning"
-    assert "protected" in C.EXIT_CODES[0]
+    assert "protected" in check.EXIT_CODES[0]
 
 
 def test_a_nan_loss_nothing_skipped_stays_critical(tmp_path_factory):
@@ -211,11 +189,11 @@ def test_command_line_errors_say_what_is_wrong(tmp_path, capsys):
     for argv, text in (([], "the training script to check is required"),
                        ([str(tmp_path)], "is a directory")):
         with pytest.raises(SystemExit) as e:
-            C.main(argv)
+            check.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and text in err and "required: script, args" not in err
     with pytest.raises(SystemExit):
-        C.main(["--help"])
+        check.main(["--help"])
     out = capsys.readouterr().out
     assert "--help)" not in out and "numbered from 1" in out
 
