@@ -56,7 +56,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
     import fastgrad
     from fastgrad import _scan
     from fastgrad import clip as fg_clip
-    from fastgrad import distributed as D
+    from fastgrad import distributed
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -89,14 +89,14 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         def theirs():
             torch.nn.utils.clip_grad_norm_(params, 1e-3)
 
-        one_pass = D.local_cpu_norm
+        one_pass = distributed.local_cpu_norm
 
         def general():  # the same call with the one-pass local part declined: the path before it
-            D.local_cpu_norm = lambda *a, **k: None
+            distributed.local_cpu_norm = lambda *a, **k: None
             try:
                 fastgrad.clip_grad_norm_(params, 1e-3)
             finally:
-                D.local_cpu_norm = one_pass
+                distributed.local_cpu_norm = one_pass
 
         def local_clip():
             fastgrad.clip_grad_norm_(local_params, 1e-3)
@@ -111,7 +111,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         grads = [prm.grad for prm in params]
 
         def prepare():
-            D.prepare(grads)
+            distributed.prepare(grads)
 
         def refresh():  # FSDP2 hands out new gradient DTensors on the parameter's spec each step
             for prm, loc, spec in zip(params, locals_, specs):

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from fastgrad.benchmark import ops as O
-from fastgrad.benchmark import workloads as W
+from fastgrad.benchmark import ops as benchmark_ops
+from fastgrad.benchmark import workloads as benchmark_workloads
 from fastgrad.benchmark.runner import usable_backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,7 +29,7 @@ BACKENDS, _ = usable_backends(DEVICE)
 WORKLOADS = ("resnet50", "gpt2-124m", "small-4000")
 OPS = ("norm", "clip", "clip_trig", "clip_value", "amp_clip", "agc", "gc", "grad_stats")
 
-_states: dict[str, O.OpState] = {}
+_states: dict[str, benchmark_ops.OpState] = {}
 
 try:
     import pytest_benchmark  # noqa: F401 - the plugin provides the real `benchmark` fixture
@@ -51,11 +51,11 @@ except ImportError:
         return _Once()
 
 
-def _state(workload: str) -> O.OpState:
+def _state(workload: str) -> benchmark_ops.OpState:
     if workload not in _states:
         _states.clear()  # one materialized workload at a time
-        w = W.prepare(workload, int(MAX_MB * 2**20) if MAX_MB > 0 else None)
-        st = O.OpState(W.materialize(w, DEVICE))
+        w = benchmark_workloads.prepare(workload, int(MAX_MB * 2**20) if MAX_MB > 0 else None)
+        st = benchmark_ops.OpState(benchmark_workloads.materialize(w, DEVICE))
         st.save()
         _states[workload] = st
     return _states[workload]
@@ -73,8 +73,8 @@ def _synced(fn):
     return call
 
 
-def _run(benchmark, st: O.OpState, op: str, fn) -> None:
-    spec = O.OPS[op]
+def _run(benchmark, st: benchmark_ops.OpState, op: str, fn) -> None:
+    spec = benchmark_ops.OPS[op]
     benchmark.extra_info.update(op=op, device=str(DEVICE), grad_mb=sum(g.numel() * g.element_size()
                                                                          for g in st.grads) / 2**20)
 
@@ -95,9 +95,9 @@ def test_bench(benchmark, workload, op, impl):
     st = _state(workload)
     benchmark.group = f"{workload}:{op}"
     if impl == "torch-eager":
-        fn = O.torch_fn(op, st)
+        fn = benchmark_ops.torch_fn(op, st)
     else:
-        fn = O.fastgrad_fn(op, st, impl.removeprefix("fastgrad-"))
+        fn = benchmark_ops.fastgrad_fn(op, st, impl.removeprefix("fastgrad-"))
     _run(benchmark, st, op, fn)
     # The benchmarked call must also be the right call. docs/contract.md section 3's accuracy rule: against a float64
     # oracle, fastgrad's clipped gradients are no further off than torch's own (plus 1 ulp).
@@ -106,7 +106,7 @@ def test_bench(benchmark, workload, op, impl):
         fn()
         mine = [g.clone() for g in st.grads]
         st.restore()
-        O.torch_fn(op, st)()
+        benchmark_ops.torch_fn(op, st)()
         theirs = [g.clone() for g in st.grads]
         st.restore()
         orig = [g.double() for g in st.grads]

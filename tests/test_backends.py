@@ -142,14 +142,14 @@ def test_triton_declines_cpu_tensors_when_its_interpreter_cannot_run_the_kernels
     # (Triton 3.6's interpreter with NumPy >= 2.4 fails every kernel.) The probe's reason must reach
     # supports(), a call naming the backend and automatic choice, which moves on to another backend.
     import fastgrad
-    from fastgrad.backends import triton_backend as T
+    from fastgrad.backends import triton_backend
 
     tb = backends.get("triton")
     if tb.unavailable_reason() is not None or torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter on a machine without a GPU")
-    assert T.interpreter_reason() is None  # this machine's interpreter works (the suite relies on it)
+    assert triton_backend.interpreter_reason() is None  # this machine's interpreter works (the suite relies on it)
     why = "the Triton 3.6.0 interpreter cannot run fastgrad's kernels with NumPy 2.4.6 (TypeError: ...)"
-    monkeypatch.setattr(T, "_interp_reason", why)
+    monkeypatch.setattr(triton_backend, "_interp_reason", why)
     assert tb.supports("norm", [torch.randn(3)], norm_type=2.0) == why
     g = [torch.randn(5, requires_grad=True)]
     g[0].grad = torch.randn(5)

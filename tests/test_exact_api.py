@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import exact as X
+from fastgrad import exact as exact_norm
 from fastgrad.backends import available_backends
 
 from .exact_oracle import correctly_rounded
@@ -58,8 +58,8 @@ def test_compiled_kernel_gives_the_reference_digits(p):
         if rng.random() < 0.3 and ts[-1].numel() > 4:
             ts[-1] = ts[-1][::3]  # a non-contiguous view
         for per_tensor in (False, True):
-            a = torch.ops.fastgrad.exact_limbs(ts, int(p), *X.window(p), per_tensor)
-            b = X.limbs_torch(ts, p, per_tensor)
+            a = torch.ops.fastgrad.exact_limbs(ts, int(p), *exact_norm.window(p), per_tensor)
+            b = exact_norm.limbs_torch(ts, p, per_tensor)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (trial, per_tensor)
 
 
@@ -71,7 +71,7 @@ def test_compiled_kernel_does_not_depend_on_threads():
         outs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(torch.ops.fastgrad.exact_limbs(ts, 2, *X.window(2.0), True)[0])
+            outs.append(torch.ops.fastgrad.exact_limbs(ts, 2, *exact_norm.window(2.0), True)[0])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
@@ -172,7 +172,7 @@ def test_compiled_total_decides_by_its_bound_or_leaves_it_to_the_digits(p):
     # random lists: decided from the float64 sum, no digits built
     for seed in range(6):
         ts = _list(seed, [f32, bf16, torch.float16], sizes=(5, 40000, 1, 300))
-        a, b, dg, fl = op(ts, int(p), *X.window(p), f32, bf16)
+        a, b, dg, fl = op(ts, int(p), *exact_norm.window(p), f32, bf16)
         assert dg.shape[0] == 0
         assert _bits(a) == _bits(correctly_rounded(_vals(ts), p, f32))
         assert _bits(b) == _bits(correctly_rounded(_vals(ts), p, bf16))
@@ -183,13 +183,13 @@ def test_compiled_total_decides_by_its_bound_or_leaves_it_to_the_digits(p):
         for vals in _midpoint_lists(f32, p, k, q):
             t = torch.tensor(vals, dtype=f32)
             assert t.double().tolist() == vals
-            a, b, dg, fl = op([t], int(p), *X.window(p), f32, f32)
+            a, b, dg, fl = op([t], int(p), *exact_norm.window(p), f32, f32)
             assert dg.shape[0] == 1
             got = fastgrad.get_total_norm([t], p, backend="cpu", exact=True)
             assert _bits(got) == _bits(correctly_rounded(vals, p, f32))
     # NaN/inf and float64 lists go to the digits too
-    assert op([torch.tensor([1.0, math.nan])], int(p), *X.window(p), f32, f32)[2].shape[0] == 1
-    assert op([torch.ones(3, dtype=torch.float64)], int(p), *X.window(p), torch.float64, torch.float64)[2].shape[0] == 1
+    assert op([torch.tensor([1.0, math.nan])], int(p), *exact_norm.window(p), f32, f32)[2].shape[0] == 1
+    assert op([torch.ones(3, dtype=torch.float64)], int(p), *exact_norm.window(p), torch.float64, torch.float64)[2].shape[0] == 1
 
 
 @pytest.mark.parametrize("zero_write", [True, False])
@@ -216,7 +216,7 @@ def test_clip_optimizer_grad_norm_exact(zero_write):
 def test_opcheck_exact_limbs():
     ts = [torch.randn(5, 3), torch.randn(40, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.float64)]
     for per_tensor in (False, True):
-        torch.library.opcheck(torch.ops.fastgrad.exact_limbs.default, (ts, 2, *X.window(2.0), per_tensor))
+        torch.library.opcheck(torch.ops.fastgrad.exact_limbs.default, (ts, 2, *exact_norm.window(2.0), per_tensor))
 
 
 def test_grad_stats_exact_total():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastgrad
-from fastgrad import distributed as D
+from fastgrad import distributed
 
 from .exact_oracle import correctly_rounded
 from .helpers import CollectiveCount, run_scenarios, scenario_outcome, spawn_ranks
@@ -62,7 +62,7 @@ def _piece(t, rank, world):
 
 def _scenario_shards(rank, world):
     shapes = [(13, 7), (5,), (0,), (64, 9), (1,), (301,)]
-    pieces = D.Shards(dist.group.WORLD)
+    pieces = distributed.Shards(dist.group.WORLD)
     for dtypes in DTYPE_MIXES:
         fulls = _fulls(dtypes, shapes, seed=2)
         for p in (2.0, 1.0):
@@ -184,7 +184,7 @@ def _scenario_amp_guard(rank, world):
 
     from fastgrad.guard import StepGuard
 
-    pieces = D.Shards(dist.group.WORLD)
+    pieces = distributed.Shards(dist.group.WORLD)
     scale = 2.0 ** 8
     for dtypes in ([torch.float32], [torch.float32, torch.bfloat16]):
         fulls = _fulls(dtypes, [(13, 7), (5,), (64, 9), (1,), (301,)], seed=4)

@@ -15,7 +15,7 @@ from torch import nn
 import fastgrad
 from fastgrad.diagnose.rules.trends import detect_trends
 
-from . import helpers as H
+from . import helpers
 from . import oracle
 
 
@@ -164,14 +164,14 @@ def test_the_host_value_watch_sees_the_cuda_failure_pattern():
     """The watch catches the exact line that synced on the H100 (``b["skipped"][slot] = 0``)."""
     from .sync_watch import HostValueWatch
 
-    from fastgrad.diagnose.collect import history as H
+    from fastgrad.diagnose.collect import history
 
     buf = torch.zeros(4, dtype=torch.int64)
     with HostValueWatch() as w:
-        exec(compile("buf[1] = 0", H.__file__, "exec"), {"buf": buf})  # the old line, run as fastgrad code
+        exec(compile("buf[1] = 0", history.__file__, "exec"), {"buf": buf})  # the old line, run as fastgrad code
     assert len(w.hits) == 1 and "lift_fresh" in w.hits[0][0]
     with HostValueWatch() as w:
-        exec(compile("buf[1:2].fill_(0)", H.__file__, "exec"), {"buf": buf})  # what replaced it
+        exec(compile("buf[1:2].fill_(0)", history.__file__, "exec"), {"buf": buf})  # what replaced it
     assert not w.hits
 
 
@@ -519,8 +519,8 @@ _SHAPES = [(3, 5), (1025,), (7, 1, 9), (0,), (4097,), (2, 3)]
                          ids=["fp32", "fp32+bf16", "fp64"])
 def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
     backend, device = bd
-    params = H.make_params(_SHAPES, dtypes, device, seed=3, none_every=4)
-    ref, tref = H.clone_params(params), H.clone_params(params)
+    params = helpers.make_params(_SHAPES, dtypes, device, seed=3, none_every=4)
+    ref, tref = helpers.clone_params(params), helpers.clone_params(params)
     before = [p.grad.clone() if p.grad is not None else None for p in params]
     mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
     total = mon.clip_grad_norm_(max_norm)
@@ -530,15 +530,15 @@ def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
     grads = [p.grad for p in params if p.grad is not None]
     true_total, true_grads = oracle.clipped([g for g in before if g is not None], max_norm, 2.0)
     # docs/contract.md section 3: no worse than torch against the oracle (+1 ulp), and close to fastgrad's clip
-    H.assert_no_worse_than(total, torch_total, true_total, dtypes[-1], "total norm")
+    helpers.assert_no_worse_than(total, torch_total, true_total, dtypes[-1], "total norm")
     assert float(total) == pytest.approx(float(ref_total), rel=4e-7 if dtypes[-1] != torch.float64 else 1e-15)
     if backend == "torch":  # the same per-tensor norms, combined the same way: the same bits
-        assert torch.equal(H.bits(total), H.bits(ref_total))
-    for g, r, t, b in zip(grads, H.grads(tref), true_grads, [g for g in before if g is not None]):
+        assert torch.equal(helpers.bits(total), helpers.bits(ref_total))
+    for g, r, t, b in zip(grads, helpers.grads(tref), true_grads, [g for g in before if g is not None]):
         if max_norm == 1e6:
-            assert torch.equal(H.bits(g), H.bits(b))  # not clipping leaves the gradients untouched
+            assert torch.equal(helpers.bits(g), helpers.bits(b))  # not clipping leaves the gradients untouched
         else:
-            H.assert_no_worse_than(g, r, t, g.dtype, "clipped grad")
+            helpers.assert_no_worse_than(g, r, t, g.dtype, "clipped grad")
     # the step was recorded from the same read: the statistics of the gradients before clipping
     h = mon.history()
     assert h["steps"] == [1] and h["total_norm"][0] == pytest.approx(float(total), rel=1e-6)
@@ -551,15 +551,15 @@ def test_monitor_clip_matches_clip_grad_norm(bd, dtypes, max_norm):
 def test_monitor_clip_collects_the_grads_once(monkeypatch):
     # General path (here: the compiled host helpers off): one collection of the gradient list, reused by the
     # statistics pass (a second compiled scan costs ~1 us per tensor, milliseconds on 4,000 tensors).
-    from fastgrad import _inputs as I
+    from fastgrad import _inputs as inputs
     from fastgrad import _scan
 
-    params = H.make_params([(5, 3), (9,), (4, 4)], torch.float32, "cpu", seed=8)
+    params = helpers.make_params([(5, 3), (9,), (4, 4)], torch.float32, "cpu", seed=8)
     ref = fastgrad.grad_stats(params)
     mon = fastgrad.GradientMonitor(params, every=None)
     calls = []
-    orig = I.grads_of
-    monkeypatch.setattr(I, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
+    orig = inputs.grads_of
+    monkeypatch.setattr(inputs, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
     prev = _scan.set_enabled(False)
     try:
         mon.clip_grad_norm_(1e9)
@@ -580,21 +580,21 @@ def test_monitor_clip_cpu_is_clip_bit_for_bit(monkeypatch, dtypes, max_norm):
     # CPU grads on the cpu backend: statistics, coefficient and scale in one compiled call. The total and the
     # clipped gradients are fastgrad.clip_grad_norm_'s to the bit, the recorded statistics grad_stats' (of the
     # gradients before clipping), and no gradient list is built in Python.
-    from fastgrad import _inputs as I
+    from fastgrad import _inputs as inputs
 
     shapes = [(7,), (3, 100), (1 << 15,), ((1 << 15) + 17,), (70, 1000), (0,)]
-    params = H.make_params(shapes, dtypes, "cpu", seed=12)
-    ref, pre = H.clone_params(params), H.clone_params(params)
+    params = helpers.make_params(shapes, dtypes, "cpu", seed=12)
+    ref, pre = helpers.clone_params(params), helpers.clone_params(params)
     mon = fastgrad.GradientMonitor(params, every=None, backend="cpu")
     calls = []
-    orig = I.grads_of
-    monkeypatch.setattr(I, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
+    orig = inputs.grads_of
+    monkeypatch.setattr(inputs, "grads_of", lambda ps: calls.append(len(ps)) or orig(ps))
     total = mon.clip_grad_norm_(max_norm)
     assert calls == []  # the compiled path ran
-    monkeypatch.setattr(I, "grads_of", orig)
+    monkeypatch.setattr(inputs, "grads_of", orig)
     exp = fastgrad.clip_grad_norm_(ref, max_norm, backend="cpu")
-    assert total.dtype == exp.dtype and torch.equal(H.bits(total), H.bits(exp))
-    assert all(torch.equal(H.bits(p.grad), H.bits(q.grad)) for p, q in zip(params, ref))
+    assert total.dtype == exp.dtype and torch.equal(helpers.bits(total), helpers.bits(exp))
+    assert all(torch.equal(helpers.bits(p.grad), helpers.bits(q.grad)) for p, q in zip(params, ref))
     st, want = mon.last_stats, fastgrad.grad_stats(pre, backend="cpu")
     for k in ("norm", "max_abs", "nan", "inf", "zero", "numel"):
         assert torch.equal(getattr(st, k), getattr(want, k)), k
@@ -605,20 +605,20 @@ def test_monitor_clip_cpu_is_clip_bit_for_bit(monkeypatch, dtypes, max_norm):
 
 def test_monitor_clip_nonfinite_and_other_norm_types(bd):
     backend, device = bd
-    params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=5)
+    params = helpers.make_params([(5, 3), (9,)], torch.float32, device, seed=5)
     params[1].grad[2] = float("nan")
     mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
     before = [p.grad.clone() for p in params]
     with pytest.raises(RuntimeError, match="non-finite"):
         mon.clip_grad_norm_(1.0, error_if_nonfinite=True)
-    assert all(torch.equal(H.bits(p.grad), H.bits(b)) for p, b in zip(params, before))  # untouched
+    assert all(torch.equal(helpers.bits(p.grad), helpers.bits(b)) for p, b in zip(params, before))  # untouched
     total = mon.clip_grad_norm_(1.0)  # a NaN norm makes every gradient NaN, as torch does
     assert math.isnan(float(total)) and all(p.grad.isnan().all() for p in params)
     r = mon.log()
     assert r.finding("nonfinite").layers == ["1"]
     # norm_type != 2: the clip's own norm, then a separate statistics pass of the unclipped gradients
-    params = H.make_params([(5, 3), (9,)], torch.float32, device, seed=6)
-    ref = H.clone_params(params)
+    params = helpers.make_params([(5, 3), (9,)], torch.float32, device, seed=6)
+    ref = helpers.clone_params(params)
     mon = fastgrad.GradientMonitor(params, every=None, backend=backend)
     pre = fastgrad.grad_stats(params, backend=backend).total_norm
     total = mon.clip_grad_norm_(0.1, norm_type=1.0)

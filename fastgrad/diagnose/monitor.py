@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .. import _inputs as I
+from .. import _inputs as inputs
 from .. import _scan
-from .. import distributed as D
+from .. import distributed
 from ..backends import clip_coef
 from ..stats import GradStats, _named, _stats_of, _stats_of_all, row_sparse_names
 from .collect.history import DeviceHistory
@@ -35,7 +35,7 @@ __all__ = ["GradientMonitor", "detect_trends"]
 def _fusable(grads: list[Tensor]) -> bool:
     """Dense real floating plain tensors: what the fused statistics pass reads (DTensor, sparse and complex
     gradients take the two-pass path)."""
-    if type(grads) is I.Checked:
+    if type(grads) is inputs.Checked:
         return True
     for g in grads:
         if type(g) is not Tensor and not isinstance(g, torch.nn.Parameter):
@@ -48,7 +48,7 @@ def _fusable(grads: list[Tensor]) -> bool:
 
 def _readable(grads: list[Tensor]) -> bool:
     """What grad_stats reads: plain real floating tensors, dense or sparse (not DTensor, not complex)."""
-    if type(grads) is I.Checked:
+    if type(grads) is inputs.Checked:
         return True
     for g in grads:
         if type(g) is not Tensor and not isinstance(g, torch.nn.Parameter):
@@ -231,25 +231,25 @@ class GradientMonitor:
         a backend's clip sums all squares before one rounding, equal to its total within float32 rounding
         and the clipped gradients to about one ulp. ``norm_type`` other than 2, sparse/complex/DTensor gradients:
         ``fastgrad.clip_grad_norm_`` then a separate statistics pass (two reads)."""
-        from .. import clip as C
+        from .. import clip as fastgrad_clip
 
-        max_norm = I.check_max_norm(max_norm)
-        p = I.check_norm_type(norm_type)
+        max_norm = inputs.check_max_norm(max_norm)
+        p = inputs.check_norm_type(norm_type)
         if p == 2.0:  # CPU grads on the cpu backend: statistics, coefficient and scale in one C++ call
             fast = _scan.monitor_clip_cpu(self._params, max_norm, error_if_nonfinite, self.backend)
             if fast is not None:
                 total, nonfinite, mask, *cols = fast
                 if nonfinite:
-                    raise RuntimeError(C._NONFINITE_MSG.format(p))  # nothing was written
+                    raise RuntimeError(fastgrad_clip._NONFINITE_MSG.format(p))  # nothing was written
                 cols = dict(zip(("norm", "max_abs", "nan", "inf", "zero"), cols), total_norm=total)
                 self._clip_step = (self.step + 1, max_norm)
                 self.record(_stats_of_all(self._all_names, self._params, cols, self._meta), loss)
                 return total.to(_scan.dtype_of_mask(mask, total.dtype))
-        grads = I.grads_of(self._params)
+        grads = inputs.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
             # The statistics are read first, so that they describe the gradients before clipping.
-            stats = self._stats(grads) if grads and (_readable(grads) or D.has_dtensor(grads)) else None
-            total = C.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
+            stats = self._stats(grads) if grads and (_readable(grads) or distributed.has_dtensor(grads)) else None
+            total = fastgrad_clip.clip_grad_norm_(self._params, max_norm, p, error_if_nonfinite, foreach,
                                       backend=self.backend)
             self._clip_step = (self.step + 1, max_norm)
             self.record(stats if stats is not None else _empty_like_stats(self.named, total), loss)
@@ -257,11 +257,11 @@ class GradientMonitor:
         stats = self._stats(grads)
         total = stats.total_norm
         if error_if_nonfinite:
-            C._check_finite(total, p)  # the one sync asked for, before anything is written
-        C._scale(grads, clip_coef(total, max_norm), self.backend, foreach)
+            fastgrad_clip._check_finite(total, p)  # the one sync asked for, before anything is written
+        fastgrad_clip._scale(grads, clip_coef(total, max_norm), self.backend, foreach)
         self._clip_step = (self.step + 1, max_norm)
         self.record(stats, loss)
-        return total.to(I.promoted_dtype(grads))
+        return total.to(inputs.promoted_dtype(grads))
 
     # ---------------------------------------------------------------- reading (syncs)
     def flush(self) -> None:
