@@ -410,7 +410,7 @@ def exact_unscaled_norm(grads: list[Tensor], p: float, backend: str | None, sh=N
     over every rank with one all-reduce for a sharded view ``sh`` (fastgrad.exact.reduced_digits)."""
     if sh is not None:
         (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
-        total = exact_norm.finish(dg, fl, p, distributed._local_dev_dtype(sh)[1])
+        total = exact_norm.finish(dg, fl, p, distributed.reduce._local_dev_dtype(sh)[1])
         out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
         return total, distributed.wrap_like(out, sh)
     return exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
