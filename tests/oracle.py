@@ -91,3 +91,23 @@ def centralize(grad) -> np.ndarray:
     if g.size == 0:
         return g
     return g - g.mean(axis=tuple(range(1, g.ndim)), keepdims=True)
+
+
+def norm_mode_steps(norms, k: float, alpha: float = 0.97, warm: int = 25) -> list[tuple[bool, int, float]]:
+    """StepGuard's mode "norm" with ``skip_factor=k`` in plain float64, in the device ops' order: per step,
+    (spike, finite norms counted, reference). The reference is the mean of the first ``warm`` finite norms,
+    then their EMA (``alpha``), fed ``k`` times itself on a spike; a non-finite norm changes nothing."""
+    n, mean, out = 0, 0.0, []
+    for g in norms:
+        if not math.isfinite(g):
+            out.append((False, n, mean))
+            continue
+        ready = n >= warm
+        spike = ready and g > k * mean
+        if ready:
+            mean = alpha * mean + (1 - alpha) * (k * mean if spike else g)
+        else:
+            mean = mean + (g - mean) / (n + 1)
+        n += 1
+        out.append((spike, n, mean))
+    return out

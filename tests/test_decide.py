@@ -17,6 +17,7 @@ import fastgrad
 from fastgrad import decide
 from fastgrad.optim_clip import clip_optimizer_grad_norm_
 
+from . import oracle
 from .helpers import bits
 
 INF, NAN = math.inf, math.nan
@@ -268,24 +269,6 @@ def _guard_run(norms, backend=None, **kw):
     return out
 
 
-def _norm_mode_ref(norms, k, alpha, warm):
-    """mode="norm" with skip_factor=k in float64, the device ops' order: per step (spike, n, mean)."""
-    n, mean, out = 0.0, 0.0, []
-    for g in norms:
-        if not math.isfinite(g):
-            out.append((False, n, mean))
-            continue
-        ready = n >= warm
-        spike = ready and g > k * mean
-        if ready:
-            mean = alpha * mean + (1 - alpha) * (k * mean if spike else g)
-        else:
-            mean = mean + (g - mean) / (n + 1)
-        n += 1
-        out.append((spike, n, mean))
-    return out
-
-
 @pytest.mark.parametrize("backend", [None] + CPU_BACKENDS)
 def test_norm_mode_spike_rule_and_reference_update(backend):
     k, alpha, warm = 4.0, 0.5, 3
@@ -293,7 +276,7 @@ def test_norm_mode_spike_rule_and_reference_update(backend):
     # 20 = k * 5 exactly (not a spike), one ulp above k * 12.5 (a spike), 1e6 (a spike whose own value must
     # not reach the reference), inf (non-finite: the state does not move)
     norms = [1.0, 2.0, NAN, 3.0, 100.0, 20.0, up(50.0), 1e6, INF, 0.5]
-    want = _norm_mode_ref(norms, k, alpha, warm)
+    want = oracle.norm_mode_steps(norms, k, alpha, warm)
     assert [w[0] for w in want] == [False] * 4 + [True, False, True, True, False, False]
     got = _guard_run(norms, backend, max_norm=1.0, skip_factor=k, alpha=alpha, warmup_steps=warm)
     for i, ((skipped, _, stats), (spike, n, mean), g) in enumerate(zip(got, want, norms)):

@@ -12,6 +12,7 @@ import torch
 from fastgrad import StepGuard
 
 from .guard_cases import INF, NAN, _params, _same, _scaled, _set_grads, _snapshot
+from . import oracle
 from .helpers import bits
 
 
@@ -164,21 +165,8 @@ def test_adagc_matches_reference():
 
 
 def _norm_spike_ref(norms, k, alpha=0.97, warm=25):
-    """mode="norm" with skip_factor=k, in plain float64: per step, was it skipped as a spike?"""
-    n, mean, out = 0, 0.0, []
-    for g in norms:
-        if not math.isfinite(g):
-            out.append(False)
-            continue
-        ready = n >= warm
-        spike = ready and g > k * mean
-        if ready:
-            mean = alpha * mean + (1 - alpha) * (k * mean if spike else g)
-        else:
-            mean = mean + (g - mean) / (n + 1)
-        n += 1
-        out.append(spike)
-    return out
+    """mode="norm" with skip_factor=k, in plain float64 (tests/oracle.py): per step, was it skipped as a spike?"""
+    return [spike for spike, _, _ in oracle.norm_mode_steps(norms, k, alpha, warm)]
 
 
 @pytest.mark.parametrize("k,warm", [(10.0, 25), (3.0, 4)])
