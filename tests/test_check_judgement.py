@@ -337,14 +337,19 @@ def test_the_blow_up_cause_sits_between_its_bound_and_just_below_it():
     assert below.cause is None and below.where == "loss" and "hand-written" in below.text
 
 
+def _stall_view(ratio):
+    """A flat loss (a +-0.05 wiggle around 2.0 over 40 steps) whose one measured update moved the weights by
+    ``ratio`` of their size."""
+    v = _view([2.0 + (0.05 if i % 2 else -0.05) for i in range(40)])
+    v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
+    return v
+
+
 def test_tiny_update_tier_of_the_stall():
     lim = RunLimits()
-    wig = [0.05 if i % 2 else -0.05 for i in range(40)]
 
     def sev(ratio):
-        v = _view([2.0 + w for w in wig])
-        v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
-        return STALL.evaluate(v)[0].severity
+        return STALL.evaluate(_stall_view(ratio))[0].severity
     assert sev(lim.stall_tiny_update * 0.9) == "warning" and sev(lim.stall_tiny_update * 1.1) == "notice"
 
 
@@ -375,24 +380,19 @@ def test_an_ordinary_relu_max_pool_cnn_is_not_mostly_zero(tmp_path_factory):
 def test_mostly_zero_sits_at_its_threshold(share, fires):
     th = Thresholds()
     assert th.mostly_zero == 0.75
-    p = torch.nn.Parameter(torch.ones(100))
-    p.grad = torch.ones(100)
-    p.grad[: int(share * 100)] = 0
-    q = torch.nn.Parameter(torch.ones(100))
-    q.grad = torch.ones(100)
-    q.grad[: int(share * 100)] = 0
-    rep = fastgrad.gradient_report([p, q])
+    params = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.ones(100)
+        p.grad[: int(share * 100)] = 0
+    rep = fastgrad.gradient_report(params)
     assert ("mostly_zero" in rep.codes()) == fires
 
 
 def test_the_stall_advice_follows_the_update_size():
     lim = RunLimits()
-    wig = [0.05 if i % 2 else -0.05 for i in range(40)]
 
     def stall(ratio):
-        v = _view([2.0 + w for w in wig])
-        v.ctx["updates"] = [{"step": 1, "series": 0, "lr": 0.1, "ratio": ratio, "layers": {}}]
-        (f,) = STALL.evaluate(v)
+        (f,) = STALL.evaluate(_stall_view(ratio))
         ((_, text, snippet),) = advise([f])
         return f, text + snippet
     f, text = stall(lim.stall_large_update * 1.1)
