@@ -409,9 +409,7 @@ def exact_unscaled_norm(grads: list[Tensor], p: float, backend: str | None, sh=N
     """The exact norm of gradients already unscaled: ``(total in the accumulation dtype, returned value)``,
     over every rank with one all-reduce for a sharded view ``sh`` (fastgrad.exact.reduced_digits)."""
     if sh is not None:
-        (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
-        total = exact_norm.finish(dg, fl, p, distributed.reduce._local_dev_dtype(sh)[1])
-        out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
+        total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
         return total, distributed.wrap_like(out, sh)
     return exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
 

@@ -302,9 +302,7 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
         return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
     if sh is not None:
         if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
-            (dg, fl), _ = exact_norm.reduced_digits(sh, p, backend)
-            total = exact_norm.finish(dg, fl, p, distributed.reduce._local_dev_dtype(sh)[1])
-            out = exact_norm.finish(dg, fl, p, _sharded_dtype(sh, grads)) if grads else total
+            total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
         else:
             total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
             out = total.to(_sharded_dtype(sh, grads)) if grads else total

@@ -242,7 +242,6 @@ def finish(digits: Tensor, flags: Tensor, p: float, dtype: torch.dtype) -> Tenso
     (NaN, inf counts): shape ``(...)``, on the digits' device, no host read."""
     base, nl = _WINDOWS[p]
     prec, qmin, emax = _GRID[dtype]
-    dev = digits.device
     d = digits
     h = _top(d)
     # float64 approximation from the top three digits: value ~ a * 2^x
@@ -388,6 +387,18 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False, 
         vals = reduce._combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, nl + 2)
         vals = vals.to(torch.int64)
     return total, (normalize(vals[:, :nl]), vals[:, nl:])
+
+
+def sharded_totals(sh, p: float, backend: str | None, out_dtype: torch.dtype | None = None
+                   ) -> tuple[Tensor, Tensor]:
+    """:func:`totals` of a sharded list (one all-reduce, :func:`reduced_digits`): the correctly rounded norm in
+    the local accumulation dtype (for the coefficient) and in ``out_dtype`` (the returned value; None: the
+    same tensor)."""
+    from .distributed import reduce
+
+    (dg, fl), _ = reduced_digits(sh, p, backend)
+    total = finish(dg, fl, p, reduce._local_dev_dtype(sh)[1])
+    return total, total if out_dtype is None else finish(dg, fl, p, out_dtype)
 
 
 def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtype) -> tuple[Tensor, Tensor]:
