@@ -422,7 +422,6 @@ def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtyp
 def grad_stats_total(grads, backend: str | None, process_group, like: Tensor) -> Tensor:
     """``grad_stats(..., exact=True)``'s ``total_norm``: the exact L2 norm of ``grads`` (plain or sharded), in
     ``like``'s dtype and on its device (the default total it replaces)."""
-    from . import _inputs as inputs
     from . import distributed
 
     if any(g.layout != torch.strided or not g.dtype.is_floating_point or g.is_complex() for g in grads):
