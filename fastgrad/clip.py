@@ -30,6 +30,7 @@ from . import _inputs as inputs
 from . import _scan
 from . import distributed
 from . import exact as exact_norm
+from . import route
 from .backends import BackendError, acc_dtype
 from .decide import clip_coef, nonfinite
 from .backends.torch_backend import combine_norms
@@ -226,22 +227,34 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     tensors); with DTensors, the group that connects pipeline stages (or the world). Every rank of the group
     must call (see fastgrad.distributed). ``exact=True`` (p = 1, 2, inf): the correctly rounded norm
     (fastgrad.exact) is returned and the coefficient computed from it (so shards clip as slices of the whole).
+    The route a list takes is planned once and cached (``fastgrad.route.plan_of(params)`` shows it).
     """
     # A list is used as given (read only): copying 4,000 entries is a few percent of the whole call.
     params = parameters if type(parameters) is list else inputs.as_list(parameters, warn_empty_generator=True)
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
     ex = exact_norm.applies(exact, p)
-    if process_group is None and not ex:  # CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
-        # (before no_grad: that C++ call records nothing for autograd, and entering no_grad costs ~2.5 us,
-        # a tenth of the whole call on a 148-tensor model)
-        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
+    c = _scan.helpers()
+    plan = route.lookup(params, process_group, c is not None)
+    if process_group is None and not ex and plan.route in _MAY_BE_CPU and c is not None:
+        # the cpu route: norm, coefficient and scale in one C++ call, which checks every grad itself (before
+        # no_grad: that call records nothing for autograd, and entering no_grad costs ~2.5 us, a tenth of the
+        # whole call on a 148-tensor model)
+        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend, c)
         if fast is not None:
+            plan.route = "cpu"
             if fast[1]:
                 raise RuntimeError(_NONFINITE_MSG.format(p))
             return fast[0]
     with torch.no_grad():
-        return _clip_grad_norm_general(params, max_norm, p, error_if_nonfinite, foreach, backend, process_group, ex)
+        if plan.route == "sharded-cpu" and not ex:
+            total = _sharded_cpu_clip(params, plan, max_norm, p, error_if_nonfinite, backend)
+            if total is not None:
+                return total
+        return _clip_general(params, plan, max_norm, p, error_if_nonfinite, foreach, backend, process_group, ex)
+
+
+_MAY_BE_CPU = (None, "cpu", "plain")  # a plain list may have moved to the CPU: the C++ call tells
 
 
 def _grads_once(params: list) -> list[Tensor]:
@@ -258,13 +271,13 @@ def _grads_once(params: list) -> list[Tensor]:
     return out
 
 
-def _sharded_cpu_clip(params: list, max_norm: float, p: float, error_if_nonfinite: bool, backend: str | None,
-                      process_group) -> Tensor | None:
-    """The sharded clip below for DTensor grads with CPU local shards on the cpu backend, its per-tensor part in
-    one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local norm) and one more for
-    the scale, the same collective and coefficient in between: the same bits. None when it does not apply
-    (nothing done)."""
-    fast = distributed.local_cpu_norm(params, process_group, p, backend)
+def _sharded_cpu_clip(params: list, plan: route.ListPlan, max_norm: float, p: float, error_if_nonfinite: bool,
+                      backend: str | None) -> Tensor | None:
+    """The sharded-cpu route: the sharded clip below for DTensor grads with CPU local shards on the cpu backend,
+    its per-tensor part in one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local
+    norm, checked against the plan's layout) and one more for the scale, the same collective and coefficient in
+    between: the same bits. None when the list no longer fits the layout (nothing done)."""
+    fast = distributed.local_cpu_norm(params, plan.layout, p, backend)
     if fast is None:
         return None
     sh, local_total, handle = fast
@@ -275,15 +288,12 @@ def _sharded_cpu_clip(params: list, max_norm: float, p: float, error_if_nonfinit
     return distributed.wrap_like(total.to(_scan.promoted_dtype_of(sh.writes)), sh)
 
 
-def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_nonfinite: bool,
-                            foreach: bool | None, backend: str | None, process_group, ex: bool = False) -> Tensor:
-    """clip_grad_norm_ after its arguments are checked, for everything but the one-call CPU path."""
+def _clip_general(params: list, plan: route.ListPlan, max_norm: float, p: float, error_if_nonfinite: bool,
+                  foreach: bool | None, backend: str | None, process_group, ex: bool = False) -> Tensor:
+    """clip_grad_norm_ after its arguments are checked, by the plain, sharded and torch routes; records in
+    ``plan`` the route the list took."""
     grads = _scan.grads_of(params)
-    if grads is None:  # not plain tensors: DTensor grads whose layout the last call cached, in one C++ pass
-        total = None if ex else _sharded_cpu_clip(params, max_norm, p, error_if_nonfinite, backend, process_group)
-        if total is not None:
-            return total
-        # DTensor parameters' grads without torch-function handling, else one Python read of each .grad
+    if grads is None:  # not plain tensors: DTensor parameters' grads without torch-function handling, else Python
         grads = distributed.dtensor_grads(params)
         if grads is None:
             grads = _grads_once(params)
@@ -293,24 +303,20 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
     if process_group is not None or distributed.has_dtensor(grads):
         sh = _sharded_view(grads, process_group)
         if sh is not None:
-            distributed.remember_cpu_clip(params, process_group, sh)  # the next call may take _sharded_cpu_clip
+            plan.layout = distributed.cpu_pass_layout(sh, process_group)
+            plan.route = "sharded" if plan.layout is None else "sharded-cpu"
+            if plan.layout is None:
+                plan.layout = sh.layout  # (for the plan's repr: its collectives)
     if sh is None and inputs.check_tensors(grads):
         _no_sharded_fallback(process_group)
         if ex:
             exact_norm.reject_fallback()
         _torch_fallback_allowed(backend, "clip_grad_norm_")
+        plan.route = "torch"
         return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
     if sh is not None:
-        if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
-            total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
-        else:
-            total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
-            out = total.to(_sharded_dtype(sh, grads)) if grads else total
-        if error_if_nonfinite:
-            _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
-        if sh.writes:
-            _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
-        return distributed.wrap_like(out, sh)
+        return _clip_sharded(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, process_group, ex)
+    plan.route = "plain"
     if ex:
         total, out = exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
         if error_if_nonfinite:
@@ -325,6 +331,22 @@ def _clip_grad_norm_general(params: list, max_norm: float, p: float, error_if_no
         coef = clip_coef(total, max_norm)
         _scale(grads, coef, backend, foreach)
     return total.to(inputs.promoted_dtype(grads))
+
+
+def _clip_sharded(sh: distributed.Sharded, grads: list[Tensor], max_norm: float, p: float, error_if_nonfinite: bool,
+                  foreach: bool | None, backend: str | None, process_group, ex: bool) -> Tensor:
+    """The sharded route: the global norm from the local shards (one collective), the coefficient, the scale of
+    the local shards."""
+    if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
+        total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
+    else:
+        total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
+        out = total.to(_sharded_dtype(sh, grads)) if grads else total
+    if error_if_nonfinite:
+        _check_finite(total, p)  # the same value on every rank: all of them raise, none writes
+    if sh.writes:
+        _scale(sh.writes, clip_coef(total, max_norm), backend, foreach)
+    return distributed.wrap_like(out, sh)
 
 
 @torch.no_grad()

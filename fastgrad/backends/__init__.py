@@ -116,9 +116,14 @@ def set_backend(name: str | None) -> None:
 
 def get_default_backend() -> str | None:
     """The backend name that applies when a call passes ``backend=None`` (None: automatic)."""
+    return _default_backend(False)
+
+
+def _default_backend(eager: bool) -> str | None:
+    # eager: the caller is known not to be traced (a host fast path), so the tracing check is skipped
     if _default is not None:
         return _default
-    env = _backend_env()
+    env = _backend_env(eager)
     return (env.strip() or None) if env is not None else None
 
 
@@ -129,8 +134,8 @@ _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_KEY = os.environ.encodekey("FASTGRAD_BACKEND") if hasattr(os.environ, "encodekey") else None
 
 
-def _backend_env() -> str | None:
-    if type(_ENV_DATA) is dict and _ENV_KEY is not None and not torch.compiler.is_compiling():
+def _backend_env(eager: bool = False) -> str | None:
+    if type(_ENV_DATA) is dict and _ENV_KEY is not None and (eager or not torch.compiler.is_compiling()):
         raw = _ENV_DATA.get(_ENV_KEY)
         return None if raw is None else os.environ.decodevalue(raw)
     return os.environ.get("FASTGRAD_BACKEND")
@@ -199,8 +204,9 @@ def selects_builtin(device_type: str, op: str, backend: str | None, norm_type: f
     ``norm_type``, without building the list: lets a host fast path that calls that backend's kernels
     directly (fastgrad/_scan.py) skip the list scan. False whenever the answer could differ (another
     backend named or first in the order, a replaced registry entry, a norm order without a fused kernel);
-    the caller then takes the general path, which selects (and raises) as usual."""
-    name = backend if backend is not None else get_default_backend()
+    the caller then takes the general path, which selects (and raises) as usual. Its callers run eagerly (their
+    ``_scan.helpers()`` is None while torch.compile traces), so the default is read without the tracing check."""
+    name = backend if backend is not None else _default_backend(True)
     if name is None:
         order = auto_order(op, device_type, 0)
         if not order or order[0] != device_type:

@@ -78,7 +78,7 @@ from __future__ import annotations
 from . import agreement, layout, plan
 from .agreement import RankMismatchError
 from .dtensor import dtensor_grads, has_dtensor, is_dtensor, to_local_norm, wrap_like
-from .layout import Sharded, local_cpu_norm, prepare, remember_cpu_clip, scale_local_cpu
+from .layout import Sharded, cpu_pass_layout, local_cpu_norm, prepare, scale_local_cpu
 from .plan import Shards, span_ranks
 from .reduce import nonfinite_poison, reduced_amp_norm, reduced_norm, reduced_stats
 
@@ -94,5 +94,9 @@ def clear_cache() -> None:
     plan._MESH_RANKS.clear()
     plan._PLAN_CACHE.clear()
     layout._LAYOUTS.clear()
-    layout._CPU_CLIP.clear()
     agreement._PENDING.clear()
+    for forget in _ON_CLEAR:
+        forget()
+
+
+_ON_CLEAR: list = []  # the layers above that keep layouts (fastgrad.route's plans) register their clear here

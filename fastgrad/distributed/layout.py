@@ -16,8 +16,7 @@ from .dtensor import _dtensor_cls
 from .plan import Shards, _Plan, _keep, _plan_for, _spec_info, _unwrap, _used, group_key
 
 _LAYOUTS: dict = {}
-_LIST_CAP = 64  # list layouts kept (_LAYOUTS, _CPU_CLIP): a model's clip lists, each a few KB
-_CPU_CLIP: dict = {}  # (number of params, group key, id(first param)) -> their grads' _Layout (local_cpu_norm)
+_LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
 
 
 _SPEC = operator.attrgetter("_spec")
@@ -276,36 +275,29 @@ def _slot_descs(cls) -> tuple:
     return _DESCS[1], _DESCS[2]
 
 
-def remember_cpu_clip(params: Sequence[Tensor], process_group, sh: Sharded) -> None:
-    """After the general path prepared the grads of ``params``: keep their layout for :func:`local_cpu_norm`
-    when its pass can serve them (all DTensors, no Partial, local shards on the CPU in one compiled scan)."""
+def cpu_pass_layout(sh: Sharded, process_group):
+    """The layout of a list the general path just prepared as ``sh``, when :func:`local_cpu_norm` can serve that
+    list's later calls (all DTensors, no Partial, local shards on the CPU in one compiled scan; not ``Shards``),
+    else None. A caller keeps it (fastgrad.route's plan) and hands it back."""
     lay = sh.layout
     if (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
             or isinstance(process_group, Shards) or not sh.checked or not sh.writes
             or sh.writes.device.type != "cpu" or sh.reads is not sh.writes):
-        return
-    _keep(_CPU_CLIP, (len(params), group_key(process_group), id(params[0])), lay, _LIST_CAP)
+        return None
+    return lay
 
 
-def local_cpu_norm(params: Sequence[Tensor], process_group, norm_type: float, backend: str | None
+def local_cpu_norm(params: Sequence[Tensor], lay, norm_type: float, backend: str | None
                    ) -> tuple[Sharded, Tensor | None, object] | None:
-    """The local part of a sharded clip in one C++ call, for the grads of ``params`` when their layout was
-    remembered (:func:`remember_cpu_clip`) and still holds: ``(sh, local_total, handle)`` (``local_total``: this
-    rank's norm of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for :func:`scale_local_cpu`),
-    else None (nothing done; the general path runs). The layout holds when every grad is a DTensor with the
-    very spec object the layout recorded at its position (same mesh, placements, global shape and dtype), as
-    many grads as it has; the C++ pass checks that on every call, so a changed list never reuses it."""
-    # helpers() first: None while torch.compile traces, so a traced call never reaches the id()-keyed lookup
-    # below (Dynamo 2.11 cannot trace every id()); eager calls make the same checks
+    """The local part of a sharded clip in one C++ call, for the grads of ``params`` laid out as ``lay`` (from
+    :func:`cpu_pass_layout` on an earlier call): ``(sh, local_total, handle)`` (``local_total``: this rank's norm
+    of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for :func:`scale_local_cpu`), else None
+    (nothing done; the general path runs). ``lay`` holds when every grad is a DTensor with the very spec object
+    it recorded at its position (same mesh, placements, global shape and dtype), as many grads as it has; the C++
+    pass checks that on every call, so a changed list never reuses it."""
     c = _scan.helpers()
-    if not params or c is None or not hasattr(c, "dtensor_local_norm"):
+    if not params or c is None or not hasattr(c, "dtensor_local_norm") or lay is None or lay.empties is None:
         return None
-    # (the key only finds a candidate: whether it holds is checked below, grad by grad)
-    key = (len(params), group_key(process_group), id(params[0]))
-    lay = _CPU_CLIP.get(key)
-    if lay is None or lay.group is not process_group or lay.empties is None:
-        return None
-    _used(_CPU_CLIP, key)
     selects_builtin = _scan._selects_builtin()
     if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
         return None

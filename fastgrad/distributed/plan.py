@@ -151,6 +151,18 @@ class _Plan:
         union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes)) if meshes else frozenset()
         self.mesh_counted = tuple(min(union) in _ranks_of_mesh(m) for m in meshes)
 
+    def describe(self) -> str:
+        """The collectives in words, e.g. "all-reduce over the world" (for ``fastgrad.route.ListPlan``'s repr)."""
+        return "all-reduce over " + ", then ".join(_group_words(s) for s in self.steps)
+
+
+def _group_words(group) -> str:
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return "the world"
+    return f"ranks {sorted(_group_ranks(group))}"
+
 
 def _group_ranks(group) -> frozenset:
     import torch.distributed as dist

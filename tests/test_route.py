@@ -1,0 +1,163 @@
+"""One plan per list (fastgrad.route): clip_grad_norm_'s route is chosen on a list's first call, cached, shown by
+the plan's repr, taken straight on later calls, and chosen again when the list changes; the results are the
+route-free ones bit for bit. The sharded routes (``sharded``, ``sharded-cpu``) are pinned on 2 gloo ranks in
+tests/test_sharded_host.py, which reads the same plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastgrad
+from fastgrad import _scan, route
+
+from .helpers import bits, clone_params
+
+
+def _model(seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(dtype)
+    m(torch.randn(4, 7, dtype=dtype)).square().sum().backward()
+    return m
+
+
+def _spy_cpu_calls(monkeypatch) -> list:
+    calls = []
+    real = _scan.clip_norm_cpu
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_scan, "clip_norm_cpu", spy)
+    return calls
+
+
+needs_host = pytest.mark.skipif(_scan.helpers() is None, reason="needs the compiled host helpers")
+
+
+def test_an_unseen_list_is_unplanned_and_its_first_call_plans_it():
+    m = _model()
+    plan = route.plan_of(m.parameters())
+    assert plan.route is None and repr(plan) == "ListPlan(route=None, params=4)"
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    again = route.plan_of(list(m.parameters()))
+    assert again is plan  # cached: a new list object with the same parameters finds it
+    assert plan.route == ("cpu" if _scan.helpers() is not None else "plain")
+    assert repr(plan) == f"ListPlan(route={plan.route!r}, params=4)"
+
+
+@needs_host
+def test_a_planned_route_is_taken_straight(monkeypatch):
+    m = _model(1)
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    assert route.plan_of(m.parameters()).route == "cpu"
+    calls = _spy_cpu_calls(monkeypatch)
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    assert calls == [True]
+
+
+@needs_host
+def test_a_list_that_changed_is_planned_again_with_the_same_results(monkeypatch):
+    m = _model(2)
+    ref = clone_params(list(m.parameters()))
+    fastgrad.clip_grad_norm_(m.parameters(), 0.1)
+    torch.nn.utils.clip_grad_norm_(ref, 0.1)
+    plan = route.plan_of(m.parameters())
+    assert plan.route == "cpu"
+    # a complex grad among them: torch's own implementation, recorded as the torch route
+    c = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))
+    c.grad = torch.randn(5, dtype=torch.complex64)
+    mixed = [c] + list(m.parameters())
+    fastgrad.clip_grad_norm_(mixed, 0.1)
+    assert route.plan_of(mixed).route == "torch"
+    # float64 grads on the reference backend: the plain route; back on the cpu backend: cpu again
+    m64 = _model(3, torch.float64)
+    ref64 = clone_params(list(m64.parameters()))
+    out = fastgrad.clip_grad_norm_(m64.parameters(), 0.1, backend="torch")
+    t = torch.nn.utils.clip_grad_norm_(ref64, 0.1)
+    assert route.plan_of(m64.parameters()).route == "plain"
+    assert torch.equal(out, t)
+    calls = _spy_cpu_calls(monkeypatch)
+    fastgrad.clip_grad_norm_(m64.parameters(), 1e9)
+    assert calls == [True] and route.plan_of(m64.parameters()).route == "cpu"
+    # a grad gone: the C++ call serves the rest (a None grad is skipped), still the cpu route
+    m.__getitem__(0).bias.grad = None
+    fastgrad.clip_grad_norm_(m.parameters(), 1e9)
+    assert plan.route == "cpu"
+
+
+def test_exact_and_process_group_never_take_the_cpu_route(monkeypatch):
+    m = _model(4)
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    calls = _spy_cpu_calls(monkeypatch)
+    ref = clone_params(list(m.parameters()))
+    out = fastgrad.clip_grad_norm_(m.parameters(), 0.05, exact=True)
+    assert calls == []  # the exact norm has its own reads
+    assert torch.equal(out, fastgrad.get_total_norm([p.grad for p in ref], exact=True))
+
+
+@needs_host
+def test_plans_are_bounded_and_the_list_in_use_keeps_its_plan():
+    m = _model(5)
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    mine = route.plan_of(m.parameters())
+    others = []  # kept alive, so no other list reuses a first parameter's id
+    for k in range(2 * route._CAP + 3):
+        o = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+        for p in o:
+            p.grad = torch.randn(3)
+        fastgrad.clip_grad_norm_(o, 1.0)
+        others.append(o)
+        if k % 8 == 0:
+            fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+            assert route.plan_of(m.parameters()) is mine, k
+    assert len(route._PLANS) <= route._CAP
+    assert route.plan_of(others[0]).route is None  # long evicted: planned anew by its next call
+
+
+def test_a_traced_call_never_reaches_the_id_keyed_lookup(monkeypatch):
+    """The 2026-11-27 H200 run (torch 2.11): every compiled clip_grad_norm_ stopped at an id() in the sharded
+    layout lookup this plan replaced, which Dynamo 2.11 cannot trace. While tracing, plan_of returns a fresh plan
+    before its id()-keyed lookup; eagerly the same call looks the plan up (the control: the watch sees it)."""
+    seen = []
+
+    class Watch(dict):
+        def get(self, key, default=None):
+            seen.append(key)
+            return super().get(key, default)
+
+    monkeypatch.setattr(route, "_PLANS", Watch())
+    m = _model(6)
+    route.plan_of(m.parameters())
+    assert len(seen) == 1
+    seen.clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    plan = route.plan_of(m.parameters())
+    assert seen == [] and plan.route is None
+
+
+def test_clear_cache_forgets_the_plans():
+    m = _model(7)
+    fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    plan = route.plan_of(m.parameters())
+    fastgrad.distributed.clear_cache()
+    assert route.plan_of(m.parameters()) is not plan
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e9])
+def test_a_planned_call_gives_the_bits_of_a_first_call(max_norm):
+    """The route taken straight (planned) and the route found by a first call write the same gradients and
+    return the same total, bit for bit, clipping or not."""
+    planned, fresh = _model(8), _model(8)
+    grads = [p.grad.clone() for p in planned.parameters()]
+    fastgrad.clip_grad_norm_(planned.parameters(), max_norm)  # plans the list
+    for p, g in zip(planned.parameters(), grads):
+        p.grad = g.clone()
+    out = fastgrad.clip_grad_norm_(planned.parameters(), max_norm)  # planned
+    route.clear()
+    ref = fastgrad.clip_grad_norm_(fresh.parameters(), max_norm)  # a first call
+    assert torch.equal(bits(out), bits(ref))
+    for p, q in zip(planned.parameters(), fresh.parameters()):
+        assert torch.equal(bits(p.grad), bits(q.grad))
