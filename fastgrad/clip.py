@@ -400,7 +400,7 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
             inputs.check_tensors(tensors, "tensors", allow_fallback=False)
         if ex:
             (dg, fl), rows = exact_norm.reduced_digits(sh, p, backend, per_tensor)
-            dtype = distributed.reduce._local_dev_dtype(sh)[1]
+            dtype = distributed.reduce.local_device_dtype(sh)[1]
             total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
         else:
             total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)

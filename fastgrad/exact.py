@@ -356,36 +356,24 @@ def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False, 
     more collective, as the default path; a pipeline stage's own tensors otherwise). ``poison``
     (``fastgrad.distributed.nonfinite_poison``): NaN counts as one NaN value in the same payload, so a
     non-finite copy this rank holds but does not count makes the total NaN on every rank."""
-    from .distributed import agreement, reduce
+    from .distributed import reduce
 
-    base, nl = _WINDOWS[p]
-    dev, dtype = reduce._local_dev_dtype(sh)
-    sel, local = reduce._counted(sh, dtype, dev)
-    n = len(sh.reads)
-    rows = None
-    if len(local):
+    nl = _WINDOWS[p][1]
+
+    def payload(local):
         dg, fl = local_digits(local, p, backend, per_tensor)
+        rows = None
         if per_tensor:
-            rows = torch.cat([dg, fl], dim=1)[: len(sel)]
+            rows = torch.cat([dg, fl], dim=1)
             dg, fl = total_digits(dg, fl)
         else:
             dg, fl = dg[0], fl[0]
-        payload = torch.cat([dg, fl]).to(dev, torch.float64)
-    else:
-        payload = torch.zeros(nl + 2, dtype=torch.float64, device=dev)
-    if poison is not None:
-        payload[nl] += torch.isnan(poison).to(payload.device, payload.dtype)
-    red, _ = agreement._phase_a(sh, agreement._EXACT, p, per_tensor, payload, None)
-    red = red.to(torch.int64)
+        return torch.cat([dg, fl]), rows
+
+    red, vals = reduce.reduced_exact(sh, p, per_tensor, payload, nl + 2, poison, nl)
     total = (normalize(red[:nl]), red[nl:])
-    if not per_tensor:
+    if vals is None:
         return total, None
-    vals = torch.zeros((n, nl + 2), dtype=torch.int64, device=dev)
-    if rows is not None:
-        vals[torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)] = rows
-    if sh.plan.vec_steps:
-        vals = reduce._combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, nl + 2)
-        vals = vals.to(torch.int64)
     return total, (normalize(vals[:, :nl]), vals[:, nl:])
 
 
@@ -397,7 +385,7 @@ def sharded_totals(sh, p: float, backend: str | None, out_dtype: torch.dtype | N
     from .distributed import reduce
 
     (dg, fl), _ = reduced_digits(sh, p, backend)
-    total = finish(dg, fl, p, reduce._local_dev_dtype(sh)[1])
+    total = finish(dg, fl, p, reduce.local_device_dtype(sh)[1])
     return total, total if out_dtype is None else finish(dg, fl, p, out_dtype)
 
 

@@ -80,11 +80,12 @@ from .agreement import RankMismatchError
 from .dtensor import dtensor_grads, has_dtensor, is_dtensor, to_local_norm, wrap_like
 from .layout import Sharded, cpu_pass_layout, local_cpu_norm, prepare, scale_local_cpu
 from .plan import Shards, span_ranks
-from .reduce import nonfinite_poison, reduced_amp_norm, reduced_norm, reduced_stats
+from .reduce import local_device_dtype, nonfinite_poison, reduced_amp_norm, reduced_exact, reduced_norm, reduced_stats
 
 __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
-           "clear_cache", "nonfinite_poison"]
+           "clear_cache", "nonfinite_poison", "reduced_exact", "local_device_dtype", "cpu_pass_layout", "local_cpu_norm",
+           "scale_local_cpu"]
 
 
 def clear_cache() -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import _scan
 from ..backends import acc_dtype
 from ..decide import nonfinite
-from .agreement import _AMP, _NORM, _STATS, _all_reduce, _phase_a
+from .agreement import _AMP, _EXACT, _NORM, _STATS, _all_reduce, _phase_a
 from .layout import Sharded
 from .plan import _Plan
 
@@ -47,7 +47,9 @@ def _combine(vals: Tensor, p: float, steps: list) -> Tensor:
     return vals
 
 
-def _local_dev_dtype(sh: Sharded) -> tuple[torch.device, torch.dtype]:
+def local_device_dtype(sh: Sharded) -> tuple[torch.device, torch.dtype]:
+    """Where this rank's contribution to ``sh``'s collective is built, and the accumulation dtype of the whole
+    list (the dtype the returned norm is computed in)."""
     if sh.reads:
         return sh.reads[0].device, acc_dtype(sh.reads)
     return sh.plan.device, torch.float32  # a rank owning no shard still takes part in the collective
@@ -106,7 +108,7 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     ``local_total``: this rank's total over what it counts, already computed by the caller (the compiled local
     pass, :func:`local_cpu_norm`; None when it counts nothing), for a total only: ``local_norm`` is not called."""
     plan = sh.plan
-    dev, dtype = _local_dev_dtype(sh)
+    dev, dtype = local_device_dtype(sh)
     wide = _wide(dtype, dev)
     p = norm_type
     vector = per_tensor or p == 0  # p = 0 counts tensors with a nonzero: needs per-tensor counts
@@ -218,7 +220,7 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
     import torch.distributed as dist
 
     plan = sh.plan
-    dev, dtype = _local_dev_dtype(sh)
+    dev, dtype = local_device_dtype(sh)
     wide = _wide(dtype, dev)
     sel, local = _counted(sh, dtype, dev)
     n = len(sh.reads)
@@ -266,7 +268,7 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
     p = norm_type
     if p == 0:
         raise ValueError("scaler_unscale_and_clip with norm_type=0 is not supported for sharded gradients")
-    dev, dtype = _local_dev_dtype(sh)
+    dev, dtype = local_device_dtype(sh)
     wide = _wide(dtype, dev)
     _, local = _counted(sh, dtype, dev)
     identity = _INF if p == -_INF else 0.0
@@ -302,6 +304,42 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
 
 
 # ------------------------------------------------------------------------------------- the step guard's flag
+def reduced_exact(sh: Sharded, p: float, per_tensor: bool,
+                  local_payload: Callable[[list[Tensor]], tuple[Tensor, Tensor | None]], width: int,
+                  poison: Tensor | None = None, poison_at: int = 0) -> tuple[Tensor, Tensor | None]:
+    """The exact norm's reduction (fastgrad.exact): integers summed exactly over every rank in the call's ONE
+    collective (kind "exact" in the header, so a rank calling without exact=True mismatches).
+
+    ``local_payload(local)``, given this rank's counted local tensors (never empty): ``(payload, rows)``, a vector
+    of ``width`` integers below 2^32 (the sum over those tensors; float64 carries sums of < 2^21 ranks' exactly)
+    and, with ``per_tensor``, one such row per tensor (else None). ``poison``
+    (:func:`nonfinite_poison`): a NaN adds one at ``payload[poison_at]``, so a non-finite copy this rank holds
+    but does not count still reaches every rank. Returns the reduced payload (int64) and, with ``per_tensor``,
+    the ``(n, width)`` rows in input order, combined over the plan's vector steps (else None)."""
+    dev, dtype = local_device_dtype(sh)
+    sel, local = _counted(sh, dtype, dev)
+    n = len(sh.reads)
+    rows = None
+    if len(local):
+        payload, rows = local_payload(local)
+        payload = payload.to(dev, torch.float64)
+    else:
+        payload = torch.zeros(width, dtype=torch.float64, device=dev)
+    if poison is not None:
+        payload[poison_at] += torch.isnan(poison).to(payload.device, payload.dtype)
+    red, _ = _phase_a(sh, _EXACT, p, per_tensor, payload, None)
+    red = red.to(torch.int64)
+    if not per_tensor:
+        return red, None
+    vals = torch.zeros((n, width), dtype=torch.int64, device=dev)
+    if rows is not None:  # (a float64 list's empty stand-in entry, past len(sel), dropped)
+        vals[torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)] = rows[: len(sel)]
+    if sh.plan.vec_steps:
+        vals = _combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, width)
+        vals = vals.to(torch.int64)
+    return red, vals
+
+
 def nonfinite_poison(sh: Sharded, local_norm: Callable[[list[Tensor]], Tensor]) -> Tensor | None:
     """For the step guard, whose decision must be the same on every rank: the local tensors this rank holds
     but does not count (copies of ``Replicate()`` pieces, plain tensors beside DTensors, a replicated mesh

@@ -168,7 +168,7 @@ def exact_norms(g, grads, inv_scale, scaler, state, sharded, use_scaler):
         # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
         poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
         (dg, fl), rows = exact_norm.reduced_digits(sh, p, g.backend, per_tensor, poison)
-        dtype = distributed.reduce._local_dev_dtype(sh)[1]
+        dtype = distributed.reduce.local_device_dtype(sh)[1]
         total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
         if use_scaler:
             bad = decide.nonfinite(total).to(torch.float32)
