@@ -41,13 +41,13 @@ LAYERS: list[list[str]] = [
     ["fastgrad.backends"],
     # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and one collective, which
     # ranks reduce together, a list's local view, what each kind of call reduces, then the package; the exact
-    # norm, whose sharded form rides on that package's collective
+    # norm, whose sharded form rides on that package's collective; the plan of a list's route
     ["fastgrad._inputs", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
     ["fastgrad.distributed.plan"],
     ["fastgrad.distributed.layout"],
     ["fastgrad.distributed.reduce"],
     ["fastgrad.distributed"],
-    ["fastgrad.exact"],
+    ["fastgrad.exact", "fastgrad.route"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],
