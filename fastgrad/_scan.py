@@ -134,13 +134,11 @@ def plan_key(tensors: Sequence[Tensor]):
 
 
 def clip_norm_cpu(params: Sequence[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool,
-                  backend: str | None, c=None):
+                  backend: str | None):
     """``clip_grad_norm_`` in one C++ call when the cpu backend would run it on plain dense CPU grads:
     ``(total, nonfinite)`` (``nonfinite`` True means error_if_nonfinite tripped and nothing was written),
-    or None when the general path must run (nothing done). ``c``: :func:`helpers`' answer when the caller has
-    it. See csrc/host.cpp ``clip_norm_cpu``."""
-    if c is None:
-        c = helpers()
+    or None when the general path must run (nothing done). See csrc/host.cpp ``clip_norm_cpu``."""
+    c = helpers()
     if c is None or not hasattr(c, "clip_norm_cpu"):
         return None
     if not _selects_builtin()("cpu", "norm", backend, norm_type):

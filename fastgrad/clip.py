@@ -233,14 +233,13 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     params = parameters if type(parameters) is list else inputs.as_list(parameters, warn_empty_generator=True)
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_norm.applies(exact, p)
-    c = _scan.helpers()
-    plan = route.lookup(params, process_group, c is not None)
-    if process_group is None and not ex and plan.route in _MAY_BE_CPU and c is not None:
+    ex = exact_norm.applies(exact, p) if exact else False
+    plan = route.lookup(params, process_group)
+    if process_group is None and not ex and plan.route in _MAY_BE_CPU:
         # the cpu route: norm, coefficient and scale in one C++ call, which checks every grad itself (before
         # no_grad: that call records nothing for autograd, and entering no_grad costs ~2.5 us, a tenth of the
         # whole call on a 148-tensor model)
-        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend, c)
+        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
         if fast is not None:
             plan.route = "cpu"
             if fast[1]:

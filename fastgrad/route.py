@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import _scan
+import torch
+
 from . import distributed
 from .distributed.plan import _keep, _used
 
@@ -67,16 +68,13 @@ class ListPlan:
 def plan_of(params: Sequence, process_group=None) -> ListPlan:
     """The cached plan of ``params`` (a list, or any iterable of parameters) with this ``process_group``; a new,
     unplanned one for a list not seen yet."""
-    if type(params) is not list:
-        params = list(params)
-    return lookup(params, process_group, _scan.helpers() is not None)
+    return lookup(params if type(params) is list else list(params), process_group)
 
 
-def lookup(params: list, process_group, cacheable: bool) -> ListPlan:
-    """:func:`plan_of` for a list, given whether plans may be cached: not while torch.compile traces (Dynamo 2.11
-    cannot trace every id(), and the routes a plan remembers are eager C++ passes) nor without the compiled host
-    helpers (the same passes); each call then gets a fresh plan, which its call plans as the first one would."""
-    if not params or not cacheable:
+def lookup(params: list, process_group) -> ListPlan:
+    """:func:`plan_of` for a list. While torch.compile traces, a fresh plan (Dynamo 2.11 cannot trace every id(),
+    and the routes a plan remembers are eager C++ passes): the traced call plans it as a first call would."""
+    if not params or torch.compiler.is_compiling():
         return ListPlan(len(params), params[0] if params else None, process_group)
     first = params[0]
     key = (len(params), 0 if process_group is None else id(process_group), id(first))  # (plan.group_key, inline)
