@@ -37,7 +37,7 @@ from . import exact as exact_norm
 from .backends import acc_dtype
 from .decide import amp_factor, clip_coef, grad_scale, nonfinite
 from .backends.torch_backend import combine_norms
-from .clip import _check_finite, _no_sharded_fallback, _sharded_dtype, _torch_fallback_allowed, clip_grad_norm_
+from .clip import _check_finite, _exact_totals, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
 
 try:
     from torch.amp.grad_scaler import GradScaler, OptState
@@ -405,15 +405,6 @@ def unscale_first(groups: list[list[Tensor]], inv_scale: Tensor, flag_shape=()) 
     return found
 
 
-def exact_unscaled_norm(grads: list[Tensor], p: float, backend: str | None, sh=None) -> tuple[Tensor, Tensor]:
-    """The exact norm of gradients already unscaled: ``(total in the accumulation dtype, returned value)``,
-    over every rank with one all-reduce for a sharded view ``sh`` (fastgrad.exact.reduced_digits)."""
-    if sh is not None:
-        total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
-        return total, distributed.wrap_like(out, sh)
-    return exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
-
-
 def _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite, backend,
                             process_group, flag_shape):
     """exact=True: unscale (the flags as unscale_ records them), the exact norm of the unscaled values (one more
@@ -425,8 +416,9 @@ def _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, 
         sh = distributed.prepare(grads, process_group)
     groups = inputs.split_by_device(sh.writes if sh is not None else grads)
     found = unscale_first(groups, inv_scale, flag_shape)
-    total, out = exact_unscaled_norm(grads, p, backend, sh)
+    total, out = _exact_totals(grads, p, backend, sh)  # (of the gradients unscaled just above)
     if sh is not None:
+        out = distributed.wrap_like(out, sh)
         # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled), so
         # the same found_inf everywhere without a second collective
         bad = nonfinite(total).to(torch.float32)

@@ -302,10 +302,8 @@ def _clip_general(params: list, plan: route.ListPlan, max_norm: float, p: float,
     if process_group is not None or distributed.has_dtensor(grads):
         sh = _sharded_view(grads, process_group)
         if sh is not None:
-            plan.layout = distributed.cpu_pass_layout(sh, process_group)
-            plan.route = "sharded" if plan.layout is None else "sharded-cpu"
-            if plan.layout is None:
-                plan.layout = sh.layout  # (for the plan's repr: its collectives)
+            plan.layout = sh.layout  # (the sharded-cpu route's input; for the repr, the collectives)
+            plan.route = "sharded-cpu" if distributed.takes_cpu_pass(sh, process_group) else "sharded"
     if sh is None and inputs.check_tensors(grads):
         _no_sharded_fallback(process_group)
         if ex:
@@ -317,7 +315,7 @@ def _clip_general(params: list, plan: route.ListPlan, max_norm: float, p: float,
         return _clip_sharded(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, process_group, ex)
     plan.route = "plain"
     if ex:
-        total, out = exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
+        total, out = _exact_totals(grads, p, backend)
         if error_if_nonfinite:
             _check_finite(total, p)
         _scale(grads, clip_coef(total, max_norm), backend, foreach)
@@ -332,12 +330,22 @@ def _clip_general(params: list, plan: route.ListPlan, max_norm: float, p: float,
     return total.to(inputs.promoted_dtype(grads))
 
 
+def _exact_totals(grads: list[Tensor], p: float, backend: str | None, sh: distributed.Sharded | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """The exact norm (fastgrad.exact) of ``grads``, or over every rank of the sharded view ``sh`` (one
+    all-reduce): ``(total in the accumulation dtype, for the coefficient; the value returned, rounded once to the
+    grads' dtype)``."""
+    if sh is not None:
+        return exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
+    return exact_norm.totals(grads, p, backend, acc_dtype(grads), inputs.promoted_dtype(grads))
+
+
 def _clip_sharded(sh: distributed.Sharded, grads: list[Tensor], max_norm: float, p: float, error_if_nonfinite: bool,
                   foreach: bool | None, backend: str | None, process_group, ex: bool) -> Tensor:
     """The sharded route: the global norm from the local shards (one collective), the coefficient, the scale of
     the local shards."""
     if ex:  # coefficient from the exact norm in the accumulation dtype; returned rounded once to the grads'
-        total, out = exact_norm.sharded_totals(sh, p, backend, _sharded_dtype(sh, grads) if grads else None)
+        total, out = _exact_totals(grads, p, backend, sh)
     else:
         total, _, sh = _sharded_norm(grads, p, backend, foreach, False, process_group, sh)
         out = total.to(_sharded_dtype(sh, grads)) if grads else total
@@ -398,19 +406,14 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
         if not sh.checked:
             inputs.check_tensors(tensors, "tensors", allow_fallback=False)
         if ex:
-            (dg, fl), rows = exact_norm.reduced_digits(sh, p, backend, per_tensor)
-            dtype = distributed.reduce.local_device_dtype(sh)[1]
-            total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
+            total, per = exact_norm.acc_norms(tensors, p, backend, per_tensor, sh)
         else:
             total, per, sh = _sharded_norm(tensors, p, backend, None, per_tensor, process_group, sh)
         total = distributed.wrap_like(total, sh)
         return (total, distributed.wrap_like(per, sh)) if per_tensor else total
     inputs.check_tensors(tensors, "tensors", allow_fallback=False)
     if ex:
-        dg, fl = exact_norm.local_digits(tensors, p, backend, per_tensor)
-        dtype = acc_dtype(tensors)
-        per = exact_norm.finish(dg, fl, p, dtype) if per_tensor else None
-        total = exact_norm.finish(*exact_norm.total_digits(dg, fl), p, dtype)
+        total, per = exact_norm.acc_norms(tensors, p, backend, per_tensor)
     else:
         total, per = _norm(tensors, p, backend, None, per_tensor)
     return (total, per) if per_tensor else total

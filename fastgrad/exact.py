@@ -389,6 +389,26 @@ def sharded_totals(sh, p: float, backend: str | None, out_dtype: torch.dtype | N
     return total, total if out_dtype is None else finish(dg, fl, p, out_dtype)
 
 
+def acc_norms(tensors, p: float, backend: str | None, per_tensor: bool, sh=None, poison: Tensor | None = None
+              ) -> tuple[Tensor, Tensor | None]:
+    """The exact total and, with ``per_tensor``, per-tensor norms of ``tensors`` (or over every rank of the
+    sharded view ``sh``: one all-reduce, ``poison`` as :func:`reduced_digits`), each correctly rounded to the
+    accumulation dtype; per-tensor None without ``per_tensor``."""
+    if sh is not None:
+        from .distributed import reduce
+
+        (dg, fl), rows = reduced_digits(sh, p, backend, per_tensor, poison)
+        dtype = reduce.local_device_dtype(sh)[1]
+        return finish(dg, fl, p, dtype), rows and finish(*rows, p, dtype)
+    from .backends import acc_dtype
+
+    dtype = acc_dtype(tensors)
+    if not per_tensor:  # (on the cpu backend, the compiled kernel's bound decides most)
+        return totals(tensors, p, backend, dtype, dtype)[0], None
+    dg, fl = local_digits(tensors, p, backend, True)
+    return finish(*total_digits(dg, fl), p, dtype), finish(dg, fl, p, dtype)
+
+
 def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtype) -> tuple[Tensor, Tensor]:
     """The whole plain list's correctly rounded norm in dtypes ``a`` and ``b`` (one sum, two roundings). CPU
     tensors on the cpu backend: the compiled ``exact_total``, which decides from a float64 sum with an error bound

@@ -126,15 +126,18 @@ def test_clip_grad_norm_scales_by_the_exact_norms_coefficient(backend, dtypes):
             assert _bits(g) == _bits(w)
 
 
+@pytest.mark.parametrize("dtypes,acc", [((torch.bfloat16, torch.float32), torch.float32),
+                                        ((torch.float32, torch.float64), torch.float64)], ids=["fp32-acc", "fp64-acc"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_multi_tensor_norm_per_tensor_exact(backend):
-    ts = _list(7, [torch.bfloat16, torch.float32])
+def test_multi_tensor_norm_per_tensor_exact(backend, dtypes, acc):
+    # both results in the accumulation dtype: float64 with a float64 tensor in the list
+    ts = _list(7, list(dtypes))
     for p in (1.0, 2.0):
         total, per = fastgrad.multi_tensor_norm(ts, p, per_tensor=True, backend=backend, exact=True)
-        assert total.dtype == per.dtype == torch.float32
-        assert _bits(total) == _bits(correctly_rounded(_vals(ts), p, torch.float32))
+        assert total.dtype == per.dtype == acc
+        assert _bits(total) == _bits(correctly_rounded(_vals(ts), p, acc))
         for t, v in zip(ts, per):
-            assert _bits(v) == _bits(correctly_rounded(_vals([t]), p, torch.float32))
+            assert _bits(v) == _bits(correctly_rounded(_vals([t]), p, acc))
         assert _bits(fastgrad.multi_tensor_norm(ts, p, backend=backend, exact=True)) == _bits(total)
 
 

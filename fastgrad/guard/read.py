@@ -164,22 +164,13 @@ def exact_norms(g, grads, inv_scale, scaler, state, sharded, use_scaler):
     writes = sh.writes if sh is not None else grads
     groups = inputs.split_by_device(writes)
     found = unscale_first(groups, inv_scale) if use_scaler else None
-    if sh is not None:
-        # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
-        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
-        (dg, fl), rows = exact_norm.reduced_digits(sh, p, g.backend, per_tensor, poison)
-        dtype = distributed.reduce.local_device_dtype(sh)[1]
-        total, per = exact_norm.finish(dg, fl, p, dtype), rows and exact_norm.finish(*rows, p, dtype)
-        if use_scaler:
-            bad = decide.nonfinite(total).to(torch.float32)
-            found = {dev: bad.to(dev) for dev in found}
-    elif per_tensor:
-        dg, fl = exact_norm.local_digits(grads, p, g.backend, True)
-        dtype = acc_dtype(grads)
-        per = exact_norm.finish(dg, fl, p, dtype)
-        total = exact_norm.finish(*exact_norm.total_digits(dg, fl), p, dtype)
-    else:  # clip_grad_norm_(exact=True)'s read (on the cpu backend, the compiled kernel's bound decides most)
-        total, per = exact_norm.totals(grads, p, g.backend, acc_dtype(grads), acc_dtype(grads))[0], None
+    # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
+    poison = (distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, g.backend, None, False)[0])
+              if sh is not None else None)
+    total, per = exact_norm.acc_norms(grads, p, g.backend, per_tensor, sh, poison)
+    if sh is not None and use_scaler:
+        bad = decide.nonfinite(total).to(torch.float32)
+        found = {dev: bad.to(dev) for dev in found}
     if use_scaler:
         _record_read_pass(scaler, state, False, found, total, p, False, groups, None, g.backend)
     return total, per, writes, sh
