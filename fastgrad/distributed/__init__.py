@@ -78,13 +78,13 @@ from __future__ import annotations
 from . import agreement, layout, plan
 from .agreement import RankMismatchError
 from .dtensor import dtensor_grads, has_dtensor, is_dtensor, to_local_norm, wrap_like
-from .layout import Sharded, cpu_pass_layout, local_cpu_norm, prepare, scale_local_cpu
+from .layout import Sharded, takes_cpu_pass, local_cpu_norm, prepare, scale_local_cpu
 from .plan import Shards, span_ranks
 from .reduce import local_device_dtype, nonfinite_poison, reduced_amp_norm, reduced_exact, reduced_norm, reduced_stats
 
 __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
-           "clear_cache", "nonfinite_poison", "reduced_exact", "local_device_dtype", "cpu_pass_layout", "local_cpu_norm",
+           "clear_cache", "nonfinite_poison", "reduced_exact", "local_device_dtype", "takes_cpu_pass", "local_cpu_norm",
            "scale_local_cpu"]
 
 

@@ -275,24 +275,22 @@ def _slot_descs(cls) -> tuple:
     return _DESCS[1], _DESCS[2]
 
 
-def cpu_pass_layout(sh: Sharded, process_group):
-    """The layout of a list the general path just prepared as ``sh``, when :func:`local_cpu_norm` can serve that
-    list's later calls (all DTensors, no Partial, local shards on the CPU in one compiled scan; not ``Shards``),
-    else None. A caller keeps it (fastgrad.route's plan) and hands it back."""
+def takes_cpu_pass(sh: Sharded, process_group) -> bool:
+    """Whether :func:`local_cpu_norm` can serve the later calls of a list the general path just prepared as
+    ``sh``, from its layout ``sh.layout`` (all DTensors, no Partial, local shards on the CPU in one compiled scan;
+    not ``Shards``). A caller keeps that layout (fastgrad.route's plan) and hands it back."""
     lay = sh.layout
-    if (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
-            or isinstance(process_group, Shards) or not sh.checked or not sh.writes
-            or sh.writes.device.type != "cpu" or sh.reads is not sh.writes):
-        return None
-    return lay
+    return not (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
+                or isinstance(process_group, Shards) or not sh.checked or not sh.writes
+                or sh.writes.device.type != "cpu" or sh.reads is not sh.writes)
 
 
 def local_cpu_norm(params: Sequence[Tensor], lay, norm_type: float, backend: str | None
                    ) -> tuple[Sharded, Tensor | None, object] | None:
-    """The local part of a sharded clip in one C++ call, for the grads of ``params`` laid out as ``lay`` (from
-    :func:`cpu_pass_layout` on an earlier call): ``(sh, local_total, handle)`` (``local_total``: this rank's norm
-    of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for :func:`scale_local_cpu`), else None
-    (nothing done; the general path runs). ``lay`` holds when every grad is a DTensor with the very spec object
+    """The local part of a sharded clip in one C++ call, for the grads of ``params`` laid out as ``lay`` (the
+    ``sh.layout`` of a list :func:`takes_cpu_pass` accepted on an earlier call): ``(sh, local_total, handle)``
+    (``local_total``: this rank's norm of what it counts, for ``reduced_norm(local_total=)``; ``handle``: for
+    :func:`scale_local_cpu`), else None (nothing done; the general path runs). ``lay`` holds when every grad is a DTensor with the very spec object
     it recorded at its position (same mesh, placements, global shape and dtype), as many grads as it has; the C++
     pass checks that on every call, so a changed list never reuses it."""
     c = _scan.helpers()

@@ -69,11 +69,11 @@ def _counted(sh: Sharded, dtype: torch.dtype, dev: torch.device) -> tuple[list[i
 
 
 def _place(per: Tensor, sel, n: int, identity: float, like: Tensor) -> Tensor:
-    """Per-tensor values of the counted tensors (``per``, in ``sel`` order) at their places in a vector of
-    ``n``; the others hold ``identity`` (what a rank that adds nothing contributes)."""
+    """Per-tensor values of the counted tensors (``per``, in ``sel`` order; a value or a row each) at their places
+    in ``n`` entries; the others hold ``identity`` (what a rank that adds nothing contributes)."""
     if len(sel) == n:
         return per
-    vals = torch.full((n,), identity, dtype=like.dtype, device=like.device)
+    vals = torch.full((n, *per.shape[1:]), identity, dtype=like.dtype, device=like.device)
     if len(sel):
         vals[torch.tensor(list(sel), dtype=torch.int64).to(like.device, non_blocking=True)] = per
     return vals
@@ -331,9 +331,10 @@ def reduced_exact(sh: Sharded, p: float, per_tensor: bool,
     red = red.to(torch.int64)
     if not per_tensor:
         return red, None
-    vals = torch.zeros((n, width), dtype=torch.int64, device=dev)
-    if rows is not None:  # (a float64 list's empty stand-in entry, past len(sel), dropped)
-        vals[torch.tensor(list(sel), dtype=torch.int64).to(dev, non_blocking=True)] = rows[: len(sel)]
+    if rows is None:
+        vals = torch.zeros((n, width), dtype=torch.int64, device=dev)
+    else:  # (a float64 list's empty stand-in entry, past len(sel), dropped)
+        vals = _place(rows[: len(sel)], sel, n, 0, rows)
     if sh.plan.vec_steps:
         vals = _combine(vals.to(torch.float64).reshape(-1), p, sh.plan.vec_steps).reshape(n, width)
         vals = vals.to(torch.int64)
