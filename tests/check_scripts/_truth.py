@@ -14,6 +14,16 @@ def grad_norm(params) -> float:
     return float(torch.linalg.vector_norm(torch.cat(gs))) if gs else 0.0
 
 
+def flat_params(params) -> torch.Tensor:
+    """Every parameter as one float64 vector: take it before and after ``step()`` for :func:`update_ratio`."""
+    return torch.cat([p.detach().reshape(-1).double() for p in params])
+
+
+def update_ratio(before: torch.Tensor, after: torch.Tensor) -> float:
+    """The whole model's update size relative to its weights, ||after - before|| / ||before||."""
+    return float((after - before).norm() / before.norm())
+
+
 class Truth:
     def __init__(self):
         self.steps = []

@@ -3,7 +3,7 @@
 library loss's exp overflows to inf while every module output is finite. Expected: the learning rate is
 blamed (quoted in the markdown), not a hand-written loss's log(0)."""
 import torch
-from _truth import Truth, grad_norm
+from _truth import Truth, flat_params, grad_norm, update_ratio
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -16,9 +16,8 @@ for step in range(1, 11):
     opt.zero_grad()
     loss = torch.nn.functional.poisson_nll_loss(model(x), y)
     loss.backward()
-    before = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    before = flat_params(model.parameters())
     opt.step()
-    after = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     truth.add(step=step, norm=grad_norm(model.parameters()), loss=loss.item(),
-              update=float((after - before).norm() / before.norm()))
+              update=update_ratio(before, flat_params(model.parameters())))
 print("done")

@@ -2,7 +2,7 @@
 start, ln(4), with the noise of fresh batches. Expected: a stall finding (at chance level, the learning rate
 1e-09 and the update/weight ratio in its evidence), never critical, exit 0."""
 import torch
-from _truth import Truth, grad_norm
+from _truth import Truth, flat_params, grad_norm, update_ratio
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -15,9 +15,8 @@ for step in range(1, 81):
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    before = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    before = flat_params(model.parameters())
     opt.step()
-    after = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     truth.add(step=step, norm=grad_norm(model.parameters()), loss=loss.item(),
-              update=float((after - before).norm() / before.norm()))
+              update=update_ratio(before, flat_params(model.parameters())))
 print("done")
