@@ -23,6 +23,7 @@ import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView, median
+from .evidence import harm_of
 
 __all__ = ["LossDiverging", "loss_divergence"]
 
@@ -84,6 +85,12 @@ class LossDiverging(Rule):
             nrm = {r.step: r.grad_norm for r in recs}
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
+            # the learning rate's evidence: an update that rewrote the weights
+            rw = max(harm_of(run, k).rewrites, key=lambda t: t[1], default=None)
+            upd = "" if rw is None else (f" An update moved the weights by {fmt(rw[1])}x their own size (step "
+                                         f"{rw[0]}): one step rewrote them.")
+            if rw is not None:
+                ev["rewrite"] = list(rw)
             order = [r.step for r in recs]
             pos = order.index(sc) if sc in order else 0
             late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
@@ -110,7 +117,7 @@ class LossDiverging(Rule):
                     f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
                     f"and still {fmt(end)} over the last quarter of the run ({end / v0:.3g}x its start; over the "
                     f"last half too): the run ends worse than it began. The gradient norm went {fmt(nrm.get(s0))} "
-                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k), steps=[s1, sp],
+                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k) + upd, steps=[s1, sp],
                     evidence=ev | {"variant": "unrecovered"}))
                 continue
             out.append(Finding(
@@ -120,7 +127,7 @@ class LossDiverging(Rule):
                 f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> {fmt(v1)} at step {s1} "
                 f"(>= {ratio:g}x) -> peak {fmt(vp)} at step {sp}, and still {fmt(end)} over the last quarter of "
                 f"the run (it stayed up); the gradient norm went {fmt(nrm.get(s0))} -> {fmt(nrm.get(sp))} over "
-                "the same steps." + run.lr_text(k), steps=[s1, sp], evidence=ev))
+                "the same steps." + run.lr_text(k) + upd, steps=[s1, sp], evidence=ev))
         return out
 
 

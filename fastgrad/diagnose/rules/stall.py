@@ -16,26 +16,17 @@ from __future__ import annotations
 import math
 
 from ..finding import Finding, fmt
-from .base import Rule, RunView, median
+from .base import Rule, RunView
+from .evidence import loss_change
 
 __all__ = ["Stall", "loss_stall"]
 
 
 def loss_stall(losses: list[float], *, window: int, z: float, rel: float) -> dict | None:
-    """``{"first", "last", "noise", "se", "drop", "n"}`` when ``losses`` (finite, oldest first) did not improve
-    over their last ``window`` values (see the module docstring), else None."""
-    vals = losses[-window:]
-    q = max(2, len(vals) // 4)
-    first, last = sum(vals[:q]) / q, sum(vals[-q:]) / q
-    diffs = [b - a for a, b in zip(vals, vals[1:])]
-    md = sum(diffs) / len(diffs)  # the trend per step (an alternating wiggle has a median difference of +-e)
-    noise = 1.4826 * median([abs(d - md) for d in diffs]) / math.sqrt(2)
-    se = noise * math.sqrt(2 / q)
-    need = max(z * se, rel * abs(first))
-    drop = first - last
-    if drop > need or drop < -need:  # improved, or rose (not a stall)
-        return None
-    return {"first": first, "last": last, "noise": noise, "se": se, "drop": drop, "n": len(vals), "quarter": q}
+    """``loss_change`` of ``losses`` (finite, oldest first) when they neither improved nor rose over their last
+    ``window`` values (see the module docstring), else None."""
+    c = loss_change(losses, window=window, z=z, rel=rel)
+    return None if c["improved"] or c["rose"] else c
 
 
 class Stall(Rule):
