@@ -25,7 +25,8 @@ __all__ = ["CheckResult", "build_result", "EXIT_CODES"]
 EXIT_CODES = {
     0: "no critical finding (warnings and notices may be present). A run whose every NaN/Inf step a StepGuard or "
        "GradScaler skipped is protected: its NaN findings are warnings, so it exits 0",
-    1: "a critical finding (NaN/Inf gradients or loss, norm > 1000 or overflowed, no learning, a critical red flag)",
+    1: "a critical finding (NaN/Inf gradients or loss, a norm > 1000 with harm the run shows or overflowed, a "
+       "diverging loss, no learning, a critical red flag)",
     2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
        "missing script), found before the script runs",
     3: "the script raised an exception or exited with a non-zero status (the report covers what ran)",
@@ -340,9 +341,12 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             blame = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k and (
                 "rewrite" in f.evidence.get("harm", ()) or f.evidence.get("rewrite")
                 or f.evidence.get("variant") in ("large_update", "tiny_update", "learning_rate"))))
+            # an update that rewrote the weights is never "healthy" (a notice at least, as far as the findings go)
+            run_worst = worst(*(f.severity for f in findings))
+            st = worst(blame, _cap("notice", run_worst)) if rewrote else blame
             rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median([u['ratio'] for u in ups]))} over {len(ups)} "
                          f"measured step(s), largest {fmt(top['ratio'])} at step {top['step']} (about 1e-3 is typical"
-                         + ("; 1 or more: that step rewrote the weights" if rewrote else "") + ")", blame))
+                         + ("; 1 or more: that step rewrote the weights" if rewrote else "") + ")", st))
         lrs = [r.lr for r in recs if r.lr is not None]
         if lrs:  # the evidence the rules that blame a learning rate quote
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
