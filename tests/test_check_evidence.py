@@ -11,7 +11,7 @@ import pytest
 
 from fastgrad.diagnose.thresholds import RANK, RunLimits
 
-from .check_runs import checked_run, codes, finding, row
+from .check_runs import cached_run, checked_run, codes, finding, row
 
 RUNS = {
     "vae": ("vae_summed_loss.py", []),
@@ -35,10 +35,7 @@ def tmp(tmp_path_factory):
 
 
 def run(name, tmp):
-    if name not in _cache:
-        script, args = RUNS[name]
-        _cache[name] = checked_run(script, args, tmp / f"{name}.truth.json")
-    return _cache[name]
+    return cached_run(_cache, RUNS, name, tmp)
 
 
 def quarters(xs, f=statistics.mean):
@@ -200,7 +197,7 @@ def test_a_hand_written_update_is_advised_in_its_own_names(tmp):
 def test_the_same_language_model_at_its_own_learning_rate_is_healthy(tmp):
     r = run("word_lm", tmp)
     t = r["truth"]["steps"]
-    assert quarters([x["loss"] for x in t])[3] < 0.95 * quarters([x["loss"] for x in t])[0]  # the premise: it learns
+    assert quarters([x["loss"] for x in t])[3] < 0.97 * quarters([x["loss"] for x in t])[0]  # the premise: it learns
     same_as_truth(r, norm="raw")
     assert codes(r) == ["hand_written_loop"] and r["rc"] == 0
 
@@ -257,6 +254,16 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
     # a NaN loss from those steps on is harm; one before them is not about them
     assert _exploding(_view([2000.0] * 12, flat[:8] + [math.nan] * 4)).severity == "critical"
     assert _exploding(_view([50.0] * 8 + [200.0] * 4, [math.nan] + flat[1:])).severity == "notice"
+    # critical needs the harm at the steps above 1000: harm only at a step between 100 and 1000 is a warning
+    jump = flat[:5] + [30.0] + flat[6:8]
+    assert _exploding(_view([1500.0] * 4 + [150.0] * 4, jump)).severity == "warning"
+    # a loss jump at a step over the limit, or at the step after it (the update it drove), is its harm; two
+    # steps after is not
+    for at, harmed in ((5, True), (6, True), (7, False)):
+        losses = [1.0] * 12
+        losses[at - 1] = 30.0
+        f = _exploding(_view([50.0] * 4 + [500.0] + [50.0] * 7, losses))
+        assert ("loss_jump" in f.evidence["harm"]) is harmed, at
 
 
 @pytest.mark.parametrize("history", [1, 5])
@@ -274,6 +281,14 @@ def test_far_above_the_runs_own_level_sits_at_its_ratio(history):
         out = [150.0, 150.0, 150.0, 150.0, 1e5]
         f = _exploding(_view(out + [1600.0] + [150.0] * 3, flat))
         assert "far" in f.evidence["harm"]
+
+
+def test_the_runs_own_level_is_the_median_of_its_last_50_norms():
+    # 30 steps at 1000 then 30 at 150: the last 50 are mostly 150, so 1600 is 10x their median (the whole
+    # history's median, 575, would not make it far)
+    assert "far" in _exploding(_view([1000.0] * 30 + [150.0] * 30 + [1600.0], [1.0] * 61)).evidence["harm"]
+    # ... and not a shorter window: 8 recent steps at 1000 do not set the level of the 50
+    assert "far" in _exploding(_view([150.0] * 45 + [1000.0] * 8 + [1600.0], [1.0] * 54)).evidence["harm"]
 
 
 def test_a_loss_jump_is_harm_from_its_own_level():
@@ -312,6 +327,11 @@ def test_a_rising_norm_is_a_warning_only_with_harm():
         return {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(norms, flat, **kw))}["increasing"]
     assert sev() == "notice"
     assert sev(updates=[(40, RunLimits().blowup_update)]) == "warning"
+    # a spike inside the rise is the spike's own finding, not harm of the rise
+    spiked = list(norms)
+    spiked[60] *= 30
+    got = {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(spiked, flat))}
+    assert got["spike"] == "warning" and got["increasing"] == "notice"
 
 
 def test_a_spike_is_a_warning_from_the_far_ratio():
@@ -338,6 +358,13 @@ def test_the_spike_spread_is_the_scaled_mad():
     def spikes(v):
         return [f for f in detect_trends(list(range(1, 42)), alt + [v]) if f.code == "spike"]
     assert spikes(bound * 1.005) and not spikes(bound * 0.995)
+    # the spread is floored at 5% of the median (a constant history is not spread 0): it decides where the
+    # minimum ratio does not, e.g. a monitor asked for spikes from 1x (1 + 6 x 0.05 = 1.3)
+    flat = [1.0] * 40
+
+    def low(v):
+        return [f for f in detect_trends(list(range(1, 42)), flat + [v], spike_ratio=1.0) if f.code == "spike"]
+    assert low(1.31) and not low(1.29)
 
 
 def test_mostly_zero_counts_the_dense_gradients_only():
@@ -381,16 +408,32 @@ def test_the_loss_starts_at_the_smaller_of_its_first_value_and_first_three_media
     assert sev([3.0, 1.2, 1.0, 1.1, 1.1] + [11.5] * 9) == "warning"
 
 
+def test_a_loss_that_blows_up_in_the_last_quarter_and_ends_there_is_diverging():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    def found(losses):
+        return LOSS_DIVERGING.evaluate(_losses_view(losses))
+    # 3.5e4 for most of the run, then up at every step to the end: the last quarter's median alone misses it
+    (f,) = found([3.5e4] * 30 + [1e6, 1e9, 9.3e15])
+    assert f.severity == "critical" and f.evidence["first_step"] == 31 and "to the end of the run" in f.detail
+    assert f.evidence.get("variant") is None  # a sudden late blow-up is not a bootstrapped climb
+    # two steps up at the end are enough (the rule's hold), one is not; a rise that came back down is not it
+    assert found([3.5e4] * 30 + [1e6, 1e9])[0].severity == "critical"
+    assert found([3.5e4] * 31 + [1e9]) == []
+    assert found([3.5e4] * 30 + [1e6, 1e9, 3e4]) == []
+
+
 def test_never_learns_needs_two_steps_and_tells_zero_from_unused():
     from fastgrad.diagnose.collect.steps import StepRecord
     from fastgrad.diagnose.rules.base import RunView
     from fastgrad.diagnose.rules.never_learns import NEVER_LEARNS
 
     lim = RunLimits()
+    assert lim.never_learns_steps == 2
 
     def run_(live):
         return RunView(steps=[StepRecord(step=1, total_norm=1.0, numel=10)], ctx={"live": live})
-    n = lim.never_learns_steps
+    n = 2
     live = {"a.weight": (0, n, n, 0), "b.weight": (0, n, 0, 0), "c.weight": (0, n, n, 1)}
     (f,) = NEVER_LEARNS.evaluate(run_(live))
     assert f.severity == "warning" and f.evidence["zero"] == ["a.weight"] and f.evidence["unused"] == ["b.weight"]
@@ -408,3 +451,43 @@ def test_layers_of_depth():
     assert depth_of("encoder.layers.3.self_attn.in_proj_weight") == "encoder.layers.3"
     assert depth_of("blocks.0.mlp.0.weight") == "blocks.0" and depth_of("0.weight") == "0"
     assert depth_of("head.proj.weight") == "head.proj" and depth_of("start") == "start"
+
+
+def test_a_nan_gradient_is_not_a_zero_one(tmp_path):
+    """never_learns counts a gradient as nonzero when its norm is not 0: a NaN gradient (the NaN findings' to
+    report) is not "zero at every step"; a zero one is."""
+    script = tmp_path / "nan_grad.py"
+    script.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.0)\n"
+        "for step in range(4):\n"
+        "    opt.zero_grad()\n"
+        "    net(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    net[0].weight.grad.fill_(float('nan'))\n"
+        "    net[0].bias.grad.zero_()\n"
+        "    opt.step()\n")
+    r = checked_run(str(script), [], tmp_path / "t.json")
+    assert finding(r, "never_learns")["evidence"]["zero"] == ["0.bias"]
+    assert "nonfinite" in codes(r) or "nonfinite_history" in codes(r)
+
+
+def test_the_cause_comes_first_whatever_its_rank():
+    """A cause moves before the first finding that follows from it, in the report and in its advice, even when
+    the effect is more severe or earlier (an accumulation's growth flagged at step 1, its cause from step 2)."""
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import Finding, place_causes
+
+    effect = Finding("exploding", "critical", "above 1000", "", steps=[1], evidence={"series": 0, "harm": ["far"]})
+    other = Finding("lr_zero", "critical", "lr 0", "", steps=[1])
+    cause = Finding("no_zero_grad", "warning", "never zeroed", "", steps=[2])
+    found = place_causes(link_causes([effect, other, cause]))
+    assert [f.code for f in found] == ["no_zero_grad", "exploding", "lr_zero"]
+    assert effect.evidence["follows"] == "no_zero_grad" and "follows from `no_zero_grad`" in effect.detail
+    assert [c for c, _, _ in advise(found)] == ["no_zero_grad", "exploding", "lr_zero"]
+    # a never-learning tensor before a dead finding about it (the last step's, evaluated first)
+    dead = Finding("dead", "warning", "dead", "", ["0.weight"])
+    never = Finding("never_learns", "warning", "never", "", ["0.weight"], evidence={"zero": ["0.weight"]})
+    assert [f.code for f in place_causes(link_causes([dead, never]))] == ["never_learns", "dead"]

@@ -16,7 +16,7 @@ import pytest
 
 from fastgrad.diagnose.thresholds import RANK
 
-from .check_runs import checked_run, codes, finding, row
+from .check_runs import cached_run, codes, finding, row
 
 
 RUNS = {
@@ -48,10 +48,7 @@ def tmp(tmp_path_factory):
 
 def run(name, tmp):
     """The checked run (in this process) and the script's own truth."""
-    if name not in _cache:
-        script, args = RUNS[name]
-        _cache[name] = checked_run(script, args, tmp / f"{name}.truth.json")
-    return _cache[name]
+    return cached_run(_cache, RUNS, name, tmp)
 
 
 def num(v):
