@@ -33,7 +33,7 @@ from ..optim_clip import zero_write_applies
 from . import read
 from .counters import COUNTERS, Counters
 from .options import MODES, check_options, make_mode
-from .skip import Skipper, is_fused
+from .skip import NO_GRADS, Skipper, is_fused
 
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
@@ -313,6 +313,7 @@ class StepGuard:
                                       "fastgrad.scaler_unscale_and_clip first, then guard.clip_() (nothing was "
                                       "modified)")
         if not grads and not sharded:
+            self._skip.clear(NO_GRADS)  # no decision: a step on gradients made later is refused
             if use_scaler:  # unscale_ records an empty flag set; so do we
                 state = _optimizer_state(scaler, opt, False)
                 _check_ready(scaler, state)
