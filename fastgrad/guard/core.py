@@ -39,6 +39,10 @@ __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# state()'s names: the last step's readings (Counters.last), then the counters (the slots of COUNTERS)
+_LAST = ("total_norm", "clipped_norm", "coef", "clipped", "skipped")
+_COUNTED = ("steps", "clipped_steps", "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps")
+
 # Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
 # pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
 # unguarded); run eagerly, the hook sets them before the compiled rest of the step reads them as inputs.
@@ -244,23 +248,28 @@ class StepGuard:
         return self._optimizer
 
     def state_dict(self) -> dict:
-        """The guard's statistics (the mode's EMAs / history / per-tensor gammas) and counters, for a
-        checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
-        self._counters.fold()
-        counts = self._counters.counts
+        """The guard's statistics (the mode's EMAs / history / per-tensor gammas), counters and last step's
+        readings, for a checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
+        c = self._counters
+        c.fold()
         return {"mode": self.mode, "options": dict(self.options),
                 "stats": {k: v.clone() for k, v in self._mode.state.items()},
-                "counts": None if counts is None else counts.clone()}
+                "counts": None if c.counts is None else c.counts.clone(),
+                "last": None if c.last is None else tuple(t.clone() for t in c.last)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients)."""
+        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients): every
+        reading (:meth:`state`, :meth:`counters`, ``total_norm``, ``skipped``, ...) is then what it was when
+        the state was saved. A checkpoint without the last step's readings (an older fastgrad) loads with none."""
         if state.get("mode") != self.mode:
             raise ValueError(f"state_dict is for mode={state.get('mode')!r}, this guard is mode={self.mode!r}")
         if state.get("options") != self.options:
             raise ValueError(f"state_dict was made with options {state.get('options')}, this guard has "
                              f"{self.options}")
         self._mode.state = {k: v.clone() for k, v in state["stats"].items()}
-        self._counters.clear(None if state["counts"] is None else state["counts"].clone())
+        last = state.get("last")
+        self._counters.clear(None if state["counts"] is None else state["counts"].clone(),
+                             None if last is None else tuple(t.clone() for t in last))
         self._device = None if self._counters.counts is None else self._counters.counts.device
 
     @_eager
@@ -400,28 +409,35 @@ class StepGuard:
         """Whether the last step was clipped (and not skipped): device bool tensor, no sync."""
         return self._counters.folded(3)
 
-    def counters(self) -> Tensor | None:
-        """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``), or None before the first
-        clip_. Reading it (``.tolist()``) is one transfer."""
-        self._counters.fold()
-        return self._counters.counts
+    def counters(self) -> Tensor:
+        """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``); zeros (on the parameters'
+        device) before the first step. Reading it (``.tolist()``) is one transfer."""
+        c = self._counters
+        c.fold()
+        if c.counts is None:
+            params = optimizer_params(self._optimizer)
+            return c.zeros(params[0].device if params else torch.device("cpu"))
+        return c.counts
 
     def state(self) -> dict:
         """Everything the guard knows, read in ONE device-to-host transfer: the last step's ``total_norm``
-        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped``, and the counters
-        (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``, ``nonfinite_steps``,
-        ``spike_steps``). Syncs, once."""
+        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped`` (None before any step),
+        and the counters (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``,
+        ``nonfinite_steps``, ``spike_steps``; 0 before any step). Syncs, once; readable at any time (new,
+        loaded, mid-run)."""
         c = self._counters
-        if c.counts is None:
-            return {}
         c.fold()
-        dt = c.counts.dtype
-        vals = torch.cat([torch.stack([x.to(dt) for x in c.last]), c.counts]).tolist()
-        names = ["total_norm", "clipped_norm", "coef", "clipped", "skipped", "steps", "clipped_steps",
-                 "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps"]
-        out = dict(zip(names, vals))
+        last = c.last
+        if c.counts is None:
+            vals = [0] * len(COUNTERS)
+        elif last is None:
+            vals = c.counts.tolist()
+        else:
+            dt = c.counts.dtype
+            vals = torch.cat([torch.stack([x.to(c.counts.device, dt) for x in last]), c.counts]).tolist()
+            last, vals = vals[:len(_LAST)], vals[len(_LAST):]
+        out = dict(zip(_LAST, last if last is not None else [None] * len(_LAST)))
         for k in ("clipped", "skipped"):
-            out[k] = bool(out[k])
-        for k in names[5:]:
-            out[k] = int(out[k])
+            out[k] = None if out[k] is None else bool(out[k])
+        out.update(zip(_COUNTED, (int(v) for v in vals)))
         return out
