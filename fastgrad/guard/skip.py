@@ -101,7 +101,7 @@ class Skipper:
         """Whether ``opt.step()`` would create optimizer state for a parameter that has a gradient (torch
         creates it lazily, on a parameter's first step). O(1) once every parameter has its state (torch never
         deletes state; ``load_state_dict`` replaces ``opt.state``, which starts the scan again)."""
-        n = sum(len(g["params"]) for g in opt.param_groups)
+        n = sum(len(group["params"]) for group in opt.param_groups)
         if self._stated is not None and self._stated[0] is opt.state and self._stated[1] == n:
             return False
         complete = True
@@ -218,8 +218,8 @@ class Skipper:
                     else:
                         setattr(opt, name, prev)
         elif kind == "hidden":
-            for q, g in data:
-                q.grad = g
+            for q, grad in data:
+                q.grad = grad
         elif kind == "restore":
             with torch.no_grad():
                 self._merge(opt, *data)

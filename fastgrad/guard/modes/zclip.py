@@ -9,50 +9,52 @@ import math
 import torch
 from torch import Tensor
 
-from .. import decide
-from ._state import Mode, zeros
+from ... import decide
+from .base import Mode, Norms, Option, ema_weight, epsilon, warmup_steps, zeros
 
 
 class ZClipMode(Mode):
-    # max_norm, when given: a hard cap on top of the adaptive threshold
     name = "zclip"
-    options = {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "eps": 1e-6, "clip_factor": 1.0}
+    OPTIONS = (ema_weight("alpha", 0.97), Option("z_thresh", 2.5, "the z-score above which a norm is an outlier"),
+               warmup_steps(25), epsilon(1e-6),
+               Option("clip_factor", 1.0, "the factor on ZClip's adaptive threshold (0 would clip every outlier "
+                                          "to zero)"))
 
     def init(self, total: Tensor, n_params: int) -> None:
-        W = self.o["warmup_steps"]
-        self.state = dict(n=zeros(total), buf=zeros(total, W), mean=zeros(total), var=zeros(total),
-                          slots=torch.arange(W, device=total.device))
+        size = self.options["warmup_steps"]
+        self.state = dict(n=zeros(total), buf=zeros(total, size), mean=zeros(total), var=zeros(total),
+                          slots=torch.arange(size, device=total.device))
 
     def fits(self, n_params: int) -> bool:
         return bool(self.state)
 
-    def update(self, g: Tensor, finite: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(coefficient, spike-or-None) on the norm's device; the statistics updated."""
-        o, s = self.o, self.state
-        W, a, zt = o["warmup_steps"], o["alpha"], o["z_thresh"]
-        ready = s["n"] >= W
+    def update(self, norms: Norms) -> tuple[Tensor, Tensor | None]:
+        o, s = self.options, self.state
+        norm, finite = norms.total, norms.finite
+        warmup, alpha, z_thresh = o["warmup_steps"], o["alpha"], o["z_thresh"]
+        ready = s["n"] >= warmup
         std = s["var"].sqrt()
-        z = (g - s["mean"]) / (std + o["eps"])
-        outlier = ready & (z > zt) & finite
+        z = (norm - s["mean"]) / (std + o["eps"])
+        outlier = ready & (z > z_thresh) & finite
         # ZClip's "adaptive scaling": mean + z_thresh * std / (z / z_thresh), times clip_factor
-        thr = (s["mean"] + (zt * std) / (z / zt)) * o["clip_factor"]
-        inf = torch.full_like(g, math.inf)
-        limit = torch.where(outlier, thr, torch.where(ready, g, inf))
+        threshold = (s["mean"] + (z_thresh * std) / (z / z_thresh)) * o["clip_factor"]
+        limit = torch.where(outlier, threshold, torch.full_like(norm, math.inf))  # only an outlier is clipped
         if self.max_norm is not None:
             limit = torch.clamp(limit, max=self.max_norm)
-        coef = torch.where(g > limit, limit / (g + 1e-6), torch.ones_like(g))
-        spike = None if self.skip_factor is None else decide.spike(g, self.skip_factor, s["mean"], finite, ready)
+        coef = decide.clip_coef_above(norm, limit)
+        spike = None if self.skip_factor is None else decide.spike(norm, self.skip_factor, s["mean"], finite,
+                                                                    ready)
         # statistics: warm-up buffer, then the EMA of the (ZClip-clipped) norm; a non-finite norm changes nothing
         take = finite & ~ready
-        s["buf"] = torch.where((s["slots"] == s["n"]) & take, g, s["buf"])
-        n_new = s["n"] + take.to(g.dtype)
+        s["buf"] = torch.where((s["slots"] == s["n"]) & take, norm, s["buf"])
+        n_new = s["n"] + take.to(norm.dtype)
         init_mean = s["buf"].mean()
         init_var = (s["buf"] - init_mean).square().mean()
-        x = torch.where(outlier, thr, g)
-        ema_mean = a * s["mean"] + (1 - a) * x
-        ema_var = a * s["var"] + (1 - a) * (x - ema_mean).square()
+        x = torch.where(outlier, threshold, norm)
+        ema_mean = alpha * s["mean"] + (1 - alpha) * x
+        ema_var = alpha * s["var"] + (1 - alpha) * (x - ema_mean).square()
         upd = ready & finite
-        just = take & (n_new >= W)
+        just = take & (n_new >= warmup)
         s["mean"] = torch.where(upd, ema_mean, torch.where(just, init_mean, s["mean"]))
         s["var"] = torch.where(upd, ema_var, torch.where(just, init_var, s["var"]))
         s["n"] = n_new
