@@ -239,3 +239,23 @@ def test_norms_computes_the_verdict_once_and_converts_the_per_tensor_norms():
     assert n.nonfinite is n.nonfinite and n.finite is n.finite
     given = torch.tensor(False)
     assert Norms(total, nonfinite=given).nonfinite is given
+
+
+@pytest.mark.parametrize("mode", ["adagc", "test-each"])
+def test_a_per_tensor_mode_writes_the_gradients_even_for_a_fused_optimizer(test_modes, mode):
+    """Per-tensor coefficients cannot go to a fused kernel as one grad_scale: the guard writes them, and a
+    fused SGD steps as the foreach twin does (a hand-over on top would scale the gradients twice)."""
+    ps, qs = _params(), _params()
+    fused = torch.optim.SGD(ps, lr=0.1, fused=True)
+    foreach = torch.optim.SGD(qs, lr=0.1, foreach=True)
+    ga, gb = StepGuard(fused, 0.3, mode=mode), StepGuard(foreach, 0.3, mode=mode)
+    for step in range(3):
+        _set_grads(ps, step)
+        _set_grads(qs, step)
+        ga.clip_()
+        gb.clip_()
+        fused.step()
+        foreach.step()
+        for p, q in zip(ps, qs):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert ga.state()["coef"] < 0.5  # the clip does bite
