@@ -219,3 +219,27 @@ def test_the_refusal_names_each_cause():
     assert "guard.clip_() has not been called" in str(never.value)
     assert "the last guard.clip_() found no gradients" in str(empty.value)
     assert "before backward()" in str(empty.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("misuse", ["clip-never-called", "clip-before-backward", "backward-after-clip"])
+def test_cuda_fused_refusal_without_sync(misuse):
+    """Fused AdamW on CUDA, state created: the refused step raises with torch's sync debug mode set to
+    raise on any synchronizing call, and writes nothing."""
+    ps = [torch.nn.Parameter(p.detach().cuda()) for p in _make("adamw-fused")[0]]
+    opt = OPTS["adamw-fused"][0](ps)
+    guard = StepGuard(opt, 1.0)
+    _healthy_steps(ps, opt, guard, 2)
+    match, loop = MISUSE[misuse]
+    if misuse == "clip-never-called":
+        match = "not seen by a clip_"
+    loop(ps, guard, 2)
+    before = _snapshot(ps, opt)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert _same(_snapshot(ps, opt), before)
