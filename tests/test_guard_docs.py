@@ -1,6 +1,7 @@
-"""docs/guard.md's table "Where the guard works, and what a skip does" stays true: its fused row names the
+"""docs/guard-paths.md's table "Where the guard works, and what a skip does" stays true: its fused row names the
 torch optimizers the guard hands its flag to as ``found_inf``, its non-fused row the families that
-tests/test_guard_optimizers.py pins one by one, and every test it cites exists."""
+tests/test_guard_optimizers.py pins one by one, and every test it cites exists; and docs/guard-reference.md's
+Modes table gives every mode with the defaults its declaration has."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ TITLE = "## Where the guard works, and what a skip does"
 
 
 def _rows() -> dict[str, list[str]]:
-    text = (ROOT / "docs" / "guard.md").read_text()
+    text = (ROOT / "docs" / "guard-paths.md").read_text()
     assert TITLE in text
     section = text.split(TITLE, 1)[1].split("\n## ", 1)[0]
     rows = {}
@@ -67,8 +68,8 @@ def test_every_cited_test_exists():
 
 
 def _mode_rows() -> dict[str, str]:
-    """docs/guard.md's Modes table: mode -> its defaults cell."""
-    text = (ROOT / "docs" / "guard.md").read_text()
+    """docs/guard-reference.md's Modes table: mode -> its defaults cell."""
+    text = (ROOT / "docs" / "guard-reference.md").read_text()
     section = text.split("\n## Modes\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():

@@ -1,6 +1,6 @@
 """Misused guards: no ``optimizer.step()`` writes while no ``clip_`` decision covers the current gradients.
 
-docs/guard.md: "A ``step()`` on gradients that no ``clip_`` has seen ... raises before anything is written, and
+docs/guard-paths.md: "A ``step()`` on gradients that no ``clip_`` has seen ... raises before anything is written, and
 keeps raising until the next ``clip_``; a ``step()`` with no gradients at all changes nothing. A ``clip_`` that
 finds no gradients leaves no decision." Each misuse below is the loop a new user writes: ``clip_`` never
 called, ``clip_`` placed before ``backward()`` (it finds no gradients), a guard built on an optimizer that

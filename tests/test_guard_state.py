@@ -1,6 +1,6 @@
 """The guard's readings at any point of its life: new, loaded from a checkpoint before its first ``clip_``,
 mid-run (records not folded yet). ``state()``, ``state_dict()``, ``counters()`` and the last step's device
-readings answer everywhere, and a save/load leaves every one of them as it was (docs/guard.md: "``state()``
+readings answer everywhere, and a save/load leaves every one of them as it was (docs/guard-reference.md: "``state()``
 shows the same at any time"; Checkpoints)."""
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class StepGuard:
         norm_type: as ``clip_grad_norm_`` (adaptive modes: 2 only, as their papers).
         mode: one of ``fastgrad.guard.MODES``, below: "norm" (fixed threshold), "zclip" (Kumar et al. 2025,
             arXiv 2504.02507), "autoclip" (Seetharaman et al. 2020, arXiv 2007.14469), "adagc" (Wang et al.
-            2025, arXiv 2502.11034); docs/guard.md's Modes table.
+            2025, arXiv 2502.11034); docs/guard-reference.md's Modes table.
         skip_factor: also skip a finite step whose norm exceeds ``skip_factor`` times the mode's reference
             (norm: the run's own level, warm-up mean then EMA; zclip: the EMA mean; autoclip: the percentile
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are

@@ -1,6 +1,6 @@
 """The guard's modes, one file each in this folder: every module here but ``base`` defines one
 :class:`~.base.Mode` subclass, found at import. Adding a mode is adding its file (plus its test and a row in
-docs/guard.md's Modes table and docs/layout.md); nothing else names the modes.
+docs/guard-reference.md's Modes table and docs/layout.md); nothing else names the modes.
 
 ``MODE_CLASSES``: name -> class, the default ``"norm"`` first, then by name; ``MODES``: their names."""
 
