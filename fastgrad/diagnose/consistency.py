@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from .finding import Finding, fmt
-from .rules.evidence import SCALE_QUESTION
+from .rules.evidence import GUESSES
 from .rules.trends import loss_progress
 
 __all__ = ["reconcile", "link_causes"]
@@ -100,7 +100,9 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         if cause is None or f.evidence.get("follows"):
             continue
         f.evidence["follows"] = cause.code
-        f.detail = f.detail.replace(SCALE_QUESTION, "") + f" It follows from `{cause.code}` (above): {why}."
+        for guess in GUESSES:  # the known cause replaces the guess
+            f.detail = f.detail.replace(guess, "")
+        f.detail += f" It follows from `{cause.code}` (above): {why}."
     return out
 
 

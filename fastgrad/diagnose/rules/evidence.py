@@ -25,11 +25,15 @@ from ..thresholds import RunLimits
 from .base import RunView, median
 from .trends import LOSS_JUMP, robust_jumps
 
-__all__ = ["loss_change", "own_level", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION"]
+__all__ = ["loss_change", "own_level", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION", "RISE_REASON", "GUESSES"]
 
-#: what a norm above the guide's limits with no harm most often is (a finding that follows from a cause drops it)
+#: what a norm above the guide's limits with no harm most often is, and a rising one: guesses that a finding which
+#: follows from a known cause drops (``consistency.link_causes``)
 SCALE_QUESTION = (" Is it the loss's own scale? A loss summed over the batch (or over an episode) has norms this "
                   "size while it learns.")
+RISE_REASON = (" A norm that grows while the run learns (longer episodes of a policy gradient, a sharper model) is "
+               "not a divergence by itself; no action needed while that holds.")
+GUESSES = (SCALE_QUESTION, RISE_REASON)
 
 #: the norms a step is compared with: up to this many finite norms before it (the spike rule's baseline)
 BASELINE = 50

@@ -14,7 +14,7 @@ import math
 
 from ..finding import Finding
 from .base import Rule, RunView
-from .evidence import harm_of
+from .evidence import RISE_REASON, harm_of
 from .trends import detect_trends
 
 __all__ = ["NormTrends", "WARMUP"]
@@ -62,9 +62,7 @@ def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
     f.title = "gradient norm rising, with no harm seen"
     f.detail += (" No harm seen: " + (f"the loss fell ({fell}), " if fell else "the loss did not rise beyond its "
                                       "own noise, ")
-                 + "nothing went NaN/Inf and no update rewrote the weights. A norm that grows while the run learns "
-                 "(longer episodes of a policy gradient, a sharper model) is not a divergence by itself; no action "
-                 "needed while that holds.")
+                 + "nothing went NaN/Inf and no update rewrote the weights." + RISE_REASON)
 
 
 NORM_TRENDS = NormTrends(
