@@ -91,6 +91,12 @@ class Recorder:
         optimizer.register_step_post_hook(post)
         return optimizer
 
+    def note(self, **extra):
+        """More facts about the last step (an episode's length, LBFGS's evaluations), written at once: an
+        in-process run's truth file is not rewritten at exit."""
+        self.truth.steps[-1].update(extra)
+        self.truth.write()
+
     def skipped(self, name="", **extra):
         """A step the script's GradScaler skipped (inf/NaN gradients): no optimizer.step ran, so no hook did."""
         raw = self._raw.pop(name, None)
