@@ -46,8 +46,9 @@ def load_data(n=200, nfeat=100, nclass=4):
         adj[i, j] = adj[j, i] = 1
     adj += np.eye(n, dtype=np.float32)
     adj /= adj.sum(1, keepdims=True)
-    idx = torch.sparse_coo_tensor(np.array(adj.nonzero()), adj[adj.nonzero()], (n, n)).coalesce()
-    return idx, torch.from_numpy(features), torch.from_numpy(labels).long(), torch.arange(0, 60)
+    adj_t = torch.sparse_coo_tensor(np.array(adj.nonzero()), adj[adj.nonzero()], (n, n),
+                                    check_invariants=True).coalesce()
+    return adj_t, torch.from_numpy(features), torch.from_numpy(labels).long(), torch.arange(0, 60)
 
 
 class GraphConvolution(nn.Module):
