@@ -247,10 +247,12 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
     # norms in the thousands from the start, flat loss: the guide's question
     assert _exploding(_view([2000.0] * 12, flat)).severity == "notice"
     assert _exploding(_view([200.0] * 12, flat)).severity == "notice"
-    # an update that rewrote the weights is harm: critical above 1000, a warning above 100; just under 1x: none
+    # an update that rewrote the weights is the gravest harm: critical above 100 already; just under 1x: none
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
-    assert _exploding(_view([200.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "warning"
+    assert _exploding(_view([200.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update * 0.99)])).severity == "notice"
+    # other harm at the steps between 100 and 1000 only is a warning (a loss jump at step 6)
+    assert _exploding(_view([200.0] * 8, flat[:5] + [30.0] + flat[6:8])).severity == "warning"
     # a NaN loss from those steps on is harm; one before them is not about them
     assert _exploding(_view([2000.0] * 12, flat[:8] + [math.nan] * 4)).severity == "critical"
     assert _exploding(_view([50.0] * 8 + [200.0] * 4, [math.nan] + flat[1:])).severity == "notice"
@@ -439,7 +441,7 @@ def test_never_learns_needs_two_steps_and_tells_zero_from_unused():
     assert f.severity == "warning" and f.evidence["zero"] == ["a.weight"] and f.evidence["unused"] == ["b.weight"]
     assert f.layers == ["a.weight", "b.weight"]
     (g,) = NEVER_LEARNS.evaluate(run_({"b.weight": (0, n, 0, 0)}))
-    assert g.severity == "notice" and "never uses" in g.title
+    assert g.severity == "warning" and "never uses" in g.title and g.evidence["zero"] == []
     assert NEVER_LEARNS.evaluate(run_({"a.weight": (0, n - 1, n - 1, 0)})) == []
 
 

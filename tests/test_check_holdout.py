@@ -379,14 +379,16 @@ def test_an_explosion_the_script_already_clips_is_not_told_to_add_a_clip():
     from fastgrad.diagnose.advice import advise
     from fastgrad.diagnose.rules.exploding import EXPLODING
 
-    def view(updates=()):
+    def view(updates=(), jump=1.0):
         v = _view([(0.25, 8.0)] * 6)
         for rec, pre in zip(v.steps, [1.13, 20.0, 60.0, 104.6, 133.3, 80.1]):
             rec.clipped, rec.clip_max, rec.clip_norm, rec.clip_read = True, 0.25, pre, True
+        v.steps[4].loss *= jump
         v.ctx["updates"] = [{"step": s, "series": 0, "lr": 3.0, "ratio": u, "layers": {}} for s, u in updates]
         return v
-    # with harm (an update that rewrote the weights): a warning whose advice is the learning rate, not a clip
-    f, = EXPLODING.evaluate(view([(4, 1.5)]))
+    # with harm (the loss jumped 20x at step 5, a norm above 100): a warning whose advice is the learning rate,
+    # not a clip
+    f, = EXPLODING.evaluate(view(jump=20.0))
     assert f.severity == "warning" and f.evidence["variant"] == "clipped"
     assert "clip (max_norm=1.0)" not in f.title and "max_norm=0.25 bounds the update" in f.title
     (code, text, snippet), = advise([f])

@@ -451,7 +451,8 @@ def _depth_snippet(units: dict, layers: list[str], manual: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the script's names
-_PARAM_GROUPS_LR = re.compile(r"for group in optimizer\.param_groups:\n(\s*)group\['lr'\] \*= ([0-9.e+-]+)([^\n]*)")
+_PARAM_GROUPS_LR = re.compile(r"for group in optimizer\.param_groups:([^\n]*)\n(\s*)group\['lr'\] \*= ([0-9.e+-]+)"
+                              r"([^\n]*)")
 
 
 def fit_names(snippet: str, names: dict, series: int | None = None) -> str:
@@ -479,9 +480,9 @@ def _manual(snippet: str, lr: str | None) -> str:
     """A snippet for a loop that updates ``p.data`` by hand: no optimizer exists, its learning rate is ``lr``."""
     var = lr or "lr"
 
-    def scale(m):  # the script's variable, or in words when it is not known
-        how = f"{var} *= {m.group(2)}" if lr else f"# multiply the learning rate of the update by {m.group(2)}"
-        return how + m.group(3)
+    def scale(m):  # the script's variable, or in words when it is not known; the loop line's comment kept
+        how = f"{var} *= {m.group(3)}" if lr else f"# multiply the learning rate of the update by {m.group(3)}"
+        return how + (m.group(4) if m.group(4).strip() else m.group(1))
     snippet = _PARAM_GROUPS_LR.sub(scale, snippet)
     if lr and lr != "lr":
         snippet = re.sub(r"\blr\b(?!')", lr, snippet)
@@ -502,8 +503,8 @@ def _manual(snippet: str, lr: str | None) -> str:
         elif ".step()" in code:
             out.append(line[:len(line) - len(line.lstrip())] + "for p in model.parameters():   # the script's update")
             out.append(line[:len(line) - len(line.lstrip())] + f"    p.data.add_(p.grad, alpha=-{var})")
-        else:
-            out.append("# " + line.strip() + "   (needs a torch.optim optimizer)")
+        else:  # a line only an optimizer can run: the script has none
+            out.append("# (a line for a torch.optim optimizer: the script updates its parameters by hand)")
     return "\n".join(out)
 
 

@@ -2,7 +2,7 @@
 every step from the first. The guide's limits alone ask a question (a notice: a loss summed over the batch has
 norms in the thousands); with harm the run shows at those steps (``rules.evidence``: NaN/Inf, a loss that jumps
 or rises against its noise, an update that rewrites the weights, a norm 10x the run's own level) it is critical
-above 1000 and a warning above 100. An infinite norm of finite gradients is the largest explosion of all: the
+above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier. An infinite norm of finite gradients is the largest explosion of all: the
 sum of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ class Exploding(Rule):
                                    "largest explosion; lower the learning rate (or the loss scale)",
                                    detail, [], [r.step for r in crit], ev | {"variant": "overflow", "harm": ["overflow"]}))
                 continue
-            # critical: harm at the steps above 1000; a warning: harm at the steps above 100
+            # critical: harm at the steps above 1000, or an update that rewrote the weights (the learning rate's
+            # gravest harm, whatever tier the norm reached); a warning: other harm at the steps above 100
             harm = harm_of(run, k).at([r.step for r in crit]) if crit else []
             sev = "critical" if harm else "warning"
             if not harm:
                 harm = harm_of(run, k).at([r.step for r in warn])
-                sev = "warning" if harm else "notice"
+                sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
             ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
             # each step named once: the first step over the limit, the peak, and the run's first step when
@@ -126,6 +127,6 @@ def _largest_layers(last, k: int = 3) -> list[str]:
 EXPLODING = Exploding(
     "exploding", "critical", "each step's norm before clipping, per optimizer",
     "the norm before clipping > 1000 (critical) or > 100 (warning) at some step, with harm the run shows at "
-    "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, an update of 1x the weights, a norm 10x "
-    "the run's own level; without harm: a notice); an inf norm of finite gradients (float32 overflow) is the "
+    "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, a norm 10x the run's own level; an update "
+    "of 1x the weights: critical at either; without harm: a notice); an inf norm of finite gradients (float32 overflow) is the "
     "largest explosion")

@@ -4,7 +4,8 @@ off from the loss). Told apart:
 
 - zero at every step while present: in the graph, but nothing passes back to it (a ReLU that never fires, an
   op whose derivative is 0, the input of a layer that is all zero): a warning;
-- absent at every step (its ``.grad`` stayed None): the script never uses it in its graph: said so, a notice;
+- absent at every step (its ``.grad`` stayed None): the script never uses it in its graph (a module built but
+  not called, blocks whose output is dropped): said so, a warning too, the optimizer holds it in vain;
 - frozen parameters (``requires_grad`` False) are not a finding (the summary names them), and the rows of an
   embedding a batch did not look up are not either (the tensor's gradient is nonzero where rows were looked up).
 
@@ -52,11 +53,11 @@ class NeverLearns(Rule):
                  f"{len(unused)} tensor(s) never learn: the script never uses them in its graph")
         if zero and unused:
             title += f", and {len(unused)} are never used"
-        return [Finding(self.code, "warning" if zero else "notice", title, " ".join(parts), zero + unused, [],
+        return [Finding(self.code, "warning", title, " ".join(parts), zero + unused, [],
                         {"zero": zero, "unused": unused, "steps": reads, "of": total})]
 
 
 NEVER_LEARNS = NeverLearns(
     "never_learns", "warning", "per trainable tensor, at how many steps its gradient was present and nonzero",
-    "a trainable tensor's gradient is exactly zero at every step read (a warning), or absent at every step (a "
-    "notice: the script never uses it); frozen parameters and unlooked-up embedding rows are not this")
+    "a trainable tensor's gradient is exactly zero, or absent (the script never uses it), at every step read; "
+    "frozen parameters and unlooked-up embedding rows are not this")
