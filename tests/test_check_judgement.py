@@ -159,6 +159,12 @@ def test_loss_facts_agree_across_findings():
     # without the stall the loss is improving: small_but_learning stays
     out = reconcile([_f("small_but_learning", "notice")], falling, th)
     assert [f.code for f in out] == ["small_but_learning"]
+    # a norm below the guide's 1e-3 is a warning beside a stall (its harm), a notice without one
+    out = reconcile([_f("vanishing")], [1.0] * 40, th)
+    assert out[0].severity == "notice" and out[0].evidence["harm"] == [] and "question" in out[0].detail
+    assert "kaiming" not in advise(out)[0][2]
+    out = reconcile([_f("stall", "notice"), _f("vanishing")], [1.0] * 40, th)
+    assert [(f.code, f.severity) for f in out] == [("stall", "notice"), ("vanishing", "warning")]
     # a clip of still-scaled gradients explains the small norm: no vanishing advice beside it
     out = reconcile([_f("clip_scaled", "critical"), _f("vanishing")], falling, th)
     assert [f.code for f in out] == ["clip_scaled"]

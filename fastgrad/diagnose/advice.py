@@ -296,6 +296,10 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
     "increasing:no_harm": (
         "The norm rises while the run shows no harm from it: no action needed while that holds. If the loss "
         "starts to rise or an update nears the size of the weights, lower the learning rate then.", ""),
+    "vanishing:no_harm": (
+        "The norm is below the guide's range, but the run does not show the loss stalled: small gradients are fine "
+        "while the loss falls (a model near convergence, a loss with a small scale). If it stops improving, check "
+        "the initialisation and the learning rate.", ""),
     "no_clipping:no_harm": (
         "Nothing clips the gradients; the run shows no harm from its norm, so no clip is needed for it.", ""),
     "never_learns": (

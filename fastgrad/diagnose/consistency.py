@@ -5,6 +5,8 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   (``small_but_learning``) or not (``decaying``'s "without the loss improving") agree. With a stall,
   ``small_but_learning`` is the ``vanishing`` it was downgraded from; without one, while the loss improves,
   ``decaying`` is likely convergence (a notice that says so), never "training has stalled";
+- a norm below the guide's 1e-3 (``vanishing``) is a warning beside a ``stall`` (the loss has not improved against
+  its noise: the harm), else a notice: the guide's number alone asks a question;
 - a clip applied to still-scaled AMP gradients (``clip_scaled``) makes the update tiny: the small-gradient
   findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go;
 - cause before effect (``link_causes``): where one finding explains another, the effect says that it follows
@@ -40,6 +42,11 @@ def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]
         if f.code == "small_but_learning" and "stall" in codes:
             f.code, f.severity, f.title = "vanishing", "warning", "vanishing, and the loss is not improving"
             f.detail = f.detail.split(";")[0] + "; the loss has not improved (see stall)."
+        elif f.code == "vanishing" and f.severity == "warning" and "stall" not in codes:
+            f.severity, f.evidence["harm"] = "notice", []
+            f.title = "vanishing: below the guide's 1e-3, with no stall of the loss seen"
+            f.detail += (" No stall of the loss against its own noise was seen over the run: the guide's number "
+                         "alone asks a question.")
         if f.code == "decaying":
             if improving:
                 f.severity = "notice"
