@@ -55,6 +55,16 @@ COUNTS = {"combined": {"total": 1, "per_tensor": 2, "grad_stats": 3},
           "plain_stages": {"total": 1, "per_tensor": 1, "grad_stats": 1}}
 
 
+def counts_of(lay) -> dict:
+    """The documented counts of ``lay``'s calls: a DTensor stage on a slice of k dimensions reduces each vector
+    along each of them (docs/distributed.md, "Collectives"): per-tensor 1 + k, grad_stats 1 + 2k."""
+    c = dict(COUNTS[lay.counts])
+    if lay.counts == "combined" and lay.vec_dims > 1:
+        c["per_tensor"] = 1 + lay.vec_dims
+        c["grad_stats"] = 1 + 2 * lay.vec_dims
+    return c
+
+
 def replay_line(world: int, seed: int) -> str:
     return f"python -m tests.layout_fuzz --world {world} --seed {seed}"
 
@@ -80,6 +90,7 @@ class Layout:
     copies: dict = field(default_factory=dict)  # entry index -> the ranks it is declared the same on
     params: list | None = None  # a real module's parameters (FSDP2, TP): their grads are the entries
     backend: str | None = None
+    vec_dims: int = 1  # dimensions of a DTensor stage's slice: its vectors take one collective per dimension
 
 
 class Ctx:
@@ -115,7 +126,10 @@ class Ctx:
         """A random factorisation of the world into ``parts`` dimensions (dimensions of size 1 included)."""
         dims, left = [], self.world
         for _ in range(parts - 1):
-            d = self.rng.choice([f for f in range(1, left + 1) if left % f == 0])
+            proper = [f for f in range(2, left) if left % f == 0]
+            if not proper or self.rng.random() < 0.25:  # (dimensions of size 1 now and then)
+                proper = [f for f in range(1, left + 1) if left % f == 0]
+            d = self.rng.choice(proper)
             dims.append(d)
             left //= d
         dims.append(left)
@@ -352,42 +366,49 @@ def _stage_sizes(ctx: Ctx, pp: int) -> list:
 
 
 def fam_dtensor_pp(ctx: Ctx) -> Layout:
-    """Pipeline stages of DTensors: a pp x dp mesh, each stage's parameters on its dp slice; a tied embedding
-    on the first and last stage (the same placements on both slices), declared a copy of the one at the same dp
-    coordinate. process_group= the pipeline group or the world (Copies of it)."""
+    """Pipeline stages of DTensors: a pp x dp (x tp) mesh, each stage's parameters on its dp (or dp x tp) slice;
+    a tied embedding on the first and last stage (the same placements on both slices), declared a copy of the
+    one at the same coordinate of the other stage. process_group= the pipeline group or the world (Copies of
+    it)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    pp, dp = ctx.factor(2)
-    if pp == 1 and dp > 1:
-        pp, dp = dp, 1
-    m = mesh((pp, dp), ("pp", "dp"))
-    stage, coord = divmod(ctx.rank, dp)
+    w = ctx.world
+    inner = [d for d in range(2, w) if w % d == 0]
+    pp = ctx.rng.choice(inner) if inner else w  # more than one stage, and more than one rank per stage if it can
+    per = w // pp
+    tp = ctx.rng.choice([d for d in range(1, per + 1) if per % d == 0]) if ctx.rng.random() < 0.5 else 1
+    dp = per // tp
+    if tp > 1:
+        m = mesh((pp, dp, tp), ("pp", "dp", "tp"))
+        stage_mesh = m["dp", "tp"]
+    else:
+        m = mesh((pp, dp), ("pp", "dp"))
+        stage_mesh = m["dp"]
+    stage, coord = divmod(ctx.rank, per)
     sizes = _stage_sizes(ctx, pp)
     d = ctx.rng.choice([2, 4, 5, 8])
     emb_full = ctx.full((ctx.size(), d))
-    emb_pl = [ctx.rng.choice([Shard(0), Shard(1), Replicate()])]
+    emb_pl = placements_for(ctx, emb_full.shape, stage_mesh.ndim)
     fulls, owners = [emb_full], [None]
     for s in range(pp):
         for _ in range(sizes[s]):
             shape = ctx.shape()
             fulls.append(ctx.full(shape))
-            owners.append((s, placements_for(ctx, shape, 1)))
+            owners.append((s, placements_for(ctx, shape, stage_mesh.ndim)))
     entries, copies = [], {}
-    tied = pp > 1
-    if stage == 0 or stage == pp - 1:
-        if tied or stage == 0:
-            entries.append(dt_entry(0, emb_full, m["dp"], emb_pl))
-            if tied:
-                copies[0] = [coord, (pp - 1) * dp + coord]
+    if stage in (0, pp - 1):
+        entries.append(dt_entry(0, emb_full, stage_mesh, emb_pl))
+        copies[0] = [coord, (pp - 1) * per + coord]
     for j in range(1, len(fulls)):
         s, pl = owners[j]
         if s == stage:
-            entries.append(dt_entry(j, fulls[j], m["dp"], pl))
-    # the stage of the tied embedding's last copy: the first one (counted) sits at the start of stage 0
+            entries.append(dt_entry(j, fulls[j], stage_mesh, pl))
     use_world = ctx.rng.random() < 0.5
-    g = dist.group.WORLD if use_world else m["pp"].get_group()
-    return Layout(f"dtensor pp={pp} dp={dp} stages={sizes} tied={tied} emb={emb_pl} pg={'world' if use_world else 'pp'}",
-                  fulls, entries, pg=g, copies={i: copies[e.j] for i, e in enumerate(entries) if e.j in copies})
+    g = dist.group.WORLD if use_world else m["pp"].get_group()  # this rank's pipeline group
+    lay = Layout(f"dtensor pp={pp} dp={dp} tp={tp} stages={sizes} emb={emb_pl} pg={'world' if use_world else 'pp'}",
+                 fulls, entries, pg=g, copies={i: copies[e.j] for i, e in enumerate(entries) if e.j in copies})
+    lay.vec_dims = stage_mesh.ndim
+    return lay
 
 
 def fam_plain_pp(ctx: Ctx) -> Layout:
@@ -586,7 +607,7 @@ def check_layout(lay: Layout) -> list[str]:
     kw = {} if pg is None else {"process_group": pg}
     be = lay.backend
     fulls = lay.fulls
-    counts = COUNTS[lay.counts]
+    counts = counts_of(lay)
     mine = [e.j for e in entries]
     my_dtype = _promoted([saved[i] for i in range(len(entries))]) if entries else torch.float32
     whole_dtype = _promoted(fulls)
