@@ -10,6 +10,7 @@ argument checks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import shutil
@@ -277,8 +278,36 @@ def _scenario_arguments(rank):
         assert torch.equal(h, before)
 
 
+def _scenario_disagreeing_declarations(rank):
+    """Ranks of one copy that declare it differently (one leaves it out, one names other ranks): the checksum in
+    the header of a finite norm's collective raises RankMismatchError on every rank, nothing written, no extra
+    collective; declarations that agree pass."""
+    m = _Megatron(rank)
+    for how in ("left out", "other ranks", "agree"):
+        params = m.params()
+        declared = {params[0]: m.embedding_ranks, params[1]: m.tp_ranks}
+        if how == "left out" and rank == 1:
+            del declared[params[1]]  # rank 1 forgets that it holds a copy of stage 0's LayerNorm
+        if how == "other ranks" and rank == 3:
+            declared[params[0]] = [3]  # rank 3 calls its embedding piece its own
+        before = [q.grad.clone() for q in params]
+        for exact in (False, True):
+            with CollectiveCount() as c:
+                if how == "agree":
+                    fastgrad.clip_grad_norm_(params, 1e9, process_group=Copies(dist.group.WORLD, declared), exact=exact)
+                else:
+                    with pytest.raises(distributed.RankMismatchError, match="declared different copies"):
+                        fastgrad.clip_grad_norm_(params, 1e-3, process_group=Copies(dist.group.WORLD, declared),
+                                                 exact=exact)
+            assert c.n == 1, (how, c.kinds)
+            assert all(torch.equal(q.grad, b) for q, b in zip(params, before)), how
+        with pytest.raises(distributed.RankMismatchError, match="declared different copies") if how != "agree" \
+                else contextlib.nullcontext():
+            fastgrad.grad_stats(params, process_group=Copies(dist.group.WORLD, declared))
+
+
 SCENARIOS = {"megatron": _scenario_megatron, "keys": _scenario_keys, "dtensor_stages": _scenario_dtensor_stages,
-             "arguments": _scenario_arguments}
+             "arguments": _scenario_arguments, "disagreeing_declarations": _scenario_disagreeing_declarations}
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:

@@ -52,10 +52,11 @@ class Sharded:
     a reduction given ``flags=``, their OR over every rank; ``layout``: the cached layout it came from (None
     for ``for_norm=False``). With declared copies (:class:`Copies`) a per-tensor vector may count more than the
     total: ``vsel``, the indices it counts (None: ``sel``), ``tpos``, the positions in ``vsel`` that the total
-    counts, and ``vown``, per entry, whether this rank's stage adds it to a count of tensors (None: all)."""
+    counts, and ``vown``, per entry, whether this rank's stage adds it to a count of tensors (None: all);
+    ``copies_sum``: this rank's share of the declared copies' checksum, which the agreement header adds up."""
 
     __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags", "layout", "vsel",
-                 "tpos", "vown")
+                 "tpos", "vown", "copies_sum")
 
     def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
         self.reads: list[Tensor] = reads
@@ -71,6 +72,7 @@ class Sharded:
         self.vsel: list[int] | None = None
         self.tpos: list[int] | None = None
         self.vown: list[bool] | None = None
+        self.copies_sum = 0
 
 
 class _Layout:
@@ -195,13 +197,15 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
 
     counts, sel = _counts(lay, reads, n)
     vec = owned = None
+    check = 0
     if copies is not None:
-        counts, vec, owned = narrow_copies(copies, tensors, counts, plan)
+        counts, vec, owned, check = narrow_copies(copies, tensors, counts, plan)
         if vec is not None:
             sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
     fp = _list_fingerprint(lay, reads, n, pieces)
     sh = Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
     sh.layout = lay
+    sh.copies_sum = check
     if vec is not None and vec != counts:
         sh.vsel = [i for i, c in enumerate(vec) if c]
         sh.tpos = [j for j, i in enumerate(sh.vsel) if counts[i]]

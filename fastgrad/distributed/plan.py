@@ -4,6 +4,8 @@ caches every layout decision shares."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .dtensor import _placements
@@ -38,7 +40,8 @@ class Copies:
     after step) or the gradient tensor itself; keys not in a call's list are ignored (a per-group clip).
     Declared on top of what placements decide: a DTensor counts on a rank only if its placements count it
     there too, so for a DTensor sharded over a mesh, ``ranks`` are the ranks holding the same LOCAL shard (one
-    per stage). Every rank of ``ranks`` must declare the same ``ranks`` for the tensor. Checked here: the
+    per stage). Every rank of ``ranks`` must declare the same ``ranks`` for the tensor (checked in the call's
+    collective when its norm_type is finite: RankMismatchError on every rank). Checked here: the
     types, each set holding this rank and no rank beyond the world; in each call, before any work: the sets
     lying within the ranks the call reduces over."""
 
@@ -374,19 +377,25 @@ def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
 
 def narrow_copies(copies: Copies, tensors, counts: list, plan: _Plan) -> tuple:
     """What this rank counts once the declared copies among ``tensors`` are counted once (``counts``: what the
-    placements decide): ``(counts, vec_counts, owned)``, ``None`` for the last two when no entry is a declared
-    copy. The total counts a copy on the lowest of its ranks only; a per-tensor vector, reduced over the plan's
-    ``vec_span`` (a pipeline stage's ranks, or this rank alone), on the lowest of its ranks there, so each
+    placements decide): ``(counts, vec_counts, owned, checksum)``, ``None`` for the middle two when no entry is a
+    declared copy. The total counts a copy on the lowest of its ranks only; a per-tensor vector, reduced over the
+    plan's ``vec_span`` (a pipeline stage's ranks, or this rank alone), on the lowest of its ranks there, so each
     stage holding a tied tensor sees its whole norm; ``owned``: whether the copy's lowest rank lies in that
-    span (the stage that adds it to a count of tensors across stages)."""
+    span (the stage that adds it to a count of tensors across stages).
+
+    ``checksum``: this rank's share of a sum that is 0 over all ranks when every rank of each copy's ranks
+    declared it alike: per copy, a 12-bit hash ``h`` of (its ranks, shape, dtype), ``-h`` on each rank but the
+    lowest, ``(len(ranks) - 1) * h`` on the lowest. A rank that leaves out its copy, or declares other ranks,
+    leaves a remainder; the agreement header carries the sum (integers, exact in float64)."""
     found = copies.found(tensors)
     if not found:
-        return counts, None, None
+        return counts, None, None, 0
     import torch.distributed as dist
 
     me = dist.get_rank()
     span, vspan = plan.span, plan.vec_span
     counts, vec, owned = list(counts), list(counts), [True] * len(counts)
+    checksum = 0
     for i, ranks in found:
         if span is not None and not ranks <= span:
             raise ValueError(f"Copies: the tensor at position {i} (shape {tuple(tensors[i].shape)}) is declared a copy "
@@ -396,7 +405,10 @@ def narrow_copies(copies: Copies, tensors, counts: list, plan: _Plan) -> tuple:
         counts[i] = counts[i] and me == low
         vec[i] = vec[i] and me == min(ranks & vspan)
         owned[i] = low in vspan
-    return counts, vec, owned
+        t = tensors[i]
+        h = zlib.crc32(repr((sorted(ranks), tuple(t.shape), str(t.dtype))).encode()) & 0xFFF
+        checksum += (len(ranks) - 1) * h if me == low else -h
+    return counts, vec, owned, checksum
 
 
 def span_ranks(sh: "Sharded") -> frozenset | None:
