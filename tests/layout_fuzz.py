@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
-import numpy as np
 import torch
 
 import fastgrad
@@ -41,7 +40,7 @@ from fastgrad import distributed
 
 from . import oracle
 from .exact_oracle import correctly_rounded
-from .helpers import CollectiveCount
+from .helpers import CollectiveCount, spawn_ranks
 
 dist = torch.distributed
 INF = math.inf
@@ -148,16 +147,6 @@ def mesh(shape: tuple, names: tuple | None = None):
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[key]
-
-
-_GROUPS: dict = {}
-
-
-def group(ranks: tuple):
-    """A process group over ``ranks`` (every rank creates every group, in the same order)."""
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
 
 
 def _dt_local(full, m, placements):
@@ -597,19 +586,16 @@ def check_layout(lay: Layout) -> list[str]:
     """Every check of one layout on this rank; returns the failures (the same collectives run on every rank
     whatever fails, so a failure on one rank does not leave the others waiting)."""
     ck = Checker(lay)
-    rank = dist.get_rank()
     params = _make_params(lay)
-    saved = [e.make() for e in lay.entries]  # the module's gradients, to restore between calls
+    saved = [e.make() for e in lay.entries]  # the gradients, restored before each call
     entries = lay.entries
-    for p, s in zip(params, saved):
-        p.grad = s.clone()
     pg = _copies_arg(lay, params)
     kw = {} if pg is None else {"process_group": pg}
     be = lay.backend
     fulls = lay.fulls
     counts = counts_of(lay)
     mine = [e.j for e in entries]
-    my_dtype = _promoted([saved[i] for i in range(len(entries))]) if entries else torch.float32
+    my_dtype = _promoted(saved) if entries else torch.float32
     whole_dtype = _promoted(fulls)
     results = []  # what must be the same bits on every rank
 
@@ -789,7 +775,6 @@ def run_world(rank: int, world: int, seeds: list[int], out_dir: str) -> None:
     store = dist.FileStore(os.path.join(out_dir, f"store-{world}"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
     _MESHES.clear()
-    _GROUPS.clear()
     distributed.clear_cache()
     try:
         for seed in seeds:
@@ -836,23 +821,7 @@ def _worker(rank: int, plan: dict, out_dir: str) -> None:
 
 def launch(plan: dict, out_dir: str, wall_limit_s: float) -> str:
     """Run ``plan`` ({world: [seeds]}) on max(worlds) spawned processes; the launcher's error text or ''."""
-    import torch.multiprocessing as mp
-
-    n = max(plan)
-    ctx = mp.start_processes(_worker, args=(plan, out_dir), nprocs=n, join=False, start_method="spawn")
-    deadline = time.monotonic() + wall_limit_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                return f"the fuzz did not finish in {wall_limit_s} s"
-        return ""
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    return spawn_ranks(_worker, max(plan), out_dir, wall_limit_s, args=(plan, out_dir))
 
 
 def outcome(out_dir: str, world: int, seed: int) -> tuple[str, str]:
