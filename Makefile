@@ -66,7 +66,7 @@ mkdir -p build && set -o pipefail && $(PYTHON) -m pip $(2) -v 2>&1 | tee build/$
   { echo "== pip failed; the end of its log (all of it: build/$(1).log):"; tail -n 40 build/$(1).log; exit 1; }
 endef
 
-.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check bench-cases
+.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check first-use-check bench-cases
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -172,3 +172,24 @@ wheel-check:
 	@$(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 	  "$$($(WHEEL_DIR)/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-torch-from-host.pth"
 	@cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_DIR)/venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
+
+# What a plain `pip install .` gives (CI runs it after wheel-check): a fresh venv, torch pinned first (TORCH_PIN; a
+# bare `pip install .` would let pip pick torch, a CUDA build on Linux), then `pip install .` with build isolation
+# (no torch in the build env: a pure-Python wheel with the C++ sources, in seconds), then .ci/first_use_check.py
+# from outside the checkout: the first use compiles the kernels into an empty cache (FASTGRAD_CACHE_DIR) and they
+# work; a second process loads them from there without compiling. Each step is timed.
+FIRST_USE_DIR := build/first-use-check
+first-use-check:
+	@rm -rf $(FIRST_USE_DIR) && mkdir -p $(FIRST_USE_DIR)
+	@echo "== first-use-check 1/3: a fresh venv ($(FIRST_USE_DIR)/venv), torch first: pip install $(TORCH_PIN)"
+	@$(PYTHON) -m venv $(FIRST_USE_DIR)/venv
+	@start=$$(date +%s); $(FIRST_USE_DIR)/venv/bin/python -m pip install -q $(TORCH_PIN) && \
+	  echo "   torch installed in $$(( $$(date +%s) - start )) s"
+	@echo "== first-use-check 2/3: pip install . (build isolation)"
+	@start=$$(date +%s); $(FIRST_USE_DIR)/venv/bin/python -m pip install -q . > $(FIRST_USE_DIR)/install.log 2>&1 || \
+	  { tail -n 40 $(FIRST_USE_DIR)/install.log; exit 1; }; \
+	echo "   fastgrad installed in $$(( $$(date +%s) - start )) s"
+	@echo "== first-use-check 3/3: the first use compiles the kernels, a second process loads them from the cache"
+	@start=$$(date +%s); cd "$$(mktemp -d)" && FASTGRAD_CACHE_DIR=$(CURDIR)/$(FIRST_USE_DIR)/cache \
+	  $(CURDIR)/$(FIRST_USE_DIR)/venv/bin/python $(CURDIR)/.ci/first_use_check.py && \
+	  echo "== first-use-check: the checks took $$(( $$(date +%s) - start )) s"
