@@ -38,10 +38,17 @@ def test_steady_times_keep_their_verdict_and_the_medians_agree():
     cand = [5.0, 5.1, 4.95, 5.05, 15.0, 15.25, 14.9, 15.1, 5.0, 15.05]
     r, v, why, mr = timing.judged(base, cand)
     assert (v, why) == (timing.FASTER, "") and mr == pytest.approx(2.0, rel=0.02)
-    # the limit: a ratio of medians at the interval widened by the band is still agreement, just past it is not
+    # a ratio of medians just outside the interval (1.905 against [1.915-2.03]) but within it widened by the 5%
+    # band: the two figures agree on what a reader takes from them, so the verdict stands
+    base = [3.83, 1.98, 1.98, 4.12, 2.03, 4.08, 4.27, 1.9, 3.83, 1.94, 1.94, 1.92, 2.19, 2.16, 1.93, 4.1, 1.99, 1.99,
+            4.01, 4.19]
+    cand = [2.2, 1.0, 1.0, 2.0, 1.0, 2.0, 2.0, 1.0, 2.0, 1.1, 1.0, 1.1, 1.1, 1.0, 1.0, 2.2, 1.0, 1.0, 2.0, 2.0]
+    r, v, _, mr = timing.judged(base, cand)
+    assert not r.lo <= mr <= r.hi and r.lo / 1.05 <= mr and v == timing.FASTER
+    # and past the widened interval it is a problem (the same rounds, one candidate time moved)
+    assert timing.judged(base, cand, band=0.0)[1] == timing.PROBLEM
+    # n = 8: the interval is the whole range of the ratios, which the ratio of the medians never leaves
     assert timing.judged([2.0] * 6 + [2.1] * 2, [1.0] * 8)[1] == timing.FASTER
-    base = [1.10, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1]
-    assert timing.judged(base, [1.0] * 8)[1] == timing.FASTER
     assert timing.median_ratio([1.0, None, 3.0], [2.0, 5.0, None]) == pytest.approx(0.5)
     assert math.isnan(timing.median_ratio([None], [1.0]))
 
@@ -59,7 +66,35 @@ def test_floor_share_pairs_each_round():
     assert pct == pytest.approx(50.0) and ms == pytest.approx(10.0)
     # the former figure, the floor's fastest call in its first 3 rounds over the op's median: 200%
     assert 100 * min(floor[:3]) / 20.0 == pytest.approx(200.0)
+    # a quiet spell: both sides fast in one round; the pair still reads 50% (fastest over median: 33%)
+    _, pct = runner.floor_share([8.0] + [12.0] * 8, [16.0] + [24.0] * 8)
+    assert pct == pytest.approx(50.0)
     assert runner.floor_share([None, 10.0], [5.0, None]) is None
+
+
+def test_over_the_floor_is_anything_above_100_percent():
+    assert not runner.floor_problem(100.0) and runner.floor_problem(100.5) and runner.floor_problem(131.0)
+    assert not runner.floor_problem(float("nan"))
+
+
+def test_the_floor_pass_is_timed_in_every_round(monkeypatch, tmp_path):
+    """Not among the functions limited to the first rounds (the reference rows): each % of the floor pairs it
+    with the op in every round."""
+    monkeypatch.setattr(runner, "MIN_FLOOR_BYTES", 0)
+    seen = []
+    real = runner.Timer.rounds
+
+    def rounds(self, fns, *a, **k):
+        seen.append((len(fns), tuple(k.get("ref", ())), k.get("min_inner")))
+        return real(self, fns, *a, **k)
+
+    monkeypatch.setattr(runner.Timer, "rounds", rounds)
+    _run_tiny(tmp_path, ("--backends", "all"))
+    cases = [c for c in seen if c[2]]  # the cases with a floor pass (it alone gets min_inner on the CPU)
+    assert cases
+    for n, ref, min_inner in cases:
+        (floor_j,) = min_inner
+        assert floor_j == n - 1 and floor_j not in ref, (n, ref, min_inner)
 
 
 def _run_tiny(tmp_path, extra=()):

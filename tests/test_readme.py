@@ -151,8 +151,12 @@ def test_the_signature_is_torchs_plus_keyword_only_arguments():
 def _grads(values, dtype=None):
     import torch
 
-    p = torch.nn.Parameter(torch.zeros(len(values)))
-    p.grad = torch.tensor(values) if dtype is None else torch.tensor(values, dtype=dtype)
+    if dtype is None:
+        p = torch.nn.Parameter(torch.zeros(len(values)))
+        p.grad = torch.tensor(values)
+    else:  # integer "gradients": a leaf of that dtype (a Parameter must be floating point)
+        p = torch.zeros(len(values), dtype=dtype)
+        p.grad = torch.tensor(values, dtype=dtype)
     return [p]
 
 

@@ -475,7 +475,7 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
             if floor_j is not None and rr.errors[floor_j] is None:
                 share = floor_share(series[floor_j], series[j])
                 if share is not None:
-                    r.update(floor_ms=share[0], pct_floor=share[1], floor_problem=share[1] > OVER_FLOOR_PCT)
+                    r.update(floor_ms=share[0], pct_floor=share[1], floor_problem=floor_problem(share[1]))
         over = (f"{r['pct_floor']:.0f}% of its floor: faster than its floor pass in the same rounds, so the floor "
                 "model or the timing does not fit this case") if r["floor_problem"] else ""
         if over:
@@ -508,6 +508,11 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
         meta["count_s"] = round(meta.get("count_s", 0.0) + time.perf_counter() - t0, 2)
     st.release_floor()
     return rows
+
+
+def floor_problem(pct: float) -> bool:
+    """Whether a % of the floor is no result: above OVER_FLOOR_PCT (NaN, no floor, is none)."""
+    return pct > OVER_FLOOR_PCT
 
 
 def floor_share(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
