@@ -80,7 +80,9 @@ endif
 # compiling the C++ extension is most of a first install. The stamp records the environment as it is after
 # the install (torch may have just arrived).
 define install
-	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN)"; \
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN) from pip's default index"; \
+	  echo "   (on Linux the CUDA build, several GB; without a GPU, stop and first run:"; \
+	  echo "   $(PYTHON) -m pip install $(TORCH_PIN) --index-url https://download.pytorch.org/whl/cpu)"; \
 	  $(PYTHON) -m pip install $(TORCH_PIN); }
 	@$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja
 	@extras="$(1)"; \
@@ -90,7 +92,7 @@ define install
 	for e in $$(echo $$extras | tr , ' '); do case $$e in \
 	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
 	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
-	echo "   (measured on a shared 2-core machine: 6 min at load 3-10, 14 min at load 14-19; longer with CUDA"; \
+	echo "   (6 files, about 2.5 min of CPU time on a 2-core VM: 271 s of wall time at load 5-7; longer with CUDA"; \
 	echo "   kernels, built when torch has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
 	start=$$(date +%s); \
 	$(call watched_pip,install,install --no-build-isolation -e ".[$$extras]") || exit 1; \
