@@ -64,3 +64,29 @@ def test_every_cited_test_exists():
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         assert name in defined, (file, name)
     assert all(cells[-1] for cells in _rows().values())
+
+
+def _mode_rows() -> dict[str, str]:
+    """docs/guard.md's Modes table: mode -> its defaults cell."""
+    text = (ROOT / "docs" / "guard.md").read_text()
+    section = text.split("\n## Modes\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r'\| `"([\w-]+)"` \|', line)
+        if m:
+            rows[m.group(1)] = line.strip().strip("|").split(" | ")[-1]
+    return rows
+
+
+def test_the_modes_table_has_every_mode_with_its_declared_defaults():
+    """Each mode has a row whose defaults are its declaration's (options, and max_norm's default)."""
+    from fastgrad.guard.modes import MODE_CLASSES
+
+    rows = _mode_rows()
+    assert set(rows) == set(MODE_CLASSES)
+    for name, cls in MODE_CLASSES.items():
+        documented = {k: float(v) for k, v in re.findall(r"`(\w+)=([-\d.e]+)`", rows[name])}
+        declared = {o.name: float(o.default) for o in cls.OPTIONS}
+        if cls.max_norm_default is not None:
+            declared["max_norm"] = cls.max_norm_default
+        assert documented == declared, name
