@@ -1,8 +1,8 @@
 """A benchmark row cannot contradict itself (fastgrad/benchmark/timing.py ``judged``, runner.py ``floor_share`` and
 OVER_FLOOR_PCT, report.py): its time columns and its verdict agree or the row is a measurement problem, and a row
 faster than its own floor pass is a measurement problem, never a figure. The floor pass is timed in every round
-beside the op; timed in the first rounds only, a busy spell there made a CPU run print grad_stats at 131% of its
-floor."""
+beside the op and paired with it round by round; timed in the first rounds only and reduced to its fastest call
+against the op's median, a busy spell in those rounds read as an op over its floor."""
 
 from __future__ import annotations
 

@@ -445,8 +445,8 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
     # Host-overhead calls take microseconds: many more rounds fit the same budget.
     max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
     # The floor pass runs in every round, as the implementations do: each % of the floor pairs the two within
-    # a round. (Timed in the first rounds only, a floor pass that met a busy spell there was set against an
-    # op timed mostly after it: a CPU run printed grad_stats at 131% of its floor.)
+    # a round. (It ran in the first rounds only, and its fastest call was set against the op's median over all
+    # rounds: two statistics of different rounds, so a busy spell in those rounds read as over 100%.)
     rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
                       confidence=cfg.confidence, inner=cfg.inner,
