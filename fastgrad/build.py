@@ -38,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             target = _build.target(_ext.PACKAGE_DIR)
-            record = _build.ensure(target, why or "--force", force=args.force, retry=True, verbose=args.verbose)
+            before = None if args.force else _build.find(target)
+            record = before or _build.ensure(target, why or "a build was asked for (--force)", force=args.force,
+                                             retry=True, verbose=args.verbose)
         except _build.Unavailable as exc:
             print(f"fastgrad: no build for torch {torch.__version__}: {exc}", file=sys.stderr)
             return 1
-        print(f"build for torch {torch.__version__}: {target.module} (compiled in {record.get('seconds', '?')} s)")
+        when = "in the cache already, compiled" if before else "compiled"
+        print(f"build for torch {torch.__version__}: {target.module} ({when} in {record.get('seconds', '?')} s)")
         if why is None:
             print("note: the installed fastgrad._C fits this torch and is the one fastgrad loads")
     mod = _ext.load()

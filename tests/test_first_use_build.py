@@ -396,6 +396,7 @@ def test_python_m_fastgrad_build(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"fastgrad uses C++ kernels from {t.module} (first-use build" in res.stdout
+    assert f"{t.module} (in the cache already, compiled in 1.5 s)" in res.stdout and "compiling" not in res.stderr
     # nothing to build from and nothing built: exit 1 with the reason
     env["CXX"] = "/nonexistent/g++"
     env[_build.CACHE_ENV] = str(tmp_path / "other-cache")
