@@ -23,15 +23,18 @@ Imports nothing from fastgrad but the build facts below it (``_archs``, ``_build
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -51,8 +54,24 @@ OK_MARK = "fastgrad-build-ok"
 # ops.o), so each source is compiled through a one-line file of a unique name that includes it; its own
 # #include "..." lines still resolve beside the real file.
 CHILD = r"""
-import json, os, sys, time
+import json, os, signal, sys, time
 args = json.loads(sys.argv[1])
+if os.name == "posix":
+    # The build dies with its caller: a killed training process leaves no compiler running. This process leads
+    # its own process group, with ninja in it; ninja runs each compiler in a group of its own and ends them
+    # itself on SIGTERM, so the group gets SIGTERM (SIGKILL would leave the compilers running).
+    def end(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+        os._exit(1)
+    signal.signal(signal.SIGTERM, end)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (AttributeError, OSError):
+        pass
+    if os.getppid() != args["parent"]:
+        sys.exit("the process that asked for this build is gone")
 from torch.utils import cpp_extension
 wrappers = []
 os.makedirs(os.path.join(args["dir"], "src"), exist_ok=True)
@@ -223,12 +242,14 @@ def compile_into(t: Target, folder: str, log_path: str, verbose: bool = False) -
     """Compile ``t`` into ``folder`` (a child process; its output goes to ``log_path``, and to stderr too when
     ``verbose``); returns the seconds it took. Raises :class:`Unavailable` with the first error on failure."""
     args = {"dir": folder, "csrc": t.csrc, "sources": t.plan["cpu_sources"] + t.plan["cuda_sources"],
-            "cxx": t.plan["cxx"], "nvcc": t.plan["nvcc"], "with_cuda": t.plan["with_cuda"], "ok_mark": OK_MARK}
+            "cxx": t.plan["cxx"], "nvcc": t.plan["nvcc"], "with_cuda": t.plan["with_cuda"], "ok_mark": OK_MARK,
+            "parent": os.getpid()}
     start = time.monotonic()
+    posix = os.name == "posix"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env(), text=True,
-                                errors="replace")
+                                errors="replace", **({"start_new_session": True} if posix else {}))
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -236,8 +257,12 @@ def compile_into(t: Target, folder: str, log_path: str, verbose: bool = False) -
                     sys.stderr.write(line)
             proc.wait()
         finally:
-            if proc.poll() is None:  # interrupted: no orphan compiler left behind
-                proc.kill()
+            if proc.poll() is None:  # interrupted: no orphan compiler left behind (SIGTERM: ninja ends its own)
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM) if posix else proc.kill()
+                    proc.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
                 proc.wait()
     with open(log_path, errors="replace") as fh:
         text = fh.read()
@@ -257,9 +282,8 @@ def ensure(t: Target, why: str, *, force: bool = False, retry: bool = False, ver
     _toolchain(t)
     try:
         os.makedirs(t.root, exist_ok=True)
-        probe = os.path.join(t.root, f".write-test.{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=t.root)  # unique per thread and process
+        os.close(fd)
         os.remove(probe)
     except OSError as exc:
         raise Unavailable(f"the build cache {t.root} is not writable ({exc.strerror or exc}): set {CACHE_ENV} to a "
@@ -301,7 +325,9 @@ def _build_and_publish(t: Target, why: str, verbose: bool) -> dict:
     import torch
 
     private = os.path.join(t.root, f".{t.tag}.{os.getpid()}.tmp")
-    shutil.rmtree(private, ignore_errors=True)
+    # Under the lock no other process builds this target: any private folder of it is a killed build's.
+    for stale in glob.glob(os.path.join(t.root, f".{glob.escape(t.tag)}.*.tmp")):
+        shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(private)
     log = os.path.join(private, "build.log")
     cuda = f", CUDA kernels for {_archs.describe(t.plan['sass'], t.plan['ptx'])}" if t.plan["with_cuda"] else ""

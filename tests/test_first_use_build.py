@@ -111,6 +111,8 @@ def test_a_build_is_compiled_once_published_whole_and_found_again(cache, monkeyp
     monkeypatch.setattr(_build, "compile_into", _fake_compile(calls))
     t = _build.target(str(ROOT / "fastgrad"))
     assert _build.find(t) is None
+    stale = cache / "ext" / f".{t.tag}.999999.tmp"  # what a killed build leaves
+    (stale / "src").mkdir(parents=True)
     record = _build.ensure(t, "fastgrad._C is not built for this install")
     err = capsys.readouterr().err
     assert len(calls) == 1 and os.path.isfile(t.module)
@@ -403,3 +405,51 @@ def test_python_m_fastgrad_build(tmp_path):
     res = subprocess.run([sys.executable, "-c", boot], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 1 and "no C++ compiler was found" in res.stderr, res.stderr[-2000:]
+
+
+_KILLED_PARENT = textwrap.dedent("""
+    import os, sys
+    from fastgrad import _build
+    t = _build.target(sys.argv[1])
+    os.makedirs(sys.argv[2])
+    _build.compile_into(t, sys.argv[2], os.path.join(sys.argv[2], "build.log"))
+""")
+
+
+def _processes_naming(text: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_caller_leaves_no_compiler_running(tmp_path):
+    """The caller is SIGKILLed while the compiler runs (a training job killed during its first use): the build
+    child, ninja and the compiler end with it."""
+    pkg = tmp_path / "pkg"
+    (pkg / "_csrc" / "cpu").mkdir(parents=True)
+    # torch's headers: tens of seconds of compiling, long enough to kill the caller in the middle
+    (pkg / "_csrc" / "ops.cpp").write_text("#include <torch/extension.h>\\nint fastgrad_test_slow;\\n")
+    (pkg / "_csrc" / "host.cpp").write_text("#include <torch/extension.h>\\nint fastgrad_test_slow2;\\n")
+    folder = tmp_path / "build-here"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{_build.CACHE_ENV: str(tmp_path / "cache")})
+    caller = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT, str(pkg), str(folder)], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not [p for p in _processes_naming(str(folder)) if "cc1plus" in p]:
+            time.sleep(0.5)
+        assert [p for p in _processes_naming(str(folder)) if "cc1plus" in p], "the compiler never started"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _processes_naming(str(folder)):
+        time.sleep(0.5)
+    assert _processes_naming(str(folder)) == []
