@@ -747,7 +747,7 @@ def test_docs_table_is_pinned():
     assert set(rows) == set(DOC_ROWS), (set(rows) ^ set(DOC_ROWS))
     for label, n in rows.items():
         assert COUNTS[DOC_ROWS[label]] == n, (label, n, COUNTS[DOC_ROWS[label]])
-    amp = " ".join(_doc("amp.md").split())
+    amp = " ".join(_doc("amp-reference.md").split())
     assert COUNTS["sharded_scaler"] == 1 and "one collective per call" in amp
     assert COUNTS["sharded_scaler_other_group"] == 2 and "(two collectives)" in amp
 
