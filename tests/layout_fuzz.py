@@ -56,7 +56,7 @@ COUNTS = {"combined": {"total": 1, "per_tensor": 2, "grad_stats": 3},
 
 def counts_of(lay) -> dict:
     """The documented counts of ``lay``'s calls: a DTensor stage on a slice of k dimensions reduces each vector
-    along each of them (docs/distributed.md, "Collectives"): per-tensor 1 + k, grad_stats 1 + 2k."""
+    along each of them (docs/distributed-reference.md, "Collectives"): per-tensor 1 + k, grad_stats 1 + 2k."""
     c = dict(COUNTS[lay.counts])
     if lay.counts == "combined" and lay.vec_dims > 1:
         c["per_tensor"] = 1 + lay.vec_dims
