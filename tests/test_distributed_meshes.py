@@ -714,6 +714,8 @@ DOC_ROWS = {
     # fsdp2_stages
     "PP, plain stages (each rank its own tensors)": "total",  # plain_stages, pipeline plain
     "ZeRO-style plain pieces (tensor i on every rank is a piece of one tensor)": "total",  # test_distributed
+    "plain tensors that several ranks hold (a tied embedding, LayerNorms under hand-written TP; "
+    "[below](#copies-you-declare-tied-and-replicated-plain-tensors))": "total",  # test_distributed_copies, the fuzz
     "AMP, `GradScaler`": "total",  # moe amp
     "AMP, `ShardedGradScaler` whose process group is the ranks the norm reaches (its default `WORLD` with FSDP2 "
     "over the world)": "sharded_scaler",

@@ -22,7 +22,9 @@ ROOT = Path(fastgrad.__file__).resolve().parent
 # Bottom first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[list[str]] = [
     # 0: no fastgrad imports: build facts, torch's captured functions, the decisions every route shares
-    ["fastgrad._archs", "fastgrad._smoke", "fastgrad._torch_fns", "fastgrad.decide"],
+    ["fastgrad._archs", "fastgrad._buildplan", "fastgrad._smoke", "fastgrad._torch_fns", "fastgrad.decide"],
+    # the first-use build of the compiled extension
+    ["fastgrad._build"],
     # 1: the compiled extension's loader
     ["fastgrad._ext"],
     # 2: one-pass list scans (the registry hands its selector down to it: _scan.set_selector)
@@ -84,7 +86,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.monitor", "fastgrad.diagnose.run"],
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
-    ["fastgrad", "fastgrad.check", "fastgrad.info"],
+    ["fastgrad", "fastgrad.check", "fastgrad.info", "fastgrad.build"],
     # optional adapters of the step guard to training frameworks (imported only by their users)
     ["fastgrad.integrations", "fastgrad.integrations._common"],
     ["fastgrad.integrations.lightning", "fastgrad.integrations.transformers"],
