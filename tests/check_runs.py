@@ -23,6 +23,14 @@ def checked_run(script: str, args, truth: Path, steps=None) -> dict:
             "rc": res.exit_code, "truth": json.loads(truth.read_text()) if truth.exists() else None}
 
 
+def cached_run(cache: dict, runs: dict, name: str, tmp: Path) -> dict:
+    """``checked_run`` of ``runs[name]`` (script, args), made once per ``cache``, its truth written under ``tmp``."""
+    if name not in cache:
+        script, args = runs[name]
+        cache[name] = checked_run(script, args, tmp / f"{name}.truth.json")
+    return cache[name]
+
+
 def codes(run: dict, severity=None) -> list[str]:
     return [f["code"] for f in run["json"]["findings"] if severity is None or f["severity"] == severity]
 

@@ -178,7 +178,7 @@ def test_amp_clip_before_unscale_red_flag(runs):
     assert r["rc"] == 1
     f = _finding(r, "clip_scaled")
     assert f["severity"] == "critical" and f["steps"][:3] == [1, 2, 3]
-    assert "scaler.unscale_(optimizer)" in r["stdout"]
+    assert "scaler.unscale_(opt)" in r["stdout"]  # the script's own optimizer variable
     assert not r["json"]["red_flags"]["clip_after_step"] and not r["json"]["red_flags"]["clip_partial"]
     # the clip measured scaled gradients: no "norm before clipping" is claimed (it used to read NaN there and
     # the plot lost its norm line); the norm the update used stands in, everywhere finite
@@ -193,7 +193,8 @@ def test_never_zeroed_gradients_red_flag(runs):
     assert r["rc"] == 1
     f = _finding(r, "no_zero_grad")
     assert f["severity"] == "critical" and len(f["steps"]) == 29  # every step after the first
-    assert "optimizer.zero_grad(set_to_none=True)" in r["stdout"]
+    assert "opt.zero_grad(set_to_none=True)" in r["stdout"]  # the script's own optimizer variable
+    assert "optimizer" not in r["stdout"].split("### Code to Add")[1]
     assert _row(r, "Gradient zeroing")["status"] == "critical"
 
 
@@ -614,8 +615,8 @@ def test_gradscaler_script_gets_unscale_in_code_to_add(tmp_path):
     _match_norms(r["json"]["steps"], t)  # the unscaled norms
     assert r["rc"] == 1 and "exploding" in _codes(r, "critical")
     code = r["stdout"].split("### Code to Add")[1]
-    assert "scaler.unscale_(optimizer)" in code
-    assert code.index("scaler.unscale_(optimizer)") < code.index("clip_grad_norm_(")
+    assert "scaler.unscale_(opt)" in code  # the script's own optimizer variable
+    assert code.index("scaler.unscale_(opt)") < code.index("clip_grad_norm_(")
 
 
 def test_no_leaky_relu_advice_for_a_recurrent_model():

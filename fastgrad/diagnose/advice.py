@@ -8,10 +8,12 @@ types) and to the other findings (see ``_resolve``)."""
 
 from __future__ import annotations
 
-from .finding import Finding
+import re
+
+from .finding import Finding, place_causes
 from .thresholds import RANK
 
-__all__ = ["STEP_ADVICE", "RUN_ADVICE", "advise", "reword_notices"]
+__all__ = ["STEP_ADVICE", "RUN_ADVICE", "advise", "reword_notices", "fit_names"]
 
 # ---------------------------------------------------------------------------------------------- recommendations
 STEP_ADVICE: dict[str, tuple[str, str]] = {
@@ -20,17 +22,17 @@ STEP_ADVICE: dict[str, tuple[str, str]] = {
         "Under AMP, let the GradScaler skip the step (fastgrad.scaler_unscale_and_clip does the check fused).",
         "report = fastgrad.find_nonfinite(model, loss)   # after backward(); one sync\n"
         "print(report)  # loss finite?  which grads / params are NaN or Inf?\n"
-        "# to locate the op that produced it:\n"
+        "# to locate the op that produced it, run the failing step's forward, loss and backward() under:\n"
         "with torch.autograd.detect_anomaly():\n"
-        "    loss = criterion(model(x), y); loss.backward()",
+        "    ...",
     ),
     "nonfinite_loss": (
         "The loss itself is NaN/Inf, so every update computed from it is garbage even where the gradients are "
         "finite. Check the loss before backward() and skip (or stop) the step; in a custom loss keep log, "
         "division and exp in range (add an eps, clamp); if the loss diverged first, lower the learning rate.",
-        "loss = criterion(model(x), y)\n"
-        "if not torch.isfinite(loss):   # one sync; fastgrad.GradientMonitor(model)(loss) flags it without one\n"
-        "    raise FloatingPointError(f'non-finite loss {loss.item()} at step {step}')\n"
+        "# right after the loss is computed (one sync; fastgrad.GradientMonitor(model)(loss) flags it without one):\n"
+        "if not torch.isfinite(loss):\n"
+        "    raise FloatingPointError(f'non-finite loss {loss.item()}')\n"
         "# unstable pieces of a custom loss:\n"
         "loss = -torch.log(p.clamp_min(1e-8))         # log(0) = -inf\n"
         "ratio = a / (b + 1e-8)                       # x / 0\n"
@@ -95,7 +97,7 @@ STEP_ADVICE: dict[str, tuple[str, str]] = {
     "dead": (
         "Most gradient values are exactly zero: dead ReLUs (use LeakyReLU/GELU, a lower learning rate, a "
         "smaller negative bias) or parameters the loss does not reach.",
-        "model = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.LeakyReLU(0.01), torch.nn.Linear(h, k))",
+        "torch.nn.LeakyReLU(0.01)   # in place of each torch.nn.ReLU() of the model (F.leaky_relu for F.relu)",
     ),
     "depth_vanishing": (
         "The early layers barely learn: add residual connections and normalisation, use non-saturating "
@@ -162,11 +164,10 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
     "clip_partial": (
         "Clipping inside a gradient-accumulation window clips partial sums, and later micro-batches are added "
         "unclipped. Clip once, after the last micro-batch's backward, right before the step.",
-        "for i, (x, y) in enumerate(loader):\n"
-        "    (criterion(model(x), y) / accum_steps).backward()\n"
-        "    if (i + 1) % accum_steps == 0:\n"
-        "        fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # once per window\n"
-        "        optimizer.step(); optimizer.zero_grad(set_to_none=True)",
+        "# once per window, after the backward() of its last micro-batch:\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+        "optimizer.step()\n"
+        "optimizer.zero_grad(set_to_none=True)",
     ),
     "no_clipping": (
         "The gradient norm exceeded 100 and nothing clips it. Clip before every optimizer step.",
@@ -221,8 +222,8 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "The NaN/Inf was already in the model's input: fix the data (drop or impute missing values, guard "
         "normalisations against a zero std), or the op between module calls that made it. Nothing in the model, "
         "the loss or the learning rate is the cause.",
-        "x, y = next(iter(loader))\n"
-        "bad = ~torch.isfinite(x).reshape(len(x), -1).all(1)   # one sync: run it once on the data\n"
+        "# x: one batch the script feeds its model (one sync: run it once on the data)\n"
+        "bad = ~torch.isfinite(x).reshape(len(x), -1).all(1)\n"
         "print('samples with NaN/Inf:', bad.nonzero().flatten().tolist())\n"
         "x = torch.nan_to_num(x, nan=0.0)                    # or drop / impute them in the dataset",
     ),
@@ -264,14 +265,14 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # not max_norm=0",
     ),
     "stall": (
-        "The loss is where it started. If the learning rate is tiny (an update/weight ratio far below ~1e-3), "
+        "The loss has not improved beyond its own step-to-step noise. If the learning rate is tiny (an "
+        "update/weight ratio far below ~1e-3), "
         "raise it; if it is large, the optimizer may be bouncing across a valley: lower it. At chance level, "
         "also check that the labels match the inputs (a shuffled or constant target) and that the model's "
         "output reaches the loss.",
         "print([g['lr'] for g in optimizer.param_groups])   # and the update/weight ratio in this report\n"
-        "x, y = next(iter(loader))\n"
-        "for _ in range(200):                               # can it overfit one batch? if not, the setup is wrong\n"
-        "    optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()",
+        "# can the model overfit one fixed batch? Repeat the script's own step on one batch ~200 times: if the\n"
+        "# loss does not fall, the setup (labels, loss, what reaches the loss) is wrong",
     ),
     "stall:tiny_update": (
         "The updates are a vanishing share of the weights (see the update/weight ratio): the learning rate is too "
@@ -285,6 +286,38 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for group in optimizer.param_groups:\n"
         "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)",
     ),
+    # the guide's limit alone, with no harm seen: a question, not a reason to change the learning rate
+    "exploding:no_harm": (
+        "The norm is above the guide's range, but the run shows no harm from it (the evidence is in the finding). "
+        "Check whether it is the loss's own scale: a loss summed over the batch (reduction='sum', a VAE's "
+        "reconstruction term) or over an episode has gradients that grow with the batch or the episode. Nothing "
+        "to change while the loss keeps falling; to compare with the guide's ranges, divide the loss by the batch "
+        "size. A clip, if you want one, belongs at a bound near the run's own level, not at 1.0.", ""),
+    "increasing:no_harm": (
+        "The norm rises while the run shows no harm from it: no action needed while that holds. If the loss "
+        "starts to rise or an update nears the size of the weights, lower the learning rate then.", ""),
+    "vanishing:no_harm": (
+        "The norm is below the guide's range, but the run does not show the loss stalled: small gradients are fine "
+        "while the loss falls (a model near convergence, a loss with a small scale). If it stops improving, check "
+        "the initialisation and the learning rate.", ""),
+    "no_clipping:no_harm": (
+        "Nothing clips the gradients; the run shows no harm from its norm, so no clip is needed for it.", ""),
+    "never_learns": (
+        "Find why no gradient reaches these tensors: print their gradient after one backward(). A ReLU that never "
+        "fires (a large negative bias, unnormalised inputs) passes nothing back: fix its initialisation or inputs; "
+        "an op whose derivative is 0 (round, sign, argmax, a comparison) cuts the graph: use a differentiable "
+        "stand-in (e.g. a straight-through estimator).",
+        "for n, p in model.named_parameters():\n"
+        "    if p.requires_grad:\n"
+        "        print(n, None if p.grad is None else float(p.grad.abs().max()))   # after one backward()"),
+    "never_learns:unused": (
+        "These tensors are never in the loss's graph: if they are meant to learn, call the module that owns them "
+        "in forward(); if not, freeze them (requires_grad_(False)) or leave them out of the optimizer.", ""),
+    "depth_vanishing:recurrent": (
+        "The first layers of the recurrent stack barely learn: a stack of plain nn.RNN layers contracts the "
+        "gradient layer by layer. Use an LSTM or GRU, fewer layers, or residual connections between layers (and "
+        "an initialisation that does not shrink the weights); a higher learning rate for the first layers only "
+        "treats the symptom.", ""),
     "decaying:converging": (
         "The gradient norm decays while the loss keeps improving: usual near convergence, no action needed. If "
         "it keeps falling after the loss flattens, check the learning-rate schedule.", ""),
@@ -331,7 +364,7 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
     verdict). ``run``: the whole-run advice table first (``python -m fastgrad.check``), else the step
     report's only."""
     ctx = ctx or {}
-    ordered = sorted(findings, key=lambda f: -RANK[f.severity])
+    ordered = place_causes(sorted(findings, key=lambda f: -RANK[f.severity]))
     worst = ordered[0].severity if ordered else "healthy"
     cause = _diverging(ordered)
     seen, out = set(), []
@@ -352,14 +385,39 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
                 continue
             seen.add("nonfinite:input")
             variant = "nonfinite:input"
+        loose = f.evidence.get("variant") == "loose_clip"
+        if run and f.severity == "notice" and f.evidence.get("harm") == [] and f"{f.code}:no_harm" in RUN_ADVICE:
+            variant = f"{f.code}:no_harm"
+        elif run and f.code == "never_learns" and not f.evidence.get("zero"):
+            variant = "never_learns:unused"
+        elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _RECURRENT and not (
+                set(ctx.get("modules", ())) & _RELU_FAMILY):
+            variant = "depth_vanishing:recurrent"
         text, snippet = ((RUN_ADVICE.get(variant) or RUN_ADVICE.get(f.code) if run else None)
-                         or STEP_ADVICE.get(f.code) or ("", ""))
-        if cause is not None and f.code in _SMALL_GRADIENT:
+                         or STEP_ADVICE.get(variant) or STEP_ADVICE.get(f.code) or ("", ""))
+        if loose and variant == "exploding:no_harm" and f.evidence.get("max_norm") is not None:
+            text += (f" The script's clip (max_norm={f.evidence['max_norm']:g}) is above every norm of the run: it "
+                     "never acts.")
+        if f.code == "depth_vanishing" and f.evidence.get("units") and variant != "depth_vanishing:recurrent":
+            snippet = _depth_snippet(f.evidence["units"], f.layers, (ctx.get("names") or {}).get("manual"))
+        if f.evidence.get("follows"):
+            # the cause's advice is the fix: this one says so instead of adding its own
+            text = (f"This follows from `{f.evidence['follows']}` (above): fix that first; look at this again on "
+                    "the next run.")
+            snippet = ""
+        elif cause is not None and f.code in _SMALL_GRADIENT:
             text = (f"Small gradients are not the problem while the run diverges ({cause.code}): fix that first, "
                     "and do not raise any learning rate while it does. Look at this again once the loss falls.")
             snippet = ""
         elif RANK[worst] >= RANK["warning"] and f.severity == "notice" and f.code in _NO_ACTION:
             continue
+        if f.code == "never_learns" and f.evidence.get("zero") and set(ctx.get("modules", ())) & _RELU_FAMILY:
+            text += (" In a model with ReLUs, a unit that is off for every input stays off: LeakyReLU(0.01) or GELU "
+                     "keeps a gradient flowing.")
+        if f.code == "mostly_zero" and not (set(ctx.get("modules", ())) & _RELU_FAMILY):
+            text = text.replace("units that never activate (dead ReLUs) or inputs", "inputs").replace(
+                "; otherwise try LeakyReLU/GELU or a lower learning rate", "; otherwise look for parameters the loss "
+                "does not reach, or saturated gates (sigmoid/tanh at their limits)")
         if f.code == "dead" and not (set(ctx.get("modules", ())) & _RELU_FAMILY):
             rec = sorted(set(ctx.get("modules", ())) & _RECURRENT)
             text = ("Most gradient values are exactly zero and the model has no ReLU units"
@@ -377,8 +435,81 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = _indent_replace(snippet)
             snippet = snippet.replace("optimizer.step()", "scaler.step(optimizer); scaler.update()")
         if text:
-            out.append((f.code, text, snippet))
+            out.append((f.code, text, fit_names(snippet, ctx.get("names") or {}, f.evidence.get("series"))))
     return out
+
+
+def _depth_snippet(units: dict, layers: list[str], manual: bool) -> str:
+    """A higher learning rate for the layers that barely learn, named as the model names them (in a loop
+    without torch.optim: in the script's own update)."""
+    names = [n for u in layers for n in units.get(u, ())]
+    early = ("early = {" + ", ".join(repr(n) for n in names) + "}   # the parameters of "
+             + ", ".join(layers) + "\n")
+    if manual:
+        return early + ("for n, p in model.named_parameters():   # the update, 10x for the early layers\n"
+                        "    p.data.add_(p.grad, alpha=-(10 * lr if n in early else lr))")
+    return early + ("lr = optimizer.param_groups[0]['lr']\n"
+                    "groups = [{'params': [p for n, p in model.named_parameters() if n in early], 'lr': 10 * lr},\n"
+                    "          {'params': [p for n, p in model.named_parameters() if n not in early], 'lr': lr}]\n"
+                    "optimizer = type(optimizer)(groups)   # where the script builds its optimizer")
+
+
+# ---------------------------------------------------------------------------------------------- the script's names
+_PARAM_GROUPS_LR = re.compile(r"for group in optimizer\.param_groups:([^\n]*)\n(\s*)group\['lr'\] \*= ([0-9.e+-]+)"
+                              r"([^\n]*)")
+
+
+def fit_names(snippet: str, names: dict, series: int | None = None) -> str:
+    """``snippet`` in the script's own names (``names``: ``optimizer``, a list of each series' variable or None,
+    ``model``, ``lr`` and ``manual``, from the run): its optimizer variable for ``optimizer``, its model's for
+    ``model``; in a loop without torch.optim (``manual``), its own learning-rate variable instead of the
+    optimizer's param groups, and its own update instead of ``optimizer.step()``."""
+    if not snippet or not names:
+        return snippet
+    if names.get("manual"):
+        snippet = _manual(snippet, names.get("lr"))
+    else:
+        opts = names.get("optimizer") or []
+        var = opts[series] if series is not None and series < len(opts) and opts[series] else next(
+            (v for v in opts if v), None)
+        if var and var != "optimizer":
+            snippet = re.sub(r"\boptimizer\b", var, snippet)
+    model = names.get("model")
+    if model and model != "model":
+        snippet = re.sub(r"(?<![.\w])model\b(?!')", model, snippet)
+    return snippet
+
+
+def _manual(snippet: str, lr: str | None) -> str:
+    """A snippet for a loop that updates ``p.data`` by hand: no optimizer exists, its learning rate is ``lr``."""
+    var = lr or "lr"
+
+    def scale(m):  # the script's variable, or in words when it is not known; the loop line's comment kept
+        how = f"{var} *= {m.group(3)}" if lr else f"# multiply the learning rate of the update by {m.group(3)}"
+        return how + (m.group(4) if m.group(4).strip() else m.group(1))
+    snippet = _PARAM_GROUPS_LR.sub(scale, snippet)
+    if lr and lr != "lr":
+        snippet = re.sub(r"\blr\b(?!')", lr, snippet)
+    out = []
+    for line in snippet.split("\n"):
+        code = line.split("#")[0]
+        if "optimizer" not in code:
+            out.append(line)
+        elif "LambdaLR" in code:
+            out.append(f"# a warm-up: scale {var} by min(1.0, (step + 1) / 100) over the first 100 steps")
+        elif "ReduceLROnPlateau" in code:
+            out.append(f"# and lower {var} when the loss stops falling")
+        elif "param_groups" in code and "print" in code:
+            out.append(f"print({var})   # the learning rate of the update" if lr else
+                       "# print the learning rate the update uses")
+        elif ".zero_grad(" in code:
+            out.append(line[:len(line) - len(line.lstrip())] + "model.zero_grad(set_to_none=True)")
+        elif ".step()" in code:
+            out.append(line[:len(line) - len(line.lstrip())] + "for p in model.parameters():   # the script's update")
+            out.append(line[:len(line) - len(line.lstrip())] + f"    p.data.add_(p.grad, alpha=-{var})")
+        else:  # a line only an optimizer can run: the script has none
+            out.append("# (a line for a torch.optim optimizer: the script updates its parameters by hand)")
+    return "\n".join(out)
 
 
 # Advice that would add a norm clip: where the script already clips, it says so instead (its bound, and whether

@@ -5,8 +5,14 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   (``small_but_learning``) or not (``decaying``'s "without the loss improving") agree. With a stall,
   ``small_but_learning`` is the ``vanishing`` it was downgraded from; without one, while the loss improves,
   ``decaying`` is likely convergence (a notice that says so), never "training has stalled";
+- a norm below the guide's 1e-3 (``vanishing``) is a warning beside a ``stall`` (the loss has not improved against
+  its noise: the harm), else a notice: the guide's number alone asks a question;
 - a clip applied to still-scaled AMP gradients (``clip_scaled``) makes the update tiny: the small-gradient
-  findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go.
+  findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go;
+- cause before effect (``link_causes``): where one finding explains another, the effect says that it follows
+  from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
+  gradients never zeroed -> the norm's growth; a learning rate that blows the run up -> the explosion and the
+  units it kills; tensors that never learn -> the zeros and the vanishing of the layers before them.
 
 Per-rule facts (a NaN loss at steps a StepGuard skipped is reported as protected) are decided by the rules
 themselves; this pass only reconciles findings with each other."""
@@ -16,9 +22,10 @@ from __future__ import annotations
 import math
 
 from .finding import Finding, fmt
+from .rules.evidence import GUESSES
 from .rules.trends import loss_progress
 
-__all__ = ["reconcile"]
+__all__ = ["reconcile", "link_causes"]
 
 #: what a clip of still-scaled gradients explains
 _SCALED_CLIP_EXPLAINS = {"vanishing", "low", "small_but_learning"}
@@ -35,6 +42,11 @@ def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]
         if f.code == "small_but_learning" and "stall" in codes:
             f.code, f.severity, f.title = "vanishing", "warning", "vanishing, and the loss is not improving"
             f.detail = f.detail.split(";")[0] + "; the loss has not improved (see stall)."
+        elif f.code == "vanishing" and f.severity == "warning" and "stall" not in codes:
+            f.severity, f.evidence["harm"] = "notice", []
+            f.title = "vanishing: below the guide's 1e-3, with no stall of the loss seen"
+            f.detail += (" No stall of the loss against its own noise was seen over the run: the guide's number "
+                         "alone asks a question.")
         if f.code == "decaying":
             if improving:
                 f.severity = "notice"
@@ -46,3 +58,65 @@ def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]
                              if all(map(math.isfinite, (losses[0], losses[-1]))) else "")
         out.append(f)
     return out
+
+
+#: the effects each cause explains, and why (in words)
+_ACCUMULATION = ({"exploding", "increasing", "spike", "no_clipping", "elevated", "loss_diverging"},
+                 "the optimizer stepped on the sum of every step's gradients so far, so their norm (and the update) "
+                 "grows with the number of steps")
+_BLOW_UP = ({"exploding", "spike", "increasing", "no_clipping", "dead", "mostly_zero"},
+            "the learning rate that drove the loss up also drove the gradients (and the units it pushed out of "
+            "their range)")
+_NEVER = ({"dead", "mostly_zero"}, "the tensors that never learn are these zeros")
+
+
+def _learning_rate(f: Finding, effect: str) -> bool:
+    """A finding that blames the learning rate for a blow-up (for the units it killed, ``effect`` dead or
+    mostly_zero: an explosion whose harm is a loss jump or an update that rewrote the weights, too)."""
+    if f.code == "loss_diverging":
+        return f.severity != "notice" and f.evidence.get("variant") != "bootstrapped"
+    if f.code == "exploding" and effect in ("dead", "mostly_zero"):
+        return f.severity != "notice" and bool({"rewrite", "loss_jump"} & set(f.evidence.get("harm", ())))
+    return f.code in ("nonfinite_loss", "nonfinite", "nonfinite_history") and \
+        f.evidence.get("variant") == "learning_rate"
+
+
+def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]:
+    """Mark each finding that another explains (in place: ``evidence["follows"]``, a sentence in its detail).
+    ``order``: the parameters' names in registration order (where a tensor sits in depth)."""
+    never = next((f for f in findings if f.code == "never_learns" and f.evidence.get("zero")), None)
+    zero = set(never.evidence["zero"]) if never is not None else set()
+    out = list(findings)
+    accum = next((f for f in out if f.code == "no_zero_grad"), None)
+    for f in out:
+        cause, why = None, ""
+        if accum is not None and f.code in _ACCUMULATION[0]:
+            cause, why = accum, _ACCUMULATION[1]
+        elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
+            # the same optimizer's (a last step's finding has no series: the last optimizer's)
+            c = next((g for g in out if g is not f and _learning_rate(g, f.code) and
+                      f.evidence.get("series", g.evidence.get("series")) == g.evidence.get("series")), None)
+            if c is not None:
+                cause, why = c, _BLOW_UP[1]
+        if cause is None and never is not None and f is not never:
+            if f.code in _NEVER[0]:
+                cause, why = never, _NEVER[1] + ("" if set(f.layers) <= zero else " (and more)")
+            elif f.code == "depth_vanishing" and _starves(f, zero, order):
+                cause, why = never, ("a layer that passes no gradient back starves the layers before it of "
+                                     "theirs")
+        if cause is None or f.evidence.get("follows"):
+            continue
+        f.evidence["follows"] = cause.code
+        for guess in GUESSES:  # the known cause replaces the guess
+            f.detail = f.detail.replace(guess, "")
+        f.detail += f" It follows from `{cause.code}` (above): {why}."
+    return out
+
+
+def _starves(depth: Finding, zero: set[str], order: list[str]) -> bool:
+    """A tensor that never learns sits after (deeper than) one of the layers whose gradient vanished."""
+    pos = {n: i for i, n in enumerate(order)}
+    units = depth.evidence.get("units", {})
+    dead = [pos[n] for n in zero if n in pos]
+    early = [pos[n] for u in depth.layers for n in units.get(u, ()) if n in pos]
+    return bool(dead and early) and max(dead) > min(early)

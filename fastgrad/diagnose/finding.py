@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Finding", "fmt", "steps_text", "layers_text", "cap"]
+__all__ = ["Finding", "fmt", "steps_text", "layers_text", "cap", "place_causes"]
 
 
 @dataclass
@@ -51,3 +51,18 @@ def layers_text(f: Finding, limit: int = 8) -> str:
 
 def cap(s: str) -> str:
     return s[:1].upper() + s[1:]
+
+
+def place_causes(findings: list[Finding]) -> list[Finding]:
+    """``findings`` with each cause moved before the first finding that follows from it (``evidence["follows"]``:
+    the cause's code); otherwise in their order. Shared by the report's order and its advice's."""
+    out = list(findings)
+    for f in list(out):
+        c = f.evidence.get("follows")
+        if not c:
+            continue
+        i = out.index(f)
+        j = next((k for k, g in enumerate(out) if g.code == c and g is not f), None)
+        if j is not None and j > i:
+            out.insert(i, out.pop(j))
+    return out

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from .advice import reword_notices
 from .collect.steps import StepRecord
-from .consistency import reconcile
-from .finding import Finding, fmt, steps_text
+from .consistency import link_causes, reconcile
+from .finding import Finding, fmt, place_causes, steps_text
 from .render import plot as _plot, run_text
 from .report import GradientReport
 from .rules.base import RunView, median
@@ -25,7 +25,8 @@ __all__ = ["CheckResult", "build_result", "EXIT_CODES"]
 EXIT_CODES = {
     0: "no critical finding (warnings and notices may be present). A run whose every NaN/Inf step a StepGuard or "
        "GradScaler skipped is protected: its NaN findings are warnings, so it exits 0",
-    1: "a critical finding (NaN/Inf gradients or loss, norm > 1000 or overflowed, no learning, a critical red flag)",
+    1: "a critical finding (NaN/Inf gradients or loss, a norm > 1000 with harm the run shows or overflowed, a "
+       "diverging loss, no learning, a critical red flag)",
     2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
        "missing script), found before the script runs",
     3: "the script raised an exception or exited with a non-zero status (the report covers what ran)",
@@ -78,7 +79,8 @@ class CheckResult:
 def _order(findings: list[Finding]) -> list[Finding]:
     """Most severe first; within a severity, the earliest step first (the cause before its consequences),
     findings without steps after those with; at the same step an overflowed norm (the largest explosion), then
-    a diverging loss (what the user sees, and the learning rate behind both), then rule order."""
+    a diverging loss (what the user sees, and the learning rate behind both), then rule order. Then each cause
+    moves before the first finding that follows from it (``finding.place_causes``)."""
     idx = {id(f): i for i, f in enumerate(findings)}
 
     def lead(f: Finding) -> int:
@@ -106,7 +108,9 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   crash_text=crash_text,
                   ctx={"scaler": getattr(chk, "scaler_used", False),
                        "modules": sorted(getattr(chk, "module_types", ())),
-                       "classes": getattr(chk, "ce_classes", None)})
+                       "classes": getattr(chk, "ce_classes", None),
+                       "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
+                       "names": _script_names(chk, manual)})
     used = run.used
     per = run.per
     run.ctx["clip"] = _clip_setup(used)
@@ -120,7 +124,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
 
     last_losses = [r.loss for r in per.get(run.last_series, []) if r.loss is not None and math.isfinite(r.loss)]
-    findings = _order(reconcile(evaluate(run), last_losses, run.th))
+    findings = reconcile(evaluate(run), last_losses, run.th)
+    findings = place_causes(_order(link_causes(findings, list(run.ctx["live"]))))
     reword_notices(findings)
     trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
               if recs else "no steps read" for k, recs in per.items()]
@@ -141,6 +146,15 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
                        stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+
+
+def _script_names(chk, manual: bool) -> dict:
+    """The script's own names the code to add may use: its optimizer variable per series, its model's, and (a
+    loop without torch.optim) its learning-rate variable; None where the script has none."""
+    v = getattr(chk, "script_vars", {})
+    opts = [n.split(" (", 1)[1].rstrip(")") if " (" in n else None for n in getattr(chk, "series_names", [])]
+    return {"optimizer": None if manual else opts, "model": v.get("model"), "lr": v.get("lr") if manual else None,
+            "manual": manual}
 
 
 def _ratio(sq_update: float, sq_weight: float) -> float:
@@ -247,6 +261,19 @@ def _sev(findings: list[Finding], *codes: str, series: int | None = None) -> str
 
 
 _NORM_CODES = ("nonfinite", "no_learning", "elevated", "low", "vanishing", "small_but_learning")
+#: the findings that judge one series' norm (its rows are never more severe than these)
+_NORM_JUDGED = ("exploding", "spike", "increasing", "decaying", "zero_grads", "clip_zeroes", "nonfinite_history",
+                "loss_diverging")
+
+
+def _cap(status: str, limit: str) -> str:
+    """``status``, no worse than ``limit``."""
+    return status if RANK[status] <= RANK[limit] else limit
+
+
+def _names_text(names: list[str], limit: int = 6) -> str:
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f", ... (+{more})" if more > 0 else "")
 
 
 def _protected(findings: list[Finding]) -> bool:
@@ -273,6 +300,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         sfx = f" [{names[k]}]" if run.multi else ""
         if not recs:
             continue
+        # a norm's row is never more severe than the findings that judge that norm: the guide's limit alone is
+        # the findings' question, not the row's verdict
+        limit = worst(_sev(findings, *_NORM_JUDGED, series=k),
+                      _sev(findings, *_NORM_CODES) if k == run.last_series else "healthy")
         lastn = recs[-1]
         own = rate_norm(lastn.total_norm, th)
         if lastn.total_norm == 0 and (lastn.overflow or (lastn.clipped and lastn.clip_norm)):
@@ -283,11 +314,11 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             own = rep if (lastn.total_norm < th.vanishing or lastn.total_norm == 0) else worst(own, rep)
         else:
             own = worst(own, _sev(findings, "zero_grads", series=k)) if lastn.total_norm == 0 else own
-        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm), own))
+        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm), _cap(own, limit)))
         if lastn.clip_norm is not None:
             rows.append((f"Norm before clipping (last step){sfx}",
                          fmt(lastn.clip_norm) + (" (overflowed float32)" if lastn.overflow else ""),
-                         worst(rate_norm(lastn.clip_norm, th) if lastn.clip_norm > 0 else "healthy",
+                         worst(_cap(rate_norm(lastn.clip_norm, th), limit) if lastn.clip_norm > 0 else "healthy",
                                _sev(findings, "clip_scaled"))))
         fin = [r for r in recs if math.isfinite(r.grad_norm)]
         over = [r for r in recs if r.overflow]
@@ -296,33 +327,51 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         elif fin:
             pk = max(fin, key=lambda r: r.grad_norm)
             rows.append((f"Max grad norm (run){sfx}", f"{fmt(pk.grad_norm)} at step {pk.step}",
-                         rate_norm(pk.grad_norm, th) if pk.grad_norm > 0 else
+                         _cap(rate_norm(pk.grad_norm, th), limit) if pk.grad_norm > 0 else
                          _sev(findings, "clip_zeroes", "no_learning", "zero_grads", series=k)))
         trend_sev = _sev(findings, "spike", "increasing", "decaying", "exploding", "loss_diverging", "zero_grads",
                          series=k)
         broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
-        ups = [u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"])]
+        ups = [u for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"])]
         if ups:
-            rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median(ups))} over {len(ups)} measured step(s), "
-                         f"largest {fmt(max(ups))} (about 1e-3 is typical)", "healthy"))
+            top = max(ups, key=lambda u: u["ratio"])
+            rewrote = top["ratio"] >= run.limits.blowup_update
+            # the findings that rest on the update size (an update that rewrote the weights, steps that bounce)
+            blame = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k and (
+                "rewrite" in f.evidence.get("harm", ()) or f.evidence.get("rewrite")
+                or f.evidence.get("variant") in ("large_update", "tiny_update", "learning_rate"))))
+            # an update that rewrote the weights is never "healthy" (a notice at least, as far as the findings go)
+            run_worst = worst(*(f.severity for f in findings))
+            st = worst(blame, _cap("notice", run_worst)) if rewrote else blame
+            rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median([u['ratio'] for u in ups]))} over {len(ups)} "
+                         f"measured step(s), largest {fmt(top['ratio'])} at step {top['step']} (about 1e-3 is typical"
+                         + ("; 1 or more: that step rewrote the weights" if rewrote else "") + ")", st))
         lrs = [r.lr for r in recs if r.lr is not None]
         if lrs:  # the evidence the rules that blame a learning rate quote
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
                                                                  else ""), "healthy"))
         losses = [r for r in recs if r.loss is not None]
         if losses:
-            first_f = next((r.loss for r in losses if math.isfinite(r.loss)), math.nan)
+            fl = [r for r in losses if math.isfinite(r.loss)]
+            first_f = fl[0].loss if fl else math.nan
             val = f"{fmt(first_f)} -> {fmt(losses[-1].loss)}"
+            top = max(fl, key=lambda r: r.loss) if fl else None
+            if top is not None and first_f > 0 and top.loss >= run.limits.far_ratio * first_f:
+                val += f" (peak {fmt(top.loss)} at step {top.step})"
             bl = [r.step for r in losses if not math.isfinite(r.loss)]
             if bl:
                 val += f" (non-finite at {len(bl)} step(s), first at step {bl[0]})"
             st = next((f for f in findings if f.code == "stall" and f.evidence.get("series") == k), None)
             if st is not None:
-                val += (f" (not improved over {st.evidence['window']} steps"
+                val += (f" (not improved over {st.evidence['window']} steps: quarter means "
+                        f"{fmt(st.evidence['first_mean'])} -> {fmt(st.evidence['last_mean'])}, within its noise"
                         + (", at chance" if st.evidence["at_chance"] else "") + ")")
+            # the findings that rest on the loss: its divergence, its stall, a jump or rise as a norm's harm
+            on_loss = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k
+                              and set(f.evidence.get("harm", ())) & {"loss_jump", "loss_rose"}))
             rows.append((f"Loss (first -> last step){sfx}", val,
-                         "critical" if bl else _sev(findings, "loss_diverging", "stall", series=k)))
+                         "critical" if bl else worst(_sev(findings, "loss_diverging", "stall", series=k), on_loss)))
         else:
             rows.append((f"Loss{sfx}", "not seen (no scalar backward() in the step)", "notice"))
     nparams = len(last.params) if last else 0
@@ -336,11 +385,17 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         dead = sum(1 for r in last.params if r.numel and r.zero / r.numel > last.thresholds.dead_fraction)
         lastr = used[-1] if used else None
         by_clip = lastr is not None and lastr.total_norm == 0 and (lastr.overflow or bool(lastr.clip_norm))
+        never = next((f for f in findings if f.code == "never_learns"), None)
         rows.append(("Zero-gradient parameters",
                      f"{dead} of {nparams} tensors mostly zero ({last.zero / last.numel:.1%} of values)"
-                     + (" (made by the clip, not by the model)" if by_clip else ""),
-                     worst(_sev(findings, "dead", "no_learning", "clip_zeroes"),
+                     + (" (made by the clip, not by the model)" if by_clip else "")
+                     + (f"; never learning: {_names_text(never.layers)} (never_learns)" if never else ""),
+                     worst(_sev(findings, "dead", "no_learning", "clip_zeroes", "mostly_zero", "never_learns"),
                            _sev(findings, "zero_grads", series=run.last_series))))
+    frozen = run.ctx.get("frozen") or []
+    if frozen:  # not a finding: the script chose it, and the report says so
+        rows.append(("Frozen parameters", f"{len(frozen)} tensor(s) with requires_grad=False, not trained: "
+                     + _names_text(frozen), "healthy"))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
                  + (f": {born.module}" if born.module else ""),
                  "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")

@@ -81,8 +81,18 @@ class RunLimits:
     #: (the advice is then to lower the learning rate, not to raise it)
     stall_large_update: float = 0.1
     #: nonfinite_loss: an update at least this size relative to the weights, the step before the loss went
-    #: non-finite, threw the weights out of range: the learning rate is the cause, not the loss's formula
+    #: non-finite, threw the weights out of range: the learning rate is the cause, not the loss's formula.
+    #: Anywhere in a run, an update this size rewrote the weights: harm (``rules.evidence``)
     blowup_update: float = 1.0
+    #: harm: a step's norm this many times the run's own level (the median of the norms before it) is far above
+    #: it; the guide's own ladder (10, 100, 1000) steps by 10x. A norm's level from the guide alone (above 100
+    #: or 1000) is a notice: a warning or a critical finding about the norm needs harm the run shows
+    far_ratio: float = 10.0
+    #: ... and the run's own level needs at least this many finite values before the step (one: a norm 10x the
+    #: first step's at the second is far above it)
+    far_history: int = 1
+    #: never_learns: reads of a tensor's optimizer at least, for "zero (or absent) at every step" to be judged
+    never_learns_steps: int = 2
 
 
 def worst(*severities: str) -> str:

@@ -118,6 +118,14 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self.update_rows: list = []  # (step, names, device [2, n]: update norm, weight norm per parameter)
         self.updates: list = []      # the same on the host, read once after the run
         self.ce_classes: int | None = None  # classes of the last cross-entropy the script computed (its chance level)
+        # per parameter, at how many read steps its gradient was present and nonzero: device counters per
+        # (series, names) until the end (``_note_live``); a manual loop's apart, dropped if an optimizer steps
+        self._live: dict = {}
+        self._m_live: dict = {}
+        self.live: dict = {}         # name -> (series, steps read, steps present, steps nonzero), after the run
+        self._series_params: dict = {}  # series -> (id of its named list, [(name, requires_grad)])
+        self.frozen: dict = {}       # names of the parameters the script froze (requires_grad False), in order
+        self.script_vars: dict = {}  # the script's own names: "model", "lr" (a hand-written loop's)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -262,11 +270,59 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
             rows = vals.tolist() if vals is not None else [t.tolist() for _, _, t in self.update_rows]
             self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
             self.update_rows = []
+        self._read_live()
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:
                 lr = opt.param_groups[0].get("lr")
                 self.series_lr[i] = lr if isinstance(lr, (int, float)) else self.series_lr[i]
+
+    def _note_live(self, live: dict, series: int, stats, named) -> None:
+        """Count, on the device, the parameters of one read whose gradient is nonzero (a norm other than 0: NaN
+        counts as nonzero); the names and the steps read are counted on the host. No sync."""
+        key = (series, tuple(stats.names))
+        nz = (stats.norm != 0).to(torch.int64)
+        acc = live.get(key)
+        if acc is None:
+            live[key] = [nz, 1]
+        else:
+            acc[0] = acc[0] + nz
+            acc[1] += 1
+        kept = self._series_params.get(series)
+        # the same list object while the optimizer's parameters stay (its id only: holding the list would keep a
+        # dropped model alive; a series is one optimizer, so a freed list's id never comes back for it)
+        if kept is None or kept[0] != id(named):
+            self._series_params[series] = (id(named), [(n, p.requires_grad) for n, p in named])
+
+    def _read_live(self) -> None:
+        """After the run: per parameter, (series, steps read, steps with a gradient, steps with a nonzero one),
+        for the optimizers' parameters (or the hand-written loop's, when no optimizer stepped). One sync."""
+        live = self._live if self._opt_started else self._m_live
+        if not live:
+            return
+        keys = list(live)
+        vals = torch.cat([live[k][0].to(live[keys[0]][0].device) for k in keys]).tolist()
+        reads: dict[int, int] = {}
+        present: dict[str, list] = {}
+        pos = 0
+        for key in keys:
+            series, names = key
+            n = live[key][1]
+            reads[series] = reads.get(series, 0) + n
+            for name in names:
+                acc = present.setdefault(name, [series, 0, 0])
+                acc[1] += n
+                acc[2] += int(vals[pos])
+                pos += 1
+        out = {}
+        for series, (_, params) in self._series_params.items():
+            for name, trainable in params:
+                if not trainable:
+                    continue
+                _, got, nz = present.get(name, [series, 0, 0])
+                out.setdefault(name, (series, reads.get(series, 0), got, nz))
+        self.live = out
+        self._live, self._m_live = {}, {}
 
     def _grad_norm_now(self) -> Tensor | None:
         """Device norm of the gradients the last optimizer holds before a new backward: nonzero when they

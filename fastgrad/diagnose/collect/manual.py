@@ -49,6 +49,8 @@ class ManualLoopReader:
             self._m_named = self._manual_params(tensor)
         stats = self._grad_stats(self._m_named)
         self._m_last = stats
+        self._note_live(self._m_live, 0, stats, self._m_named)
+        self._script_names()
         self._m_row = self._stats_row(stats)
         self._m_used = None
         self._m_clip = False

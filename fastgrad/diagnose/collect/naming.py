@@ -1,12 +1,15 @@
 """Names for what a checked run steps: each parameter after the module path it has in the script's models
 (the watcher's roots), each optimizer as a series ("Adam #2 (opt_g)", numbered in the order it first steps,
-named after the script's variable when one holds it). A mixin of
-:class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the state."""
+named after the script's variable when one holds it), the parameters the script froze (requires_grad False),
+and the script's own names for its model and, in a loop without torch.optim, its learning rate (so that the
+code a report advises uses them). A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns
+the state."""
 
 from __future__ import annotations
 
 import operator
 import os
+import re
 import sys
 import weakref
 
@@ -15,6 +18,11 @@ import torch
 __all__ = ["ParameterNames"]
 
 _SECOND = operator.itemgetter(1)
+_LR_NAME = re.compile(r"^(lr|learning_rate|[a-z0-9_]*_lr|lr_[a-z0-9_]*)$", re.I)
+
+
+def _lr_rank(name: str) -> tuple:
+    return (name != "lr", name != "learning_rate", len(name), name)
 
 
 class ParameterNames:
@@ -36,6 +44,11 @@ class ParameterNames:
             for n, p in root.named_parameters():
                 self._names.setdefault(p, prefix + n)
                 self._names_given = True
+                # frozen by the script: not a finding, but the report names them (host attribute, no sync)
+                if p.requires_grad:
+                    self.frozen.pop(self._names.get(p), None)
+                else:
+                    self.frozen[self._names.get(p)] = True
             # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
             for m in root.modules():
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
@@ -49,9 +62,31 @@ class ParameterNames:
             var = self._var_name(opt)
             self.series_names.append(f"{type(opt).__name__} #{k + 1}" + (f" ({var})" if var else ""))
             self._opt_refs.append(weakref.ref(opt))
+            self._script_names()
             lr = opt.param_groups[0].get("lr") if opt.param_groups else None
             self.series_lr.append(lr if isinstance(lr, (int, float)) else None)
         return k
+
+    def _script_names(self) -> None:
+        """The script's variables for its first model and, for a hand-written loop, its learning rate (a number
+        in a variable named lr, learning_rate or ..._lr / lr_...), looked up once in the script's frames."""
+        if "model" not in self.script_vars and self.watcher is not None:
+            root = next((r() for r in self.watcher._roots if r() is not None), None)
+            if root is not None:
+                self.script_vars["model"] = self._var_name(root)
+        if "lr" in self.script_vars:
+            return
+        self.script_vars["lr"] = None
+        f = sys._getframe(1)
+        while f is not None:
+            if os.path.abspath(f.f_code.co_filename) == self.script_path:
+                for scope in (f.f_locals, f.f_globals):
+                    found = sorted((n for n, v in scope.items() if _LR_NAME.match(n) and
+                                    isinstance(v, (int, float)) and not isinstance(v, bool)), key=_lr_rank)
+                    if found:
+                        self.script_vars["lr"] = found[0]
+                        return
+            f = f.f_back
 
     def _var_name(self, obj) -> str | None:
         """The name the script gave ``obj`` (a variable in one of the script's frames on the stack)."""

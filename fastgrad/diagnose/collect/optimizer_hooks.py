@@ -119,9 +119,11 @@ class OptimizerStepReader:
 
     def _record_stats(self, opt) -> None:
         self._last_opt = weakref.ref(opt)
-        stats = self._grad_stats(self._named(opt))
+        named = self._named(opt)
+        stats = self._grad_stats(named)
         self.last_stats = stats
         self._read_this_step = True
+        self._note_live(self._live, self._series_of(opt), stats, named)
         if len(stats):
             bad = ((stats.nan + stats.inf) > 0).to(torch.int64)
             if self._bad_steps is None or self._bad_names != stats.names:

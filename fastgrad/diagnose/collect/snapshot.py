@@ -5,6 +5,7 @@ per parameter and per layer."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -13,7 +14,8 @@ from torch import Tensor
 
 from ...stats import GradStats
 
-__all__ = ["ParamRow", "LayerRow", "RowSparseRow", "gather", "group_layers", "row_sparse_rows", "ratio"]
+__all__ = ["ParamRow", "LayerRow", "RowSparseRow", "gather", "group_layers", "row_sparse_rows", "ratio",
+           "module_of", "depth_of"]
 
 
 @dataclass
@@ -69,6 +71,25 @@ def module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
+#: a stacked recurrent module's per-layer parameters: weight_ih_l0, bias_hh_l2_reverse, weight_hr_l1 ...
+_STACKED = re.compile(r"^(?:(.*)\.)?(?:weight|bias)_(?:ih|hh|hr)_l(\d+)(?:_reverse)?$")
+
+
+def depth_of(name: str) -> str:
+    """The layer of depth a parameter belongs to: the first numbered entry of a container on its path (a
+    ModuleList's or a Sequential's, e.g. ``encoder.layers.3``, ``blocks.0``, ``0``: a block of the stack),
+    else the layer of a stacked recurrent module (``rnn.weight_ih_l2`` -> ``rnn.l2``, both directions of a
+    bidirectional one: the same depth), else its owning module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    m = _STACKED.match(name)
+    if m:
+        return (m.group(1) + "." if m.group(1) else "") + "l" + m.group(2)
+    return module_of(name)
+
+
 # ---------------------------------------------------------------------------------------------- one sync
 def gather(stats: GradStats, param_norms: Tensor | None, extras: Sequence[Tensor] = ()) -> tuple[dict, list]:
     """Read everything a report needs to the host in ONE transfer: the stats, the parameter norms and any
@@ -109,12 +130,14 @@ def ratio(num: float, den: float | None) -> float | None:
     return num / den
 
 
-def group_layers(params: list[ParamRow], with_params: bool) -> list[LayerRow]:
+def group_layers(params: list[ParamRow], with_params: bool, key_of=module_of) -> list[LayerRow]:
+    """Parameters grouped by ``key_of`` their name (the owning module; ``depth_of``: the layer of depth), in
+    first-seen order."""
     layers: dict[str, LayerRow] = {}
     sq: dict[str, float] = {}
     psq: dict[str, float] = {}
     for r in params:
-        key = module_of(r.name)
+        key = key_of(r.name)
         row = layers.get(key)
         if row is None:
             row = layers[key] = LayerRow(key, [], 0.0, 0.0, 0, 0, 0, 0)

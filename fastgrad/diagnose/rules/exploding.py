@@ -1,6 +1,9 @@
-"""``exploding``: the gradient norm before clipping above 1000 (critical) or 100 (warning), per optimizer,
-at every step from the first. An infinite norm of finite gradients is the largest explosion of all: the sum
-of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
+"""``exploding``: the gradient norm before clipping above 1000 or 100 (the guide's limits), per optimizer, at
+every step from the first. The guide's limits alone ask a question (a notice: a loss summed over the batch has
+norms in the thousands); with harm the run shows at those steps (``rules.evidence``: NaN/Inf, a loss that jumps
+or rises against its noise, an update that rewrites the weights, a norm 10x the run's own level) it is critical
+above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier. An infinite norm of finite gradients is the largest explosion of all: the
+sum of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView
+from .evidence import SCALE_QUESTION, harm_of
 
 __all__ = ["Exploding", "FLOAT32_NORM_MAX"]
 
@@ -63,9 +67,16 @@ class Exploding(Rule):
                 out.append(Finding(self.code, "critical",
                                    f"{label}gradient norm overflowed float32 (inf from finite gradients): the "
                                    "largest explosion; lower the learning rate (or the loss scale)",
-                                   detail, [], [r.step for r in crit], ev | {"variant": "overflow"}))
+                                   detail, [], [r.step for r in crit], ev | {"variant": "overflow", "harm": ["overflow"]}))
                 continue
-            sev = "critical" if crit else "warning"
+            # critical: harm at the steps above 1000, or an update that rewrote the weights (the learning rate's
+            # gravest harm, whatever tier the norm reached); a warning: other harm at the steps above 100
+            harm = harm_of(run, k).at([r.step for r in crit]) if crit else []
+            sev = "critical" if harm else "warning"
+            if not harm:
+                harm = harm_of(run, k).at([r.step for r in warn])
+                sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
+            ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
             # each step named once: the first step over the limit, the peak, and the run's first step when
             # they differ
@@ -77,20 +88,33 @@ class Exploding(Rule):
             if start.step != hit[0].step:
                 first += f"; step {start.step} had {fmt(start.grad_norm)}"
             detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
-                      + clip_text + (run.lr_text(k) if crit else ""))
+                      + clip_text + (run.lr_text(k) if sev == "critical" else "") + _harm_text(harm, harm_of(run, k)))
             layers = _largest_layers(run.last) if k == last_k else []
             # the script clips: "clip (max_norm=1.0)" would read as "add one"
-            if ev.get("variant") == "loose_clip":
+            if not harm:
+                title = (f"{label}gradient norm above {'1000' if crit else '100'} with no harm seen (the guide's "
+                         "question: is this the loss's own scale?)")
+            elif ev.get("variant") == "loose_clip":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
                          f"(max_norm={fmt(bound)}) is above every norm: it never acts")
             elif ev.get("variant") == "clipped":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'} before the clip (max_norm="
                          f"{fmt(bound)} bounds the update): the gradients themselves are out of range")
             else:
-                title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if crit else
+                title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if sev == "critical" else
                          f"{label}gradient norm above 100: clip (max_norm=1.0)")
             out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
         return out
+
+
+def _harm_text(harm: list, h) -> str:
+    """The evidence a severity rests on, in words."""
+    if harm:
+        return " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
+    fell = h.loss_fell()
+    return (" No harm seen: " + (f"the loss fell ({fell}), " if fell else "the loss did not rise beyond its own noise, ")
+            + "no update rewrote the weights and no step was 10x the run's own level: the guide's limit alone "
+            "asks a question." + SCALE_QUESTION)
 
 
 def _largest_layers(last, k: int = 3) -> list[str]:
@@ -102,5 +126,7 @@ def _largest_layers(last, k: int = 3) -> list[str]:
 
 EXPLODING = Exploding(
     "exploding", "critical", "each step's norm before clipping, per optimizer",
-    "the norm before clipping > 1000 (critical) or > 100 (warning) at some step; an inf norm of finite "
-    "gradients (float32 overflow) is the largest explosion")
+    "the norm before clipping > 1000 (critical) or > 100 (warning) at some step, with harm the run shows at "
+    "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, a norm 10x the run's own level; an update "
+    "of 1x the weights: critical at either; without harm: a notice); an inf norm of finite gradients (float32 overflow) is the "
+    "largest explosion")

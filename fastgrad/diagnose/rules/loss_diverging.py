@@ -2,8 +2,9 @@
 
 The start is the smaller of the first loss and the median of the first three (one odd first batch does not
 set it). The loss diverges (critical) when it reaches 10x that start, holds there for the next step (or to
-the end of the run), AND the median of the last quarter of the run is still 10x the start: a rise that comes
-back down is not a divergence. 3x under the same conditions is "rising" (a warning). A jump to 10x after which
+the end of the run), AND the median of the last quarter of the run is still 10x the start, or the loss stays
+10x up at every step from there to the end of the run (a blow-up in the last quarter: the run ended on it): a
+rise that comes back down is not a divergence. 3x under the same conditions is "rising" (a warning). A jump to 10x after which
 the loss never gets back down (the medians of the last half and the last quarter of the run still 1.5x the
 start) is a warning too: the run ends worse than it began.
 
@@ -23,13 +24,14 @@ import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView, median
+from .evidence import harm_of
 
 __all__ = ["LossDiverging", "loss_divergence"]
 
 
 def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None = None):
     """(base step, base loss, first step at >= ratio x base, its loss, peak step, peak loss, end level, step of
-    the highest loss from the first step on) when the
+    the highest loss from the first step on, whether it rose only in the run's last quarter) when the
     series' finite loss rises to ``ratio`` times its start, holds for ``hold`` steps (or to the end), and the
     median of the run's last quarter is still at least ``end_ratio`` (default: ``ratio``) times the start, as is
     the median of its last half when ``end_ratio`` is given; else None."""
@@ -42,18 +44,26 @@ def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None =
         return None
     q = max(1, len(vals) // 4)
     end = median(vals[-q:])
-    if end < (ratio if end_ratio is None else end_ratio) * base:  # it came back down: not over the run
-        return None
+    first = 1
+    if end < (ratio if end_ratio is None else end_ratio) * base:
+        # it came back down: not over the run; unless it is up at every step from its crossing to the end (a
+        # blow-up in the run's last quarter, at least ``hold`` steps long: the run ended there)
+        j = len(vals)
+        while j > 1 and vals[j - 1] >= ratio * base:
+            j -= 1
+        if end_ratio is not None or len(vals) - j < hold:
+            return None
+        first = j
     if end_ratio is not None and median(vals[len(vals) // 2:]) < end_ratio * base:
         return None
-    for i in range(1, len(pts)):
+    for i in range(first, len(pts)):
         if min(vals[i:i + hold]) >= ratio * base:
             # the run's real peak is quoted (a spike before the first step that held the ratio is still the
             # peak); the highest point from that step on says whether the loss is still climbing
             j = max(range(len(pts)), key=lambda t: vals[t])
             c = max(range(i, len(pts)), key=lambda t: vals[t])
             b = next(k for k in range(len(pts)) if vals[k] == base)
-            return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j], end, pts[c][0]
+            return pts[b][0], base, pts[i][0], vals[i], pts[j][0], vals[j], end, pts[c][0], first > 1
     return None
 
 
@@ -74,7 +84,9 @@ class LossDiverging(Rule):
                 d = loss_divergence(recs, ratio, hold=1, end_ratio=lim.unrecovered_ratio)
             if d is None:
                 continue
-            s0, v0, s1, v1, sp, vp, end, sc = d
+            s0, v0, s1, v1, sp, vp, end, sc, late = d
+            if late:  # up from step s1 to the end: the level it ended on, not the last quarter's
+                end = [r.loss for r in recs if r.loss is not None and math.isfinite(r.loss)][-1]
             norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
             q = max(1, len(norms) // 4)
             modest = bool(norms) and max(norms) < lim.modest_norm and len(norms) == len(recs)
@@ -84,13 +96,19 @@ class LossDiverging(Rule):
             nrm = {r.step: r.grad_norm for r in recs}
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
+            # the learning rate's evidence: an update that rewrote the weights
+            rw = max(harm_of(run, k).rewrites, key=lambda t: t[1], default=None)
+            upd = "" if rw is None else (f" An update moved the weights by {fmt(rw[1])}x their own size (step "
+                                         f"{rw[0]}): one step rewrote them.")
+            if rw is not None:
+                ev["rewrite"] = list(rw)
             order = [r.step for r in recs]
             pos = order.index(sc) if sc in order else 0
             late_peak = pos >= len(recs) // 2  # still climbing: a value loss tracking growing returns
             # ... and it took a while to get there: a loss that passes the ratio within the first quarter of the
             # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets
             gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
-            if modest and stable and late_peak and gradual:
+            if modest and stable and late_peak and gradual and not late:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
@@ -110,7 +128,7 @@ class LossDiverging(Rule):
                     f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
                     f"and still {fmt(end)} over the last quarter of the run ({end / v0:.3g}x its start; over the "
                     f"last half too): the run ends worse than it began. The gradient norm went {fmt(nrm.get(s0))} "
-                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k), steps=[s1, sp],
+                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k) + upd, steps=[s1, sp],
                     evidence=ev | {"variant": "unrecovered"}))
                 continue
             out.append(Finding(
@@ -118,13 +136,16 @@ class LossDiverging(Rule):
                 f"{label}the loss is {'diverging' if sev == 'critical' else 'rising'} ({vp / v0:.3g}x its start): "
                 "the learning rate is the first suspect",
                 f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> {fmt(v1)} at step {s1} "
-                f"(>= {ratio:g}x) -> peak {fmt(vp)} at step {sp}, and still {fmt(end)} over the last quarter of "
-                f"the run (it stayed up); the gradient norm went {fmt(nrm.get(s0))} -> {fmt(nrm.get(sp))} over "
-                "the same steps." + run.lr_text(k), steps=[s1, sp], evidence=ev))
+                f"(>= {ratio:g}x) -> peak {fmt(vp)} at step {sp}, and "
+                + (f"still {fmt(end)} at the last step (it stayed up from step {s1} to the end of the run)" if late
+                   else f"still {fmt(end)} over the last quarter of the run (it stayed up)")
+                + f"; the gradient norm went {fmt(nrm.get(s0))} -> {fmt(nrm.get(sp))} over "
+                "the same steps." + run.lr_text(k) + upd, steps=[s1, sp], evidence=ev))
         return out
 
 
 LOSS_DIVERGING = LossDiverging(
     "loss_diverging", "critical", "each step's finite loss and norm, per optimizer",
     "the loss reaches 10x its start (critical; 3x: warning) and stays up to the end of the run (the last "
-    "quarter's median); climbing gradually with modest, stable norms (a bootstrapped value/TD loss): a notice")
+    "quarter's median, or every step from there to the end); climbing gradually with modest, stable norms (a "
+    "bootstrapped value/TD loss): a notice")

@@ -1,6 +1,12 @@
 """``spike``, ``increasing``, ``decaying``: the trends of each optimizer's norm before clipping
 (``fastgrad.diagnose.rules.trends.detect_trends``), each series indexed by its own steps (its warm-up, its
-baseline; hand-overs between optimizers are not spikes) and reported with the run's step numbers."""
+baseline; hand-overs between optimizers are not spikes) and reported with the run's step numbers.
+
+A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median: far above the run's own level, which
+is harm by itself; below that, a notice. A rising norm is a warning only with harm the run shows
+(``rules.evidence``: NaN/Inf, a loss that jumps or rises beyond its noise, an update that rewrites the weights);
+without it, a notice: a policy gradient's norm grows with its episodes while it learns, a converging model's as
+it sharpens."""
 
 from __future__ import annotations
 
@@ -8,9 +14,13 @@ import math
 
 from ..finding import Finding
 from .base import Rule, RunView
-from .trends import detect_trends, loss_falling
+from .evidence import RISE_REASON, harm_of
+from .trends import detect_trends
 
-__all__ = ["NormTrends"]
+__all__ = ["NormTrends", "WARMUP"]
+
+#: steps of a series never judged by the trends (early training is allowed to move fast)
+WARMUP = 20
 
 
 class NormTrends(Rule):
@@ -20,15 +30,10 @@ class NormTrends(Rule):
             # the losses too: a norm that rises while the loss falls is how many healthy runs converge
             losses = [r.loss if r.loss is not None else math.nan for r in recs]
             tf = detect_trends(list(range(1, len(recs) + 1)), [r.grad_norm for r in recs], thresholds=run.th,
-                               losses=losses)
+                               losses=losses, warmup=WARMUP, warn_ratio=run.limits.far_ratio)
             for f in tf:
-                if f.code == "increasing" and f.severity == "warning" and recs and all(r.clipped for r in recs):
-                    falling = loss_falling(list(range(1, len(recs) + 1)), losses, 1, len(recs))
-                    if falling is not None:
-                        # every update was bounded by the script's clip and the loss fell: not a divergence
-                        f.severity, f.title = "notice", "gradient norm rising under the script's clip while the loss falls"
-                        f.detail += (f" The loss fell {falling} and the script clipped every step, so no update grew "
-                                     "with it: not a divergence by itself.")
+                if f.code == "increasing":
+                    _judge_rise(f, run, k, [r.step for r in recs[WARMUP:]])
             glob = {i: r.step for i, r in enumerate(recs, 1)}
             for f in tf:
                 f.steps = [glob.get(s, s) for s in f.steps]
@@ -41,7 +46,28 @@ class NormTrends(Rule):
         return out
 
 
+def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
+    """A rising norm's severity from the harm over the steps it was judged on (in place)."""
+    h = harm_of(run, k)
+    harm = h.at(steps, far=False)
+    f.evidence["harm"] = [kind for kind, _ in harm]
+    if harm:
+        f.severity, f.title = "warning", "gradient norm steadily increasing, with harm"
+        f.detail += " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
+        return
+    fell = h.loss_fell()
+    f.severity = "notice"
+    if "inside the healthy range" in f.title:  # the trend rule's own notice: its words stand
+        return
+    f.title = "gradient norm rising, with no harm seen"
+    f.detail += (" No harm seen: " + (f"the loss fell ({fell}), " if fell else "the loss did not rise beyond its "
+                                      "own noise, ")
+                 + "nothing went NaN/Inf and no update rewrote the weights." + RISE_REASON)
+
+
 NORM_TRENDS = NormTrends(
     "spike/increasing/decaying", "warning", "each step's norm before clipping, per optimizer",
-    "spike: > 6 robust std and 3x above the recent median (warning from 5x); increasing: four rising quarter "
-    "medians, 2x overall (a notice while the loss falls inside the healthy range, or under a clip of every step); decaying: four falling quarter medians ending below 1e-3 (or 1000x down and below 0.1)")
+    "spike: > 6 robust std and 3x above the recent median (a notice; a warning from 10x); increasing: four "
+    "rising quarter medians, 2x overall (a warning with harm the run shows: NaN/Inf, a loss that jumps or rises "
+    "beyond its noise, an update of 1x the weights; else a notice); decaying: four falling quarter medians "
+    "ending below 1e-3 (or 1000x down and below 0.1)")

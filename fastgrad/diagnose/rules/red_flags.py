@@ -69,9 +69,14 @@ class NoClipping(Rule):
         peak = math.inf if over else max(r.grad_norm for r in hit)
         s = [r.step for r in hit]
         run.flags["no_clipping"] = s
-        return [Finding(self.code, "warning", "no gradient clipping while the norm exceeds 100",
+        # a warning where the explosion shows harm; beside a norm that is the loss's own scale, a notice
+        exp = [f for f in run.findings if f.code == "exploding" and f.severity != "notice"]
+        harmed = bool(exp)
+        return [Finding(self.code, "warning" if harmed else "notice", "no gradient clipping while the norm exceeds 100",
                         f"The norm reached {'inf (overflowed float32)' if over else fmt(peak)} and no clip function "
-                        "was called.", _largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
+                        "was called." + ("" if harmed else " The run shows no harm from it (see exploding)."),
+                        _largest_layers(run.last) or list(run.bad_params), s,
+                        {"peak": peak, "harm": sorted({h for f in exp for h in f.evidence.get("harm", ["overflow"])})})]
 
 
 CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the GradScaler interceptors)",
@@ -83,4 +88,4 @@ CLIP_PARTIAL = ClipPartial("clip_partial", "warning", "where each clip ran",
 NO_ZERO_GRAD = NoZeroGrad("no_zero_grad", "critical", "the gradients left before each backward",
                           "gradients never zeroed between steps (they accumulate forever)")
 NO_CLIPPING = NoClipping("no_clipping", "warning", "the clip calls and each step's norm",
-                         "no clip call at all while the norm exceeded 100")
+                         "no clip call at all while the norm exceeded 100 (a notice when exploding is one)")

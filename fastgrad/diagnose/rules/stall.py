@@ -4,8 +4,8 @@ optimizer), judged against its own noise and, for a cross-entropy, against chanc
 The first and the last quarter of the window are compared by their means. Their difference counts as an
 improvement only when it exceeds ``stall_z`` standard errors (the step-to-step noise: the scaled MAD of the
 successive differences about their mean over sqrt(2), which a steady trend does not inflate) and the share of the level that
-``Thresholds.loss_progress`` asks of a "loss improving" everywhere else. A loss that rose by more than that is
-not a stall (``loss_diverging`` judges a rise). A cross-entropy's chance level is ln(classes): a loss that ends
+``Thresholds.loss_progress`` asks of a "loss improving" everywhere else. A loss that rose by more than that has
+not improved either: a stall, unless ``loss_diverging`` judges the rise. A cross-entropy's chance level is ln(classes): a loss that ends
 within ``stall_chance`` of it learned nothing a uniform guess does not know. A notice, or a warning when the
 loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it) or when the
 measured updates are below ``stall_tiny_update`` of the weights (the learning rate cannot move them); never
@@ -16,26 +16,17 @@ from __future__ import annotations
 import math
 
 from ..finding import Finding, fmt
-from .base import Rule, RunView, median
+from .base import Rule, RunView
+from .evidence import loss_change
 
 __all__ = ["Stall", "loss_stall"]
 
 
 def loss_stall(losses: list[float], *, window: int, z: float, rel: float) -> dict | None:
-    """``{"first", "last", "noise", "se", "drop", "n"}`` when ``losses`` (finite, oldest first) did not improve
-    over their last ``window`` values (see the module docstring), else None."""
-    vals = losses[-window:]
-    q = max(2, len(vals) // 4)
-    first, last = sum(vals[:q]) / q, sum(vals[-q:]) / q
-    diffs = [b - a for a, b in zip(vals, vals[1:])]
-    md = sum(diffs) / len(diffs)  # the trend per step (an alternating wiggle has a median difference of +-e)
-    noise = 1.4826 * median([abs(d - md) for d in diffs]) / math.sqrt(2)
-    se = noise * math.sqrt(2 / q)
-    need = max(z * se, rel * abs(first))
-    drop = first - last
-    if drop > need or drop < -need:  # improved, or rose (not a stall)
-        return None
-    return {"first": first, "last": last, "noise": noise, "se": se, "drop": drop, "n": len(vals), "quarter": q}
+    """``loss_change`` of ``losses`` (finite, oldest first) when they did not improve over their last ``window``
+    values (see the module docstring), else None."""
+    c = loss_change(losses, window=window, z=z, rel=rel)
+    return None if c["improved"] else c
 
 
 class Stall(Rule):
@@ -73,6 +64,8 @@ class Stall(Rule):
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
             why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
+                   f"it {moved}, beyond its step-to-step noise ({fmt(s['noise'])}) but short of the 3x rise that "
+                   "would be a divergence" if s["rose"] else
                    f"it {moved}, less than {fmt(lim.stall_z)} standard errors of that difference ({fmt(lim.stall_z)} x "
                    f"{fmt(s['se'])}, from a step-to-step noise of {fmt(s['noise'])}) or less than "
                    f"{run.th.loss_progress:.0%} of its level")
@@ -97,5 +90,5 @@ class Stall(Rule):
 STALL = Stall(
     "stall", "warning", "each step's finite loss, the learning rate and the cross-entropy's class count",
     "the loss did not improve over the run (last quarter vs first, beyond 3 standard errors of its noise and "
-    "1% of its level; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat or when the "
+    "1% of its level; a rise short of a divergence included; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat or when the "
     "updates are below 1e-6 of the weights")

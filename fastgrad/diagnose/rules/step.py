@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..collect.snapshot import depth_of, group_layers
 from ..finding import Finding, cap as _cap, fmt as _fmt
 from .trends import detect_loss_jumps
 
@@ -101,7 +102,9 @@ def classify(rep) -> list[Finding]:
                              "are entirely zero.", mostly))
 
     excluded = {r.name for r in rep.row_sparse if r.excluded}
-    depth = depth_check(rep.layers, th.depth_ratio, excluded, rep.row_sparse, free_params(rep.params))
+    # by layer of depth: a stacked RNN's layers, a ModuleList's blocks (not by owning module)
+    depth = depth_check(group_layers(rep.params, False, depth_of), th.depth_ratio, excluded, rep.row_sparse,
+                        free_params(rep.params))
     if depth is not None:
         found.append(depth)
     return found
@@ -136,8 +139,9 @@ def free_params(params) -> list[str]:
 
 def depth_check(layers: list, ratio: float, excluded: set[str] = frozenset(),
                 row_sparse: Sequence = (), free: Sequence[str] = ()) -> Finding | None:
-    """Compare the mean gradient norm of the first quarter of the layers (registration order, which is depth
-    order for Sequential-style models) with that of the last quarter. Layers holding a row-sparse parameter
+    """Compare the mean gradient norm of the first quarter of the layers of depth (``collect.snapshot.depth_of``;
+    registration order, which is depth order for Sequential-style models and stacked RNNs) with that of the last
+    quarter. Layers holding a row-sparse parameter
     that touched only some rows (``excluded``: an embedding) are left out: their norm grows with the number
     of rows a batch looks up, not with depth."""
     # Layers with exactly zero gradient are dead (a separate finding), not "vanishing".
@@ -162,5 +166,7 @@ def depth_check(layers: list, ratio: float, excluded: set[str] = frozenset(),
     if left:
         detail += " Left out (row-sparse): " + ", ".join(
             f"{r.name} ({r.touched:,} of {r.rows:,} rows touched, norm {_fmt(r.norm)})" for r in left) + "."
-    return Finding("depth_vanishing", "warning", "vanishing across depth", detail, affected)
+    units = {r.name: list(r.params) for r in rows[:-k] if r.name in affected}
+    return Finding("depth_vanishing", "warning", "vanishing across depth", detail, affected,
+                   evidence={"units": units, "ratio": late / early if early else math.inf})
 

@@ -11,7 +11,12 @@ from typing import Sequence
 from ..finding import Finding, fmt as _fmt
 from ..thresholds import Thresholds
 
-__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends", "loss_falling"]
+__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends", "loss_falling", "LOSS_JUMP"]
+
+#: a loss jump (``detect_loss_jumps``; ``python -m fastgrad.check`` reads the same rule as harm): over ``z``
+#: robust std above the median of the up to ``window`` losses before it, and at least ``min_ratio`` x it, after
+#: ``warmup`` values with ``min_history`` of them known
+LOSS_JUMP = {"window": 50, "warmup": 10, "min_history": 10, "z": 6.0, "min_ratio": 3.0}
 
 
 def loss_progress(history: Sequence[float], rel: float = Thresholds.loss_progress) -> bool | None:
@@ -53,9 +58,10 @@ def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: in
     return out
 
 
-def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0, window: int = 50,
-                      warmup: int = 10, min_history: int = 10, z: float = 6.0, notice_ratio: float = 3.0,
-                      warn_ratio: float = 10.0) -> list[Finding]:
+def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0,
+                      window: int = LOSS_JUMP["window"], warmup: int = LOSS_JUMP["warmup"],
+                      min_history: int = LOSS_JUMP["min_history"], z: float = LOSS_JUMP["z"],
+                      notice_ratio: float = LOSS_JUMP["min_ratio"], warn_ratio: float = 10.0) -> list[Finding]:
     """``loss_spike`` findings: a step after ``new_after`` (and after ``warmup`` values) whose loss is more
     than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it
     AND at least ``notice_ratio`` times that median (a warning from ``warn_ratio``). Only positive medians

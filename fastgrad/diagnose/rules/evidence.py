@@ -1,0 +1,159 @@
+"""The harm a checked run shows, per optimizer series: what the severity of a finding about the gradient norm
+rests on. A number from the guide alone (a norm above 100 or 1000) is a question for the user, a notice; a
+warning or a critical finding needs harm the run itself shows:
+
+- ``nonfinite``: a NaN/Inf loss or gradient in the series, from the steps in question on;
+- ``loss_rose``: the loss rose against its own noise (the last quarter's mean above the first quarter's by
+  more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
+  level: ``loss_change``, the same statistics the stall rule reads);
+- ``loss_jump``: the loss jumped far above its recent median at one of the steps, or the step after (the
+  ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it);
+- ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
+- ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
+  finite norms before it (up to 50 of them, at least ``RunLimits.far_history``).
+
+A loss summed over the batch has norms in the thousands and falls; a policy gradient's norm grows with its
+episodes as it learns: neither shows any of these, so neither is warned about."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..finding import fmt
+from ..thresholds import RunLimits
+from .base import RunView, median
+from .trends import LOSS_JUMP, robust_jumps
+
+__all__ = ["loss_change", "own_level", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION", "RISE_REASON", "GUESSES"]
+
+#: what a norm above the guide's limits with no harm most often is, and a rising one: guesses that a finding which
+#: follows from a known cause drops (``consistency.link_causes``)
+SCALE_QUESTION = (" Is it the loss's own scale? A loss summed over the batch (or over an episode) has norms this "
+                  "size while it learns.")
+RISE_REASON = (" A norm that grows while the run learns (longer episodes of a policy gradient, a sharper model) is "
+               "not a divergence by itself; no action needed while that holds.")
+GUESSES = (SCALE_QUESTION, RISE_REASON)
+
+#: the norms a step is compared with: up to this many finite norms before it (the spike rule's baseline)
+BASELINE = 50
+
+
+def loss_change(losses: list[float], *, window: int, z: float, rel: float) -> dict:
+    """How the finite ``losses`` (oldest first) moved over their last ``window`` values, against their own
+    noise: ``first``/``last`` (the first and the last quarter's means, a quarter of at least 2), ``noise`` (the
+    step-to-step noise: the scaled MAD of the successive differences about their mean, over sqrt(2), which a
+    steady trend does not inflate), ``se`` (the standard error of the difference of the two means), ``drop``
+    (first - last) and ``need`` (the change that counts: ``z`` standard errors and ``rel`` of the level).
+    ``improved``: drop > need; ``rose``: -drop > need."""
+    vals = losses[-window:]
+    q = max(2, len(vals) // 4)
+    first, last = sum(vals[:q]) / q, sum(vals[-q:]) / q
+    diffs = [b - a for a, b in zip(vals, vals[1:])]
+    md = sum(diffs) / len(diffs)  # the trend per step (an alternating wiggle has a median difference of +-e)
+    noise = 1.4826 * median([abs(d - md) for d in diffs]) / math.sqrt(2)
+    se = noise * math.sqrt(2 / q)
+    need = max(z * se, rel * abs(first))
+    drop = first - last
+    return {"first": first, "last": last, "noise": noise, "se": se, "drop": drop, "need": need, "n": len(vals),
+            "quarter": q, "improved": drop > need, "rose": -drop > need}
+
+
+def own_level(norms: list[float], i: int, min_history: int) -> float | None:
+    """The run's own level before position ``i`` of ``norms``: the median of the up to ``BASELINE`` finite
+    norms before it; None when fewer than ``min_history`` (``RunLimits.far_history``) are known or it is 0."""
+    base = [v for v in norms[max(0, i - BASELINE):i] if math.isfinite(v)]
+    if len(base) < min_history:
+        return None
+    lev = median(base)
+    return lev if lev > 0 else None
+
+
+@dataclass
+class Harm:
+    """The harm one series shows (see the module docstring). ``items`` of :meth:`at`: ``(kind, text)``."""
+
+    series: int
+    steps: list[int]
+    norms: list[float]
+    nonfinite: list[int] = field(default_factory=list)   # steps with a NaN/Inf loss or gradient
+    jumps: dict = field(default_factory=dict)            # step -> (loss, ratio to its recent median)
+    change: dict | None = None                           # loss_change of the series' finite losses
+    rewrites: list[tuple[int, float]] = field(default_factory=list)  # (step, update/weight ratio >= 1)
+    far_ratio: float = RunLimits.far_ratio
+    far_history: int = RunLimits.far_history
+
+    def far(self, step: int) -> tuple[float, float] | None:
+        """(norm / own level, own level) at ``step`` when that is at least ``far_ratio``, else None."""
+        if step not in self.steps:
+            return None
+        i = self.steps.index(step)
+        lev = own_level(self.norms, i, self.far_history)
+        v = self.norms[i]
+        if lev is None or not math.isfinite(v) or v < self.far_ratio * lev:
+            return None
+        return v / lev, lev
+
+    def at(self, steps: list[int], *, far: bool = True) -> list[tuple[str, str]]:
+        """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none."""
+        if not steps:
+            return []
+        out = []
+        bad = [s for s in self.nonfinite if s >= steps[0]]
+        if bad:
+            out.append(("nonfinite", f"the loss or the gradients went NaN/Inf at step {bad[0]}"))
+        pos = {s: i for i, s in enumerate(self.steps)}
+        nxt = {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
+        jumped = sorted(s for s in self.jumps if s in set(steps) | nxt)
+        if jumped:
+            s = max(jumped, key=lambda t: self.jumps[t][1])
+            out.append(("loss_jump", f"the loss jumped to {fmt(self.jumps[s][0])} at step {s}, "
+                                     f"{self.jumps[s][1]:.3g}x its recent median"))
+        c = self.change
+        if c is not None and c["rose"]:
+            out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "
+                                     f"quarter's mean), beyond its own noise ({fmt(c['need'])})"))
+        if self.rewrites:
+            s, r = max(self.rewrites, key=lambda t: t[1])
+            out.append(("rewrite", f"an update moved the weights by {fmt(r)}x their own size (step {s})"))
+        if far:
+            hits = [(s, self.far(s)) for s in steps]
+            hits = [(s, h) for s, h in hits if h is not None]
+            if hits:
+                s, (ratio, lev) = max(hits, key=lambda t: t[1][0])
+                out.append(("far", f"the norm at step {s} was {ratio:.3g}x the run's own level before it "
+                                   f"(median {fmt(lev)})"))
+        return out
+
+    def loss_fell(self) -> str | None:
+        """"a -> b" (the first and the last quarter's mean loss) when the loss improved beyond its noise."""
+        c = self.change
+        return f"{fmt(c['first'])} -> {fmt(c['last'])}" if c is not None and c["improved"] else None
+
+
+def harm_of(run: RunView, k: int) -> Harm:
+    """The harm series ``k`` of ``run`` shows (computed once per run and series)."""
+    cache = run.ctx.setdefault("_harm", {})
+    if k in cache:
+        return cache[k]
+    lim, th = run.limits, run.th
+    recs = run.per.get(k, [])
+    steps = [r.step for r in recs]
+    h = Harm(k, steps, [r.grad_norm for r in recs], far_ratio=lim.far_ratio, far_history=lim.far_history)
+    h.nonfinite = [r.step for r in recs if r.bad or (r.loss is not None and not math.isfinite(r.loss))]
+    pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
+    if len(pts) >= 4:
+        h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)
+    # the loss_spike rule's jump (its warm-up counted in the series' own steps: early training moves fast)
+    vals = [v for _, v in pts]
+    for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP):
+        h.jumps[pts[i - 1][0]] = (v, ratio)
+    # ... and, from the second step on, a loss far above its own level (a positive one: a signed objective has none)
+    for i, (s, v) in enumerate(pts):
+        lev = own_level(vals, i, lim.far_history)
+        if lev is not None and v >= lim.far_ratio * lev and s not in h.jumps:
+            h.jumps[s] = (v, v / lev)
+    h.rewrites = [(u["step"], u["ratio"]) for u in run.ctx.get("updates") or ()
+                  if u["series"] == k and math.isfinite(u["ratio"]) and u["ratio"] >= lim.blowup_update]
+    cache[k] = h
+    return h

@@ -1,0 +1,63 @@
+"""``never_learns``: a trainable tensor whose gradient is exactly zero, or absent, at every step the run read,
+named by its module path, whatever share of the model it is (an encoder dead from the first step, a layer cut
+off from the loss). Told apart:
+
+- zero at every step while present: in the graph, but nothing passes back to it (a ReLU that never fires, an
+  op whose derivative is 0, the input of a layer that is all zero): a warning;
+- absent at every step (its ``.grad`` stayed None): the script never uses it in its graph (a module built but
+  not called, blocks whose output is dropped): said so, a warning too, the optimizer holds it in vain;
+- frozen parameters (``requires_grad`` False) are not a finding (the summary names them), and the rows of an
+  embedding a batch did not look up are not either (the tensor's gradient is nonzero where rows were looked up).
+
+Judged over at least ``RunLimits.never_learns_steps`` reads of the tensor's optimizer; an optimizer whose every
+gradient is zero is ``zero_grads``, and a clip that zeroes every gradient ``clip_zeroes``: those say it."""
+
+from __future__ import annotations
+
+from ..finding import Finding
+from .base import Rule, RunView
+
+__all__ = ["NeverLearns", "NEVER_LEARNS"]
+
+
+class NeverLearns(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        live = run.ctx.get("live") or {}
+        # a stronger cause says it for the whole optimizer
+        covered = {f.evidence.get("series") for f in run.findings if f.code == "zero_grads"}
+        if any(f.code == "clip_zeroes" for f in run.findings):
+            return []
+        zero, unused = [], []
+        for name, (series, reads, present, nonzero) in live.items():
+            if series in covered or reads < run.limits.never_learns_steps or nonzero:
+                continue
+            (zero if present else unused).append(name)
+        if not zero and not unused:
+            return []
+        total = len(live)
+        reads = max(live[n][1] for n in zero + unused)
+        parts = []
+        if zero:
+            parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
+                         f"{reads} step(s) read: {', '.join(zero)}. They are in the loss's graph, but nothing "
+                         "passes back to them (a ReLU that never fires, e.g. after a large negative bias; an op whose "
+                         "derivative is 0 such as round, sign or argmax; a layer whose input is all zero), so the "
+                         "optimizer never moves them.")
+        if unused:
+            parts.append(f"{len(unused)} trainable tensor(s) never received a gradient (their .grad stayed None at "
+                         f"every step): {', '.join(unused)}. The script never uses them in its graph (a module "
+                         "built but not called in forward(), a branch the loss does not reach).")
+        parts.append(f"{len(zero) + len(unused)} of the {total} trainable tensor(s) the optimizers step; frozen "
+                     "parameters (requires_grad False) are not counted.")
+        title = (f"{len(zero)} tensor(s) never learn: their gradient is zero at every step" if zero else
+                 f"{len(unused)} tensor(s) never learn: the script never uses them in its graph")
+        if zero and unused:
+            title += f", and {len(unused)} are never used"
+        return [Finding(self.code, "warning", title, " ".join(parts), zero + unused, [],
+                        {"zero": zero, "unused": unused, "steps": reads, "of": total})]
+
+
+NEVER_LEARNS = NeverLearns(
+    "never_learns", "warning", "per trainable tensor, at how many steps its gradient was present and nonzero",
+    "a trainable tensor's gradient is exactly zero, or absent (the script never uses it), at every step read; "
+    "frozen parameters and unlooked-up embedding rows are not this")

@@ -1,0 +1,495 @@
+"""``python -m fastgrad.check`` judging by the evidence a run shows (issue 45): a norm above the guide's limits is a
+question unless the run shows harm; what never learns is named; a cause comes before its effects; the layers of a
+stacked RNN are layers; the advice uses the script's own names; every summary row agrees with the findings.
+Each case is a script under tests/check_scripts/ that records its own float64 truth without fastgrad; the
+premise asserted first is what makes the case, the verdict after it was written before check ran."""
+
+import math
+import statistics
+
+import pytest
+
+from fastgrad.diagnose.thresholds import RANK, RunLimits
+
+from .check_runs import cached_run, checked_run, codes, finding, row
+
+RUNS = {
+    "vae": ("vae_summed_loss.py", []),
+    "vae_lr": ("vae_summed_loss.py", ["--lr", "0.1"]),
+    "reinforce": ("reinforce_learns.py", []),
+    "dead_encoder": ("dead_encoder.py", []),
+    "no_zero_growth": ("no_zero_grad_growth.py", []),
+    "deep_rnn": ("deep_tanh_rnn.py", []),
+    "word_lm": ("word_lm_manual_sgd.py", []),
+    "word_lm_2000": ("word_lm_manual_sgd.py", ["--lr", "2000"]),
+    "frozen": ("frozen_first_layer.py", []),
+    "frozen_lr": ("frozen_first_layer.py", ["--lr", "30"]),
+}
+
+_cache: dict = {}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("evidence")
+
+
+def run(name, tmp):
+    return cached_run(_cache, RUNS, name, tmp)
+
+
+def quarters(xs, f=statistics.mean):
+    q = len(xs) // 4
+    return [f(xs[i * q:(i + 1) * q]) for i in range(4)]
+
+
+def same_as_truth(r, norm="norm"):
+    steps, truth = r["json"]["steps"], r["truth"]["steps"]
+    assert len(steps) == len(truth)
+    for s, t in zip(steps, truth):
+        assert math.isclose(s["grad_norm"], t[norm], rel_tol=1e-5), (s["step"], s["grad_norm"], t[norm])
+        assert math.isclose(s["loss"], t["loss"], rel_tol=1e-6, abs_tol=1e-9), (s["step"], s["loss"], t["loss"])
+
+
+def no_row_worse_than_the_findings(r):
+    worst = max((f["severity"] for f in r["json"]["findings"]), key=RANK.__getitem__, default="healthy")
+    for x in r["json"]["summary"]:
+        assert RANK[x["status"]] <= RANK[worst], x
+
+
+def recommendations(r):
+    return " ".join(x["text"] + "\n" + x["code_to_add"] for x in r["json"]["recommendations"])
+
+
+# ---------------------------------------------------------------------------------------------- judgement
+def test_a_loss_summed_over_the_batch_is_not_an_explosion(tmp):
+    r = run("vae", tmp)
+    t = r["truth"]["steps"]
+    losses, norms = [x["loss"] for x in t], [x["norm"] for x in t]
+    # the premise: every norm above 1000, the loss falling at every quarter, no update near the weights' size
+    assert min(norms) > 1000 and all(b < a for a, b in zip(quarters(losses), quarters(losses)[1:]))
+    assert max(x["update"] for x in t) < 0.1
+    same_as_truth(r)
+    assert not codes(r, "warning") and not codes(r, "critical") and r["rc"] == 0
+    f = finding(r, "exploding")
+    assert f["severity"] == "notice" and f["evidence"]["harm"] == []
+    assert "No harm seen: the loss fell" in f["detail"] and "clip now" not in f["title"]
+    assert finding(r, "no_clipping")["severity"] == "notice"
+    for metric in ("Total grad norm", "Max grad norm", "Norm trend", "Loss"):
+        assert RANK[row(r, metric)["status"]] <= RANK["notice"], row(r, metric)
+    assert "lr'] *= 0.1" not in r["md"] and "lower the learning rate" not in recommendations(r).lower()
+    no_row_worse_than_the_findings(r)
+
+
+def test_the_same_vae_at_100x_its_learning_rate_is_critical_with_its_evidence(tmp):
+    r = run("vae_lr", tmp)
+    t = r["truth"]["steps"]
+    # the premise: the first update rewrote the weights, the loss jumped far above its start, the norm with it
+    assert t[0]["update"] > 1 and max(x["loss"] for x in t) > 100 * t[0]["loss"] and t[1]["norm"] > 100 * t[0]["norm"]
+    same_as_truth(r)
+    f = finding(r, "exploding")
+    assert f["severity"] == "critical" and r["rc"] == 1
+    assert {"rewrite", "loss_jump", "far"} <= set(f["evidence"]["harm"]) and "Harm the run shows" in f["detail"]
+    # the rows say what the findings say: the update rewrote the weights, the loss peaked far above its start
+    up = row(r, "Update/weight ratio")
+    assert up["status"] == "critical" and "rewrote the weights" in up["value"]
+    assert row(r, "Loss")["status"] == "critical" and "peak" in row(r, "Loss")["value"]
+    # the units the blow-up killed follow from it
+    mz = finding(r, "mostly_zero")
+    assert mz["evidence"]["follows"] == "exploding"
+    no_row_worse_than_the_findings(r)
+
+
+def test_a_policy_gradient_that_learns_is_not_told_to_lower_its_learning_rate(tmp):
+    r = run("reinforce", tmp)
+    t = r["truth"]["steps"]
+    lengths, norms = [x["length"] for x in t], [x["norm"] for x in t]
+    # the premise: the episodes get 3x longer (it learns) and the norm's quarter medians rise 3x with them
+    assert quarters(lengths)[3] > 3 * quarters(lengths)[0]
+    med = quarters(norms, statistics.median)
+    assert all(b > a for a, b in zip(med, med[1:])) and med[3] > 3 * med[0]
+    same_as_truth(r)
+    assert not codes(r, "warning") and not codes(r, "critical") and r["rc"] == 0
+    f = finding(r, "increasing")
+    assert f["severity"] == "notice" and f["evidence"]["harm"] == [] and "No harm seen" in f["detail"]
+    text = recommendations(r).lower()
+    assert "lower the learning rate and clip" not in text and "lr'] *= 0.1" not in text
+    no_row_worse_than_the_findings(r)
+
+
+# ---------------------------------------------------------------------------------------------- never learns
+def test_an_encoder_dead_from_the_first_step_is_named_first(tmp):
+    r = run("dead_encoder", tmp)
+    t = r["truth"]["steps"]
+    dead = ["encoder.0.weight", "encoder.0.bias", "encoder.2.weight"]
+    assert all(x["zero"] == dead for x in t)  # the premise: these three, exactly zero at every step
+    assert max(x["norm"] for x in t) > 100
+    same_as_truth(r)
+    first = r["json"]["findings"][0]
+    assert first["code"] == "never_learns" and first["severity"] == "warning" and first["layers"] == dead
+    assert first["evidence"]["zero"] == dead and first["evidence"]["unused"] == []
+    issues = r["md"].split("### Issues Detected")[1].split("### Recommendations")[0]
+    assert all(n in issues for n in dead)  # named in the text, not only in report.json
+    assert finding(r, "exploding")["severity"] == "notice"
+    z = row(r, "Zero-gradient parameters")
+    assert z["status"] == "warning" and "never learning: encoder.0.weight" in z["value"]
+    assert r["json"]["recommendations"][0]["code"] == "never_learns" and r["rc"] == 0
+    no_row_worse_than_the_findings(r)
+
+
+def test_frozen_parameters_are_named_but_not_a_finding(tmp):
+    r = run("frozen", tmp)
+    assert "never_learns" not in codes(r) and r["rc"] == 0
+    fr = row(r, "Frozen parameters")
+    assert fr["status"] == "healthy" and "0.weight, 0.bias" in fr["value"]
+
+
+# ---------------------------------------------------------------------------------------------- cause first
+def test_accumulated_gradients_come_before_the_growth_they_cause(tmp):
+    r = run("no_zero_growth", tmp)
+    t = r["truth"]["steps"]
+    own, norms = [x["own"] for x in t], [x["norm"] for x in t]
+    # the premise: each batch's own gradient stays level while the accumulated norm grows ~100x past 1000
+    assert max(own) < 1.5 * min(own) and norms[-1] > 50 * norms[0] and norms[1] > 1000
+    same_as_truth(r)
+    found = r["json"]["findings"]
+    assert found[0]["code"] == "no_zero_grad" and found[0]["severity"] == "critical" and r["rc"] == 1
+    effects = [f for f in found if f["code"] in ("exploding", "increasing", "no_clipping", "spike")]
+    assert {f["code"] for f in effects} >= {"exploding", "increasing"}
+    for f in effects:
+        assert f["evidence"]["follows"] == "no_zero_grad" and "It follows from `no_zero_grad`" in f["detail"]
+        assert "summed over the batch" not in f["detail"] and "longer episodes" not in f["detail"]
+    recs = r["json"]["recommendations"]
+    assert recs[0]["code"] == "no_zero_grad" and "optimizer.zero_grad(set_to_none=True)" in recs[0]["code_to_add"]
+    assert all(x["code_to_add"] == "" for x in recs[1:] if x["code"] in ("exploding", "increasing"))
+
+
+# ---------------------------------------------------------------------------------------------- layers
+def test_the_layers_of_a_stacked_rnn_are_layers(tmp):
+    r = run("deep_rnn", tmp)
+    t = r["truth"]["steps"]
+    assert all(x["first"] * 1000 < x["last"] for x in t)  # the premise: 1000x less gradient in the first layer
+    same_as_truth(r)
+    f = finding(r, "depth_vanishing")
+    assert f["severity"] == "warning" and f["layers"][0] == "rnn.l0"
+    assert f["evidence"]["units"]["rnn.l0"] == ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0",
+                                                "rnn.bias_hh_l0"]
+    text = recommendations(r)
+    assert "GRU" in text and "ReLU" not in text and "kaiming" not in text and r["rc"] == 0
+    assert "where it started" not in r["md"]
+    no_row_worse_than_the_findings(r)
+
+
+# ---------------------------------------------------------------------------------------------- advice
+def test_a_hand_written_update_is_advised_in_its_own_names(tmp):
+    r = run("word_lm_2000", tmp)
+    t = r["truth"]["steps"]
+    assert t[-1]["loss"] > 20 * t[0]["loss"]  # the premise: the loss climbs and stays up
+    same_as_truth(r, norm="raw")
+    assert finding(r, "loss_diverging")["severity"] == "critical" and r["rc"] == 1
+    code = r["md"].split("### Code to Add")[1]
+    assert "lr *= 0.1" in code and "optimizer" not in code and "param_groups" not in code
+    for name in ("loader", "LeakyReLU", "ReLU"):
+        assert name not in r["md"].split("### Recommendations")[1], name
+    no_row_worse_than_the_findings(r)
+
+
+def test_the_same_language_model_at_its_own_learning_rate_is_healthy(tmp):
+    r = run("word_lm", tmp)
+    t = r["truth"]["steps"]
+    assert quarters([x["loss"] for x in t])[3] < 0.97 * quarters([x["loss"] for x in t])[0]  # the premise: it learns
+    same_as_truth(r, norm="raw")
+    assert codes(r) == ["hand_written_loop"] and r["rc"] == 0
+
+
+def test_the_update_size_row_and_the_optimizer_variable(tmp):
+    r = run("frozen_lr", tmp)
+    t = r["truth"]["steps"]
+    top = max(range(len(t)), key=lambda i: t[i]["update"])
+    assert t[top]["update"] > 5  # the premise: one update rewrote the trained weights several times over
+    same_as_truth(r)
+    f = finding(r, "loss_diverging")
+    assert f["severity"] != "notice" and f["evidence"]["rewrite"][0] == top + 1
+    up = row(r, "Update/weight ratio")
+    assert up["status"] == f["severity"] and f"at step {top + 1}" in up["value"]
+    assert math.isclose(float(up["value"].split("largest ")[1].split(" ")[0]), t[top]["update"], rel_tol=1e-3)
+    code = r["md"].split("### Code to Add")[1]
+    assert "sgd.param_groups" in code and "optimizer" not in code and "loader" not in code
+    assert "criterion" not in code
+    assert "0.weight, 0.bias" in row(r, "Frozen parameters")["value"]
+    assert finding(r, "dead")["evidence"]["follows"] == "loss_diverging"
+    no_row_worse_than_the_findings(r)
+
+
+# ---------------------------------------------------------------------------------------------- thresholds
+# Each rule between itself and its nearest wrong variant, on recorded numbers (a RunView, no script).
+def _view(norms, losses=None, *, updates=(), **extra):
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+
+    losses = losses if losses is not None else [1.0] * len(norms)
+    steps = [StepRecord(step=i, total_norm=n, loss=v, has_loss=True, numel=10, **extra)
+             for i, (n, v) in enumerate(zip(norms, losses), 1)]
+    return RunView(steps=steps, ctx={"updates": [{"step": s, "series": 0, "lr": 0.1, "ratio": r, "layers": {}}
+                                                 for s, r in updates]})
+
+
+def _exploding(view):
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    (f,) = EXPLODING.evaluate(view)
+    return f
+
+
+def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
+    lim = RunLimits()
+    flat = [1.0 + 0.01 * (i % 3) for i in range(12)]
+    # norms in the thousands from the start, flat loss: the guide's question
+    assert _exploding(_view([2000.0] * 12, flat)).severity == "notice"
+    assert _exploding(_view([200.0] * 12, flat)).severity == "notice"
+    # an update that rewrote the weights is the gravest harm: critical above 100 already; just under 1x: none
+    assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
+    assert _exploding(_view([200.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
+    assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update * 0.99)])).severity == "notice"
+    # other harm at the steps between 100 and 1000 only is a warning (a loss jump at step 6)
+    assert _exploding(_view([200.0] * 8, flat[:5] + [30.0] + flat[6:8])).severity == "warning"
+    # a NaN loss from those steps on is harm; one before them is not about them
+    assert _exploding(_view([2000.0] * 12, flat[:8] + [math.nan] * 4)).severity == "critical"
+    assert _exploding(_view([50.0] * 8 + [200.0] * 4, [math.nan] + flat[1:])).severity == "notice"
+    # critical needs the harm at the steps above 1000: harm only at a step between 100 and 1000 is a warning
+    jump = flat[:5] + [30.0] + flat[6:8]
+    assert _exploding(_view([1500.0] * 4 + [150.0] * 4, jump)).severity == "warning"
+    # a loss jump at a step over the limit, or at the step after it (the update it drove), is its harm; two
+    # steps after is not
+    for at, harmed in ((5, True), (6, True), (7, False)):
+        losses = [1.0] * 12
+        losses[at - 1] = 30.0
+        f = _exploding(_view([50.0] * 4 + [500.0] + [50.0] * 7, losses))
+        assert ("loss_jump" in f.evidence["harm"]) is harmed, at
+
+
+@pytest.mark.parametrize("history", [1, 5])
+def test_far_above_the_runs_own_level_sits_at_its_ratio(history):
+    lim = RunLimits()
+    assert lim.far_ratio == 10.0 and lim.far_history == 1
+    base = [150.0] * history
+    flat = [1.0] * (history + 4)
+
+    def sev(ratio):
+        return _exploding(_view(base + [150.0 * ratio] + [150.0] * 3, flat)).severity
+    assert sev(lim.far_ratio) == "critical" and sev(lim.far_ratio * 0.99) == "notice"
+    # the level is the median of the norms before the step, not their mean: one earlier outlier does not move it
+    if history == 5:
+        out = [150.0, 150.0, 150.0, 150.0, 1e5]
+        f = _exploding(_view(out + [1600.0] + [150.0] * 3, flat))
+        assert "far" in f.evidence["harm"]
+
+
+def test_the_runs_own_level_is_the_median_of_its_last_50_norms():
+    # 30 steps at 1000 then 30 at 150: the last 50 are mostly 150, so 1600 is 10x their median (the whole
+    # history's median, 575, would not make it far)
+    assert "far" in _exploding(_view([1000.0] * 30 + [150.0] * 30 + [1600.0], [1.0] * 61)).evidence["harm"]
+    # ... and not a shorter window: 8 recent steps at 1000 do not set the level of the 50
+    assert "far" in _exploding(_view([150.0] * 45 + [1000.0] * 8 + [1600.0], [1.0] * 54)).evidence["harm"]
+
+
+def test_a_loss_jump_is_harm_from_its_own_level():
+    lim = RunLimits()
+    norms = [200.0] * 8
+
+    def harm(jump):
+        losses = [2.0] * 4 + [2.0 * jump] + [2.0] * 3
+        return _exploding(_view(norms, losses)).evidence["harm"]
+    assert "loss_jump" in harm(lim.far_ratio) and harm(lim.far_ratio * 0.99) == []
+    # a signed objective has no level to jump from
+    assert _exploding(_view(norms, [-1.0, 1.0, -1.0, 1.0, 30.0, -1.0, 1.0, -1.0])).evidence["harm"] == []
+
+
+def test_a_loss_that_rises_beyond_its_noise_is_harm():
+    from fastgrad.diagnose.rules.evidence import loss_change
+
+    lim = RunLimits()
+    wig = [0.02 if i % 2 else -0.02 for i in range(40)]
+    c = loss_change([2.0 + w for w in wig], window=lim.stall_window, z=lim.stall_z, rel=0.01)
+    need = c["need"]
+    for k, rose in ((1.05, True), (0.95, False)):
+        vals = [2.0 + w for w in wig[:30]] + [2.0 + w + k * need for w in wig[30:]]
+        assert loss_change(vals, window=lim.stall_window, z=lim.stall_z, rel=0.01)["rose"] is rose
+        f = _exploding(_view([200.0] * 40, vals))
+        assert ("loss_rose" in f.evidence["harm"]) is rose and f.severity == ("warning" if rose else "notice")
+
+
+def test_a_rising_norm_is_a_warning_only_with_harm():
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    norms = [20.0 * (1 + 5 * i / 100) for i in range(100)]
+    flat = [1.0 + 0.01 * (i % 2) for i in range(100)]
+
+    def sev(**kw):
+        return {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(norms, flat, **kw))}["increasing"]
+    assert sev() == "notice"
+    assert sev(updates=[(40, RunLimits().blowup_update)]) == "warning"
+    # a spike inside the rise is the spike's own finding, not harm of the rise
+    spiked = list(norms)
+    spiked[60] *= 30
+    got = {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(spiked, flat))}
+    assert got["spike"] == "warning" and got["increasing"] == "notice"
+
+
+def test_a_spike_is_a_warning_from_the_far_ratio():
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    lim = RunLimits()
+
+    def sev(ratio):
+        norms = [1.0] * 40
+        norms[30] = ratio
+        return {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(norms))}.get("spike")
+    assert sev(lim.far_ratio) == "warning" and sev(lim.far_ratio * 0.99) == "notice"
+
+
+def test_the_spike_spread_is_the_scaled_mad():
+    """The robust spread behind a spike is 1.4826 x the median absolute deviation from the median (the std of
+    normal noise): a history alternating 0.5 / 1.5 has median 1, MAD 0.5, spread 0.741, so with z = 6 a spike
+    needs 1 + 6 x 0.741 = 5.448 (above the 3x minimum ratio)."""
+    from fastgrad.diagnose.rules.trends import detect_trends
+
+    alt = [0.5 if i % 2 else 1.5 for i in range(40)]
+    bound = 1.0 + 6.0 * 1.4826 * 0.5
+
+    def spikes(v):
+        return [f for f in detect_trends(list(range(1, 42)), alt + [v]) if f.code == "spike"]
+    assert spikes(bound * 1.005) and not spikes(bound * 0.995)
+    # the spread is floored at 5% of the median (a constant history is not spread 0): it decides where the
+    # minimum ratio does not, e.g. a monitor asked for spikes from 1x (1 + 6 x 0.05 = 1.3)
+    flat = [1.0] * 40
+
+    def low(v):
+        return [f for f in detect_trends(list(range(1, 42)), flat + [v], spike_ratio=1.0) if f.code == "spike"]
+    assert low(1.31) and not low(1.29)
+
+
+def test_mostly_zero_counts_the_dense_gradients_only():
+    """mostly_zero is over the dense gradients: an embedding (row-sparse, whether or not every row was looked
+    up) is left out of the share, in both directions."""
+    import torch
+
+    import fastgrad
+
+    def report(rows_touched, dense_zero):
+        emb = torch.nn.Embedding(1000, 8)
+        lin = torch.nn.Linear(10, 10)
+        emb.weight.grad = torch.zeros(1000, 8)
+        emb.weight.grad[:rows_touched] = 1.0
+        lin.weight.grad = torch.ones(10, 10)
+        lin.weight.grad.view(-1)[:dense_zero] = 0
+        lin.bias.grad = torch.ones(10)
+        named = [("emb.weight", emb.weight), ("lin.weight", lin.weight), ("lin.bias", lin.bias)]
+        return fastgrad.gradient_report(named, row_sparse=["emb.weight"])
+    # an embedding with few rows looked up: mostly zero, but not dense: the dense share (50%) stays under 75%
+    assert "mostly_zero" not in report(10, 55).codes()
+    # an embedding every row of which was looked up (all nonzero) does not dilute a dense share of 91%
+    assert "mostly_zero" in report(1000, 100).codes()
+
+
+def _losses_view(losses):
+    return _view([1.0 + 0.01 * (i % 3) for i in range(len(losses))], losses)
+
+
+def test_the_loss_starts_at_the_smaller_of_its_first_value_and_first_three_median():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    def sev(losses):
+        got = LOSS_DIVERGING.evaluate(_losses_view(losses))
+        return got[0].severity if got else None
+    # one odd first batch (high): the start is the median of the first three, 1.2, so 12.5 is 10x it
+    assert sev([3.0, 1.2, 1.1] + [12.5] * 9) == "critical"
+    # a low first loss: the start is that first value, 1.0, so 10.5 is 10x it (the median of three, 5, is not)
+    assert sev([1.0, 5.0, 5.0] + [10.5] * 9) == "critical"
+    # the median of three, not of five: 1.2 -> 11.5 is under 10x (rising, a warning); from 1.1 it would be over
+    assert sev([3.0, 1.2, 1.0, 1.1, 1.1] + [11.5] * 9) == "warning"
+
+
+def test_a_loss_that_blows_up_in_the_last_quarter_and_ends_there_is_diverging():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    def found(losses):
+        return LOSS_DIVERGING.evaluate(_losses_view(losses))
+    # 3.5e4 for most of the run, then up at every step to the end: the last quarter's median alone misses it
+    (f,) = found([3.5e4] * 30 + [1e6, 1e9, 9.3e15])
+    assert f.severity == "critical" and f.evidence["first_step"] == 31 and "to the end of the run" in f.detail
+    assert f.evidence.get("variant") is None  # a sudden late blow-up is not a bootstrapped climb
+    # two steps up at the end are enough (the rule's hold), one is not; a rise that came back down is not it
+    assert found([3.5e4] * 30 + [1e6, 1e9])[0].severity == "critical"
+    assert found([3.5e4] * 31 + [1e9]) == []
+    assert found([3.5e4] * 30 + [1e6, 1e9, 3e4]) == []
+
+
+def test_never_learns_needs_two_steps_and_tells_zero_from_unused():
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+    from fastgrad.diagnose.rules.never_learns import NEVER_LEARNS
+
+    lim = RunLimits()
+    assert lim.never_learns_steps == 2
+
+    def run_(live):
+        return RunView(steps=[StepRecord(step=1, total_norm=1.0, numel=10)], ctx={"live": live})
+    n = 2
+    live = {"a.weight": (0, n, n, 0), "b.weight": (0, n, 0, 0), "c.weight": (0, n, n, 1)}
+    (f,) = NEVER_LEARNS.evaluate(run_(live))
+    assert f.severity == "warning" and f.evidence["zero"] == ["a.weight"] and f.evidence["unused"] == ["b.weight"]
+    assert f.layers == ["a.weight", "b.weight"]
+    (g,) = NEVER_LEARNS.evaluate(run_({"b.weight": (0, n, 0, 0)}))
+    assert g.severity == "warning" and "never uses" in g.title and g.evidence["zero"] == []
+    assert NEVER_LEARNS.evaluate(run_({"a.weight": (0, n - 1, n - 1, 0)})) == []
+
+
+def test_layers_of_depth():
+    from fastgrad.diagnose.collect.snapshot import depth_of
+
+    assert depth_of("rnn.weight_ih_l0") == depth_of("rnn.bias_hh_l0_reverse") == "rnn.l0"
+    assert depth_of("lstm.weight_hr_l3") == "lstm.l3" and depth_of("weight_ih_l2") == "l2"
+    assert depth_of("encoder.layers.3.self_attn.in_proj_weight") == "encoder.layers.3"
+    assert depth_of("blocks.0.mlp.0.weight") == "blocks.0" and depth_of("0.weight") == "0"
+    assert depth_of("head.proj.weight") == "head.proj" and depth_of("start") == "start"
+
+
+def test_a_nan_gradient_is_not_a_zero_one(tmp_path):
+    """never_learns counts a gradient as nonzero when its norm is not 0: a NaN gradient (the NaN findings' to
+    report) is not "zero at every step"; a zero one is."""
+    script = tmp_path / "nan_grad.py"
+    script.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.0)\n"
+        "for step in range(4):\n"
+        "    opt.zero_grad()\n"
+        "    net(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    net[0].weight.grad.fill_(float('nan'))\n"
+        "    net[0].bias.grad.zero_()\n"
+        "    opt.step()\n")
+    r = checked_run(str(script), [], tmp_path / "t.json")
+    assert finding(r, "never_learns")["evidence"]["zero"] == ["0.bias"]
+    assert "nonfinite" in codes(r) or "nonfinite_history" in codes(r)
+
+
+def test_the_cause_comes_first_whatever_its_rank():
+    """A cause moves before the first finding that follows from it, in the report and in its advice, even when
+    the effect is more severe or earlier (an accumulation's growth flagged at step 1, its cause from step 2)."""
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import Finding, place_causes
+
+    effect = Finding("exploding", "critical", "above 1000", "", steps=[1], evidence={"series": 0, "harm": ["far"]})
+    other = Finding("lr_zero", "critical", "lr 0", "", steps=[1])
+    cause = Finding("no_zero_grad", "warning", "never zeroed", "", steps=[2])
+    found = place_causes(link_causes([effect, other, cause]))
+    assert [f.code for f in found] == ["no_zero_grad", "exploding", "lr_zero"]
+    assert effect.evidence["follows"] == "no_zero_grad" and "follows from `no_zero_grad`" in effect.detail
+    assert [c for c, _, _ in advise(found)] == ["no_zero_grad", "exploding", "lr_zero"]
+    # a never-learning tensor before a dead finding about it (the last step's, evaluated first)
+    dead = Finding("dead", "warning", "dead", "", ["0.weight"])
+    never = Finding("never_learns", "warning", "never", "", ["0.weight"], evidence={"zero": ["0.weight"]})
+    assert [f.code for f in place_causes(link_causes([dead, never]))] == ["never_learns", "dead"]
