@@ -251,6 +251,9 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
     assert _exploding(_view([200.0] * 12, flat, updates=[(3, lim.blowup_update)])).severity == "critical"
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, lim.blowup_update * 0.99)])).severity == "notice"
+    # ... and that limit is 1x the weights' size, the documented value (not the 2x of a looser variant)
+    assert _exploding(_view([2000.0] * 12, flat, updates=[(3, 1.0)])).severity == "critical"
+    assert _exploding(_view([2000.0] * 12, flat, updates=[(3, 0.99)])).severity == "notice"
     # other harm at the steps between 100 and 1000 only is a warning (a loss jump at step 6)
     assert _exploding(_view([200.0] * 8, flat[:5] + [30.0] + flat[6:8])).severity == "warning"
     # a NaN loss from those steps on is harm; one before them is not about them
@@ -291,6 +294,11 @@ def test_the_runs_own_level_is_the_median_of_its_last_50_norms():
     assert "far" in _exploding(_view([1000.0] * 30 + [150.0] * 30 + [1600.0], [1.0] * 61)).evidence["harm"]
     # ... and not a shorter window: 8 recent steps at 1000 do not set the level of the 50
     assert "far" in _exploding(_view([150.0] * 45 + [1000.0] * 8 + [1600.0], [1.0] * 54)).evidence["harm"]
+    # the window's length both ways: 26 at 150 then 24 at 1000 are the last 50 (median 150, far); a window of
+    # 48 or less holds as many 1000s as 150s or more (median 575 or 1000, not far) ...
+    assert "far" in _exploding(_view([150.0] * 45 + [1000.0] * 24 + [1600.0], [1.0] * 70)).evidence["harm"]
+    # ... and 40 at 1000 before 26 at 150: the last 50 are mostly 150 (far); a window of 52 or more is not
+    assert "far" in _exploding(_view([1000.0] * 40 + [150.0] * 26 + [1600.0], [1.0] * 67)).evidence["harm"]
 
 
 def test_a_loss_jump_is_harm_from_its_own_level():
@@ -317,6 +325,19 @@ def test_a_loss_that_rises_beyond_its_noise_is_harm():
         assert loss_change(vals, window=lim.stall_window, z=lim.stall_z, rel=0.01)["rose"] is rose
         f = _exploding(_view([200.0] * 40, vals))
         assert ("loss_rose" in f.evidence["harm"]) is rose and f.severity == ("warning" if rose else "notice")
+
+
+def test_the_loss_noise_is_the_scaled_mad_of_its_differences():
+    """The step-to-step noise is 1.4826 x the MAD of the successive differences about their mean, over sqrt(2):
+    a loss alternating 2 -/+ 0.02 over 41 values has differences of exactly +-0.04 (mean 0, MAD 0.04), so its
+    noise is 1.4826 x 0.04 / sqrt(2), and a rise counts from ``stall_z`` standard errors of it."""
+    from fastgrad.diagnose.rules.evidence import loss_change
+
+    lim = RunLimits()
+    vals = [2.0 + (0.02 if i % 2 else -0.02) for i in range(41)]
+    c = loss_change(vals, window=lim.stall_window, z=lim.stall_z, rel=0.0)
+    assert c["noise"] == pytest.approx(1.4826 * 0.04 / math.sqrt(2), rel=1e-9)
+    assert c["se"] == pytest.approx(c["noise"] * math.sqrt(2 / 10), rel=1e-9)
 
 
 def test_a_rising_norm_is_a_warning_only_with_harm():
