@@ -999,7 +999,7 @@ def test_the_hooks_lift_no_host_value_while_the_script_runs():
 @pytest.mark.parametrize("name", ["gan", "dqn", "lbfgs_nan_later_eval", "embedding_lm"])
 def test_a_checked_eager_run_computes_what_the_unchecked_run_computes(runs, name, tmp_path):
     """check only reads: the script's own float64 record of every step (gradient norms, losses) is the same,
-    bit for bit, with and without check (docs/diagnostics.md says so for eager scripts)."""
+    bit for bit, with and without check (docs/diagnostics-reference.md says so for eager scripts)."""
     checked = runs[name]["truth"]
     _, script, args, *_ = RUNS[name]
     truth = tmp_path / "plain.json"
@@ -1014,7 +1014,7 @@ def test_a_checked_eager_run_computes_what_the_unchecked_run_computes(runs, name
 
 def test_a_compiled_model_is_checked_without_torch_s_global_hook_warning(tmp_path):
     """torch warns on every call of a torch.compile'd module while global module hooks exist; under check
-    those hooks are check's own, so run_script silences exactly that warning (docs/diagnostics.md)."""
+    those hooks are check's own, so run_script silences exactly that warning (docs/diagnostics-reference.md)."""
     import warnings
 
     truth = tmp_path / "truth.json"

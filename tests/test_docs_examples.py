@@ -15,7 +15,11 @@ fence's info string:
   Any other ``# needs:`` value fails the test (no silent way out).
 * ```python fragment: an excerpt shown for reading, never run alone. Its code lines (comments and blank lines
   aside; a ``...`` line marks an elision) must appear, in order, in one complete example of the same page,
-  so a fragment cannot drift away from code that runs.
+  so a fragment cannot drift away from code that runs. Each fragment is its own test, named by page and line
+  (``test_fragment_quotes_a_complete_example[docs/PAGE.md:LINE]``), so ``pytest -v`` lists every block read
+  as a fragment, as it lists every example run (``test_example_runs[...]``).
+* A fence inside a longer fence is that block's content, as CommonMark reads it: the ```python ``Code to
+  Add`` of a report quoted in a ````text block is output shown, neither run nor checked.
 * Any other info string (bash, text, console, ...): not Python. A fence without one fails: say what it is.
 
 A ``# prints: TEXT`` comment in a complete example is a promise about its output: the test fails unless what
@@ -249,9 +253,10 @@ def fragment_problem(block: Block) -> str | None:
     return None
 
 
-def test_fragments_quote_complete_examples():
-    problems = [p for p in map(fragment_problem, FRAGMENTS) if p]
-    assert not problems, "\n\n".join(problems)
+@pytest.mark.parametrize("block", FRAGMENTS, ids=lambda b: b.id)
+def test_fragment_quotes_a_complete_example(block):
+    problem = fragment_problem(block)
+    assert problem is None, problem
 
 
 # The checks above must be able to fail: each is run once on a made-up page that breaks it.
