@@ -117,6 +117,36 @@ def test_stall_chance_level_and_flat_tiers():
     assert STALL.evaluate(_view([5.0] * lim.stall_min_steps))
 
 
+def test_a_cross_entropy_that_begins_and_ends_at_chance_is_a_stall_whatever_its_first_quarter():
+    """A learning rate that kills the network's ReLUs at its first steps: the loss begins at ln(10), bounces to
+    4 and comes back to chance. Its first quarter's mean is above the last quarter's (a "fall"), but it ended
+    where it began, at chance: a stall. Each condition sits between itself and its wrong variant: a last
+    quarter below the first loss by more than the change that counts, or a loss that ends off chance, is not
+    one."""
+    lim = RunLimits()
+    c = math.log(10)
+    wig = [0.004 if i % 2 else -0.004 for i in range(40)]
+
+    def stall(first, end_shift, bump=4.0, classes=10):
+        vals = [first, bump, 3.0, 2.6] + [c + end_shift + w for w in wig]
+        got = STALL.evaluate(_view(vals, classes=classes))
+        return got[0] if got else None
+    f = stall(c, 0.0)
+    assert f is not None and f.evidence["back"] and f.evidence["at_chance"] and "back to where it began" in f.detail
+    # it ends at chance: within stall_chance of ln(10) (inside) or just outside, whatever its first loss
+    assert stall(c * (1 + lim.stall_chance * 0.9), c * lim.stall_chance * 0.9) is not None
+    assert stall(c * (1 + lim.stall_chance * 1.1), c * lim.stall_chance * 1.1) is None
+    # the last quarter below the first loss by more than the change that counts (1% of the first quarter's
+    # mean here) has improved on it: no stall; just short of it, still one
+    from fastgrad.diagnose.rules.evidence import loss_change
+    need = loss_change([c, 4.0, 3.0, 2.6] + [c + w for w in wig], window=lim.stall_window, z=lim.stall_z,
+                       rel=Thresholds().loss_progress)["need"]
+    assert stall(c, -need * 1.2) is None
+    assert stall(c, -need * 0.8) is not None
+    # no class count (not a cross-entropy): a loss that fell from its first quarter is not judged at chance
+    assert stall(c, 0.0, classes=None) is None
+
+
 # ---------------------------------------------------------------------------------------------- consistency
 def test_a_nan_loss_the_guard_skipped_is_a_protected_run(tmp_path_factory):
     r = run("guarded_nan_loss.py", tmp_path_factory)

@@ -365,7 +365,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             st = next((f for f in findings if f.code == "stall" and f.evidence.get("series") == k), None)
             if st is not None:
                 val += (f" (not improved over {st.evidence['window']} steps: quarter means "
-                        f"{fmt(st.evidence['first_mean'])} -> {fmt(st.evidence['last_mean'])}, within its noise"
+                        f"{fmt(st.evidence['first_mean'])} -> {fmt(st.evidence['last_mean'])}, "
+                        + ("back to its first loss" if st.evidence.get("back") else "within its noise")
                         + (", at chance" if st.evidence["at_chance"] else "") + ")")
             # the findings that rest on the loss: its divergence, its stall, a jump or rise as a norm's harm
             on_loss = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k

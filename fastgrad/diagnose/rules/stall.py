@@ -6,7 +6,9 @@ improvement only when it exceeds ``stall_z`` standard errors (the step-to-step n
 successive differences about their mean over sqrt(2), which a steady trend does not inflate) and the share of the level that
 ``Thresholds.loss_progress`` asks of a "loss improving" everywhere else. A loss that rose by more than that has
 not improved either: a stall, unless ``loss_diverging`` judges the rise. A cross-entropy's chance level is ln(classes): a loss that ends
-within ``stall_chance`` of it learned nothing a uniform guess does not know. A notice, or a warning when the
+within ``stall_chance`` of it learned nothing a uniform guess does not know; one whose last quarter is not below its
+first loss by the change that counts has not improved, even when a blow-up in between made its first quarter's
+mean higher. A notice, or a warning when the
 loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it) or when the
 measured updates are below ``stall_tiny_update`` of the weights (the learning rate cannot move them); never
 critical, the run may still be right (a loss that cannot fall: labels without signal)."""
@@ -40,15 +42,19 @@ class Stall(Rule):
             if len(pts) < lim.stall_min_steps or run.multi:
                 continue  # adversarial and actor-critic losses are not meant to fall: one series only
             vals = [v for _, v in pts]
-            s = loss_stall(vals, window=lim.stall_window, z=lim.stall_z, rel=run.th.loss_progress)
-            if s is None:
+            s = loss_change(vals, window=lim.stall_window, z=lim.stall_z, rel=run.th.loss_progress)
+            classes = run.ctx.get("classes")
+            chance = math.log(classes) if classes and classes > 1 else None
+            at_chance = chance is not None and abs(s["last"] - chance) <= lim.stall_chance * chance
+            # a cross-entropy that begins at chance and ends there learned nothing, whatever its first quarter did
+            # in between (a blow-up and its recovery make the first quarter's mean high: a "fall" back to chance)
+            v0 = vals[-s["n"]]
+            back = at_chance and s["improved"] and v0 - s["last"] <= s["need"]
+            if s["improved"] and not back:
                 continue
             steps = [st for st, _ in pts[-s["n"]:]]
             level = abs(s["last"]) or 1.0
             flat = s["noise"] <= lim.stall_flat * level and abs(s["drop"]) <= lim.stall_flat * level
-            classes = run.ctx.get("classes")
-            chance = math.log(classes) if classes and classes > 1 else None
-            at_chance = chance is not None and abs(s["last"] - chance) <= lim.stall_chance * chance
             lr = run.lrs[k] if k < len(run.lrs) else None
             ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k
                          and math.isfinite(u["ratio"]))
@@ -57,13 +63,14 @@ class Stall(Rule):
             large = upd is not None and upd > lim.stall_large_update
             ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
                   "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
-                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "flat": flat,
+                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "back": back, "flat": flat,
                   "update_ratio": upd, "tiny_update": tiny}
             if tiny or large:  # the advice follows the update size: raise the learning rate, or lower it
                 ev["variant"] = "tiny_update" if tiny else "large_update"
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
-            why = (f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
+            why = (f"it {moved}, but only back to where it began: its first loss was {fmt(v0)}" if back else
+                   f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
                    f"it {moved}, beyond its step-to-step noise ({fmt(s['noise'])}) but short of the 3x rise that "
                    "would be a divergence" if s["rose"] else
                    f"it {moved}, less than {fmt(lim.stall_z)} standard errors of that difference ({fmt(lim.stall_z)} x "
