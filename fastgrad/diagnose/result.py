@@ -86,6 +86,8 @@ def _order(findings: list[Finding]) -> list[Finding]:
     def lead(f: Finding) -> int:
         if f.code == "exploding" and f.evidence.get("variant") == "overflow":
             return 0
+        if f.code == "norm_miscounted":  # a cause: the clip acted on a wrong number from the first step
+            return 0
         return 1 if f.code == "loss_diverging" else 2
     return sorted(findings, key=lambda f: (-RANK[f.severity], min(f.steps) if f.steps else math.inf, lead(f),
                                            idx[id(f)]))
@@ -110,7 +112,9 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "modules": sorted(getattr(chk, "module_types", ())),
                        "classes": getattr(chk, "ce_classes", None),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
-                       "names": _script_names(chk, manual)})
+                       "names": _script_names(chk, manual),
+                       # a multi-process run, on rank 0: every rank's record of each recorded clip
+                       "ranks": getattr(chk, "rank_calls", None)})
     used = run.used
     per = run.per
     run.ctx["clip"] = _clip_setup(used)
