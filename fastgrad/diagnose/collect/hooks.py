@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ...clip import multi_tensor_norm
+from ...distributed import to_local_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
 from .identity import IdentityMap
@@ -376,7 +377,8 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)
 
         def val(t):
-            return nan if t is None else t.detach().reshape(()).to(dev, torch.float64)
+            # (a sharded run's norms may be DTensors: the value each rank holds)
+            return nan if t is None else to_local_norm(t.detach()).reshape(()).to(dev, torch.float64)
 
         # the step's loss: everything backpropagated over the step (the micro-batch losses added up); for a
         # closure, its first evaluation's

@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from ...distributed import to_local_norm
 from ...stats import grad_stats
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
@@ -150,6 +151,9 @@ class RedFlagInterceptors:
             norm = out
             if norm_at is not None:
                 norm = kwargs.get("total_norm", args[norm_at] if len(args) > norm_at else None)
+            if isinstance(norm, Tensor):
+                # a sharded clip's DTensor norm (FSDP2, tensor parallel): the value every rank holds
+                norm = to_local_norm(norm)
             if rec is not None:
                 try:
                     chk._rank_keep(rec, norm, chk._clip_max)

@@ -90,8 +90,6 @@ class RankRecorder:
         """After the clip: keep ``rec`` with the norm the script clipped with (its device value)."""
         if rec is None or not isinstance(norm, Tensor) or norm.numel() != 1:
             return
-        if is_dtensor(norm):
-            norm = norm.full_tensor()
         self._rank_rows.append((rec, norm.detach().reshape(1), str(norm.dtype), max_norm))
 
     def _rank_gather(self) -> None:
