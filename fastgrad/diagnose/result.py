@@ -408,4 +408,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
                                                  "no_clipping", "clip_zeroes")))
     rows.append(("Gradient zeroing", f"{run.zero_grad_calls} zero_grad() call(s)", _sev(findings, "no_zero_grad")))
+    compared = run.ctx.get("rank_norms")
+    if compared:  # a multi-process run: the norm the script clipped with, against every rank's gradients
+        off = [c for c in compared if c["differs"]]
+        rows.append((f"Clip norm vs true norm ({compared[0]['ranks']} ranks)",
+                     f"{len(compared) - len(off)} of {len(compared)} recorded clip(s) equal within float32 rounding"
+                     + (" (norm_miscounted)" if off else ""), _sev(findings, "norm_miscounted")))
     return rows

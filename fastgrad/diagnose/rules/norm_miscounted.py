@@ -166,11 +166,12 @@ def _times(x: float) -> str:
 class NormMiscounted(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
         calls = run.ctx.get("ranks") or []
-        bad = []
-        for call in calls:
-            got = _judge(call)
-            if got is not None:
-                bad.append(got)
+        judged = [_judge(call) for call in calls]
+        # what the report's summary and JSON show of every recorded clip, found or not
+        run.ctx["rank_norms"] = [{"step": j["step"], "ranks": len(j["norms"]), "true_norm": j["explained"]["true"],
+                                  "norms": j["norms"], "tolerance": j["tol"], "differs": j["bad"]}
+                                 for j in judged if j is not None]
+        bad = [j for j in judged if j is not None and j["bad"]]
         if not bad:
             return []
         first = bad[0]
@@ -225,9 +226,9 @@ def _coef(norm: float, max_norm: float) -> float:
 
 
 def _judge(call: dict) -> dict | None:
-    """One clip over every rank: None when the script's norm is the true norm within :func:`tolerance` (or
-    cannot be compared: a norm that is not finite, all-zero gradients), else what :class:`NormMiscounted`
-    says about it."""
+    """One clip over every rank: None when it cannot be compared (a norm that is not finite, all-zero
+    gradients), else the comparison, ``bad`` when some rank's norm is off the truth by more than
+    :func:`tolerance`."""
     ranks = [[Entry(*x) if not isinstance(x, Entry) else x for x in r["entries"]] for r in call["ranks"]]
     norms = [r["norm"] for r in call["ranks"]]
     if any(n is None or not math.isfinite(n) for n in norms):
@@ -239,9 +240,10 @@ def _judge(call: dict) -> dict | None:
         return None
     dtype = call["ranks"][0].get("dtype", "torch.float32")
     tol = tolerance(e["numel"], e["terms"], dtype)
-    if all(abs(f - 1) <= tol for f in e["factors"]):
-        return None
-    out = {"step": call["step"], "norms": norms, "explained": e, "tol": tol, "coef_differs": False}
+    out = {"step": call["step"], "norms": norms, "explained": e, "tol": tol, "coef_differs": False,
+           "bad": any(abs(f - 1) > tol for f in e["factors"])}
+    if not out["bad"]:
+        return out
     for r, (n, rec) in enumerate(zip(norms, call["ranks"])):
         mx = rec.get("max_norm")
         if mx is None or not math.isfinite(mx):
