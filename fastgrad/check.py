@@ -1,5 +1,10 @@
-"""``python -m fastgrad.check [--steps N] [--out DIR] [--flush K] SCRIPT [ARGS...]``: check an unmodified
-training script and report on its gradients.
+"""``python -m fastgrad.check [--steps N] [--out DIR] [--flush K] [--nproc N] SCRIPT [ARGS...]``: check an
+unmodified training script and report on its gradients.
+
+A multi-process script is checked on every rank: launched per rank (``torchrun ... -m fastgrad.check
+script.py``), or with ``--nproc N``, which starts the N local processes itself with torchrun's environment
+(``fastgrad.diagnose.launch``). Rank 0 prints and writes the one report; the other ranks only send it their
+records (``fastgrad.diagnose.collect.ranks``).
 
 The script runs as ``__main__`` in this process while global hooks watch it (``fastgrad.diagnose.collect``);
 after it ends, every finding rule is evaluated on what was collected (``fastgrad.diagnose.rules``), the advice
@@ -19,6 +24,7 @@ import tempfile
 import textwrap
 
 from .diagnose.collect.hooks import Checker
+from .diagnose.launch import launch_ranks
 from .diagnose.result import EXIT_CODES, CheckResult
 from .diagnose.rules.registry import RUN_RULES
 from .diagnose.run import run_script
@@ -72,7 +78,7 @@ def _writable_folder(path: str) -> str | None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastgrad.check",
-        usage="python -m fastgrad.check [-h] [--steps N] [--out DIR] [--flush K] SCRIPT [ARGS ...]",
+        usage="python -m fastgrad.check [-h] [--steps N] [--out DIR] [--flush K] [--nproc N] SCRIPT [ARGS ...]",
         description="Run an unmodified training script and report its gradient health. Steps are numbered from "
                     "1: step N is the N-th optimizer step (the batch of `step == N - 1` in a loop counted from "
                     "0). The findings and the exit codes are listed below.",
@@ -84,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: print the report only)")
     parser.add_argument("--flush", type=_positive("--flush"), default=64, metavar="K",
                         help="read the device statistics every K steps (default: 64)")
+    parser.add_argument("--nproc", type=_positive("--nproc"), default=None, metavar="N",
+                        help="start N local processes of the script, each checked (as torchrun "
+                             "--nproc_per_node=N would: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set); "
+                             "rank 0 reports. Under torchrun, launch check itself per rank instead (default: one "
+                             "process)")
     # optional to argparse, so that a missing script gets its own message (REMAINDER args would be listed
     # as required too, and they are not)
     parser.add_argument("script", nargs="?", help="the training script")
@@ -104,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         why = _writable_folder(ns.out)
         if why:
             parser.error(why)
+    if ns.nproc is not None:
+        opts = [*(["--steps", str(ns.steps)] if ns.steps else []), *(["--out", ns.out] if ns.out else []),
+                "--flush", str(ns.flush)]
+        return launch_ranks(ns.nproc, opts, ns.script, ns.args)
     result = run_script(ns.script, ns.args, steps=ns.steps, flush_every=ns.flush)
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return result.exit_code  # rank 0 reports; the others sent it their records
     md = result.to_markdown()
     sys.stdout.flush()
     print("\n" + md, flush=True)

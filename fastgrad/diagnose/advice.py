@@ -147,6 +147,17 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "scaler.step(optimizer); scaler.update()\n"
         "# or, fused: fastgrad.scaler_unscale_and_clip(scaler, optimizer, 1.0)",
     ),
+    "norm_miscounted": (
+        "Count every element of the gradients once. DTensors (FSDP2, DTensor tensor parallelism): torch's or "
+        "fastgrad's clip_grad_norm_ reads their placements. Plain tensors that several ranks hold whole (a tied "
+        "embedding on the first and last pipeline stage, LayerNorms and biases that every tensor-parallel rank "
+        "keeps, a shared expert): declare them with fastgrad.distributed.Copies so each counts once. Shards "
+        "that other ranks hold: reduce over every rank holding a piece, not this rank's alone.",
+        "from fastgrad.distributed import Copies\n"
+        "# each tensor held whole on several ranks, with the ranks (or the process group) that hold it:\n"
+        "copies = Copies(dist.group.WORLD, {tied_embedding: [0, last_stage_rank], layer_norm.weight: tp_group})\n"
+        "total = fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0, process_group=copies)",
+    ),
     "no_zero_grad": (
         "The gradients were never zeroed, so every step used the sum of all previous gradients. Zero them "
         "once per optimizer step (after the step, or before the backward of the next one).",

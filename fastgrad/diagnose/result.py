@@ -86,6 +86,8 @@ def _order(findings: list[Finding]) -> list[Finding]:
     def lead(f: Finding) -> int:
         if f.code == "exploding" and f.evidence.get("variant") == "overflow":
             return 0
+        if f.code == "norm_miscounted":  # a cause: the clip acted on a wrong number from the first step
+            return 0
         return 1 if f.code == "loss_diverging" else 2
     return sorted(findings, key=lambda f: (-RANK[f.severity], min(f.steps) if f.steps else math.inf, lead(f),
                                            idx[id(f)]))
@@ -110,7 +112,9 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "modules": sorted(getattr(chk, "module_types", ())),
                        "classes": getattr(chk, "ce_classes", None),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
-                       "names": _script_names(chk, manual)})
+                       "names": _script_names(chk, manual),
+                       # a multi-process run, on rank 0: every rank's record of each recorded clip
+                       "ranks": getattr(chk, "rank_calls", None)})
     used = run.used
     per = run.per
     run.ctx["clip"] = _clip_setup(used)
@@ -405,4 +409,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
                                                  "no_clipping", "clip_zeroes")))
     rows.append(("Gradient zeroing", f"{run.zero_grad_calls} zero_grad() call(s)", _sev(findings, "no_zero_grad")))
+    compared = run.ctx.get("rank_norms")
+    if compared:  # a multi-process run: the norm the script clipped with, against every rank's gradients
+        off = [c for c in compared if c["differs"]]
+        rows.append((f"Clip norm vs true norm ({compared[0]['ranks']} ranks)",
+                     f"{len(compared) - len(off)} of {len(compared)} recorded clip(s) equal within float32 rounding"
+                     + (" (norm_miscounted)" if off else ""), _sev(findings, "norm_miscounted")))
     return rows

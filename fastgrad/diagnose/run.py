@@ -49,6 +49,10 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
         crash_text = _ANSI.sub("", "".join(traceback.format_exception_only(type(e), e))).strip()
         traceback.print_exc()
     finally:
+        try:  # a multi-process run whose script kept its default group: the ranks' records go to rank 0 now
+            chk._rank_gather()
+        except Exception as e:  # noqa: BLE001
+            chk.errors.append(f"could not gather the ranks' norm records: {e}")
         chk.remove()
         sys.argv, sys.path[:] = old_argv, old_path
     chk.finish()

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ...clip import multi_tensor_norm
+from ...distributed import to_local_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
 from .identity import IdentityMap
@@ -35,6 +36,7 @@ from .interceptors import _ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
+from .ranks import RankRecorder
 from .steps import StepRecord, StopCheck
 from .watch import ForwardWatcher
 
@@ -44,7 +46,7 @@ __all__ = ["Checker", "StopCheck"]
 
 
 
-class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLoopReader):
+class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLoopReader, RankRecorder):
     """The hooks and interceptors of one checked run. ``install()``/``remove()`` bracket the script."""
 
     def __init__(self, max_steps: int | None = None, flush_every: int = 64):
@@ -126,6 +128,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         self._series_params: dict = {}  # series -> (id of its named list, [(name, requires_grad)])
         self.frozen: dict = {}       # names of the parameters the script froze (requires_grad False), in order
         self.script_vars: dict = {}  # the script's own names: "model", "lr" (a hand-written loop's)
+        self._rank_init()  # a multi-process run's records of the clips (collect.ranks)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -149,13 +152,22 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         # import runs it first
         root = sys.modules[__name__.split(".")[0]]
         for mod in (torch.nn.utils, tc, root, fg_clip):
-            self._patch(mod, "clip_grad_norm_", self._wrap_clip)
+            self._patch(mod, "clip_grad_norm_", functools.partial(self._wrap_clip, ranks=True))
+            if hasattr(mod, "clip_grads_with_norm_"):  # a norm the script computed itself, then clipped with
+                self._patch(mod, "clip_grads_with_norm_",
+                            functools.partial(self._wrap_clip, norm_at=2, ranks=True))
             self._patch(mod, "clip_grad_value_", functools.partial(self._wrap_clip, bound_at=None))
         for mod in (root, fg_agc):
             self._patch(mod, "adaptive_clip_grad_", functools.partial(self._wrap_clip, bound_at=None))
         for mod in (root, fg_amp):
             self._patch(mod, "scaler_unscale_and_clip", self._wrap_fused_amp)
         self._patch(StepGuard, "clip_", self._wrap_guard_clip)
+        if torch.distributed.is_available():
+            # a multi-process run's records go to rank 0 while the default group still lives
+            from torch.distributed import distributed_c10d as c10d
+
+            for mod in (torch.distributed, c10d):
+                self._patch(mod, "destroy_process_group", self._wrap_destroy)
         # nn.CrossEntropyLoss and NLLLoss call these through the module attribute: one patch sees both forms
         for name in ("cross_entropy", "nll_loss"):
             self._patch(torch.nn.functional, name, self._wrap_class_loss)
@@ -206,6 +218,20 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
                     chk.errors.append(f"backward {chk.backward_calls}: could not read the gradients: {e}")
             return out
         return backward
+
+    def _wrap_destroy(self, orig):
+        chk = self
+
+        def destroy_process_group(group=None, *args, **kwargs):
+            import torch.distributed as dist
+
+            if group is None or group is dist.group.WORLD:
+                try:
+                    chk._rank_gather()
+                except Exception as e:  # noqa: BLE001 - never keep the script from tearing down
+                    chk.errors.append(f"could not gather the ranks' norm records: {e}")
+            return orig(group, *args, **kwargs)
+        return destroy_process_group
 
     def _wrap_class_loss(self, orig):
         chk = self
@@ -351,7 +377,8 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
         nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)
 
         def val(t):
-            return nan if t is None else t.detach().reshape(()).to(dev, torch.float64)
+            # (a sharded run's norms may be DTensors: the value each rank holds)
+            return nan if t is None else to_local_norm(t.detach()).reshape(()).to(dev, torch.float64)
 
         # the step's loss: everything backpropagated over the step (the micro-batch losses added up); for a
         # closure, its first evaluation's

@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from ...distributed import to_local_norm
 from ...stats import grad_stats
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
@@ -124,26 +125,63 @@ class RedFlagInterceptors:
             return out
         return step
 
-    def _wrap_clip(self, orig, bound_at: int | None = 1):
+    def _wrap_clip(self, orig, bound_at: int | None = 1, norm_at: int | None = None, ranks: bool = False):
         """``bound_at``: the position of the function's ``max_norm`` argument (None: a clip without a norm
-        bound, e.g. clip_grad_value_'s clip_value or AGC's clipping ratio, which are never quoted as one)."""
+        bound, e.g. clip_grad_value_'s clip_value or AGC's clipping ratio, which are never quoted as one);
+        ``norm_at``: the position of the norm the script hands in (``clip_grads_with_norm_``'s total_norm),
+        None where the clip returns the norm it computed; ``ranks``: a norm clip whose norm a multi-process
+        run compares with the truth (``collect.ranks``)."""
         chk = self
 
         def clip(*args, **kwargs):
             if chk._clip_depth:
                 return orig(*args, **kwargs)
             chk._on_clip(args, kwargs, bound_at)
+            rec = None
+            if ranks:
+                try:
+                    args, kwargs, rec = chk._rank_before_clip(args, kwargs)
+                except Exception as e:  # noqa: BLE001 - the record is evidence, never a reason to fail the clip
+                    chk.errors.append(f"step {chk.steps_done + 1}: could not record the ranks' gradients: {e}")
             chk._clip_depth += 1
             try:
                 out = orig(*args, **kwargs)
             finally:
                 chk._clip_depth -= 1
+            norm = out
+            if norm_at is not None:
+                norm = kwargs.get("total_norm", args[norm_at] if len(args) > norm_at else None)
+            if isinstance(norm, Tensor):
+                # a sharded clip's DTensor norm (FSDP2, tensor parallel): the value every rank holds
+                norm = to_local_norm(norm)
+            if rec is not None:
+                try:
+                    chk._rank_keep(rec, norm, chk._clip_max)
+                except Exception as e:  # noqa: BLE001
+                    chk.errors.append(f"step {chk.steps_done + 1}: could not record the clip's norm: {e}")
             # A norm of still-scaled gradients is not the gradient norm: keep it out of the history.
             # Only a clip between backward and step tells the norm the step would have used.
-            if isinstance(out, Tensor) and out.dim() == 0 and not chk._grads_scaled and chk._bw:
-                chk._clip_norm = out.detach()
+            if isinstance(norm, Tensor) and norm.dim() == 0 and not chk._grads_scaled and chk._bw:
+                chk._clip_norm = norm.detach()
             return out
         return clip
+
+    def _rank_before_clip(self, args, kwargs):
+        """``(args, kwargs, record)``: the clip's parameters made a list where they were a one-pass iterator
+        (the record reads them, the clip then gets the same list), and this rank's record of their gradients
+        (None when not recorded)."""
+        if self._grads_scaled:
+            return args, kwargs, None
+        params = kwargs.get("parameters", args[0] if args else None)
+        if params is None:
+            return args, kwargs, None
+        if not isinstance(params, (Tensor, list, tuple)):
+            params = list(params)
+            if "parameters" in kwargs:
+                kwargs = dict(kwargs, parameters=params)
+            else:
+                args = (params,) + tuple(args[1:])
+        return args, kwargs, self._rank_record(params)
 
     def _wrap_fused_amp(self, orig):
         chk = self

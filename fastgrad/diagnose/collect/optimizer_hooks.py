@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from ...clip import multi_tensor_norm
+from ...distributed import to_local_norm
 from ...stats import grad_stats
 from .steps import StopCheck
 
@@ -59,6 +60,8 @@ class OptimizerStepReader:
         diff = torch._foreach_sub(new, old)
         _, upd = multi_tensor_norm(diff, per_tensor=True)
         _, size = multi_tensor_norm(old, per_tensor=True)  # the weights the update was applied to
+        # sharded parameters (FSDP2): the whole tensors' norms, replicated DTensors: the value every rank holds
+        upd, size = to_local_norm(upd), to_local_norm(size)
         self.update_rows.append((self.steps_done + 1, [n for n, _ in named],
                                  torch.stack([upd.to(torch.float64), size.to(upd.device, torch.float64)])))
 

@@ -103,7 +103,7 @@ def to_dict(res) -> dict:
     return {
         "script": res.script, "args": res.args, "status": res.status, "exit_code": res.exit_code,
         "crashed": res.crashed, "crash": res.crash_text, "stopped_by_steps": res.stopped,
-        "trend": res.trend, "updates": res.context.get("updates"), "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,
+        "trend": res.trend, "updates": res.context.get("updates"), "rank_norms": res.context.get("rank_norms"), "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,
         "series": res.series, "key_steps": res.key_steps,
         "summary": [{"metric": m, "value": v, "status": s} for m, v, s in res.summary],
         "findings": [asdict(f) for f in res.findings],
