@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _scan, backends
+from .decide import nonfinite
 from ._scan import Checked, checked  # noqa: F401  (re-exported for the public modules)
 from .backends import Backend
 
@@ -50,6 +51,14 @@ def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
     if warn_empty_generator and is_generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
     return items
+
+
+def optimizer_params(optimizer) -> list[Tensor]:
+    """The parameters of every group of ``optimizer``, in order."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:  # the common case: the group's own list, no per-parameter Python step
+        return groups[0]["params"]
+    return [p for group in groups for p in group["params"]]
 
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
@@ -137,6 +146,20 @@ def _as_float(name: str, value) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+NONFINITE_MSG = (
+    "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be clipped. "
+    "To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
+
+
+def check_finite(total: Tensor, norm_type: float) -> None:
+    """``error_if_nonfinite``'s check of a total norm, before anything is written."""
+    # The one host sync the contract allows (docs/contract.md section 3), and only when the caller asked for it.
+    if nonfinite(total):
+        raise RuntimeError(NONFINITE_MSG.format(norm_type))
 
 
 def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallback: bool = True) -> bool:

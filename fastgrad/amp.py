@@ -25,7 +25,6 @@ unscaled element that found_inf does not flag); torch turns that element into Na
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Sequence
 
 import torch
@@ -33,122 +32,20 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
-from . import exact as exact_norm
+from . import exact_reads
+from . import passes
+from . import route
+from . import scaler_state
 from .backends import acc_dtype
+from .clip import clip_grad_norm_
 from .decide import amp_factor, clip_coef, grad_scale, nonfinite
-from .backends.torch_backend import combine_norms
-from .clip import _check_finite, _exact_totals, _no_sharded_fallback, _torch_fallback_allowed, clip_grad_norm_
-
-try:
-    from torch.amp.grad_scaler import GradScaler, OptState
-except ImportError:  # pragma: no cover - torch < 2.3 kept the scaler under torch.cuda.amp
-    from torch.cuda.amp.grad_scaler import GradScaler, OptState  # type: ignore[no-redef]
+from .scaler_state import GradScaler, OptState
 
 __all__ = ["scaler_unscale_and_clip", "zero_write_applies"]
-
-_SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
-
-
-def optimizer_params(optimizer) -> list[Tensor]:
-    groups = optimizer.param_groups
-    if len(groups) == 1:  # the common case: the group's own list, no per-parameter Python step
-        return groups[0]["params"]
-    return [p for group in groups for p in group["params"]]
-
-
-# ---------------------------------------------------------------- what kind of scaler
-def _sharded_scaler_class():
-    # Only look the class up if the user's program imported it: a ShardedGradScaler instance implies that,
-    # and importing torch.distributed.fsdp just to answer "no" would cost every call.
-    mod = sys.modules.get(_SHARDED_MODULE)
-    return getattr(mod, "ShardedGradScaler", None) if mod is not None else None
-
-
-def _is_sharded(scaler) -> bool:
-    cls = _sharded_scaler_class()
-    return cls is not None and isinstance(scaler, cls)
-
-
-def _traced_plain(scaler) -> bool:
-    """True while dynamo traces a call on a plain ``GradScaler`` (exactly that class): dynamo will not trace
-    into torch/amp's methods, so that path reads the scaler's fields instead (what those methods read).
-    Eager calls, subclasses and ShardedGradScaler keep calling the methods (those graph-break if compiled)."""
-    return torch.compiler.is_compiling() and type(scaler) is GradScaler
-
-
-def _enabled(scaler, traced: bool) -> bool:
-    return scaler._enabled if traced else scaler.is_enabled()
-
-
-def _optimizer_state(scaler, optimizer, traced: bool) -> dict:
-    states = scaler._per_optimizer_states
-    if not traced:
-        return states[id(optimizer)]
-    # The defaultdict's factory lives in torch/amp (not traceable): build the same fresh state here.
-    key = id(optimizer)
-    state = states.get(key)
-    if state is None:
-        state = {"stage": OptState.READY, "found_inf_per_device": {}}
-        states[key] = state
-    return state
-
-
-def _known_unscale(scaler) -> bool:
-    """True when ``scaler.unscale_`` is torch's own (plain or sharded), i.e. the behaviour we reproduce. A
-    subclass that overrides unscale_ or _unscale_grads_ gets its own code run instead (the composed path)."""
-    t = type(scaler)
-    impls = [GradScaler]
-    sharded = _sharded_scaler_class()
-    if sharded is not None:
-        impls.append(sharded)
-    return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
 
 
 class ScaleNotStartedError(RuntimeError, AssertionError):
     """A GradScaler used before its first ``scale()`` (an AssertionError too, as torch raises there)."""
-
-
-def _check_ready(scaler, state: dict, traced: bool = False) -> None:
-    """torch's checks in unscale_, in torch's order and with its texts."""
-    if traced:  # _check_scale_growth_tracker's checks, inlined (its method cannot be traced)
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if scaler._scale is None:
-            raise AssertionError("Attempted unscale_ but _scale is None.  " + fix)
-        if scaler._growth_tracker is None:
-            raise AssertionError("Attempted unscale_ but _growth_tracker is None.  " + fix)
-    else:
-        scaler._check_scale_growth_tracker("unscale_")
-    if state["stage"] is OptState.UNSCALED:
-        raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-    if state["stage"] is OptState.STEPPED:
-        raise RuntimeError("unscale_() is being called after step().")
-
-
-def _inv_scale(scaler) -> Tensor:
-    # As unscale_: the reciprocal in fp64 then fp32 (fp32 division is imprecise under some compile options);
-    # MPS has no fp64.
-    s = scaler._scale
-    return s.reciprocal() if s.device.type == "mps" else s.double().reciprocal().float()
-
-
-def _all_reduce_found_inf(scaler, found: dict[torch.device, Tensor]) -> None:
-    """ShardedGradScaler.unscale_'s cross-rank reduction of the per-device flags (SUM over its process
-    group), including its detour through the scaler's device for flags on the CPU."""
-    import torch.distributed as dist
-
-    works, on_cpu, moved = [], [], []
-    for f in found.values():
-        if scaler._device != "cpu" and f.device.type == "cpu":
-            m = f.to(scaler._device)
-            on_cpu.append(f)
-            moved.append(m)
-            works.append(dist.all_reduce(m, async_op=True, group=scaler.process_group))
-        else:
-            works.append(dist.all_reduce(f, async_op=True, group=scaler.process_group))
-    for w in works:
-        w.wait()
-    if on_cpu:
-        torch._foreach_copy_(on_cpu, moved)
 
 
 # ---------------------------------------------------------------- zero-write mode
@@ -196,7 +93,7 @@ def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None)
     (``_step_supports_amp_scaling``, e.g. torch's ``fused=True`` Adam/AdamW/SGD) without the legacy
     ``grad_scaler`` keyword and without a ``grad_scale`` of its own already set, and no float64 gradients
     (the fused kernels take a float32 scale)."""
-    if not scaler.is_enabled() or not _known_unscale(scaler):
+    if not scaler.is_enabled() or not scaler_state.known_unscale(scaler):
         return False
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
@@ -208,53 +105,10 @@ def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None)
     except (TypeError, ValueError):
         return False
     if grads is None:
-        grads = inputs.grads_of(optimizer_params(optimizer))
+        grads = inputs.grads_of(inputs.optimizer_params(optimizer))
     if inputs.has_dtype(grads, torch.float64):
         return False
     return _step_keeps_grad_scale(type(scaler).step)
-
-
-# ---------------------------------------------------------------- per-device passes
-def device_amp_norms(groups: list[list[Tensor]], inv_scale: Tensor, norm_type: float, backend: str | None
-                     ) -> list[tuple[Tensor, Tensor]]:
-    """The read pass: per device group, ``(total of the unscaled values, found_inf)`` on that device.
-    Backends for this pass and for the write pass are chosen first, so a backend that cannot serve the call
-    raises before anything is read or written."""
-    amp = [inputs.pick("amp_norm", g, backend, norm_type=norm_type) for g in groups]
-    for g in groups:
-        inputs.pick("scale", g, backend)
-    return [b.amp_norm(g, inv_scale.to(g[0].device, non_blocking=True), norm_type) for b, g in zip(amp, groups)]
-
-
-def combine_device_totals(totals: list[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
-                          ) -> Tensor:
-    """Total norm over devices from the per-device totals, on ``device`` in ``dtype`` (as clip.py does)."""
-    if len(totals) == 1:
-        return totals[0].to(device, dtype)
-    return combine_norms(torch.stack([t.to(device, dtype) for t in totals]), norm_type)
-
-
-def _scale_groups(groups: list[list[Tensor]], factor: Tensor, backend: str | None) -> None:
-    for g in groups:
-        b = inputs.pick("scale", g, backend)
-        b.scale_(g, factor.to(g[0].device, non_blocking=True))
-
-
-def _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend
-                      ) -> None:
-    """After the read pass: the scaler state unscale_ leaves (flags per device, stage UNSCALED; the flags
-    all-reduced for a ShardedGradScaler), then, if asked, the non-finite check, which raises after writing
-    the unscaled values, as unscale_ had already done when torch's clip_grad_norm_ raises."""
-    state["found_inf_per_device"] = found
-    state["stage"] = OptState.UNSCALED
-    if sharded:
-        _all_reduce_found_inf(scaler, found)
-    if error_if_nonfinite:
-        try:
-            _check_finite(total, p)
-        except RuntimeError:
-            _scale_groups(groups, inv_scale, backend)
-            raise
 
 
 # ---------------------------------------------------------------- public
@@ -316,17 +170,17 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
                         "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_norm.applies(exact, p)  # inf: a max of correctly rounded unscaled values, exact already
+    ex = exact_reads.applies(exact, p)  # inf: a max of correctly rounded unscaled values, exact already
     try:
-        params = optimizer_params(optimizer)
+        params = inputs.optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
         _explain_bad_args(scaler, optimizer)  # raises the TypeError that says the fix
-    traced = _traced_plain(scaler)
-    if not _enabled(scaler, traced):
+    traced = scaler_state.traced_plain(scaler)
+    if not scaler_state.enabled(scaler, traced):
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
                                process_group=process_group, exact=ex)
 
-    if not traced and not _known_unscale(scaler):
+    if not traced and not scaler_state.known_unscale(scaler):
         # A scaler with its own unscale_ (and its own rules): run it, then clip.
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
@@ -337,86 +191,63 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         raise ScaleNotStartedError(
             "scaler_unscale_and_clip was called before scaler.scale(loss): the GradScaler has no scale yet. "
             "Call scaler.scale(loss).backward() first in each iteration; the gradients were not modified")
-    state = _optimizer_state(scaler, optimizer, traced)
-    _check_ready(scaler, state, traced)
-    sharded = not traced and _is_sharded(scaler)
-    grads = inputs.grads_of(params)
+    state = scaler_state.optimizer_state(scaler, optimizer, traced)
+    scaler_state.check_ready(scaler, state, traced)
+    sharded = not traced and scaler_state.is_sharded(scaler)
+    grads = passes.grads_of(params)
     if not sharded and inputs.has_dtype(grads, torch.float16):
         raise ValueError("Attempting to unscale FP16 gradients.")
-    if inputs.check_tensors(grads):
+    plan = route.lookup(params, process_group)
+    sh = plan.place(grads)
+    if plan.route == "torch":
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
         # was asked for by name).
-        _no_sharded_fallback(process_group)
-        if ex:
-            exact_norm.reject_fallback()
-        _torch_fallback_allowed(backend, "scaler_unscale_and_clip")
+        plan.refuse_fallback("scaler_unscale_and_clip", backend, ex)
         scaler.unscale_(optimizer)
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
 
-    inv_scale = _inv_scale(scaler)
+    inv_scale = scaler_state.inv_scale(scaler)
     # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
     flag_shape = (1,) if sharded else ()
-    if ex and (grads or process_group is not None):
-        return _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite,
-                                       backend, process_group, flag_shape)
-    if process_group is not None or distributed.has_dtensor(grads):
-        return _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p,
-                                         error_if_nonfinite, backend, process_group, flag_shape)
+    if ex and (grads or sh is not None):
+        return _exact_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite,
+                                       backend, flag_shape)
+    if sh is not None:
+        return _sharded_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p,
+                                         error_if_nonfinite, backend, flag_shape)
     if not grads:
-        found = {}
-        if sharded:  # it records a flag on the scale's device even with nothing to check
-            found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
-        state["found_inf_per_device"] = found
-        state["stage"] = OptState.UNSCALED
-        if sharded:
-            _all_reduce_found_inf(scaler, found)
+        scaler_state.record_unscaled(scaler, state, {}, sharded, flag_shape)
         return torch.tensor(0.0)
+    if not sharded and not error_if_nonfinite:
+        b = route.one_call_backend("amp_norm", grads, backend, p)
+        if b is not None:
+            return _amp_clip_one_call(b, scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend)
 
     groups = inputs.split_by_device(grads)
-    if len(groups) == 1 and not sharded and not error_if_nonfinite:
-        fused = _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend)
-        if fused is not None:
-            return fused
-    parts = device_amp_norms(groups, inv_scale, p, backend)
-    first = grads[0].device
-    dtype = acc_dtype(grads)
-    total = combine_device_totals([t for t, _ in parts], p, first, dtype)
+    parts = passes.amp_norms(groups, inv_scale, p, backend)
+    total = passes.combine_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
     found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
-    _record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale, backend)
+    scaler_state.record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale,
+                                  backend)
 
     factor = amp_factor(total, max_norm, inv_scale)  # unscale and clip in one multiply
     if zero_write and zero_write_applies(scaler, optimizer, grads):
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
         optimizer.grad_scale = grad_scale(factor)
     else:
-        _scale_groups(groups, factor, backend)
+        passes.scale_groups(groups, factor, backend)
     return total.to(inputs.promoted_dtype(grads))
 
 
-def unscale_first(groups: list[list[Tensor]], inv_scale: Tensor, flag_shape=()) -> dict:
-    """``unscale_``'s own pass per device group: the overflow flag read from the SCALED values, the
-    gradients multiplied by ``inv_scale`` in place. Returns the flags by device."""
-    found = {}
-    for g in groups:
-        dev = g[0].device
-        f = torch.zeros(flag_shape, dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(g, f, inv_scale.to(dev, non_blocking=True))
-        found[dev] = f
-    return found
-
-
-def _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite, backend,
-                            process_group, flag_shape):
+def _exact_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite, backend,
+                            flag_shape):
     """exact=True: unscale (the flags as unscale_ records them), the exact norm of the unscaled values (one more
     read), then the clip by the coefficient computed from it (one write, skipped on the device when 1)."""
     for g in inputs.split_by_device(grads):  # the backends that will write, checked before anything is
         inputs.pick("scale", g, backend)
-    sh = None
-    if process_group is not None or distributed.has_dtensor(grads):
-        sh = distributed.prepare(grads, process_group)
     groups = inputs.split_by_device(sh.writes if sh is not None else grads)
-    found = unscale_first(groups, inv_scale, flag_shape)
-    total, out = _exact_totals(grads, p, backend, sh)  # (of the gradients unscaled just above)
+    found = passes.unscale_first(groups, inv_scale, flag_shape)
+    total, out = route.total_norm(sh, grads, p, backend, None, True)  # (of the gradients unscaled just above)
     if sh is not None:
         out = distributed.wrap_like(out, sh)
         # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled), so
@@ -426,28 +257,23 @@ def _exact_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, 
         if sharded and not found:
             found[scaler._scale.device] = bad.to(scaler._scale.device).reshape(flag_shape)
         sharded = False
-    _record_read_pass(scaler, state, sharded, found, total, p, False, groups, inv_scale, backend)
+    scaler_state.record_unscaled(scaler, state, found, sharded)
     if error_if_nonfinite:
-        _check_finite(total, p)  # the gradients stay unscaled and unclipped, as the two torch calls leave them
+        inputs.check_finite(total, p)  # the gradients stay unscaled and unclipped, as the two torch calls leave them
     if groups:
-        _scale_groups(groups, clip_coef(total.to(groups[0][0].device), max_norm), backend)
+        passes.scale_groups(groups, clip_coef(total.to(groups[0][0].device), max_norm), backend)
     return out
 
 
-def _amp_clip_one_backend(scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend
-                          ) -> Tensor | None:
-    """One device, a plain GradScaler, no finiteness check: the read pass, the factor and the write
-    in ONE backend call (``amp_clip_``), which fused backends run as a few kernels with no torch op between
-    them. None (nothing done) when different backends would serve the read and the write; the caller then
-    composes the pieces. The scaler state is set as the composed path sets it."""
-    b = inputs.pick("amp_norm", grads, backend, norm_type=p)
-    if inputs.pick("scale", grads, backend) is not b:
-        return None
+def _amp_clip_one_call(b, scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend) -> Tensor:
+    """One device, a plain GradScaler, no finiteness check, one backend ``b`` for the read and the write: the read
+    pass, the factor and the write in ONE backend call (``amp_clip_``), which fused backends run as a few kernels
+    with no torch op between them. The scaler state is set as the composed path sets it."""
     # decided before the read pass (host-side checks only), so the primitive knows whether to write
     hand_over = zero_write and zero_write_applies(scaler, optimizer, grads)
     dev = grads[0].device
     total, found, factor = b.amp_clip_(grads, inv_scale.to(dev, non_blocking=True), max_norm, p, not hand_over)
-    _record_read_pass(scaler, state, False, {dev: found.reshape(())}, total, p, False, [grads], inv_scale, backend)
+    scaler_state.record_unscaled(scaler, state, {dev: found.reshape(())}, False)
     if hand_over:
         # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
         optimizer.grad_scale = grad_scale(factor)
@@ -469,20 +295,11 @@ def _scaler_group_is_span(scaler, sh) -> bool:
     return ranks == span
 
 
-def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm, p, error_if_nonfinite,
-                              backend, process_group, flag_shape):
+def _sharded_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite,
+                              backend, flag_shape):
     """scaler_unscale_and_clip over local shards (fastgrad.distributed): the same read pass per rank, one
     all-reduce for the norm and the overflow flag, then the same folded write of the local shards."""
-    sh = distributed.prepare(grads, process_group)
-
-    def local_amp(ts):
-        groups = inputs.split_by_device(ts)
-        parts = device_amp_norms(groups, inv_scale, p, backend)
-        total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
-        flag = torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
-        return total, flag
-
-    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, local_amp)
+    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv_scale, p, backend))
     # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly
     # the ranks the norm's all-reduce reached, the global flag that came back with the norm IS that
     # reduction (as 0/1 where torch records the number of ranks that overflowed; step and update read both
@@ -494,9 +311,9 @@ def _sharded_unscale_and_clip(scaler, state, sharded, grads, inv_scale, max_norm
     if sharded and not found:  # it records a flag on the scale's device even with nothing to check
         found[scaler._scale.device] = flag.to(scaler._scale.device).reshape(flag_shape)
     # the total is the same on every rank, so with error_if_nonfinite all ranks raise alike
-    _record_read_pass(scaler, state, sharded and not folded, found, total, p, error_if_nonfinite, groups,
-                      inv_scale, backend)
+    scaler_state.record_read_pass(scaler, state, sharded and not folded, found, total, p, error_if_nonfinite, groups,
+                                  inv_scale, backend)
     if groups:
         dev = groups[0][0].device
-        _scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)
+        passes.scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)
     return distributed.wrap_like(total.to(inputs.promoted_dtype(grads)) if grads else total, sh)

@@ -1,25 +1,36 @@
-"""One plan per list: the route ``clip_grad_norm_`` takes for a list of parameters, chosen once and cached.
+"""One plan per list: which way a list of gradients goes, decided once and cached, for every public op that reads
+them.
 
 A route says how a list is read and written, never what is decided (that is ``fastgrad.decide``):
 
 ===============  ==============================================================================================
 route            how the list is served
 ===============  ==============================================================================================
-``cpu``          plain dense CPU grads on the cpu backend: norm, coefficient and scale in one C++ call
-``plain``        plain grads: one backend call per device (norm, coefficient and scale fused when one backend
-                 serves them all), devices combined through their totals
-``sharded``      DTensor grads, or ``process_group=``: local norms, one collective (``fastgrad.distributed``)
-``sharded-cpu``  DTensor grads with CPU local shards on the cpu backend: the local part in one C++ pass, then
-                 the same collective and coefficient as ``sharded`` (the same bits)
-``torch``        sparse, complex or other floating grads: ``torch.nn.utils`` itself
+``cpu``          plain dense CPU grads on the cpu backend: ``clip_grad_norm_``'s norm, coefficient and scale in
+                 one C++ call
+``plain``        plain dense grads: one backend call per device (read, decision and write fused in one call when
+                 one device and one backend serve them: :func:`one_call_backend`), devices combined through their
+                 totals (``fastgrad.passes``)
+``sharded``      DTensor grads, or ``process_group=``: local reads, one collective (``fastgrad.distributed``)
+``sharded-cpu``  DTensor grads with CPU local shards on the cpu backend: ``clip_grad_norm_``'s local part in one
+                 C++ pass, then the same collective and coefficient as ``sharded`` (the same bits)
+``torch``        sparse, complex or other floating grads: torch's own implementation, where the call allows it
+                 (:meth:`ListPlan.refuse_fallback`)
 ===============  ==============================================================================================
 
-The first call on a list plans it (``route`` None until then: the call tries ``cpu`` and else takes the general
-path, which records the route it took); later calls go straight to that route. The plan is keyed by the list's
-length, its group and its first parameter (held and compared with ``is``, so a reused id cannot alias), so a loop
-that passes ``model.parameters()`` every step reuses it. A route that finds its list changed declines (each
-route checks what it relies on, in its own pass: the C++ passes check every grad) and the list is planned
-again, so a stale plan costs one extra attempt, never a wrong result.
+The questions a route answers are asked here and nowhere else: is the list sharded, and over which ranks
+(:meth:`ListPlan.place`, which keeps the list's layout and the plan of its collectives); may torch's own
+implementation serve it (:meth:`ListPlan.refuse_fallback`); does one backend call do the whole clip
+(:func:`one_call_backend`); exact or not (:func:`total_norm`, :func:`norms`: the readings of a placed list).
+
+The plan of a parameter list (:func:`lookup`) is cached, keyed by the list's length, its group and its first
+parameter (held and compared with ``is``, so a reused id cannot alias), so a loop that passes
+``model.parameters()`` every step reuses it. Its first call places it (``route`` None until then); a later call
+goes straight to the route it recorded. A route that finds its list changed declines (each route checks what it
+relies on, in its own pass: the C++ passes check every grad) and the list is placed again, so a stale plan costs
+one extra attempt, never a wrong result. A list of gradients themselves (``get_total_norm``,
+``multi_tensor_norm``) gets a fresh plan per call (:func:`plan_for`): a cache keyed by a gradient would keep it
+alive after ``zero_grad``.
 
 ``plan_of(model.parameters())`` shows the plan, e.g. ``ListPlan(route='sharded-cpu', params=148,
 collectives=all-reduce over the world)``.
@@ -30,21 +41,28 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
+from . import _inputs as inputs
 from . import distributed
-from .distributed.plan import _keep, _used
+from . import exact_reads
+from . import passes
+from .backends import Backend, BackendError, acc_dtype
+from .distributed.plan import bounded_put, mark_used
 
-__all__ = ["ListPlan", "plan_of", "lookup", "ROUTES"]
+__all__ = ["ListPlan", "plan_of", "lookup", "plan_for", "ROUTES", "SHARDED", "one_call_backend", "total_norm",
+           "norms"]
 
 ROUTES = ("cpu", "plain", "sharded", "sharded-cpu", "torch")
+SHARDED = ("sharded", "sharded-cpu")
 _PLANS: dict = {}
 _CAP = 64  # lists planned at once: a model's clip lists (a few per training script), each a few hundred bytes
 
 
 class ListPlan:
-    """How ``clip_grad_norm_`` serves one list: ``route`` (one of :data:`ROUTES`, None before the first call),
-    ``layout`` (the sharded routes: the list's cached layout, with the plan of its collectives) and the list's
-    identity (``n``, ``first``, ``group``)."""
+    """How one list is served: ``route`` (one of :data:`ROUTES`, None before the list is placed), ``layout``
+    (the sharded routes: the list's cached layout, with the plan of its collectives) and the list's identity
+    (``n``, ``first``, ``group``: the ``process_group=`` its calls pass)."""
 
     __slots__ = ("route", "layout", "n", "first", "group")
 
@@ -64,16 +82,59 @@ class ListPlan:
             parts.append(f"collectives={plan.describe()}")
         return f"ListPlan({', '.join(parts)})"
 
+    def sharded(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether ``tensors`` (this call's gradients of the list, or the list itself) are reduced across ranks:
+        a ``process_group=``, or a DTensor among them."""
+        return self.group is not None or distributed.has_dtensor(tensors)
+
+    def place(self, tensors: Sequence[Tensor], what: str = "gradients", *, for_norm: bool = True
+              ) -> distributed.Sharded | None:
+        """This call's route for ``tensors``, recorded in the plan: the sharded view of a sharded list (local
+        shards, what this rank counts, the collectives; with ``for_norm=False`` only the local tensors to
+        write), else None, the route then ``plain`` or ``torch`` (some tensor that torch's own implementation
+        serves: :meth:`refuse_fallback` says whether this call may). Raises TypeError for integer or bool
+        tensors (``what`` names them)."""
+        if self.sharded(tensors):
+            sh = distributed.prepare(tensors, self.group, for_norm=for_norm)
+            # the compiled scan of the local tensors checked the usual list in one C++ pass; only a list it
+            # declines pays the Python check (through the DTensors, about a microsecond each)
+            if sh.checked or not inputs.check_tensors(tensors, what):
+                if sh.layout is not None:
+                    self.layout = sh.layout  # (the sharded-cpu route's input; for the repr, the collectives)
+                    self.route = "sharded-cpu" if distributed.takes_cpu_pass(sh, self.group) else "sharded"
+                elif self.route not in SHARDED:
+                    self.route = "sharded"
+                return sh
+            self.route = "torch"
+            return None
+        self.route = "torch" if inputs.check_tensors(tensors, what) else "plain"
+        return None
+
+    def refuse_fallback(self, fn: str, backend: str | None, exact: bool = False) -> None:
+        """The ``torch`` route's question: may torch's own implementation serve this call of ``fn``? Raises when
+        not: a ``process_group=`` (fastgrad's reduction only), ``exact=True``, or a fastgrad backend asked for by
+        name. Returns when it may (an automatic or torch choice)."""
+        if self.group is not None:
+            raise TypeError("process_group= supports dense real floating tensors only (no sparse or complex)")
+        if exact:
+            exact_reads.refuse_fallback()
+        name = inputs.requested_backend(backend)
+        if name not in (None, "torch"):
+            raise BackendError(
+                f"fastgrad backend {name!r} cannot run {fn}: sparse, complex or non-standard floating gradients "
+                "are handled only by torch's own implementation (backend='torch' or automatic choice)"
+            )
+
 
 def plan_of(params: Sequence, process_group=None) -> ListPlan:
     """The cached plan of ``params`` (a list, or any iterable of parameters) with this ``process_group``; a new,
-    unplanned one for a list not seen yet."""
+    unplaced one for a list not seen yet."""
     return lookup(params if type(params) is list else list(params), process_group)
 
 
 def lookup(params: list, process_group) -> ListPlan:
     """:func:`plan_of` for a list. While torch.compile traces, a fresh plan (Dynamo 2.11 cannot trace every id(),
-    and the routes a plan remembers are eager C++ passes): the traced call plans it as a first call would."""
+    and the routes a plan remembers are eager C++ passes): the traced call places it as a first call would."""
     if not params or torch.compiler.is_compiling():
         return ListPlan(len(params), params[0] if params else None, process_group)
     first = params[0]
@@ -81,11 +142,16 @@ def lookup(params: list, process_group) -> ListPlan:
     plan = _PLANS.get(key)
     if plan is not None and plan.first is first and plan.group is process_group:
         if len(_PLANS) > _CAP // 2:  # the recency order matters only once the cache can fill: skip its upkeep
-            _used(_PLANS, key)
+            mark_used(_PLANS, key)
         return plan
     plan = ListPlan(len(params), first, process_group)
-    _keep(_PLANS, key, plan, _CAP)
+    bounded_put(_PLANS, key, plan, _CAP)
     return plan
+
+
+def plan_for(tensors: list, process_group) -> ListPlan:
+    """A fresh, uncached plan for a list of gradients themselves (see the module's docstring)."""
+    return ListPlan(len(tensors), tensors[0] if tensors else None, process_group)
 
 
 def clear() -> None:
@@ -94,3 +160,51 @@ def clear() -> None:
 
 
 distributed._ON_CLEAR.append(clear)
+
+
+# ------------------------------------------------------------------------------------------ the readings
+def one_call_backend(read: str, grads: list[Tensor], backend: str | None, p: float) -> Backend | None:
+    """The backend that reads, decides and writes a plain list in ONE call (its fused ``clip_norm_`` or
+    ``amp_clip_``, ``read`` naming its read primitive: ``norm`` or ``amp_norm``): when the grads are on one device
+    and the same backend serves the read and the scale; else None (the caller composes the passes)."""
+    if len(inputs.split_by_device(grads)) != 1:
+        return None
+    b = inputs.pick(read, grads, backend, norm_type=p)
+    return b if inputs.pick("scale", grads, backend) is b else None
+
+
+def out_dtype(sh: distributed.Sharded | None, tensors: list[Tensor]) -> torch.dtype | None:
+    """The dtype a norm of ``tensors`` is returned in (torch's: their promoted dtype), from the compiled scan of a
+    sharded list's local tensors when there is one; None for an empty list (its norm keeps its own dtype)."""
+    if not tensors:
+        return None
+    return inputs.promoted_dtype(sh.writes if sh is not None and sh.checked else tensors)
+
+
+def total_norm(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backend: str | None,
+               foreach: bool | None, exact: bool) -> tuple[Tensor, Tensor]:
+    """The total norm of a placed list (``sh``: its sharded view, one collective; None: plain):
+    ``(in the accumulation dtype, for a coefficient; the value returned, in the list's dtype)``. ``exact``: both
+    correctly rounded from one exact sum (fastgrad.exact)."""
+    dtype = out_dtype(sh, tensors)
+    if exact:
+        if sh is not None:
+            return exact_reads.sharded_totals(sh, p, backend, dtype)
+        return exact_reads.totals(tensors, p, backend, acc_dtype(tensors), dtype)
+    if sh is not None:
+        total, _ = passes.sharded_norm(sh, p, backend, foreach)
+    else:
+        total, _ = passes.list_norm(tensors, p, backend, foreach)
+    return total, total if dtype is None else total.to(dtype)
+
+
+def norms(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backend: str | None, exact: bool,
+          per_tensor: bool, poison: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The total and, with ``per_tensor``, per-tensor norms of a placed list in the accumulation dtype (``sh``
+    and ``exact`` as :func:`total_norm`; ``poison``: a sharded list's flag of uncounted copies,
+    ``fastgrad.distributed.nonfinite_poison``)."""
+    if exact:
+        return exact_reads.acc_norms(tensors, p, backend, per_tensor, sh, poison)
+    if sh is not None:
+        return passes.sharded_norm(sh, p, backend, None, per_tensor, poison)
+    return passes.list_norm(tensors, p, backend, None, per_tensor)

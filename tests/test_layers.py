@@ -39,15 +39,19 @@ LAYERS: list[list[str]] = [
     # 5: the backends, then their registry
     ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
     ["fastgrad.backends"],
-    # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and one collective, which
-    # ranks reduce together, a list's local view, what each kind of call reduces, then the package; the exact
-    # norm, whose sharded form rides on that package's collective; the plan of a list's route
-    ["fastgrad._inputs", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
+    # 6: helpers of the public ops: input checks and the exact norm's arithmetic; the sharded reduction: its
+    # DTensor adapters and one collective, which ranks reduce together, a list's local view, what each kind of
+    # call reduces, then the package; the passes over a list (reads and writes per device); the exact norm's
+    # readings (its sharded form rides on that package's collective) and a GradScaler's state; the plan of a
+    # list's route, which chooses among those readings
+    ["fastgrad._inputs", "fastgrad.exact", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
     ["fastgrad.distributed.plan"],
     ["fastgrad.distributed.layout"],
     ["fastgrad.distributed.reduce"],
     ["fastgrad.distributed"],
-    ["fastgrad.exact", "fastgrad.route"],
+    ["fastgrad.passes"],
+    ["fastgrad.exact_reads", "fastgrad.scaler_state"],
+    ["fastgrad.route"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],
@@ -210,8 +214,8 @@ def test_no_import_cycle():
 def test_graph_sees_known_edges():
     g = import_graph()
     assert "fastgrad._scan" in g["fastgrad.backends.base"]
-    assert "fastgrad.backends" in g["fastgrad.clip"]  # via `from .backends.torch_backend import ...`
-    assert "fastgrad.backends.torch_backend" in g["fastgrad.clip"]
+    assert "fastgrad.backends" in g["fastgrad.passes"]  # via `from .backends.torch_backend import ...`
+    assert "fastgrad.backends.torch_backend" in g["fastgrad.passes"]
     assert "fastgrad.triton_kernels" in g["fastgrad.backends.triton_backend"]  # function-local import
     assert "fastgrad.clip" in g["fastgrad.diagnose.collect.hooks"]  # `from ... import clip as fg_clip`, in a function
 

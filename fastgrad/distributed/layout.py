@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import _scan
 from .agreement import _PENDING, _raise_pending
 from .dtensor import _dtensor_cls
-from .plan import Shards, _Plan, _keep, _plan_for, _spec_info, _unwrap, _used, group_key
+from .plan import Shards, _Plan, _plan_for, _spec_info, _unwrap, bounded_put, group_key, mark_used
 
 _LAYOUTS: dict = {}
 _LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
@@ -48,11 +48,10 @@ class Sharded:
     (a :class:`fastgrad._scan.Checked` list when the compiled scan accepted them: ``checked``);
     ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
     ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
-    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``flags``: after
-    a reduction given ``flags=``, their OR over every rank; ``layout``: the cached layout it came from (None
-    for ``for_norm=False``)."""
+    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``layout``: the
+    cached layout it came from (None for ``for_norm=False``)."""
 
-    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags", "layout")
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "layout")
 
     def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
         self.reads: list[Tensor] = reads
@@ -63,7 +62,6 @@ class Sharded:
         self.plan: _Plan = plan
         self.fp = fp
         self.checked = type(writes) is _scan.Checked
-        self.flags: Tensor | None = None
         self.layout: _Layout | None = None
 
 
@@ -160,10 +158,10 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     lay, dts = _cached_layout(tensors, _LAYOUTS.get(key), group)
     if lay is None:
         lay = _build_layout(tensors, list(map(type, tensors)), cls, group, pieces)
-        _keep(_LAYOUTS, key, lay, _LIST_CAP)
+        bounded_put(_LAYOUTS, key, lay, _LIST_CAP)
         dts = tensors if lay.dt_pos is None else [tensors[i] for i in lay.dt_pos]
     else:
-        _used(_LAYOUTS, key)
+        mark_used(_LAYOUTS, key)
     plan = lay.plan
     locs = list(map(_LOCAL, dts))
     if lay.empties is None:  # local shapes follow from the specs: which local shards are empty is cached

@@ -44,9 +44,9 @@ _MESH_RANKS: dict = {}
 _PLAN_CACHE: dict = {}
 
 
-def _keep(cache: dict, key, value, cap: int) -> None:
+def bounded_put(cache: dict, key, value, cap: int) -> None:
     """Store ``value`` in a bounded cache, dropping the least recently used entry when full (dicts keep insertion
-    order and :func:`_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
+    order and :func:`mark_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
     of the list a training loop clips every step whenever another list came and went in between."""
     cache.pop(key, None)
     while len(cache) >= cap:
@@ -54,7 +54,7 @@ def _keep(cache: dict, key, value, cap: int) -> None:
     cache[key] = value
 
 
-def _used(cache: dict, key) -> None:
+def mark_used(cache: dict, key) -> None:
     """Mark a hit as the most recently used entry (a no-op when it already is)."""
     if next(reversed(cache)) != key:
         cache[key] = cache.pop(key)
@@ -85,7 +85,7 @@ def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
     eff = read_pl if partial else placements
     counted = all(coord[d] == 0 for d, p in enumerate(eff) if p.is_replicate())
     info = (counted, partial, read_pl)
-    _keep(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
+    bounded_put(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
     return info
 
 
@@ -268,10 +268,10 @@ def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
     key = (tuple(id(m) for m in meshes), group_key(group), pieces)
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit.keep[-1] is group and all(a is b for a, b in zip(hit.keep[0], meshes)):
-        _used(_PLAN_CACHE, key)
+        mark_used(_PLAN_CACHE, key)
         return hit
     plan = _build_plan(meshes, group, pieces)
-    _keep(_PLAN_CACHE, key, plan, 256)
+    bounded_put(_PLAN_CACHE, key, plan, 256)
     return plan
 
 

@@ -79,21 +79,15 @@ def _place(per: Tensor, sel, n: int, identity: float, like: Tensor) -> Tensor:
     return vals
 
 
-def _flags_in(flags: Tensor | None, dev, wide) -> Tensor | None:
-    return None if flags is None else flags.reshape(-1).to(dev, wide)
-
-
 _UNSET = object()
 
 
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
                  local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]] | None,
-                 poison: Tensor | None = None, *, flags: Tensor | None = None,
-                 local_total=_UNSET) -> tuple[Tensor, Tensor | None]:
+                 poison: Tensor | None = None, *, local_total=_UNSET) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
-    single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
-    package's docstring (the OR over ranks lands in ``sh.flags``).
+    single-process norm of a list of local tensors (fastgrad.passes.list_norm).
 
     The total: ONE collective per step of the plan (one for the usual layouts) carrying the p-th-power sum
     (SUM) or the max/min with a NaN flag (MAX/MIN), and the agreement header. Per-tensor results that combine
@@ -125,17 +119,14 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         per_local = per_local[: len(sel)]
     elif local:  # a total only: the local total (its p-th power is what adds up; a max/min is exact)
         total_local, _ = local_norm(local, False)
-    ors = _flags_in(flags, dev, wide)
     if poison is not None:
         poison = poison.to(dev, wide).reshape(1)  # (+0 leaves the non-negative values' bits alone)
-    payload, ors = _norm_payload(p, per_local, total_local, len(sel), combine, poison, ors, dev, wide)
+    payload, ors = _norm_payload(p, per_local, total_local, len(sel), combine, poison, dev, wide)
     red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
     if p == _INF or p == -_INF:
         total = torch.where(ors_out[0] > 0, float("nan"), red[0])
-        sh.flags = ors_out[1:] if flags is not None else None
     else:
         total = red[0].pow(1.0 / p) if p != 0 else red[0]
-        sh.flags = ors_out
     n = len(sh.reads)
     per = None
     if combine:
@@ -147,10 +138,10 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
 
 
 def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None, k: int, combine: bool,
-                  poison: Tensor | None, ors: Tensor | None, dev, wide) -> tuple[Tensor, Tensor | None]:
+                  poison: Tensor | None, dev, wide) -> tuple[Tensor, Tensor | None]:
     """This rank's contribution to a norm's collective, in its reduction's form (a p-th power sum; a max/min
     with its NaN flag moved into ``ors``; for p = 0 a count), from its per-tensor values (``k`` of them) or its
-    total, and the flags to OR."""
+    total, and its NaN flag to OR (the max/min; else None)."""
     identity = _INF if p == -_INF else 0.0
     if p == _INF or p == -_INF:
         if per_local is not None:
@@ -162,7 +153,7 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
         if poison is not None:
             t = t + poison
         nan = torch.isnan(t)
-        return torch.where(nan, identity, t), nan.to(wide) if ors is None else torch.cat([nan.to(wide), ors])
+        return torch.where(nan, identity, t), nan.to(wide)
     if p != 0:
         if per_local is not None:  # in float64: exact squares of fp32 norms
             payload = per_local.to(wide).pow(p).sum().reshape(1)
@@ -175,7 +166,7 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
                    else torch.zeros(1, dtype=wide, device=dev))
     if poison is not None:
         payload = payload + poison
-    return payload, ors
+    return payload, None
 
 
 def _reduced_vector(plan: _Plan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
@@ -258,11 +249,11 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
 
 def reduced_amp_norm(sh: Sharded, norm_type: float,
                      local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
-                     poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     poison: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
     values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max), the
     overflow flag and the agreement header together. Returns ``(global total, local found_inf, global
-    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the package's docstring; ``poison``: as
+    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``poison``: as
     in :func:`reduced_norm` (a NaN only this rank sees is an overflow on every rank). norm_type 0 has no
     sharded AMP form (the read pass yields totals, not per-tensor counts)."""
     p = norm_type
@@ -282,24 +273,21 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
     if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
         poison = poison.to(dev, wide).reshape(1)
         f = torch.where(torch.isnan(poison), 1.0, f)
-    extra = _flags_in(flags, dev, wide)
     if p == _INF or p == -_INF:
         if poison is not None:
             total = total + poison
         nan = torch.isnan(total)
-        ors = torch.cat([nan.to(wide), f] + ([extra] if extra is not None else []))
+        ors = torch.cat([nan.to(wide), f])
         red, out = _phase_a(sh, _AMP, p, False, torch.where(nan, identity, total), ors)
         g_total = torch.where(out[0] > 0, float("nan"), red[0])
-        g_flag, rest = out[1], out[2:]
+        g_flag = out[1]
     else:
         pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
         if poison is not None:
             pw = pw + poison
-        ors = f if extra is None else torch.cat([f, extra])
-        red, out = _phase_a(sh, _AMP, p, False, pw, ors)
+        red, out = _phase_a(sh, _AMP, p, False, pw, f)
         g_total = red[0].pow(1.0 / p)
-        g_flag, rest = out[0], out[1:]
-    sh.flags = rest if flags is not None else None
+        g_flag = out[0]
     return g_total.to(dtype), flag, g_flag.to(torch.float32)
 
 

@@ -27,7 +27,9 @@ from torch import Tensor
 
 from .. import _inputs as inputs
 from .. import distributed
-from ..amp import _check_ready, _inv_scale, _is_sharded, _known_unscale, _optimizer_state, optimizer_params
+from .._inputs import optimizer_params
+from ..scaler_state import check_ready as _check_ready, inv_scale as _inv_scale, is_sharded as _is_sharded
+from ..scaler_state import known_unscale as _known_unscale, optimizer_state as _optimizer_state
 from ..amp import zero_write_applies as _amp_zero_write_applies
 from ..optim_clip import zero_write_applies
 from . import read

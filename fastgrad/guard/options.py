@@ -7,7 +7,7 @@ import numbers
 from typing import Any, NamedTuple
 
 from .. import _inputs as inputs
-from .. import exact as exact_norm
+from .. import exact_reads as exact_norm
 from ..backends import get as get_backend
 from .adagc import AdaGCMode
 from .autoclip import AutoClipMode

@@ -22,10 +22,11 @@ from .. import _inputs as inputs
 from .. import decide
 from .. import _scan
 from .. import distributed
-from .. import exact as exact_norm
-from ..amp import _record_read_pass, device_amp_norms, combine_device_totals, unscale_first
+from .. import exact_reads as exact_norm
 from ..backends import acc_dtype
-from ..clip import _norm, _scale
+from ..passes import amp_norms as device_amp_norms, combine_totals as combine_device_totals, unscale_first
+from ..passes import list_norm as _norm, scale_ as _scale
+from ..scaler_state import record_read_pass as _record_read_pass
 
 
 def cpu_write(g, params, grads=None) -> Tensor | None:

@@ -1,0 +1,147 @@
+"""A GradScaler's state as ``scaler.unscale_(optimizer)`` reads and leaves it: what kind of scaler it is, its
+checks (in torch's order, with torch's texts), its inverse scale, and the per-optimizer state a fused read pass
+records in place of ``unscale_`` (the overflow flags per device, stage UNSCALED, a ShardedGradScaler's
+reduction of the flags), so that ``scaler.step`` and ``scaler.update`` need no change.
+
+Shared by ``fastgrad.scaler_unscale_and_clip`` and the step guard's ``clip_(scaler)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+from . import _inputs as inputs
+from . import passes
+
+try:
+    from torch.amp.grad_scaler import GradScaler, OptState
+except ImportError:  # pragma: no cover - torch < 2.3 kept the scaler under torch.cuda.amp
+    from torch.cuda.amp.grad_scaler import GradScaler, OptState  # type: ignore[no-redef]
+
+__all__ = ["GradScaler", "OptState", "sharded_scaler_class", "is_sharded", "traced_plain", "enabled",
+           "optimizer_state", "known_unscale", "check_ready", "inv_scale", "all_reduce_found_inf", "record_unscaled",
+           "record_read_pass"]
+
+_SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
+
+
+# ---------------------------------------------------------------- what kind of scaler
+def sharded_scaler_class():
+    """torch's ShardedGradScaler class, or None when the program has not imported it."""
+    # Only look the class up if the user's program imported it: a ShardedGradScaler instance implies that,
+    # and importing torch.distributed.fsdp just to answer "no" would cost every call.
+    mod = sys.modules.get(_SHARDED_MODULE)
+    return getattr(mod, "ShardedGradScaler", None) if mod is not None else None
+
+
+def is_sharded(scaler) -> bool:
+    """Whether ``scaler`` is a ShardedGradScaler (its flags are reduced over its process group)."""
+    cls = sharded_scaler_class()
+    return cls is not None and isinstance(scaler, cls)
+
+
+def traced_plain(scaler) -> bool:
+    """True while dynamo traces a call on a plain ``GradScaler`` (exactly that class): dynamo will not trace
+    into torch/amp's methods, so that path reads the scaler's fields instead (what those methods read).
+    Eager calls, subclasses and ShardedGradScaler keep calling the methods (those graph-break if compiled)."""
+    return torch.compiler.is_compiling() and type(scaler) is GradScaler
+
+
+def enabled(scaler, traced: bool) -> bool:
+    return scaler._enabled if traced else scaler.is_enabled()
+
+
+def optimizer_state(scaler, optimizer, traced: bool) -> dict:
+    """The scaler's per-optimizer state (a fresh one made as torch makes it, also while traced)."""
+    states = scaler._per_optimizer_states
+    if not traced:
+        return states[id(optimizer)]
+    # The defaultdict's factory lives in torch/amp (not traceable): build the same fresh state here.
+    key = id(optimizer)
+    state = states.get(key)
+    if state is None:
+        state = {"stage": OptState.READY, "found_inf_per_device": {}}
+        states[key] = state
+    return state
+
+
+def known_unscale(scaler) -> bool:
+    """True when ``scaler.unscale_`` is torch's own (plain or sharded), i.e. the behaviour reproduced here. A
+    subclass that overrides unscale_ or _unscale_grads_ gets its own code run instead."""
+    t = type(scaler)
+    impls = [GradScaler]
+    sharded = sharded_scaler_class()
+    if sharded is not None:
+        impls.append(sharded)
+    return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
+
+
+def check_ready(scaler, state: dict, traced: bool = False) -> None:
+    """torch's checks in unscale_, in torch's order and with its texts."""
+    if traced:  # _check_scale_growth_tracker's checks, inlined (its method cannot be traced)
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if scaler._scale is None:
+            raise AssertionError("Attempted unscale_ but _scale is None.  " + fix)
+        if scaler._growth_tracker is None:
+            raise AssertionError("Attempted unscale_ but _growth_tracker is None.  " + fix)
+    else:
+        scaler._check_scale_growth_tracker("unscale_")
+    if state["stage"] is OptState.UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+    if state["stage"] is OptState.STEPPED:
+        raise RuntimeError("unscale_() is being called after step().")
+
+
+def inv_scale(scaler) -> Tensor:
+    """The inverse scale as unscale_ computes it: the reciprocal in fp64 then fp32 (fp32 division is imprecise
+    under some compile options); MPS has no fp64."""
+    s = scaler._scale
+    return s.reciprocal() if s.device.type == "mps" else s.double().reciprocal().float()
+
+
+# ---------------------------------------------------------------- the state a read pass leaves
+def all_reduce_found_inf(scaler, found: dict[torch.device, Tensor]) -> None:
+    """ShardedGradScaler.unscale_'s cross-rank reduction of the per-device flags (SUM over its process
+    group), including its detour through the scaler's device for flags on the CPU."""
+    import torch.distributed as dist
+
+    works, on_cpu, moved = [], [], []
+    for f in found.values():
+        if scaler._device != "cpu" and f.device.type == "cpu":
+            m = f.to(scaler._device)
+            on_cpu.append(f)
+            moved.append(m)
+            works.append(dist.all_reduce(m, async_op=True, group=scaler.process_group))
+        else:
+            works.append(dist.all_reduce(f, async_op=True, group=scaler.process_group))
+    for w in works:
+        w.wait()
+    if on_cpu:
+        torch._foreach_copy_(on_cpu, moved)
+
+
+def record_unscaled(scaler, state: dict, found: dict, sharded: bool, flag_shape=()) -> None:
+    """The state unscale_ leaves: the flags per device, stage UNSCALED; a ShardedGradScaler's flags all-reduced
+    over its process group (``sharded``), which records a flag on the scale's device even with no gradient."""
+    if sharded and not found:
+        found[scaler._scale.device] = torch.zeros(flag_shape, dtype=torch.float32, device=scaler._scale.device)
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+    if sharded:
+        all_reduce_found_inf(scaler, found)
+
+
+def record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv, backend) -> None:
+    """After a read pass: :func:`record_unscaled`, then, if asked, the non-finite check, which raises after
+    writing the unscaled values (``groups`` times ``inv``, the inverse scale), as unscale_ had already done when
+    torch's clip_grad_norm_ raises."""
+    record_unscaled(scaler, state, found, sharded)
+    if error_if_nonfinite:
+        try:
+            inputs.check_finite(total, p)
+        except RuntimeError:
+            passes.scale_groups(groups, inv, backend)
+            raise
