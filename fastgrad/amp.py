@@ -24,6 +24,7 @@ unscaled element that found_inf does not flag); torch turns that element into Na
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Sequence
 
@@ -31,14 +32,11 @@ import torch
 from torch import Tensor
 
 from . import _inputs as inputs
-from . import distributed
 from . import exact_reads
 from . import passes
 from . import route
 from . import scaler_state
-from .backends import acc_dtype
 from .clip import clip_grad_norm_
-from .decide import amp_factor, clip_coef, grad_scale, nonfinite
 from .scaler_state import GradScaler, OptState
 
 __all__ = ["scaler_unscale_and_clip", "zero_write_applies"]
@@ -176,144 +174,36 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     except (AttributeError, TypeError, KeyError, IndexError):
         _explain_bad_args(scaler, optimizer)  # raises the TypeError that says the fix
     traced = scaler_state.traced_plain(scaler)
-    if not scaler_state.enabled(scaler, traced):
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
-                               process_group=process_group, exact=ex)
-
-    if not traced and not scaler_state.known_unscale(scaler):
-        # A scaler with its own unscale_ (and its own rules): run it, then clip.
-        scaler.unscale_(optimizer)
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend,
-                               process_group=process_group, exact=ex)
-
-    if not traced and getattr(scaler, "_scale", True) is None:
-        # torch's own check says only "_scale is None": say which call is missing
-        raise ScaleNotStartedError(
-            "scaler_unscale_and_clip was called before scaler.scale(loss): the GradScaler has no scale yet. "
-            "Call scaler.scale(loss).backward() first in each iteration; the gradients were not modified")
-    state = scaler_state.optimizer_state(scaler, optimizer, traced)
-    scaler_state.check_ready(scaler, state, traced)
-    sharded = not traced and scaler_state.is_sharded(scaler)
-    grads = passes.grads_of(params)
-    if not sharded and inputs.has_dtype(grads, torch.float16):
-        raise ValueError("Attempting to unscale FP16 gradients.")
-    plan = route.lookup(params, process_group)
-    sh = plan.place(grads)
-    if plan.route == "torch":
-        # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend
-        # was asked for by name).
+    enabled = scaler_state.enabled(scaler, traced)
+    if enabled and (traced or scaler_state.known_unscale(scaler)):  # unscale_'s work is done here
+        if not traced and getattr(scaler, "_scale", True) is None:
+            # torch's own check says only "_scale is None": say which call is missing
+            raise ScaleNotStartedError(
+                "scaler_unscale_and_clip was called before scaler.scale(loss): the GradScaler has no scale yet. "
+                "Call scaler.scale(loss).backward() first in each iteration; the gradients were not modified")
+        state = scaler_state.optimizer_state(scaler, optimizer, traced)
+        scaler_state.check_ready(scaler, state, traced)
+        sharded = not traced and scaler_state.is_sharded(scaler)
+        grads = passes.grads_of(params)
+        if not sharded and inputs.has_dtype(grads, torch.float16):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        plan = route.lookup(params, process_group)
+        sh = plan.place(grads)
+        if plan.route != "torch":
+            unscale = scaler_state.Unscale(scaler, state, sharded)
+            if sh is None and not grads:
+                scaler_state.record_unscaled(scaler, state, {}, sharded, unscale.flag_shape)
+                return torch.tensor(0.0)
+            hand_over = None
+            if zero_write and sh is None and not ex and zero_write_applies(scaler, optimizer, grads):
+                # the fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step
+                hand_over = functools.partial(setattr, optimizer, "grad_scale")
+            return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, None, backend, ex, unscale, hand_over)
+        # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend was asked
+        # for by name)
         plan.refuse_fallback("scaler_unscale_and_clip", backend, ex)
+    if enabled:  # a scaler with its own unscale_ (and its own rules), or gradients only torch's reads: run it
         scaler.unscale_(optimizer)
-        return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend)
-
-    inv_scale = scaler_state.inv_scale(scaler)
-    # torch's flags: 0-dim per device for GradScaler, shape (1,) for ShardedGradScaler.
-    flag_shape = (1,) if sharded else ()
-    if ex and (grads or sh is not None):
-        return _exact_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite,
-                                       backend, flag_shape)
-    if sh is not None:
-        return _sharded_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p,
-                                         error_if_nonfinite, backend, flag_shape)
-    if not grads:
-        scaler_state.record_unscaled(scaler, state, {}, sharded, flag_shape)
-        return torch.tensor(0.0)
-    if not sharded and not error_if_nonfinite:
-        b = route.one_call_backend("amp_norm", grads, backend, p)
-        if b is not None:
-            return _amp_clip_one_call(b, scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend)
-
-    groups = inputs.split_by_device(grads)
-    parts = passes.amp_norms(groups, inv_scale, p, backend)
-    total = passes.combine_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
-    found = {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
-    scaler_state.record_read_pass(scaler, state, sharded, found, total, p, error_if_nonfinite, groups, inv_scale,
-                                  backend)
-
-    factor = amp_factor(total, max_norm, inv_scale)  # unscale and clip in one multiply
-    if zero_write and zero_write_applies(scaler, optimizer, grads):
-        # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = grad_scale(factor)
-    else:
-        passes.scale_groups(groups, factor, backend)
-    return total.to(inputs.promoted_dtype(grads))
-
-
-def _exact_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite, backend,
-                            flag_shape):
-    """exact=True: unscale (the flags as unscale_ records them), the exact norm of the unscaled values (one more
-    read), then the clip by the coefficient computed from it (one write, skipped on the device when 1)."""
-    for g in inputs.split_by_device(grads):  # the backends that will write, checked before anything is
-        inputs.pick("scale", g, backend)
-    groups = inputs.split_by_device(sh.writes if sh is not None else grads)
-    found = passes.unscale_first(groups, inv_scale, flag_shape)
-    total, out = route.total_norm(sh, grads, p, backend, None, True)  # (of the gradients unscaled just above)
-    if sh is not None:
-        out = distributed.wrap_like(out, sh)
-        # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled), so
-        # the same found_inf everywhere without a second collective
-        bad = nonfinite(total).to(torch.float32)
-        found = {dev: bad.to(dev).reshape(flag_shape) for dev in found}
-        if sharded and not found:
-            found[scaler._scale.device] = bad.to(scaler._scale.device).reshape(flag_shape)
-        sharded = False
-    scaler_state.record_unscaled(scaler, state, found, sharded)
-    if error_if_nonfinite:
-        inputs.check_finite(total, p)  # the gradients stay unscaled and unclipped, as the two torch calls leave them
-    if groups:
-        passes.scale_groups(groups, clip_coef(total.to(groups[0][0].device), max_norm), backend)
-    return out
-
-
-def _amp_clip_one_call(b, scaler, optimizer, state, grads, inv_scale, max_norm, p, zero_write, backend) -> Tensor:
-    """One device, a plain GradScaler, no finiteness check, one backend ``b`` for the read and the write: the read
-    pass, the factor and the write in ONE backend call (``amp_clip_``), which fused backends run as a few kernels
-    with no torch op between them. The scaler state is set as the composed path sets it."""
-    # decided before the read pass (host-side checks only), so the primitive knows whether to write
-    hand_over = zero_write and zero_write_applies(scaler, optimizer, grads)
-    dev = grads[0].device
-    total, found, factor = b.amp_clip_(grads, inv_scale.to(dev, non_blocking=True), max_norm, p, not hand_over)
-    scaler_state.record_unscaled(scaler, state, {dev: found.reshape(())}, False)
-    if hand_over:
-        # The fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step.
-        optimizer.grad_scale = grad_scale(factor)
-    return total.to(inputs.promoted_dtype(grads))
-
-
-def _scaler_group_is_span(scaler, sh) -> bool:
-    """Whether a ShardedGradScaler's process group is exactly the ranks the norm's reduction reached."""
-    import torch.distributed as dist
-
-    span = distributed.span_ranks(sh)
-    if span is None:
-        return False
-    pg = getattr(scaler, "process_group", None)
-    if pg is None or pg is dist.group.WORLD:
-        ranks = frozenset(range(dist.get_world_size()))
-    else:
-        ranks = frozenset(dist.get_process_group_ranks(pg))
-    return ranks == span
-
-
-def _sharded_unscale_and_clip(scaler, state, sharded, sh, grads, inv_scale, max_norm, p, error_if_nonfinite,
-                              backend, flag_shape):
-    """scaler_unscale_and_clip over local shards (fastgrad.distributed): the same read pass per rank, one
-    all-reduce for the norm and the overflow flag, then the same folded write of the local shards."""
-    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv_scale, p, backend))
-    # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly
-    # the ranks the norm's all-reduce reached, the global flag that came back with the norm IS that
-    # reduction (as 0/1 where torch records the number of ranks that overflowed; step and update read both
-    # as "overflow or not"): no second collective. Otherwise the scaler's own reduction of the local flags.
-    folded = sharded and _scaler_group_is_span(scaler, sh)
-    flag = local_flag if sharded and not folded else global_flag
-    groups = inputs.split_by_device(sh.writes)
-    found = {g[0].device: flag.to(g[0].device).reshape(flag_shape) for g in groups}
-    if sharded and not found:  # it records a flag on the scale's device even with nothing to check
-        found[scaler._scale.device] = flag.to(scaler._scale.device).reshape(flag_shape)
-    # the total is the same on every rank, so with error_if_nonfinite all ranks raise alike
-    scaler_state.record_read_pass(scaler, state, sharded and not folded, found, total, p, error_if_nonfinite, groups,
-                                  inv_scale, backend)
-    if groups:
-        dev = groups[0][0].device
-        passes.scale_groups(groups, amp_factor(total.to(dev), max_norm, inv_scale), backend)
-    return distributed.wrap_like(total.to(inputs.promoted_dtype(grads)) if grads else total, sh)
+    # (a disabled scaler only clips)
+    return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend, process_group=process_group,
+                           exact=ex)

@@ -140,7 +140,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if plan.route == "torch":
             plan.refuse_fallback("clip_grad_norm_", backend, ex)
             return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
-        return _clip(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, ex)
+        return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, ex)
 
 
 _MAY_BE_CPU = (None, "cpu", "plain")  # a plain list may have moved to the CPU: the C++ call tells
@@ -148,8 +148,8 @@ _MAY_BE_CPU = (None, "cpu", "plain")  # a plain list may have moved to the CPU: 
 
 def _sharded_cpu_clip(params: list, plan: route.ListPlan, max_norm: float, p: float, error_if_nonfinite: bool,
                       backend: str | None) -> Tensor | None:
-    """The sharded-cpu route: the sharded clip below for DTensor grads with CPU local shards on the cpu backend,
-    its per-tensor part in one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local
+    """The sharded-cpu route: the sharded clip for DTensor grads with CPU local shards on the cpu backend, its
+    per-tensor part in one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local
     norm, checked against the plan's layout) and one more for the scale, the same collective and coefficient in
     between: the same bits. None when the list no longer fits the layout (nothing done)."""
     fast = distributed.local_cpu_norm(params, plan.layout, p, backend)
@@ -161,24 +161,6 @@ def _sharded_cpu_clip(params: list, plan: route.ListPlan, max_norm: float, p: fl
         inputs.check_finite(total, p)  # the same value on every rank: all of them raise, none writes
     distributed.scale_local_cpu(handle, clip_coef(total, max_norm))
     return distributed.wrap_like(total.to(inputs.promoted_dtype(sh.writes)), sh)
-
-
-def _clip(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, p: float, error_if_nonfinite: bool,
-          foreach: bool | None, backend: str | None, ex: bool) -> Tensor:
-    """The plain and sharded routes: the total norm (one backend call per device; sharded: of the local shards,
-    then one collective), the coefficient, the scale (of the local shards). A plain list on one device that one
-    backend serves takes the three in one call (its fused ``clip_norm_``)."""
-    if sh is None and not ex and not error_if_nonfinite:
-        b = route.one_call_backend("norm", grads, backend, p)
-        if b is not None:
-            return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(inputs.promoted_dtype(grads))
-    total, out = route.total_norm(sh, grads, p, backend, foreach, ex)
-    if error_if_nonfinite:
-        inputs.check_finite(total, p)  # sharded: the same value on every rank, so all of them raise, none writes
-    writes = grads if sh is None else sh.writes
-    if writes:
-        passes.scale_(writes, clip_coef(total, max_norm), backend, foreach)
-    return out if sh is None else distributed.wrap_like(out, sh)
 
 
 @torch.no_grad()

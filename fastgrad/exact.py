@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["EXACT_NORM_TYPES", "check_norm_type", "window", "limbs", "limbs_torch", "compiled_ok", "normalize", "finish",
-           "total_digits", "rounded_norm", "compiled_total", "two_roundings"]
+           "total_digits", "rounded_norm", "compiled_total", "two_roundings", "parts_digits"]
 
 #: Norm orders ``exact=True`` supports.
 EXACT_NORM_TYPES = (1.0, 2.0, math.inf)
@@ -202,6 +202,23 @@ def limbs(tensors, p: float, per_tensor: bool = False, *, compiled: bool = True)
         base, nl = _WINDOWS[p]
         return torch.ops.fastgrad.exact_limbs(list(tensors), int(p), base, nl, per_tensor)
     return limbs_torch(tensors, p, per_tensor)
+
+
+def parts_digits(parts: list, p: float, per_tensor: bool, compiled: list[bool], device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+    """:func:`limbs` of a list given in parts (each on one device, ``compiled[i]``: whether the compiled kernel
+    may build part i's digits), on ``device``: the parts' digits added (normalised), or with ``per_tensor`` their
+    rows part after part."""
+    dgs, fls = [], []
+    for part, c in zip(parts, compiled):
+        dg, fl = limbs(part, p, per_tensor, compiled=c)
+        dgs.append(dg.to(device))
+        fls.append(fl.to(device))
+    if len(dgs) == 1:
+        return dgs[0], fls[0]
+    if not per_tensor:
+        return normalize(torch.stack(dgs).sum(0)), torch.stack(fls).sum(0)
+    return torch.cat(dgs), torch.cat(fls)
 
 
 # ------------------------------------------------------------------------------------------- rounding

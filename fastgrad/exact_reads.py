@@ -5,8 +5,8 @@ Each device's part comes from the backend that ``backend=`` selects for its norm
 backend, else the torch reference: the same digits); a sharded list's digits travel in the call's one collective
 (``fastgrad.distributed.reduced_exact``). The readings, each rounded once from one exact sum:
 
-* :func:`totals`: a plain list's total in two dtypes (the accumulation dtype, for a coefficient, and the dtype
-  returned); :func:`sharded_totals` the same over every rank;
+* :func:`totals`: a list's total in two dtypes (the accumulation dtype, for a coefficient, and the dtype
+  returned), on one process or over every rank;
 * :func:`acc_norms`: the total and the per-tensor norms in the accumulation dtype, plain or sharded;
 * :func:`grad_stats_total`: ``grad_stats(..., exact=True)``'s total.
 """
@@ -23,7 +23,7 @@ from . import distributed
 from . import exact
 from .backends import acc_dtype
 
-__all__ = ["applies", "refuse_fallback", "local_digits", "reduced_digits", "totals", "sharded_totals", "acc_norms",
+__all__ = ["applies", "refuse_fallback", "local_digits", "reduced_digits", "totals", "acc_norms",
            "grad_stats_total"]
 
 
@@ -43,20 +43,19 @@ def refuse_fallback() -> None:
 def local_digits(tensors, p: float, backend: str | None, per_tensor: bool = False) -> tuple[Tensor, Tensor]:
     """Digits and flags of a plain list on any devices (rows per tensor in input order when ``per_tensor``,
     else one row), on the first tensor's device."""
+    groups, parts, compiled = _parts(tensors, p, backend)
+    dg, fl = exact.parts_digits(parts, p, per_tensor, compiled, tensors[0].device)
+    if per_tensor and len(groups) > 1:
+        return inputs.restore_order(dg, groups), inputs.restore_order(fl, groups)
+    return dg, fl
+
+
+def _parts(tensors, p: float, backend: str | None) -> tuple[dict, list, list[bool]]:
+    """A plain list by device: the groups' indices, their tensors, and whether the backend ``backend=`` selects for
+    each group's norm is the cpu backend (whose compiled kernel builds the digits; else the torch reference)."""
     groups = inputs.group_by_device(tensors)
-    first = tensors[0].device
-    dgs, fls = [], []
-    for idx in groups.values():
-        part = [tensors[i] for i in idx] if len(groups) > 1 else tensors
-        b = inputs.pick("norm", part, backend, norm_type=p)
-        dg, fl = exact.limbs(part, p, per_tensor, compiled=b.name == "cpu")
-        dgs.append(dg.to(first))
-        fls.append(fl.to(first))
-    if len(dgs) == 1:
-        return dgs[0], fls[0]
-    if not per_tensor:
-        return exact.normalize(torch.stack(dgs).sum(0)), torch.stack(fls).sum(0)
-    return inputs.restore_order(torch.cat(dgs), groups), inputs.restore_order(torch.cat(fls), groups)
+    parts = [[tensors[i] for i in idx] for idx in groups.values()] if len(groups) > 1 else [tensors]
+    return groups, parts, [inputs.pick("norm", part, backend, norm_type=p).name == "cpu" for part in parts]
 
 
 def reduced_digits(sh: distributed.Sharded, p: float, backend: str | None, per_tensor: bool = False,
@@ -87,22 +86,21 @@ def reduced_digits(sh: distributed.Sharded, p: float, backend: str | None, per_t
     return total, (exact.normalize(vals[:, :nl]), vals[:, nl:])
 
 
-def totals(tensors, p: float, backend: str | None, acc: torch.dtype, out: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The whole plain list's correctly rounded norm in dtypes ``acc`` (for a coefficient) and ``out`` (the value
-    returned): one sum, two roundings. CPU tensors on the cpu backend: the compiled ``exact.compiled_total``."""
-    if (len(inputs.split_by_device(tensors)) == 1 and exact.compiled_ok(tensors)
-            and inputs.pick("norm", tensors, backend, norm_type=p).name == "cpu"):
-        both = exact.compiled_total(tensors, p, acc, out)
-        if both is not None:
-            return both
-    dg, fl = local_digits(tensors, p, backend)
-    return exact.two_roundings(dg[0], fl[0], p, acc, out)
-
-
-def sharded_totals(sh: distributed.Sharded, p: float, backend: str | None, out: torch.dtype | None = None
-                   ) -> tuple[Tensor, Tensor]:
-    """:func:`totals` of a sharded list (one all-reduce, :func:`reduced_digits`): the correctly rounded norm in the
-    local accumulation dtype and in ``out`` (None: the same tensor)."""
+def totals(sh: distributed.Sharded | None, tensors, p: float, backend: str | None, out: torch.dtype | None = None
+           ) -> tuple[Tensor, Tensor]:
+    """The whole list's correctly rounded norm in its accumulation dtype (for a coefficient) and in ``out`` (the
+    value returned; None: the same tensor): one sum, two roundings. ``sh``: over every rank of that sharded view
+    (one all-reduce, :func:`reduced_digits`). A plain list of CPU tensors on the cpu backend: the compiled
+    ``exact.compiled_total``, which most often decides without building the digits."""
+    if sh is None:
+        acc = acc_dtype(tensors)
+        _, parts, compiled = _parts(tensors, p, backend)
+        if compiled == [True] and exact.compiled_ok(tensors):
+            both = exact.compiled_total(tensors, p, acc, out or acc)
+            if both is not None:
+                return both
+        dg, fl = exact.parts_digits(parts, p, False, compiled, tensors[0].device)
+        return exact.two_roundings(dg[0], fl[0], p, acc, out)
     (dg, fl), _ = reduced_digits(sh, p, backend)
     return exact.two_roundings(dg, fl, p, distributed.local_device_dtype(sh)[1], out)
 
@@ -118,7 +116,7 @@ def acc_norms(tensors, p: float, backend: str | None, per_tensor: bool, sh: dist
         return exact.finish(dg, fl, p, dtype), rows and exact.finish(*rows, p, dtype)
     dtype = acc_dtype(tensors)
     if not per_tensor:  # (on the cpu backend, the compiled kernel's bound decides most)
-        return totals(tensors, p, backend, dtype, dtype)[0], None
+        return totals(None, tensors, p, backend)[0], None
     dg, fl = local_digits(tensors, p, backend, True)
     return exact.finish(*exact.total_digits(dg, fl), p, dtype), exact.finish(dg, fl, p, dtype)
 
@@ -131,4 +129,4 @@ def grad_stats_total(grads, backend: str | None, sh: distributed.Sharded | None,
         return exact.finish(dg, fl, 2.0, like.dtype).to(like.device)
     if not grads:
         return like
-    return totals(grads, 2.0, backend, like.dtype, like.dtype)[0].to(like.device)
+    return totals(None, grads, 2.0, backend, like.dtype)[1].to(like.device)

@@ -32,7 +32,6 @@ from . import _inputs as inputs
 from . import exact_reads
 from . import route
 from .clip import clip_grad_norm_
-from .decide import clip_coef, grad_scale
 
 __all__ = ["clip_optimizer_grad_norm_", "zero_write_applies"]
 
@@ -281,11 +280,8 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend, exact=exact)
     if not grads:
         return torch.tensor(0.0)
-    # clip_grad_norm_'s plain route, op for op, up to the write (zero_write_applies: plain dense grads; their
-    # accumulation dtype is float32, float64 grads never get here)
-    total, out = route.total_norm(None, grads, p, backend, None, ex)
-    if error_if_nonfinite:
-        inputs.check_finite(total, p)
-    coef = clip_coef(total, max_norm)
-    _record_for(optimizer).pend(grad_scale(coef), grads)
-    return out
+    # clip_grad_norm_'s plain route, op for op, the factor handed over instead of written (zero_write_applies:
+    # plain dense grads, whose accumulation dtype is float32: float64 grads never get here)
+    pending = _record_for(optimizer)
+    return route.clip_(None, grads, max_norm, p, error_if_nonfinite, None, backend, ex,
+                       hand_over=lambda scale: pending.pend(scale, grads))

@@ -93,6 +93,15 @@ def combine_totals(totals: list[Tensor], norm_type: float, device: torch.device,
     return combine_norms(torch.stack([t.to(device, dtype) for t in totals]), norm_type)
 
 
+def amp_total(groups: list[list[Tensor]], inv_scale: Tensor, norm_type: float, backend: str | None, flag_shape,
+              dtype: torch.dtype) -> tuple[Tensor, dict]:
+    """AMP's read pass over a list grouped by device: the total norm of the unscaled values over every device (on
+    the first, in the accumulation ``dtype``) and the overflow flags by device, in ``flag_shape``."""
+    parts = amp_norms(groups, inv_scale, norm_type, backend)
+    total = combine_totals([t for t, _ in parts], norm_type, groups[0][0].device, dtype)
+    return total, {g[0].device: f.reshape(flag_shape) for g, (_, f) in zip(groups, parts)}
+
+
 def local_amp(inv_scale: Tensor, norm_type: float, backend: str | None
               ) -> Callable[[list[Tensor]], tuple[Tensor, Tensor]]:
     """AMP's read pass over one rank's local tensors, as ``fastgrad.distributed.reduced_amp_norm`` takes it:

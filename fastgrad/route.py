@@ -47,11 +47,13 @@ from . import _inputs as inputs
 from . import distributed
 from . import exact_reads
 from . import passes
-from .backends import Backend, BackendError, acc_dtype
+from . import scaler_state
+from .backends import Backend, BackendError
+from .decide import amp_factor, clip_coef, grad_scale
 from .distributed.plan import bounded_put, mark_used
 
 __all__ = ["ListPlan", "plan_of", "lookup", "plan_for", "ROUTES", "SHARDED", "one_call_backend", "total_norm",
-           "norms"]
+           "norms", "clip_"]
 
 ROUTES = ("cpu", "plain", "sharded", "sharded-cpu", "torch")
 SHARDED = ("sharded", "sharded-cpu")
@@ -188,9 +190,7 @@ def total_norm(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, 
     correctly rounded from one exact sum (fastgrad.exact)."""
     dtype = out_dtype(sh, tensors)
     if exact:
-        if sh is not None:
-            return exact_reads.sharded_totals(sh, p, backend, dtype)
-        return exact_reads.totals(tensors, p, backend, acc_dtype(tensors), dtype)
+        return exact_reads.totals(sh, tensors, p, backend, dtype)
     if sh is not None:
         total, _ = passes.sharded_norm(sh, p, backend, foreach)
     else:
@@ -208,3 +208,57 @@ def norms(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backe
     if sh is not None:
         return passes.sharded_norm(sh, p, backend, None, per_tensor, poison)
     return passes.list_norm(tensors, p, backend, None, per_tensor)
+
+
+# ------------------------------------------------------------------------------------------ the clip
+def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, p: float, check: bool,
+          foreach: bool | None, backend: str | None, exact: bool, unscale: scaler_state.Unscale | None = None,
+          hand_over=None) -> Tensor:
+    """Clip a placed list (``sh``: its sharded view; None: plain) by its total norm, a GradScaler's unscale
+    folded in (``unscale``), and return the total (in the list's dtype; sharded: as ``wrap_like``).
+
+    One read: the total norm (of the unscaled values), with a scaler its overflow flags too (``exact``: unscale_'s
+    own pass first, then the exact norm of the unscaled values). Then the scaler's state as ``unscale_`` leaves
+    it; ``check`` (``error_if_nonfinite``) before anything is written (the gradients not unscaled yet are unscaled
+    before it raises, as ``unscale_`` had written them when torch's clip raises); then one write of the factor
+    (``fastgrad.decide``), or the factor handed over (``hand_over(grad_scale)``: to an optimizer that applies it
+    inside its step). A plain list on one device that one backend serves (:func:`one_call_backend`) takes the
+    read, the factor and the write in ONE call: its fused ``clip_norm_`` (which always writes), or ``amp_clip_``."""
+    if sh is None and not exact and not check and (unscale is None or not unscale.sharded):
+        b = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
+        dtype = inputs.promoted_dtype(grads)
+        if b is not None and unscale is None and hand_over is None:
+            return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(dtype)
+        if b is not None and unscale is not None:
+            dev = grads[0].device
+            total, found, factor = b.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
+                                               hand_over is None)
+            scaler_state.record_unscaled(unscale.scaler, unscale.state, {dev: found.reshape(())}, False)
+            if hand_over is not None:
+                hand_over(grad_scale(factor))
+            return total.to(dtype)
+    groups = inputs.split_by_device(grads if sh is None else sh.writes)
+    unscaled = False
+    if unscale is None:
+        total, out = total_norm(sh, grads, p, backend, foreach, exact)
+    else:
+        total, out, found, reduce_flags, unscaled = scaler_state.read(unscale, sh, grads, groups, p, backend, exact,
+                                                                      out_dtype(sh, grads))
+        scaler_state.record_unscaled(unscale.scaler, unscale.state, found, reduce_flags)
+    factor = None
+    if groups:  # (computed before the check: a device op, nothing written)
+        total_here = total.to(groups[0][0].device)
+        factor = (clip_coef(total_here, max_norm) if unscale is None or unscaled
+                  else amp_factor(total_here, max_norm, unscale.inv))
+    if check:
+        try:
+            inputs.check_finite(total, p)  # sharded: the same value on every rank, so all of them raise alike
+        except RuntimeError:
+            if unscale is not None and not unscaled:
+                passes.scale_groups(groups, unscale.inv, backend)
+            raise
+    if factor is not None and hand_over is not None:
+        hand_over(grad_scale(factor))
+    elif factor is not None:
+        passes.scale_groups(groups, factor, backend, foreach)
+    return out if sh is None else distributed.wrap_like(out, sh)

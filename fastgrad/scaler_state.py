@@ -14,7 +14,11 @@ import torch
 from torch import Tensor
 
 from . import _inputs as inputs
+from . import distributed
+from . import exact_reads
 from . import passes
+from .backends import acc_dtype
+from .decide import nonfinite
 
 try:
     from torch.amp.grad_scaler import GradScaler, OptState
@@ -22,8 +26,8 @@ except ImportError:  # pragma: no cover - torch < 2.3 kept the scaler under torc
     from torch.cuda.amp.grad_scaler import GradScaler, OptState  # type: ignore[no-redef]
 
 __all__ = ["GradScaler", "OptState", "sharded_scaler_class", "is_sharded", "traced_plain", "enabled",
-           "optimizer_state", "known_unscale", "check_ready", "inv_scale", "all_reduce_found_inf", "record_unscaled",
-           "record_read_pass"]
+           "optimizer_state", "known_unscale", "check_ready", "inv_scale", "Unscale", "folds_flags", "read", "flags_of",
+           "all_reduce_found_inf", "record_unscaled", "record_read_pass"]
 
 _SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
@@ -100,6 +104,79 @@ def inv_scale(scaler) -> Tensor:
     under some compile options); MPS has no fp64."""
     s = scaler._scale
     return s.reciprocal() if s.device.type == "mps" else s.double().reciprocal().float()
+
+
+class Unscale:
+    """What a GradScaler adds to a clip (``fastgrad.route.clip_``): its ``inv`` (:func:`inv_scale`), the
+    per-optimizer ``state`` the read records its overflow flags in, and whether it is a ShardedGradScaler
+    (``sharded``: flags of shape ``(1,)``, reduced over its process group)."""
+
+    __slots__ = ("scaler", "state", "inv", "sharded", "flag_shape")
+
+    def __init__(self, scaler, state: dict, sharded: bool):
+        self.scaler = scaler
+        self.state = state
+        self.inv = inv_scale(scaler)
+        self.sharded = sharded
+        self.flag_shape = (1,) if sharded else ()  # torch's flags: 0-dim per device, (1,) for ShardedGradScaler
+
+
+def folds_flags(scaler, sh) -> bool:
+    """Whether a ShardedGradScaler's process group is exactly the ranks a sharded norm's reduction reached, so
+    that the overflow flag reduced with the norm IS the scaler's own reduction of the flags."""
+    import torch.distributed as dist
+
+    span = distributed.span_ranks(sh)
+    if span is None:
+        return False
+    pg = getattr(scaler, "process_group", None)
+    if pg is None or pg is dist.group.WORLD:
+        ranks = frozenset(range(dist.get_world_size()))
+    else:
+        ranks = frozenset(dist.get_process_group_ranks(pg))
+    return ranks == span
+
+
+def read(unscale: Unscale, sh, grads: list[Tensor], groups: list[list[Tensor]], p: float, backend: str | None,
+         exact: bool, dtype: torch.dtype | None) -> tuple[Tensor, Tensor, dict, bool, bool]:
+    """The read of a clip under a GradScaler, ``unscale_``'s work included, over a placed list (``sh``: its sharded
+    view, else None; ``groups``: the local tensors to write, by device): ``(total, out, found, reduce_flags,
+    unscaled)``: the total norm of the unscaled values in the accumulation dtype, the value returned (in ``dtype``),
+    the overflow flags to record by device, whether the ShardedGradScaler's own reduction of them is still to run,
+    and whether the gradients were unscaled in place already (``exact``: ``unscale_``'s own pass first, then the
+    exact norm of the unscaled values). Sharded: one all-reduce carries the norm and the overflow flag."""
+    inv, flag_shape = unscale.inv, unscale.flag_shape
+    if exact:
+        for g in groups:  # the backends that will write, checked before anything is
+            inputs.pick("scale", g, backend)
+        found = passes.unscale_first(groups, inv, flag_shape)
+        total, out = exact_reads.totals(sh, grads, p, backend, dtype)  # (of the gradients unscaled just above)
+        if sh is None:
+            return total, out, found, unscale.sharded, True
+        # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled): the same
+        # found_inf everywhere without a second collective
+        return total, out, flags_of(unscale, nonfinite(total).to(torch.float32), found), False, True
+    if sh is None:
+        total, found = passes.amp_total(groups, inv, p, backend, flag_shape, acc_dtype(grads))
+        return total, total.to(dtype), found, unscale.sharded, False
+    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv, p, backend))
+    # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly the
+    # ranks the norm's all-reduce reached, the global flag that came back with the norm IS that reduction (as
+    # 0/1 where torch records the number of ranks that overflowed; step and update read both as "overflow or
+    # not"): no second collective. Otherwise the scaler's own reduction of the local flags.
+    own = unscale.sharded and not folds_flags(unscale.scaler, sh)
+    found = flags_of(unscale, local_flag if own else global_flag, {g[0].device: None for g in groups})
+    return total, total if dtype is None else total.to(dtype), found, own, False
+
+
+def flags_of(unscale: Unscale, flag: Tensor, devices: dict) -> dict:
+    """One overflow flag to record on every device of ``devices`` (and, for a ShardedGradScaler, on its scale's
+    device when there is none: it records a flag even with nothing to check)."""
+    found = {dev: flag.to(dev).reshape(unscale.flag_shape) for dev in devices}
+    if unscale.sharded and not found:
+        dev = unscale.scaler._scale.device
+        found[dev] = flag.to(dev).reshape(unscale.flag_shape)
+    return found
 
 
 # ---------------------------------------------------------------- the state a read pass leaves
