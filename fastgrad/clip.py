@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from . import _inputs as inputs
-from . import _scan
 from . import distributed
 from . import exact_reads
 from . import passes
@@ -118,21 +117,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     p = inputs.check_norm_type(norm_type)
     ex = exact_reads.applies(exact, p) if exact else False
     plan = route.lookup(params, process_group)
-    if process_group is None and not ex and plan.route in _MAY_BE_CPU:
-        # the cpu route: norm, coefficient and scale in one C++ call, which checks every grad itself (before
-        # no_grad: that call records nothing for autograd, and entering no_grad costs ~2.5 us, a tenth of the
-        # whole call on a 148-tensor model)
-        fast = _scan.clip_norm_cpu(params, max_norm, p, error_if_nonfinite, backend)
-        if fast is not None:
-            plan.route = "cpu"
-            if fast[1]:
-                raise RuntimeError(inputs.NONFINITE_MSG.format(p))
-            return fast[0]
+    total = plan.one_pass_clip(params, max_norm, p, error_if_nonfinite, backend, ex)
+    if total is not None:
+        return total
     with torch.no_grad():
-        if plan.route == "sharded-cpu" and not ex:
-            total = _sharded_cpu_clip(params, plan, max_norm, p, error_if_nonfinite, backend)
-            if total is not None:
-                return total
         grads = passes.grads_of(params)
         if not grads and process_group is None:
             return torch.tensor(0.0)
@@ -141,26 +129,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
             plan.refuse_fallback("clip_grad_norm_", backend, ex)
             return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
         return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, ex)
-
-
-_MAY_BE_CPU = (None, "cpu", "plain")  # a plain list may have moved to the CPU: the C++ call tells
-
-
-def _sharded_cpu_clip(params: list, plan: route.ListPlan, max_norm: float, p: float, error_if_nonfinite: bool,
-                      backend: str | None) -> Tensor | None:
-    """The sharded-cpu route: the sharded clip for DTensor grads with CPU local shards on the cpu backend, its
-    per-tensor part in one C++ pass (fastgrad.distributed.local_cpu_norm: grads, specs, local tensors, local
-    norm, checked against the plan's layout) and one more for the scale, the same collective and coefficient in
-    between: the same bits. None when the list no longer fits the layout (nothing done)."""
-    fast = distributed.local_cpu_norm(params, plan.layout, p, backend)
-    if fast is None:
-        return None
-    sh, local_total, handle = fast
-    total, _ = distributed.reduced_norm(sh, p, False, None, local_total=local_total)
-    if error_if_nonfinite:
-        inputs.check_finite(total, p)  # the same value on every rank: all of them raise, none writes
-    distributed.scale_local_cpu(handle, clip_coef(total, max_norm))
-    return distributed.wrap_like(total.to(inputs.promoted_dtype(sh.writes)), sh)
 
 
 @torch.no_grad()
