@@ -567,6 +567,36 @@ def test_sharded_scaler_without_grads(process_group, monkeypatch):
     assert list(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == [torch.device("cpu")]
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_sharded_scaler_reduces_the_flags_of_plain_grads(process_group, monkeypatch, exact):
+    """Plain gradients (each rank its own) under a ShardedGradScaler: the per-device flags go through the
+    scaler's own all-reduce over its process group, as its unscale_ does, with or without exact=True."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    reduced = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        reduced.append((tuple(tensor.shape), kwargs.get("group")))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+
+    def make():
+        s = ShardedGradScaler(device="cpu", init_scale=8.0)
+        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        params = make_params([(7, 3), (5,)], [torch.float32], "cpu", seed=66, scale=8.0)
+        return torch.optim.SGD(params, lr=0.1), s
+
+    (o1, s1), (o2, s2) = make(), make()
+    fastgrad.scaler_unscale_and_clip(s1, o1, 1e9, exact=exact)
+    ours = list(reduced)
+    s2.unscale_(o2)
+    assert ours and ours == reduced[len(ours):]
+    _assert_same_state(s1, o1, s2, o2)
+
+
 # ---------------------------------------------------------------- the amp_clip_ primitive (issue 13)
 def _old_amp(b, gs, inv, max_norm, p, write=True):
     """What scaler_unscale_and_clip ran per device before amp_clip_ existed: the backend's amp_norm, torch's
