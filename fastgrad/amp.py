@@ -168,7 +168,7 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
                         "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p)  # inf: a max of correctly rounded unscaled values, exact already
+    ex = exact_reads.applies(exact, p) if exact else False  # inf: a max of rounded unscaled values, exact already
     try:
         params = inputs.optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):

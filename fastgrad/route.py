@@ -22,6 +22,9 @@ The questions a route answers are asked here and nowhere else: is the list shard
 (:meth:`ListPlan.place`, which keeps the list's layout and the plan of its collectives); may torch's own
 implementation serve it (:meth:`ListPlan.refuse_fallback`); does one backend call do the whole clip
 (:func:`one_call_backend`); exact or not (:func:`total_norm`, :func:`norms`: the readings of a placed list).
+The routes that run here: the plan's one-pass C++ clips (:meth:`ListPlan.one_pass_clip`), and :func:`clip_`, the
+clip of a placed list with or without a GradScaler's unscale (``clip_grad_norm_``, ``scaler_unscale_and_clip``,
+``clip_optimizer_grad_norm_``). An entry asks the plan, then runs the route it names.
 
 The plan of a parameter list (:func:`lookup`) is cached, keyed by the list's length, its group and its first
 parameter (held and compared with ``is``, so a reused id cannot alias), so a loop that passes
@@ -98,6 +101,9 @@ class ListPlan:
         write), else None, the route then ``plain`` or ``torch`` (some tensor that torch's own implementation
         serves: :meth:`refuse_fallback` says whether this call may). Raises TypeError for integer or bool
         tensors (``what`` names them)."""
+        if type(tensors) is _scan.Checked and self.group is None:  # plain dense real floating: one C++ scan said so
+            self.route = "plain"
+            return None
         if self.sharded(tensors):
             sh = distributed.prepare(tensors, self.group, for_norm=for_norm)
             # the compiled scan of the local tensors checked the usual list in one C++ pass; only a list it

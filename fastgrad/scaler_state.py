@@ -76,11 +76,10 @@ def known_unscale(scaler) -> bool:
     """True when ``scaler.unscale_`` is torch's own (plain or sharded), i.e. the behaviour reproduced here. A
     subclass that overrides unscale_ or _unscale_grads_ gets its own code run instead."""
     t = type(scaler)
-    impls = [GradScaler]
+    if t.unscale_ is GradScaler.unscale_ and t._unscale_grads_ is GradScaler._unscale_grads_:
+        return True
     sharded = sharded_scaler_class()
-    if sharded is not None:
-        impls.append(sharded)
-    return any(t.unscale_ is c.unscale_ and t._unscale_grads_ is c._unscale_grads_ for c in impls)
+    return sharded is not None and t.unscale_ is sharded.unscale_ and t._unscale_grads_ is sharded._unscale_grads_
 
 
 def check_ready(scaler, state: dict, traced: bool = False) -> None:

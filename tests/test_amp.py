@@ -486,21 +486,24 @@ def test_zero_write_requires_a_step_that_passes_grad_scale(monkeypatch):
 
 # ---------------------------------------------------------------- ShardedGradScaler (FSDP)
 @pytest.fixture
-def process_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+def flag_reductions(one_rank_group, monkeypatch) -> list:
+    """The all-reduces that run, as (shape, group): a ShardedGradScaler's flags must be reduced as torch does."""
+    import torch.distributed as dist
+
+    reduced = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        reduced.append((tuple(tensor.shape), kwargs.get("group")))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    return reduced
 
 
 @pytest.mark.parametrize("dtypes", [[torch.float16], [torch.float32, torch.bfloat16]], ids=["fp16", "fp32+bf16"])
 @pytest.mark.parametrize("overflow", [None, INF], ids=["finite", "inf"])
-def test_sharded_scaler(bd, process_group, dtypes, overflow):
+def test_sharded_scaler(bd, one_rank_group, dtypes, overflow):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     backend, device = bd
@@ -540,18 +543,10 @@ def test_sharded_scaler(bd, process_group, dtypes, overflow):
     assert float(s1.get_scale()) == float(s2.get_scale())
 
 
-def test_sharded_scaler_without_grads(process_group, monkeypatch):
-    import torch.distributed as dist
+def test_sharded_scaler_without_grads(flag_reductions):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    reduced = []
-    real_all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):  # the flags must be all-reduced across ranks as torch does
-        reduced.append((tuple(tensor.shape), kwargs.get("group")))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    reduced = flag_reductions
 
     def make():
         s = ShardedGradScaler(device="cpu", init_scale=8.0)
@@ -568,20 +563,12 @@ def test_sharded_scaler_without_grads(process_group, monkeypatch):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_sharded_scaler_reduces_the_flags_of_plain_grads(process_group, monkeypatch, exact):
+def test_sharded_scaler_reduces_the_flags_of_plain_grads(flag_reductions, exact):
     """Plain gradients (each rank its own) under a ShardedGradScaler: the per-device flags go through the
     scaler's own all-reduce over its process group, as its unscale_ does, with or without exact=True."""
-    import torch.distributed as dist
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    reduced = []
-    real_all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):
-        reduced.append((tuple(tensor.shape), kwargs.get("group")))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    reduced = flag_reductions
 
     def make():
         s = ShardedGradScaler(device="cpu", init_scale=8.0)

@@ -163,19 +163,6 @@ def test_a_planned_call_gives_the_bits_of_a_first_call(max_norm):
         assert torch.equal(bits(p.grad), bits(q.grad))
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
 def _with_a_complex_grad(seed: int = 9) -> list:
     torch.manual_seed(seed)
     c = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))
