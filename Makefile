@@ -66,7 +66,7 @@ mkdir -p build && set -o pipefail && $(PYTHON) -m pip $(2) -v 2>&1 | tee build/$
   { echo "== pip failed; the end of its log (all of it: build/$(1).log):"; tail -n 40 build/$(1).log; exit 1; }
 endef
 
-.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check bench-cases
+.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check first-use-check bench-cases
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -80,7 +80,9 @@ endif
 # compiling the C++ extension is most of a first install. The stamp records the environment as it is after
 # the install (torch may have just arrived).
 define install
-	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN)"; \
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== no torch here: installing $(TORCH_PIN) from pip's default index"; \
+	  echo "   (on Linux the CUDA build, several GB; without a GPU, stop and first run:"; \
+	  echo "   $(PYTHON) -m pip install $(TORCH_PIN) --index-url https://download.pytorch.org/whl/cpu)"; \
 	  $(PYTHON) -m pip install $(TORCH_PIN); }
 	@$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja
 	@extras="$(1)"; \
@@ -90,7 +92,7 @@ define install
 	for e in $$(echo $$extras | tr , ' '); do case $$e in \
 	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
 	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
-	echo "   (measured on a shared 2-core machine: 6 min at load 3-10, 14 min at load 14-19; longer with CUDA"; \
+	echo "   (6 files, about 2.5 min of CPU time on a 2-core VM: 271 s of wall time at load 5-7; longer with CUDA"; \
 	echo "   kernels, built when torch has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
 	start=$$(date +%s); \
 	$(call watched_pip,install,install --no-build-isolation -e ".[$$extras]") || exit 1; \
@@ -172,3 +174,24 @@ wheel-check:
 	@$(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 	  "$$($(WHEEL_DIR)/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz-torch-from-host.pth"
 	@cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_DIR)/venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
+
+# What a plain `pip install .` gives (CI runs it after wheel-check): a fresh venv, torch pinned first (TORCH_PIN; a
+# bare `pip install .` would let pip pick torch, a CUDA build on Linux), then `pip install .` with build isolation
+# (no torch in the build env: a pure-Python wheel with the C++ sources, in seconds), then .ci/first_use_check.py
+# from outside the checkout: the first use compiles the kernels into an empty cache (FASTGRAD_CACHE_DIR) and they
+# work; a second process loads them from there without compiling. Each step is timed.
+FIRST_USE_DIR := build/first-use-check
+first-use-check:
+	@rm -rf $(FIRST_USE_DIR) && mkdir -p $(FIRST_USE_DIR)
+	@echo "== first-use-check 1/3: a fresh venv ($(FIRST_USE_DIR)/venv), torch first: pip install $(TORCH_PIN)"
+	@$(PYTHON) -m venv $(FIRST_USE_DIR)/venv
+	@start=$$(date +%s); $(FIRST_USE_DIR)/venv/bin/python -m pip install -q $(TORCH_PIN) && \
+	  echo "   torch installed in $$(( $$(date +%s) - start )) s"
+	@echo "== first-use-check 2/3: pip install . (build isolation)"
+	@start=$$(date +%s); $(FIRST_USE_DIR)/venv/bin/python -m pip install -q . > $(FIRST_USE_DIR)/install.log 2>&1 || \
+	  { tail -n 40 $(FIRST_USE_DIR)/install.log; exit 1; }; \
+	echo "   fastgrad installed in $$(( $$(date +%s) - start )) s"
+	@echo "== first-use-check 3/3: the first use compiles the kernels, a second process loads them from the cache"
+	@start=$$(date +%s); cd "$$(mktemp -d)" && FASTGRAD_CACHE_DIR=$(CURDIR)/$(FIRST_USE_DIR)/cache \
+	  $(CURDIR)/$(FIRST_USE_DIR)/venv/bin/python $(CURDIR)/.ci/first_use_check.py && \
+	  echo "== first-use-check: the checks took $$(( $$(date +%s) - start )) s"

@@ -1,9 +1,12 @@
-"""Build script. The pure-Python package always installs; the compiled extension fastgrad._C is
-optional (see docs/install.md, "Building the extension").
+"""Build script. The pure-Python package always installs, with the C++/CUDA sources inside it (fastgrad/_csrc);
+the compiled extension fastgrad._C is optional here (see docs/install.md).
 
-The extension needs torch at build time, which is deliberately not a build requirement, so it is
-only built with ``pip install --no-build-isolation ...`` into an environment that has torch. A plain
-isolated ``pip install .`` finds no torch and installs the pure-Python package.
+The extension needs torch at build time, which is deliberately not a build requirement (pip would fetch a
+multi-GB CUDA torch into its isolated build env), so it is built here only with ``pip install
+--no-build-isolation ...`` into an environment that has torch. A plain isolated ``pip install .`` finds no
+torch and installs the pure-Python package quickly; fastgrad then compiles its kernels for the torch it runs
+with at first use, into a cache (fastgrad/_build.py; ``python -m fastgrad.build`` does it ahead of time).
+What is compiled and with which flags is fastgrad/_buildplan.py, shared by both builds.
 
 Environment switches (unset or "auto": build what the toolchain allows, warn and skip on failure):
 
@@ -27,43 +30,27 @@ import time
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext as _setuptools_build_ext
+from setuptools.command.build_py import build_py as _setuptools_build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXT_NAME = "fastgrad._C"
-INFO_NAME = "_build_info.json"
-
-
-def _switch(name: str) -> bool | None:
-    """True/False when the variable forces a choice, None for automatic."""
-    v = os.environ.get(name, "").strip().lower()
-    if v in ("", "auto"):
-        return None
-    return v not in ("0", "false", "no", "off")
+INFO_NAME = "_build_info.json"  # _buildplan.INFO_NAME (not importable before _buildplan is loaded below)
 
 
 def _note(msg: str) -> None:
     print(f"fastgrad setup: {msg}", file=sys.stderr)
 
 
-def _load_archs():
-    """fastgrad/_archs.py, loaded by path: the package itself is not importable before it is installed."""
-    spec = importlib.util.spec_from_file_location("_fastgrad_archs", os.path.join(HERE, "fastgrad", "_archs.py"))
+def _load(name: str):
+    """fastgrad/<name>.py, loaded by path: the package itself is not importable before it is installed (these
+    modules import nothing from fastgrad)."""
+    spec = importlib.util.spec_from_file_location(f"_fastgrad{name}", os.path.join(HERE, "fastgrad", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def _load_smoke():
-    """fastgrad/_smoke.py, loaded by path as _archs.py is."""
-    spec = importlib.util.spec_from_file_location("_fastgrad_smoke", os.path.join(HERE, "fastgrad", "_smoke.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _compilers() -> str:
-    """The C/C++ compilers this build uses, as set (torch's BuildExtension reads CC/CXX, else cc/c++)."""
-    return f"CC={os.environ.get('CC') or 'unset (cc)'} CXX={os.environ.get('CXX') or 'unset (c++)'}"
+_buildplan = _load("_buildplan")
 
 
 def _visible_caps():
@@ -72,13 +59,9 @@ def _visible_caps():
     return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
-def _rel(paths):
-    return sorted(os.path.relpath(p, HERE) for p in paths)
-
-
 def _plan():
     """(ext_modules, cmdclass, build description) for this environment."""
-    want = _switch("FASTGRAD_BUILD_EXT")
+    want = _buildplan.switch(os.environ, "FASTGRAD_BUILD_EXT")
     if want is False:
         _note("FASTGRAD_BUILD_EXT=0: installing without the compiled extension")
         return [], {}, None
@@ -89,63 +72,26 @@ def _plan():
         if want:
             raise RuntimeError("FASTGRAD_BUILD_EXT=1 but torch cannot be imported in the build "
                                "environment; use pip install --no-build-isolation") from exc
-        _note(f"torch not importable ({exc.__class__.__name__}); installing without the compiled "
-              "extension (build it with: pip install --no-build-isolation -e .)")
+        _note(f"torch not importable ({exc.__class__.__name__}, e.g. pip's isolated build env): installing the "
+              "pure-Python package with its C++ sources; fastgrad compiles its kernels for the installed torch at "
+              "first use (or ahead of time: python -m fastgrad.build)")
         return [], {}, None
 
-    cpu_sources = _rel([os.path.join(HERE, "csrc", "ops.cpp"), os.path.join(HERE, "csrc", "host.cpp")] + glob.glob(os.path.join(HERE, "csrc", "cpu", "*.cpp")))
-    cuda_sources = _rel(glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cpp")))
-
-    want_cuda = _switch("FASTGRAD_BUILD_CUDA")
-    cuda_home = getattr(cpp_extension, "CUDA_HOME", None)
-    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
-    cuda_why = None
-    if want_cuda is False:
-        cuda_why = "FASTGRAD_BUILD_CUDA=0"
-    elif torch.version.cuda is None:
-        cuda_why = f"torch {torch.__version__} has no CUDA"
-    elif not (nvcc and os.path.exists(nvcc)):
-        cuda_why = "nvcc not found (set CUDA_HOME)"
-    if cuda_why and want_cuda:
-        raise RuntimeError(f"FASTGRAD_BUILD_CUDA=1 but the CUDA kernels cannot be built: {cuda_why}")
-    with_cuda = cuda_why is None and bool(cuda_sources)
-
-    sass, ptx, arch_source = [], [], None
+    csrc = os.path.join(HERE, "csrc")
+    # Errors here (an arch this nvcc cannot build, a malformed list, FASTGRAD_BUILD_CUDA=1 without CUDA) fail the
+    # install with the reason, also in automatic mode: an explicit arch list that is silently ignored would crash
+    # at run time.
+    build = _buildplan.plan(torch, cpp_extension, _load("_archs"), csrc, os.environ, _visible_caps)
+    info = build["record"]
+    with_cuda = build["with_cuda"]
     if with_cuda:
-        archs = _load_archs()
-        # Errors here (an arch this nvcc cannot build, a malformed list) fail the install with the reason,
-        # also in automatic mode: an explicit arch list that is silently ignored would crash at run time.
-        sass, ptx, arch_source = archs.select(os.environ, archs.nvcc_archs(nvcc), _visible_caps)
-        _note(f"CUDA archs ({arch_source}): {archs.describe(sass, ptx)}")
-    # -ffp-contract=off: no FMA contraction, so results do not depend on the compiler's whim. The arch
-    # lists are compiled into the module (fastgrad._C.cuda_sass / cuda_ptx) so the runtime knows what it
-    # carries even when _build_info.json is missing or stale.
-    cxx = ["-O3", "-ffp-contract=off", f"-DFASTGRAD_WITH_CUDA={int(with_cuda)}"]
+        _note(f"CUDA archs ({info['arch_source']}): {_load('_archs').describe(build['sass'], build['ptx'])}")
+    srcs = [f"csrc/{p}" for p in build["cpu_sources"] + build["cuda_sources"]]
     if with_cuda:
-        cxx += [f"-DFASTGRAD_CUDA_SASS={archs.define_value(sass)}", f"-DFASTGRAD_CUDA_PTX={archs.define_value(ptx)}"]
-    info = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if with_cuda else None,
-        "archs": [f"sm_{a}" for a in sass] + [f"compute_{a}" for a in ptx],
-        "sass": [f"sm_{a}" for a in sass],
-        "ptx": [f"compute_{a}" for a in ptx],
-        "arch_source": arch_source,
-        "cpu_kernels": True,
-        "cuda_kernels": with_cuda,
-        "cuda_skipped_because": cuda_why,
-        "python": sys.version.split()[0],
-        "compilers": _compilers(),
-    }
-    if with_cuda:
-        # --fmad=false: nvcc contracts a * b + c into one FMA by default, and which products it contracts
-        # changes with the compiler version and the arch, so norm bits would too. Without contraction every
-        # product and sum is rounded as written, the same on every GPU and as in the C++ build
-        # (-ffp-contract=off). The kernels are memory-bound: the separate multiply costs no time.
-        nvcc_flags = ["-O3", "--fmad=false", "-DFASTGRAD_WITH_CUDA=1"] + archs.gencode_flags(sass, ptx)
-        ext = cpp_extension.CUDAExtension(EXT_NAME, cpu_sources + cuda_sources,
-                                          extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags})
+        ext = cpp_extension.CUDAExtension(EXT_NAME, srcs, extra_compile_args={"cxx": build["cxx"], "nvcc": build["nvcc"]})
     else:
-        ext = cpp_extension.CppExtension(EXT_NAME, cpu_sources, extra_compile_args={"cxx": cxx})
+        ext = cpp_extension.CppExtension(EXT_NAME, srcs, extra_compile_args={"cxx": build["cxx"]})
+    compilers = _buildplan.compilers(os.environ)
 
     base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
@@ -156,7 +102,7 @@ def _plan():
         def run(self):
             n = sum(len(e.sources) for e in self.extensions)
             _note(f"compiling the C++ extension ({n} files{', CUDA kernels included' if with_cuda else ''}; "
-                  f"{_compilers()}): a few minutes on 2 CPU cores")
+                  f"{compilers}): a few minutes on 2 CPU cores")
             # ninja starts each compiler line it prints with this: the files done of the total and the seconds
             # so far, so a person watching a long build sees it advance.
             os.environ.setdefault("NINJA_STATUS", "fastgrad build [%f/%t files, %e s] ")
@@ -181,14 +127,14 @@ def _plan():
             message fail (fastgrad/_smoke.py): a compiler whose C++ runtime does not match torch's gives a module
             that builds and imports, then crashes there. Recorded in the build info; the module checks itself
             again at its first load, where the result is cached per build."""
-            smoke = _load_smoke()
+            smoke = _load("_smoke")
             path = self.get_ext_fullpath(EXT_NAME)
             if not os.path.exists(path):
                 return None
             if smoke.mode() == "skip":
                 result = {"ok": True, "reason": None, "skipped": True}
             else:
-                result = smoke.run(path, compilers=_compilers())
+                result = smoke.run(path, compilers=compilers)
             record = {"ok": result["ok"], "reason": result["reason"], "skipped": bool(result.get("skipped"))}
             if result["ok"]:
                 _note("smoke test of the built extension: " + ("skipped" if record["skipped"] else "passed"))
@@ -228,5 +174,23 @@ def _plan():
     return [ext], {"build_ext": BuildExt}, info
 
 
+class BuildPy(_setuptools_build_py):
+    """Copies csrc/ into the package as fastgrad/_csrc, so every install (a pure-Python wheel from an isolated
+    build among them) can compile the kernels for the torch it finds at run time (fastgrad/_build.py). An
+    editable install builds from the checkout's csrc/ instead."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        csrc = os.path.join(HERE, "csrc")
+        target = os.path.join(self.build_lib, "fastgrad", _buildplan.PACKAGED)
+        for path in sorted(glob.glob(os.path.join(csrc, "**", "*"), recursive=True)):
+            if os.path.isfile(path) and path.endswith((".cpp", ".cu", ".h", ".cuh")):
+                dest = os.path.join(target, os.path.relpath(path, csrc))
+                self.mkpath(os.path.dirname(dest))
+                self.copy_file(path, dest, preserve_mode=False)
+
+
 _ext_modules, _cmdclass, _ = _plan()
-setup(ext_modules=_ext_modules, cmdclass=_cmdclass)
+setup(ext_modules=_ext_modules, cmdclass=dict(_cmdclass, build_py=BuildPy))

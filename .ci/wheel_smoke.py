@@ -1,6 +1,8 @@
-"""Smoke test of an installed fastgrad wheel, run from outside the checkout (`make wheel-check`): the package
-and its compiled extension come from the environment the wheel went into, its C++ cpu backend clips as torch
-does, and the three command-line entry points start. Exits non-zero with the failing check named."""
+"""Smoke test of an installed fastgrad wheel, run from outside the checkout (`make wheel-check`,
+`make first-use-check`): the package comes from the environment the wheel went into, its compiled extension from
+there too (``--ext installed``, a wheel built with its extension) or from the build cache (``--ext cache``, a
+pure-Python install whose kernels were compiled at first use), its C++ cpu backend clips as torch does, and the
+command-line entry points start. Exits non-zero with the failing check named."""
 
 from __future__ import annotations
 
@@ -41,13 +43,21 @@ def same(a, b) -> bool:
 
 
 def main() -> None:
+    ext_from = sys.argv[sys.argv.index("--ext") + 1] if "--ext" in sys.argv else "installed"
     where = os.path.dirname(os.path.abspath(fastgrad.__file__))
     site = os.path.abspath(sysconfig.get_paths()["purelib"])
     check(os.path.dirname(where) == site and where != os.path.join(CHECKOUT, "fastgrad"),
           f"fastgrad imported from this environment's site-packages ({where}), not the checkout")
     mod = _ext.load()
-    check(mod is not None and os.path.dirname(os.path.abspath(mod.__file__)) == where,
-          f"its compiled extension loads from there ({getattr(mod, '__file__', None)})")
+    if ext_from == "cache":
+        cache = os.path.abspath(os.environ["FASTGRAD_CACHE_DIR"])
+        check(mod is not None and os.path.abspath(mod.__file__).startswith(cache + os.sep)
+              and _ext.build_info()["origin"] == "first-use build",
+              f"its compiled extension loads from the build cache {cache} ({getattr(mod, '__file__', None)}; "
+              f"{_ext.load_error()})")
+    else:
+        check(mod is not None and os.path.dirname(os.path.abspath(mod.__file__)) == where,
+              f"its compiled extension loads from there ({getattr(mod, '__file__', None)})")
 
     # max-norm and value clipping are exact, so the C++ kernels must give torch's bits.
     ours, theirs = grads(0), grads(0)

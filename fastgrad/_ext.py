@@ -1,30 +1,46 @@
 """Loader of the optional compiled extension ``fastgrad._C`` and the fake (meta) kernels of its ops.
 
 ``fastgrad._C`` registers the ops ``torch.ops.fastgrad.*`` (schemas and CPU kernels, plus CUDA kernels
-in CUDA builds) when imported. Nothing here raises when it is missing: :func:`load` returns None and
-:func:`load_error` says why. The fake implementations let the ops run under ``torch.compile`` and
-``torch.library.opcheck``.
+in CUDA builds) when imported. Which build is loaded, at first use (not at ``import fastgrad``):
+
+1. the one installed with the package, when its build record names the running torch (a C++ extension built
+   against one torch is not promised to load or run under another; fastgrad/_buildplan.py ``mismatch``);
+2. else one compiled for the running torch on first use, from the cache or compiled now (fastgrad/_build.py);
+3. else none: fastgrad runs on its Triton and torch backends, and one warning says why.
+
+Either build is smoke-checked in a child process before it is loaded (fastgrad/_smoke.py). Nothing here
+raises: :func:`load` returns None and :func:`load_error` says why. The fake implementations let the ops run
+under ``torch.compile`` and ``torch.library.opcheck``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import sys
 import threading
 import warnings
 from types import ModuleType
 
+from . import _build, _buildplan
+
 _lock = threading.Lock()
-_state: dict = {"done": False, "module": None, "error": None, "smoke": None}
+_state: dict = {"done": False, "module": None, "error": None, "smoke": None, "origin": None, "not_installed": None,
+                "record": None}
 
-INFO_FILE = "_build_info.json"
+INFO_FILE = _buildplan.INFO_NAME
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
-#: Set to 1 to silence the one warning an install without the compiled extension gives at first use.
+#: Set to 1 to silence the one warning an install without usable compiled kernels gives at first use.
 QUIET_ENV = "FASTGRAD_NO_EXT_WARNING"
 
-BUILD_COMMAND = ("pip install --no-build-isolation -e .  (from a source checkout; without -e for a normal "
-                 "install), in an environment with torch and a C++ compiler")
+BUILD_COMMAND = "python -m fastgrad.build"
+
+
+class _Declined(Exception):
+    """The build's smoke check failed: never loaded."""
 
 
 def load() -> ModuleType | None:
@@ -38,14 +54,11 @@ def load() -> ModuleType | None:
     with _lock:
         if not _state["done"]:
             try:
-                declined = _smoke_check()
-                if declined is not None:
-                    _state["error"] = declined
-                    _warn_declined(declined)
-                else:
-                    mod = importlib.import_module("fastgrad._C")
-                    _register_fakes()
-                    _state["module"] = mod
+                _state["module"] = _resolve()
+                _register_fakes()
+            except _Declined as exc:
+                _state["error"] = str(exc)
+                _warn_declined(str(exc))
             except Exception as exc:  # noqa: BLE001 - any import/registration failure means "not usable"
                 _state["error"] = _describe(exc)
                 _warn_missing(_state["error"])
@@ -53,22 +66,75 @@ def load() -> ModuleType | None:
     return _state["module"]
 
 
-def _smoke_check() -> str | None:
-    """Why the built module must not be loaded (its smoke check failed), or None (passed, skipped, or nothing is
-    built: the import then says so)."""
-    import importlib.util
+def installed() -> tuple[str | None, dict, str | None]:
+    """(path, build record, why it is not used) of the ``fastgrad._C`` installed with the package; the path is
+    None when there is none, the reason None when it fits the running torch."""
+    import torch
 
+    spec = importlib.util.find_spec("fastgrad._C")
+    if spec is None or not spec.origin or not os.path.exists(spec.origin):
+        return None, _read_record(os.path.join(PACKAGE_DIR, INFO_FILE)), "fastgrad._C is not built for this install"
+    record = _read_record(os.path.join(os.path.dirname(os.path.abspath(spec.origin)), INFO_FILE))
+    why = _buildplan.mismatch(record, _buildplan.torch_identity(torch))
+    return spec.origin, record, None if why is None else "the installed fastgrad._C " + why.removeprefix("it ")
+
+
+def _resolve() -> ModuleType:
+    """The module to use (see the module's docstring); raises why there is none."""
+    import torch
+
+    path, record, why = installed()
+    _state["not_installed"] = why
+    if why is None:
+        _smoke_check(path, record)
+        mod = importlib.import_module("fastgrad._C")
+        _state["origin"], _state["record"] = "installed", record
+        return mod
+    try:
+        target = _build.target(PACKAGE_DIR)
+        record = _build.find(target)  # compiled before, by a first use or python -m fastgrad.build
+        if record is None:
+            if not _build.enabled():
+                raise _Unbuilt(f"{why}; {BUILD_COMMAND} builds it for torch {torch.__version__} ({_build.OFF_ENV}=0 "
+                               "turned off the build on first use)")
+            record = _build.ensure(target, why)
+    except _build.Unavailable as exc:
+        raise _Unbuilt(f"{why}, and no build for torch {torch.__version__} can be made: {exc}") from None
+    _smoke_check(target.module, record)
+    mod = _import_from(target.module)
+    _state["origin"], _state["record"] = "first-use build", record
+    return mod
+
+
+class _Unbuilt(Exception):
+    """No build fits the running torch (the message says why)."""
+
+
+def _import_from(path: str) -> ModuleType:
+    """Import the extension at ``path`` as ``fastgrad._C`` (so a later ``import fastgrad._C`` gets this one, never
+    the installed build that does not fit)."""
+    spec = importlib.util.spec_from_file_location("fastgrad._C", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fastgrad._C"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop("fastgrad._C", None)
+        raise
+    setattr(sys.modules["fastgrad"], "_C", mod)
+    return mod
+
+
+def _smoke_check(path: str, record: dict) -> None:
+    """Raise :class:`_Declined` when the build at ``path`` failed its smoke check (passed, skipped: returns)."""
     import torch
 
     from . import _smoke
 
-    spec = importlib.util.find_spec("fastgrad._C")
-    if spec is None or not spec.origin or not os.path.exists(spec.origin):
-        return None
-    compilers = _recorded().get("compilers")
-    result = _smoke.check(spec.origin, torch.__version__, compilers=compilers)
+    result = _smoke.check(path, torch.__version__, compilers=record.get("compilers"))
     _state["smoke"] = result
-    return None if result["ok"] else result["reason"]
+    if not result["ok"]:
+        raise _Declined(result["reason"])
 
 
 def _warn_declined(reason: str) -> None:
@@ -85,11 +151,13 @@ def _warn_missing(error: str) -> None:
     """Once per process (load() runs its body once): the install works, but slower than it could."""
     if os.environ.get(QUIET_ENV, "").strip() not in ("", "0"):
         return
-    warnings.warn(f"{error}. fastgrad runs on its torch and Triton backends without it (slower on CPU "
+    warnings.warn(f"fastgrad: {error}. fastgrad runs on its torch and Triton backends without it (slower on CPU "
                   f"tensors; no cuda backend). Set {QUIET_ENV}=1 to silence this.", RuntimeWarning, stacklevel=3)
 
 
 def _describe(exc: Exception) -> str:
+    if isinstance(exc, _Unbuilt):
+        return str(exc)
     if isinstance(exc, ModuleNotFoundError) and exc.name == "fastgrad._C":
         return f"fastgrad._C (the compiled kernels) is not built; build it with: {BUILD_COMMAND}"
     return f"fastgrad._C failed to load: {exc.__class__.__name__}: {exc}"
@@ -128,24 +196,32 @@ def cuda_archs() -> tuple[list[str], list[str]] | None:
     return None
 
 
+def _read_record(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _recorded() -> dict:
-    for path in _info_paths():
-        try:
-            with open(path) as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
-            continue
-    return {}
+    """The build record of the loaded module, else of the installed one (what info shows when none loaded)."""
+    if _state["record"] is not None:
+        return _state["record"]
+    spec = importlib.util.find_spec("fastgrad._C")
+    if spec is not None and spec.origin and os.path.exists(spec.origin):
+        return _read_record(os.path.join(os.path.dirname(os.path.abspath(spec.origin)), INFO_FILE))
+    return _read_record(os.path.join(PACKAGE_DIR, INFO_FILE))
 
 
-def _info_paths() -> list[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = []
-    mod = _state["module"]
-    if mod is not None and getattr(mod, "__file__", None):
-        paths.append(os.path.join(os.path.dirname(os.path.abspath(mod.__file__)), INFO_FILE))
-    paths.append(os.path.join(here, INFO_FILE))
-    return paths
+def _sources_match(recorded: dict) -> bool | None:
+    """Whether the build was compiled from the sources this fastgrad carries (None: unknown, e.g. no sources
+    here or a build from before the hash was recorded). False in a checkout whose csrc/ changed since."""
+    csrc = _buildplan.source_dir(PACKAGE_DIR)
+    if csrc is None or not recorded.get("sources"):
+        return None
+    return recorded["sources"] == _buildplan.sources_hash(csrc)
 
 
 def build_info() -> dict:
@@ -157,7 +233,9 @@ def build_info() -> dict:
     FASTGRAD_CUDA_ARCHS),
     ``torch_now`` (the running torch), ``path`` (the module file), ``load_error`` and ``build_error``,
     ``smoke`` (this process's smoke check: ok, reason, cached, cache; None when nothing was checked),
-    ``smoke_at_build`` (setup.py's) and ``compilers`` (CC/CXX of the build).
+    ``smoke_at_build`` (setup.py's) and ``compilers`` (CC/CXX of the build), ``origin`` ("installed" with the
+    package or "first-use build"), ``installed_not_used`` (why the installed build was passed over),
+    ``build_seconds`` (of a first-use build) and ``sources_match`` (built from the sources here; None: unknown).
     """
     import torch
 
@@ -184,6 +262,10 @@ def build_info() -> dict:
         "smoke": _state.get("smoke"),
         "smoke_at_build": recorded.get("smoke"),
         "compilers": recorded.get("compilers"),
+        "origin": _state["origin"],
+        "installed_not_used": _state["not_installed"],
+        "build_seconds": recorded.get("seconds") if _state["origin"] == "first-use build" else None,
+        "sources_match": _sources_match(recorded) if mod is not None else None,
     }
 
 

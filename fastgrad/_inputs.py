@@ -104,11 +104,21 @@ def pairs_of(params: list) -> tuple[list[Tensor], list[Tensor]] | None:
 
 
 # ---------------------------------------------------------------- validating
+class NotANumberError(ValueError, TypeError):
+    """A numeric argument that is no number (None, a string, a list): torch's ``float(x)`` raises TypeError or
+    ValueError for these, fastgrad raises this, which is both, with a message naming the argument, so code
+    written against either torch's exception or fastgrad's documented ValueError catches it."""
+
+
+class GradientDtypeError(TypeError, RuntimeError):
+    """Integer or bool gradients: fastgrad's TypeError, and the RuntimeError torch's norm raises for them."""
+
+
 def check_norm_type(norm_type) -> float:
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise NotANumberError(
             f"norm_type must be a real number or 'inf', got {norm_type!r}"
         ) from None
     if math.isnan(p):
@@ -145,7 +155,7 @@ def _as_float(name: str, value) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+        raise NotANumberError(f"{name} must be a number, got {value!r}") from None
 
 
 NONFINITE_MSG = (
@@ -181,7 +191,7 @@ def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallb
             needs_torch = True
             continue
         if not dt.is_floating_point:
-            raise TypeError(f"{what} must be floating point; got a tensor of dtype {dt}")
+            raise GradientDtypeError(f"{what} must be floating point; got a tensor of dtype {dt}")
         # other floating dtypes (float8...): torch's implementation decides
         needs_torch = True
     return needs_torch

@@ -13,7 +13,7 @@ and ``scaler.update`` need no change.
 ``fused=True`` Adam/AdamW/SGD/Adagrad, flagged ``_step_supports_amp_scaling``): the factor goes to the
 optimizer as ``optimizer.grad_scale`` (its reciprocal; the fused kernels divide the gradients by it while
 they read them for the update and store the result back), and ``scaler.step`` hands it over with the
-``found_inf`` it already passes. See docs/amp.md for when it applies and why the results are the same.
+``found_inf`` it already passes. See docs/amp-reference.md for when it applies and why the results are the same.
 
 Overflow (an inf/NaN among the scaled gradients): the unscaled norm is inf or NaN, so the coefficient is 0 or
 NaN and the folded factor is too; ``g * factor`` then gives NaN exactly where torch's unscale-then-clip gives

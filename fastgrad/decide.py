@@ -4,7 +4,9 @@ A route (one C++ call, a Triton launch, torch ops, a collective over shards) dif
 gradients: the total norm, the overflow flag, per-tensor norms. What happens next is decided here, on the
 device, with torch ops and no host sync:
 
-* :func:`clip_coef`: the clip coefficient ``min(max_norm / (total + 1e-6), 1)``;
+* :func:`clip_coef`: the clip coefficient ``min(max_norm / (total + 1e-6), 1)``; :func:`clip_coef_above`:
+  ZClip's form of it (only a norm above the limit is clipped); :func:`per_tensor_coef`: what per-tensor
+  coefficients amount to on the total norm;
 * :func:`amp_factor` and :func:`with_unscale`: unscale and clip folded into one factor;
 * :func:`grad_scale`: that factor as the ``grad_scale`` a fused optimizer divides by;
 * :func:`nonfinite`: the verdict on a norm (NaN, or inf: an overflowed norm is as bad as a NaN one);
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["CLIP_EPS", "AGC_NORM_FLOOR", "clip_coef", "with_unscale", "amp_factor", "grad_scale", "nonfinite", "spike",
+__all__ = ["CLIP_EPS", "AGC_NORM_FLOOR", "clip_coef", "clip_coef_above", "per_tensor_coef", "with_unscale", "amp_factor", "grad_scale", "nonfinite", "spike",
            "bad_step", "agc_limit", "agc_factor"]
 
 #: torch.nn.utils.clip_grad_norm_'s epsilon, added to the total norm before dividing.
@@ -37,6 +39,21 @@ def clip_coef(total: Tensor, max_norm, eps: float = CLIP_EPS) -> Tensor:
     evaluates it on the 0-dim total (NaN stays NaN). ``max_norm`` may be a tensor (an adaptive threshold);
     ``eps`` differs only where a mode's paper says so (AdaGC)."""
     return torch.clamp(max_norm / (total + eps), max=1.0)
+
+
+def clip_coef_above(total: Tensor, limit: Tensor, eps: float = CLIP_EPS) -> Tensor:
+    """ZClip's coefficient (Kumar et al. 2025: the clip is applied only to a norm above its threshold):
+    :func:`clip_coef` where ``total > limit``, else 1. It differs from :func:`clip_coef` in two places: a norm
+    at the limit or less than ``eps`` below it keeps 1 (clip_coef gives ``limit / (total + eps)``, just under
+    1), and a NaN norm gives 1 (clip_coef: NaN), so a skipped non-finite step leaves the gradients unclipped."""
+    return torch.where(total > limit, clip_coef(total, limit, eps), torch.ones_like(total))
+
+
+def per_tensor_coef(total: Tensor, per: Tensor, coefs: Tensor) -> Tensor:
+    """The coefficient that per-tensor coefficients ``coefs`` (on tensors of 2-norms ``per``) amount to on
+    the total 2-norm ``total``: the clipped gradients' norm over the norm before, ``||coefs * per|| / total``
+    (the guard's reading of a per-tensor mode's step)."""
+    return torch.linalg.vector_norm(coefs * per, 2.0) / total
 
 
 def with_unscale(coef: Tensor, inv_scale: Tensor) -> Tensor:

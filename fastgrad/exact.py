@@ -251,8 +251,9 @@ def _digits_of(mid: Tensor, emid: Tensor, p: float, base: int, nl: int) -> Tenso
     es = es.clamp(min=base, max=base + 32 * (nl - 3))  # out-of-window midpoints only for discarded lanes
     idx, vals = _deposit(ms, es, base)
     lead = idx.shape[:-2]
+    flat = lead + (idx.shape[-2] * idx.shape[-1],)  # (not -1: ambiguous for no rows, a rank holding no tensor)
     out = torch.zeros(lead + (nl,), dtype=torch.int64, device=mid.device)
-    out = out.scatter_add(-1, idx.reshape(lead + (-1,)), vals.reshape(lead + (-1,)))
+    out = out.scatter_add(-1, idx.reshape(flat), vals.reshape(flat))
     return normalize(out)
 
 

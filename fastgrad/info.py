@@ -118,7 +118,12 @@ def verdict(info: dict) -> list[str]:
         lines.append(f"CUDA tensors: no GPU visible (torch {torch.__version__}"
                      f"{', CUDA ' + torch.version.cuda if torch.version.cuda else ', a CPU-only build'})")
     cpu_why = backends.get("cpu").unavailable_reason()
-    lines.append("CPU tensors: C++ kernels" if cpu_why is None else f"CPU tensors: torch (no C++ kernels: {cpu_why})")
+    ext = info.get("extension") or {}
+    origin = {"installed": " (installed with fastgrad)",
+              "first-use build": " (compiled for this torch at first use, loaded from the build cache)"}.get(
+        ext.get("origin"), "")
+    lines.append(f"CPU tensors: C++ kernels{origin}" if cpu_why is None
+                 else f"CPU tensors: torch (no C++ kernels: {cpu_why})")
     return lines
 
 
@@ -129,7 +134,8 @@ def _fmt(value) -> str:
 
 
 _EXT_LABELS = (
-    ("built", "importable"), ("path", "module"), ("cpu_kernels", "C++ kernels"), ("cuda_kernels", "CUDA kernels"),
+    ("built", "importable"), ("origin", "in use"), ("path", "module"), ("installed_not_used", "installed build not used"),
+    ("build_seconds", "first-use build took (s)"), ("sources_match", "built from these sources"), ("cpu_kernels", "C++ kernels"), ("cuda_kernels", "CUDA kernels"),
     ("sass", "SASS (machine code)"), ("ptx", "PTX (JIT for newer GPUs)"), ("arch_source", "archs chosen by"),
     ("cuda_skipped_because", "no CUDA kernels because"), ("torch", "built against torch"), ("cuda", "built with CUDA"),
     ("torch_now", "running torch"), ("compilers", "built with compilers"), ("smoke", "smoke test"),
@@ -164,7 +170,9 @@ def render(info: dict) -> str:
             shown.add(key)
             value = smoke_text(ext[key]) if key in ("smoke", "smoke_at_build") else ext[key]
             if key in ("sass", "ptx", "arch_source", "cuda_skipped_because", "load_error", "build_error", "compilers",
-                       "smoke", "smoke_at_build") and not value:
+                       "smoke", "smoke_at_build", "origin", "installed_not_used", "build_seconds") and not value:
+                continue
+            if key == "sources_match" and value is None:
                 continue
             lines.append(f"  {label + ':':26s} {_fmt(value)}")
     for key, value in ext.items():

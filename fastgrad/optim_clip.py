@@ -15,7 +15,7 @@ write, or a ``step(closure)`` that recomputes them): the coefficient would other
 was not computed from. A second clip before the step replaces the factor. A clip inside a ``step(closure)``
 closure comes after that step's pre-hook, so it writes the gradients (as ``clip_grad_norm_``); the hooks
 flag the step, and a look up the call stack finds it where they cannot (the optimizer's first clip, made
-inside a step that started before the hooks existed; a flag left by a step that raised). See docs/amp.md for
+inside a step that started before the hooks existed; a flag left by a step that raised). See docs/amp-reference.md for
 the maths.
 """
 

@@ -310,13 +310,14 @@ def assert_repeatable_without_host_sync(params, op, runs: int = 4) -> None:
     assert all(all(torch.equal(a, b) for a, b in zip(o, outs[0])) for o in outs)
 
 
-def spawn_ranks(worker, world: int, out_dir: str, wall_limit_s: float) -> str:
-    """Run ``worker(rank, world, out_dir)`` on ``world`` spawned processes (the gloo tests' launcher); returns
-    the launcher's error text, '' when every rank finished in time. Ranks still alive at the end are killed
-    (a hung collective must not hang the suite)."""
+def spawn_ranks(worker, world: int, out_dir: str, wall_limit_s: float, args: tuple | None = None) -> str:
+    """Run ``worker(rank, world, out_dir)`` (or ``worker(rank, *args)``) on ``world`` spawned processes (the gloo
+    tests' launcher); returns the launcher's error text, '' when every rank finished in time. Ranks still alive
+    at the end are killed (a hung collective must not hang the suite)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(worker, args=(world, str(out_dir)), nprocs=world, join=False, start_method="spawn")
+    args = (world, str(out_dir)) if args is None else args
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + wall_limit_s
     try:
         while not ctx.join(timeout=1.0):

@@ -91,7 +91,13 @@ def test_cli_tiny(tmp_path, capsys, monkeypatch):
             assert r["verdict"] == "within noise" and "too few" in r["verdict_why"]
         elif r["impl"] != "torch eager":
             assert float(r["speedup"]) > 0 and float(r["speedup_lo"]) <= float(r["speedup_hi"])
-            assert r["verdict"] in ("faster", "slower", "within noise")
+            if r["verdict"] == "measurement problem":
+                # tiny's "floor" (MIN_FLOOR_BYTES patched to 0) is the floor pass's fixed cost, which a fused op
+                # can beat; or its medians disagree with its paired ratio: either way said, never a verdict
+                over = r["floor_problem"] == "1" and float(r["pct_floor"]) > runner.OVER_FLOOR_PCT
+                assert over or r["verdict_why"].startswith("the medians give"), r
+            else:
+                assert r["verdict"] in ("faster", "slower", "within noise")
     meta = json.loads((out / "meta.json").read_text())
     assert any(n.startswith("no reference rows") for n in meta["notes"])
     assert meta["command"].startswith("python -m fastgrad.bench --quick --workloads tiny")

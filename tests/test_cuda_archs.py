@@ -86,11 +86,34 @@ def test_gencode_flags_and_define_round_trip():
         assert _archs.from_define(_archs.define_value(archs)) == archs
 
 
-def test_setup_uses_the_selection(monkeypatch):
-    # setup.py loads fastgrad/_archs.py by path; a build with the default picks gencodes through it.
+def test_the_build_plan_uses_the_selection(monkeypatch, tmp_path):
+    """fastgrad/_buildplan.py (setup.py and the first-use build both build from its plan) picks the gencodes
+    through _archs.select: a CUDA torch and an nvcc give SASS for the default archs that nvcc can build plus PTX
+    of the newest, nvcc without FMA contraction, and the archs compiled into the module."""
+    import types
+
+    from fastgrad import _buildplan
+
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("")
+    monkeypatch.setattr(_archs, "nvcc_archs", lambda path: NVCC13 if path == str(nvcc) else None)
+    fake_torch = types.SimpleNamespace(__version__="2.13.0+cu130", version=types.SimpleNamespace(cuda="13.0"),
+                                       _C=types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True))
+    fake_ext = types.SimpleNamespace(CUDA_HOME=str(tmp_path / "cuda"))
+    plan = _buildplan.plan(fake_torch, fake_ext, _archs, os.path.join(ROOT, "csrc"), {})
+    sass = [a for a in _archs.COMMON if a in NVCC13]
+    assert plan["with_cuda"] and plan["sass"] == sass and plan["ptx"] == [sass[-1]]
+    assert plan["nvcc"] == ["-O3", "--fmad=false", "-DFASTGRAD_WITH_CUDA=1"] + _archs.gencode_flags(sass, [sass[-1]])
+    assert f"-DFASTGRAD_CUDA_SASS={_archs.define_value(sass)}" in plan["cxx"] and "-ffp-contract=off" in plan["cxx"]
+    assert plan["record"]["arch_source"] == "default" and plan["cuda_sources"]
+    # an explicit list wins, and one the nvcc cannot build is an error, not dropped
+    plan = _buildplan.plan(fake_torch, fake_ext, _archs, os.path.join(ROOT, "csrc"), {"TORCH_CUDA_ARCH_LIST": "9.0"})
+    assert plan["sass"] == ["90"] and plan["ptx"] == []
+    with pytest.raises(_archs.ArchError, match="sm_61"):
+        _buildplan.plan(fake_torch, fake_ext, _archs, os.path.join(ROOT, "csrc"), {"FASTGRAD_CUDA_ARCHS": "6.1"})
     src = open(os.path.join(ROOT, "setup.py")).read()
-    assert "_load_archs()" in src and "archs.select(os.environ" in src and "archs.gencode_flags(sass, ptx)" in src
-    assert "--fmad=false" in src
+    assert "_buildplan.plan(torch, cpp_extension, _load(\"_archs\")" in src
 
 
 # ------------------------------------------------------------------------------- per-device decision
@@ -303,8 +326,10 @@ def test_info_opens_with_a_verdict_per_device_type():
     lines = text.splitlines()
     assert lines[0].startswith("CUDA tensors: ")
     assert lines[1].startswith("CPU tensors: ")
-    if backends.get("cpu").unavailable_reason() is None:
-        assert lines[1] == "CPU tensors: C++ kernels"
+    if backends.get("cpu").unavailable_reason() is None:  # and where they come from
+        assert lines[1] in ("CPU tensors: C++ kernels (installed with fastgrad)",
+                            "CPU tensors: C++ kernels (compiled for this torch at first use, loaded from the build cache)")
+        assert lines[1].endswith("(installed with fastgrad)") == (_ext.build_info()["origin"] == "installed")
     assert "extension fastgrad._C:" in lines
     assert not any(line.startswith("extension fastgrad._C: ") and "=" in line for line in lines)  # not one dict line
 
@@ -342,8 +367,10 @@ print(msgs[0] if msgs else '')
 
 
 @pytest.mark.parametrize("quiet", [False, True])
-def test_missing_extension_warns_once_with_the_build_command(quiet):
-    env = dict(os.environ, FASTGRAD_NO_EXT_WARNING="1" if quiet else "0")
+def test_missing_extension_warns_once_with_the_build_command(quiet, tmp_path):
+    # without the first-use build (tests/test_first_use_build.py has it), an empty build cache
+    env = dict(os.environ, FASTGRAD_NO_EXT_WARNING="1" if quiet else "0", FASTGRAD_AUTO_BUILD="0",
+               FASTGRAD_CACHE_DIR=str(tmp_path))
     out = subprocess.run([os.sys.executable, "-c", _MISSING], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -352,7 +379,7 @@ def test_missing_extension_warns_once_with_the_build_command(quiet):
         assert count == "0"
     else:
         assert count == "1", out.stdout
-        assert "pip install --no-build-isolation -e ." in msg and "FASTGRAD_NO_EXT_WARNING" in msg
+        assert "python -m fastgrad.build builds it" in msg and "FASTGRAD_NO_EXT_WARNING" in msg
 
 
 # --------------------------------------------------------------------------------------- build script

@@ -75,6 +75,37 @@ def test_clip_coef_boundaries():
     assert decide.clip_coef(torch.tensor(INF), 1.0).item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_coef_above_is_clip_coef_only_above_the_limit(dtype):
+    """ZClip's form: clip_coef bit for bit where the norm is above the limit; 1 at the limit, within eps
+    below it (where clip_coef already clips a little) and for a NaN norm (clip_coef: NaN)."""
+    def t(x):
+        return torch.tensor(x, dtype=dtype)
+
+    limit = t(2.0)
+    above = torch.nextafter(limit, t(INF)).item()  # one ulp of the dtype above the limit
+    for total in (above, 2.5, 1e30, INF):
+        got = decide.clip_coef_above(t(total), limit)
+        assert torch.equal(bits(got), bits(decide.clip_coef(t(total), limit))) and got.item() < 1.0, total
+    for total in (2.0, 2.0 - 5e-7, 0.0, NAN):
+        assert decide.clip_coef_above(t(total), limit).item() == 1.0, total
+    assert decide.clip_coef(t(2.0), limit).item() < 1.0 and decide.clip_coef(t(NAN), limit).isnan()
+    assert decide.clip_coef_above(t(5.0), t(INF)).item() == 1.0  # no threshold: nothing clipped
+
+
+def test_per_tensor_coef_is_the_clipped_total_over_the_total():
+    gen = torch.Generator().manual_seed(4)
+    per = torch.rand(7, generator=gen, dtype=torch.float64) * 3 + 0.1
+    coefs = torch.rand(7, generator=gen, dtype=torch.float64)
+    total = per.norm()
+    want = math.sqrt(sum((c * n) ** 2 for c, n in zip(coefs.tolist(), per.tolist()))) / total.item()
+    got = decide.per_tensor_coef(total, per, coefs)
+    assert got.item() == pytest.approx(want, rel=1e-14)
+    # not the mean coefficient, nor the norm of the coefficients alone
+    assert abs(coefs.mean().item() - want) > 1e-3 and abs(coefs.norm().item() - want) > 1e-3
+    assert decide.per_tensor_coef(total, per, torch.ones(7, dtype=torch.float64)).item() == pytest.approx(1.0)
+
+
 def test_amp_factor_and_grad_scale():
     total = torch.tensor(4.0)
     inv = torch.tensor(2.0 ** -10)

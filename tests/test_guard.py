@@ -624,7 +624,7 @@ def test_no_host_values_check_can_fail(monkeypatch):
             guard.counters()
 
 
-# ---------------------------------------------------------------- what .grad holds after a skip (docs/guard.md)
+# ---------------------------------------------------------------- what .grad holds after a skip (docs/guard-paths.md)
 def _grad_after_skip(mode, fused, use_scaler, bad, step_of_bad=4):
     gen0 = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(5, generator=gen0)), torch.nn.Parameter(torch.randn(4, generator=gen0))]
@@ -737,7 +737,7 @@ def test_healthy_steps_zero_write_vs_written():
 
 @needs_cuda
 def test_cuda_grad_after_a_nonfinite_skip():
-    """docs/guard.md's CUDA cell: mode "norm" writing the gradients on CUDA (the fused read pass, unscale
+    """docs/guard-paths.md's CUDA cell: mode "norm" writing the gradients on CUDA (the fused read pass, unscale
     factor 1) leaves every element NaN after a non-finite skip; with fused zero-write nothing is written."""
     for fused, want in ((False, True), (True, False)):
         ps = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]

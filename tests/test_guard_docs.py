@@ -1,6 +1,7 @@
-"""docs/guard.md's table "Where the guard works, and what a skip does" stays true: its fused row names the
+"""docs/guard-paths.md's table "Where the guard works, and what a skip does" stays true: its fused row names the
 torch optimizers the guard hands its flag to as ``found_inf``, its non-fused row the families that
-tests/test_guard_optimizers.py pins one by one, and every test it cites exists."""
+tests/test_guard_optimizers.py pins one by one, and every test it cites exists; and docs/guard-reference.md's
+Modes table gives every mode with the defaults its declaration has."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ TITLE = "## Where the guard works, and what a skip does"
 
 
 def _rows() -> dict[str, list[str]]:
-    text = (ROOT / "docs" / "guard.md").read_text()
+    text = (ROOT / "docs" / "guard-paths.md").read_text()
     assert TITLE in text
     section = text.split(TITLE, 1)[1].split("\n## ", 1)[0]
     rows = {}
@@ -64,3 +65,29 @@ def test_every_cited_test_exists():
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         assert name in defined, (file, name)
     assert all(cells[-1] for cells in _rows().values())
+
+
+def _mode_rows() -> dict[str, str]:
+    """docs/guard-reference.md's Modes table: mode -> its defaults cell."""
+    text = (ROOT / "docs" / "guard-reference.md").read_text()
+    section = text.split("\n## Modes\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r'\| `"([\w-]+)"` \|', line)
+        if m:
+            rows[m.group(1)] = line.strip().strip("|").split(" | ")[-1]
+    return rows
+
+
+def test_the_modes_table_has_every_mode_with_its_declared_defaults():
+    """Each mode has a row whose defaults are its declaration's (options, and max_norm's default)."""
+    from fastgrad.guard.modes import MODE_CLASSES
+
+    rows = _mode_rows()
+    assert set(rows) == set(MODE_CLASSES)
+    for name, cls in MODE_CLASSES.items():
+        documented = {k: float(v) for k, v in re.findall(r"`(\w+)=([-\d.e]+)`", rows[name])}
+        declared = {o.name: float(o.default) for o in cls.OPTIONS}
+        if cls.max_norm_default is not None:
+            declared["max_norm"] = cls.max_norm_default
+        assert documented == declared, name

@@ -100,3 +100,38 @@ def test_prepared_scheduler_on_a_guard_skip(gated):
     else:  # one step more than the updates: the skipped one
         assert sched.scheduler.last_epoch == 4 and sched.get_last_lr()[0] == 1e-2 / 5
     assert finite(model.parameters())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_missing_or_misplaced_clip_is_refused_at_the_synced_step_only(fused):
+    """With accumulation, accelerate's optimizer.step() on a micro-batch that is not synced never reaches
+    the optimizer, so it needs no decision; the synced step without a clip_ (forgotten, or placed before
+    backward) is refused before anything is written, and the loop written as docs/guard.md says steps."""
+    for misuse in ("forgotten", "before-backward"):
+        _fresh()
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        model, opt = acc.prepare(model, opt)
+        guard = fastgrad.StepGuard(opt, max_norm=1.0)
+        data = batches(4, {1})
+        for i, (x, y) in enumerate(data):
+            with acc.accumulate(model):
+                if misuse == "before-backward" and acc.sync_gradients:
+                    opt.zero_grad(set_to_none=True)
+                    guard.clip_()
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                if not acc.sync_gradients:
+                    opt.step()  # not synced: nothing reaches the optimizer, nothing refused
+                    continue
+                before = snapshot(list(model.parameters()), opt.optimizer)
+                first = "has not been called" if i == 1 else "not seen by a clip_"  # (clip_ ran at step 1)
+                with pytest.raises(RuntimeError, match=first if misuse == "forgotten" else "found no gradients"):
+                    opt.step()
+                assert same(snapshot(list(model.parameters()), opt.optimizer), before)
+                guard.clip_()  # the right place: after the last backward of the accumulated batch
+                opt.step()
+                opt.zero_grad()
+        assert guard.state()["steps"] == 2 and guard.state()["skipped_steps"] == 1
+        assert finite(model.parameters())

@@ -97,6 +97,22 @@ def test_nan_batch_is_skipped_in_a_lightning_run(opt, bad):
     assert not finite(control.parameters())
 
 
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_accumulated_batches_step_under_the_guard(opt):
+    """accumulate_grad_batches=2: Lightning runs the micro-batches that do not step outside optimizer.step,
+    and the callback clips inside the stepping closure after the last backward, so no step lacks a decision
+    (the guard refuses one that does); the optimizer step holding the NaN micro-batch is skipped."""
+    data = batches(2 * STEPS, {5})  # micro-batch 5: in optimizer step 2 (micro-batches 4 and 5)
+    guarded, rec = Tiny(OPTS[opt]), Recorder()
+    cb = StepGuardCallback(max_norm=1.0)
+    _fit(guarded, data, [cb, rec], accumulate_grad_batches=2)
+    assert same(rec.after[5], rec.before[4])  # the step of micro-batches 4 and 5 changed nothing
+    assert not same(rec.after[3], rec.before[2]) and not same(rec.after[7], rec.before[6])
+    st = cb.guard.state()
+    assert st["steps"] == STEPS and st["skipped_steps"] == 1
+    assert finite(guarded.parameters())
+
+
 def test_bf16_mixed_precision_run():
     data = batches(STEPS, {3})
     model, rec = Tiny(OPTS["adamw-fused"]), Recorder()

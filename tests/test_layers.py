@@ -22,7 +22,9 @@ ROOT = Path(fastgrad.__file__).resolve().parent
 # Bottom first. A module may import modules of its own layer or of a lower one.
 LAYERS: list[list[str]] = [
     # 0: no fastgrad imports: build facts, torch's captured functions, the decisions every route shares
-    ["fastgrad._archs", "fastgrad._smoke", "fastgrad._torch_fns", "fastgrad.decide"],
+    ["fastgrad._archs", "fastgrad._buildplan", "fastgrad._smoke", "fastgrad._torch_fns", "fastgrad.decide"],
+    # the first-use build of the compiled extension
+    ["fastgrad._build"],
     # 1: the compiled extension's loader
     ["fastgrad._ext"],
     # 2: one-pass list scans (the registry hands its selector down to it: _scan.set_selector)
@@ -56,9 +58,11 @@ LAYERS: list[list[str]] = [
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],
     ["fastgrad.optim_clip"],
-    # the step guard: its parts, each mode one object, then the core and the package
-    ["fastgrad.guard._state", "fastgrad.guard.counters", "fastgrad.guard.skip"],
-    ["fastgrad.guard.norm", "fastgrad.guard.zclip", "fastgrad.guard.autoclip", "fastgrad.guard.adagc"],
+    # the step guard: its parts, each mode one file (every module of fastgrad/guard/modes/ but its base and
+    # package: MODE_FILES), then the core and the package
+    ["fastgrad.guard.modes.base", "fastgrad.guard.counters", "fastgrad.guard.skip"],
+    ["fastgrad.guard.modes.*"],
+    ["fastgrad.guard.modes"],
     ["fastgrad.guard.options", "fastgrad.guard.read"],
     ["fastgrad.guard.core"],
     ["fastgrad.guard"],
@@ -85,7 +89,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.monitor", "fastgrad.diagnose.run"],
     ["fastgrad.patch"],
     # 9: the package and its command-line tools
-    ["fastgrad", "fastgrad.check", "fastgrad.info"],
+    ["fastgrad", "fastgrad.check", "fastgrad.info", "fastgrad.build"],
     # optional adapters of the step guard to training frameworks (imported only by their users)
     ["fastgrad.integrations", "fastgrad.integrations._common"],
     ["fastgrad.integrations.lightning", "fastgrad.integrations.transformers"],
@@ -94,7 +98,17 @@ LAYERS: list[list[str]] = [
     ["fastgrad.benchmark.report"],
     ["fastgrad.benchmark", "fastgrad.bench"],
 ]
-LEVEL = {mod: i for i, layer in enumerate(LAYERS) for mod in layer}
+# a folder whose every module sits on one layer (adding a guard mode is adding its file, nothing else)
+MODE_FILES = "fastgrad.guard.modes.*"
+
+
+def _levels() -> dict[str, int]:
+    level = {mod: i for i, layer in enumerate(LAYERS) for mod in layer if mod != MODE_FILES}
+    folder = MODE_FILES[:-1]
+    for mod in _modules():
+        if mod.startswith(folder) and mod not in level:
+            level[mod] = next(i for i, layer in enumerate(LAYERS) if MODE_FILES in layer)
+    return level
 
 
 def _module_name(path: Path) -> str:
@@ -106,6 +120,9 @@ def _module_name(path: Path) -> str:
 
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+LEVEL = _levels()
 
 
 def _resolve(importer: str, is_pkg: bool, node: ast.AST, known: set[str]) -> set[str]:

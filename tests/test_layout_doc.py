@@ -122,7 +122,7 @@ def test_the_layout_check_can_fail():
     # a code the page does not know
     assert any("`brand_new` has no row" in p for p in layout_problems(text, {**names, "brand_new": {"x.py"}}))
     # a row that lost its logic file
-    cut = text.replace("`fastgrad/guard/zclip.py`", "`fastgrad/guard/core.py`")
+    cut = text.replace("`fastgrad/guard/modes/zclip.py`", "`fastgrad/guard/core.py`")
     assert any(p.startswith("`zclip`: its rows do not name") for p in layout_problems(cut, names))
     # a reference that does not exist
     cut = text.replace("test_guard_modes.py::_zclip_ref", "test_guard_modes.py::_zclip_reference")

@@ -174,7 +174,7 @@ def test_against_clip_grad_norm_then_step(opt_name, dtype):
 
 
 def test_how_often_the_quotient_differs_from_the_product():
-    """The measurement docs/amp.md quotes: over random coefficients, g / fl(1/coef) != fl(g * coef) for about
+    """The measurement docs/amp-reference.md quotes: over random coefficients, g / fl(1/coef) != fl(g * coef) for about
     a quarter of float32 elements, never by more than one ulp, and never for power-of-two coefficients."""
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(200_000, generator=gen)

@@ -15,24 +15,25 @@ from pathlib import Path
 
 from . import ops as benchmark_ops
 from .runner import (ALTERNATIVE, AUTO, AUTOMATIC, BASELINE, CACHE_FLOOR, COMPILE, COMPILED, EAGER,
-                     MIN_FLOOR_BYTES, REFERENCE, Result)
-from .timing import FASTER, NOISE, SLOWER
+                     MIN_FLOOR_BYTES, OVER_FLOOR_PCT, REFERENCE, Result)
+from .timing import FASTER, NOISE, PROBLEM, SLOWER
 
 COLUMNS = ["workload", "op", "impl", "role", "backend", "baseline", "tensors", "grad_mb", "median_ms", "min_ms",
            "host_ms", "rounds", "inner", "spread_pct", "speedup", "speedup_lo", "speedup_hi", "verdict",
            "verdict_why", "vs_compile", "vs_compile_lo", "vs_compile_hi", "compile_verdict", "compile_verdict_why",
            "vs_other", "vs_other_lo", "vs_other_hi", "other_impl", "read_mb", "written_mb", "gbps", "floor_ms",
-           "pct_floor", "floor_kind", "ops_per_call", "kernels_per_call", "syncs_per_call", "note"]
+           "pct_floor", "floor_kind", "floor_problem", "median_ratio", "ops_per_call", "kernels_per_call",
+           "syncs_per_call", "note"]
 
 META_KEYS = ["device", "date", "command", "git_commit", "fastgrad", "torch", "cuda", "triton", "python", "quick",
              "cpu_threads", "cores", "load_average", "load_average_after"]
 
 #: Mark of a % of floor figure whose floor pass ran from the CPU cache (the working set fits there).
 CACHE_MARK = "c"
-#: Mark of a % of floor figure over OVER_PCT: faster than the op's own floor pass, so the floor model or the
-#: pass is wrong for that case (a finding, not a result).
+#: What the % floor column shows for a row over its floor (runner.OVER_FLOOR_PCT): faster than the op's own
+#: floor pass, so the floor model or the timing is wrong for that case; a measurement problem, not a figure.
 OVER_MARK = "!"
-OVER_PCT = 110.0
+OVER_CELL = "n/a" + OVER_MARK
 
 
 def _num(x, fmt: str) -> str:
@@ -58,15 +59,21 @@ def _ratio(r: dict, key: str = "speedup") -> str:
 
 def _verdict(r: dict, key: str = "verdict") -> str:
     v, why = r[key], r[key + "_why"]
-    return f"{v} ({why})" if why and v == NOISE else v or "-"
+    return f"{v} ({why})" if why and v in (NOISE, PROBLEM) else v or "-"
 
 
 def _pct(r: dict) -> str:
+    if r.get("floor_problem"):
+        return OVER_CELL
     p = r["pct_floor"]
     if math.isnan(p):
         return "-"
-    mark = (CACHE_MARK if r.get("floor_kind") == CACHE_FLOOR else "") + (OVER_MARK if p > OVER_PCT else "")
-    return f"{p:.0f}%{mark}"
+    return f"{p:.0f}%{CACHE_MARK if r.get('floor_kind') == CACHE_FLOOR else ''}"
+
+
+def _floor_value(r: dict) -> float:
+    """The % of the floor as a figure to plot or hold to a goal: none for a row over its floor."""
+    return float("nan") if r.get("floor_problem") else r["pct_floor"]
 
 
 def _count(x) -> str:
@@ -119,26 +126,31 @@ def legend_lines(res: Result) -> list[str]:
         f"verdict: 'faster' = the whole interval above 1 and the median at least {band:.0f}% faster; 'slower' =",
         f"  the mirror image; 'within noise' otherwise, saying why: the interval straddles 1, or the median is",
         f"  within +-{band:.0f}% of 1 (a difference a shared machine does not reliably repeat).",
-        "ms: median over the rounds of each round's time (CUDA events on a GPU, wall time on the CPU).",
+        f"  '{PROBLEM}': the row's figures disagree, so it is no result either way: the ratio of its two ms",
+        f"  columns lies outside the speedup's interval widened by {band:.0f}% (the times jumped between levels",
+        f"  during the case), or the op ran faster than its own floor pass (% floor '{OVER_CELL}').",
+        "ms: median over the rounds of each round's time (CUDA events on a GPU, wall time on the CPU); the",
+        "  speedup is the median of the per-round ratios, which the two medians agree with unless the row",
+        f"  says '{PROBLEM}'.",
         "  host-* workloads: clip_grad_norm_ over thousands of tiny tensors, where only the host time per call",
         "  counts; their times are host times.",
         "baselines: 'torch eager' is the code a user reaches for (see the ops table: torch's own function; timm's",
         "  adaptive_clip_grad for AGC, transcribed as shipped; the GC authors' formula; torch._foreach_norm for",
         "  per-tensor statistics, which does less than grad_stats: no NaN/Inf/zero counts). 'torch: own loop' rows",
         "  are this benchmark's own loops, kept beside it; 'vs own loop' is fastgrad auto's speedup over them.",
-        "% floor: the op's floor pass at its fastest over the op's median time, 100% = as fast as the memory",
-        "  allows (a busy machine's preemptions can make it read low, not high). The floor model counts the",
+        "% floor: the op's floor pass time over the op's time, round by round (the median of the per-round",
+        "  ratios, as for the speedup), 100% = as fast as the memory allows. The floor model counts the",
         "  op's bytes in passes over N (gradient bytes) and P",
         "  (parameter bytes), see the ops table; the floor pass does exactly those passes as contiguous streams",
         "  (a float32 sum per read pass, an in-place int32 OR with 0 per read+write pass) over buffers of the",
-        "  op's working-set size, timed in the same rounds as the op, so it runs under the same load and from",
-        f"  the same level of the memory hierarchy. '-': no floor, for working sets under "
+        "  op's working-set size, timed in every round beside the op, so each pair runs under the same load and",
+        f"  from the same level of the memory hierarchy. '-': no floor, for working sets under "
         f"{MIN_FLOOR_BYTES / 2**20:g} MiB (there a call's",
         "  fixed cost, not its bytes, sets its time) and the host-* workloads.",
         f"  '{CACHE_MARK}': the working set fits in the CPU's last-level cache, so the floor is the cache's, not",
         "  memory's (rows without the mark: a memory floor; on a GPU the L2 is flushed before every call).",
-        f"  '{OVER_MARK}': over {OVER_PCT:.0f}%: faster than the op's own floor pass, i.e. the floor model or the",
-        "  pass does not fit that case; a finding to look into, not a speed.",
+        f"  '{OVER_CELL}': over {OVER_FLOOR_PCT:.0f}%, i.e. faster than the op's own floor pass: the floor model or",
+        f"  the timing does not fit that case; the row is a '{PROBLEM}' (the figure is in its note).",
         "GB/s: the floor model's bytes (read + written) over the median time.",
         "per call (the counts, one call per implementation after its timed rounds): ops = torch operators",
         "  dispatched (TorchDispatchMode; a Triton kernel launched from Python is no operator, see kernels);",
@@ -206,7 +218,7 @@ def main_table(res: Result) -> list[str]:
 
 
 def verdict_counts(res: Result) -> dict[str, int]:
-    counts = {FASTER: 0, SLOWER: 0, NOISE: 0}
+    counts = {FASTER: 0, SLOWER: 0, NOISE: 0, PROBLEM: 0}
     for r in _main_rows(res):
         if r["verdict"] in counts:
             counts[r["verdict"]] += 1
@@ -237,8 +249,9 @@ def reference_table(res: Result) -> list[str]:
 
 def _summary(res: Result) -> str:
     c = verdict_counts(res)
-    return (f"fastgrad auto vs torch eager: {c[FASTER]} faster, {c[SLOWER]} slower, {c[NOISE]} within noise "
-            f"(of {sum(c.values())} cases)")
+    problems = f", {c[PROBLEM]} {PROBLEM}{'s' if c[PROBLEM] != 1 else ''} (no result)" if c[PROBLEM] else ""
+    return (f"fastgrad auto vs torch eager: {c[FASTER]} faster, {c[SLOWER]} slower, {c[NOISE]} within noise"
+            f"{problems} (of {sum(c.values())} cases)")
 
 
 def console_table(res: Result) -> str:
@@ -293,7 +306,7 @@ def goals_table(res: Result) -> list[str]:
            "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         goal = GPU_FLOOR_GOALS[r["workload"]]
-        pct = r["pct_floor"]
+        pct = _floor_value(r)
         met = "-" if math.isnan(pct) else ("yes" if pct >= goal else "no")
         ratio = r["host_ms"] / r["median_ms"] if r["median_ms"] > 0 else float("nan")
         bound = " host-bound" if not math.isnan(ratio) and ratio >= HOST_BOUND else ""
@@ -537,10 +550,10 @@ def plot_floor(res: Result, path: Path) -> str | None:
         _pyplot()
     except Exception as exc:  # noqa: BLE001
         return f"matplotlib unavailable ({type(exc).__name__}: {exc})"
-    if not any(not math.isnan(r["pct_floor"]) for r in res.rows):
+    if not any(not math.isnan(_floor_value(r)) for r in res.rows):
         return "no floor figure was measured"
     impls = list(dict.fromkeys(r["impl"] for r in res.rows))
-    _panels(res, path, impls, lambda r: r["pct_floor"], ylabel="% of the op's floor", log=False,
+    _panels(res, path, impls, _floor_value, ylabel="% of the op's floor", log=False,
             ref=100.0, ref_label="100% = the op's floor", ref_tag="floor", title=(
                 "Share of each op's floor: its floor pass (the op's bytes as contiguous streams over buffers of "
                 "its working set's size,\ntimed in the same rounds) over its time"),

@@ -44,8 +44,8 @@ from fastgrad import backends as _backends
 from . import counting
 from . import ops as benchmark_ops
 from . import workloads as benchmark_workloads
-from .timing import (BAND, CONFIDENCE, Ratio, Timer, copy_bandwidth, inplace_bandwidth, paired_ratio,
-                     read_bandwidth, verdict)
+from .timing import (BAND, CONFIDENCE, PROBLEM, Ratio, Timer, copy_bandwidth, inplace_bandwidth, judged,
+                     paired_ratio, read_bandwidth)
 
 EAGER, COMPILE, AUTO = "torch eager", "torch.compile", "fastgrad auto"
 #: Row roles: the headline baseline, another torch baseline of the op (a labelled row beside it), the
@@ -57,6 +57,9 @@ CACHE_FLOOR, MEMORY_FLOOR = "cache", "memory"
 #: Calls of the floor pass per round on the CPU, the fastest kept: on a busy machine most calls of a few ms are
 #: preempted, and the floor should be an uninterrupted pass (a GPU's device time is not preempted).
 FLOOR_INNER = 5
+#: A % of the floor above this is no result: the op ran faster than its own floor pass in the same rounds, so
+#: the floor model or the pass does not fit the case (or the op's timing is wrong); the row says so instead.
+OVER_FLOOR_PCT = 100.0
 #: Working sets below this get no floor figure: there the floor pass's own fixed cost per call (a few torch
 #: operators), not its bytes, sets its time, so it is no floor.
 MIN_FLOOR_BYTES = 1 << 20
@@ -280,7 +283,8 @@ def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: benc
             "vs_compile": nan, "vs_compile_lo": nan, "vs_compile_hi": nan, "compile_verdict": "",
             "compile_verdict_why": "", "vs_other": nan, "vs_other_lo": nan, "vs_other_hi": nan, "other_impl": "",
             "read_mb": nan, "written_mb": nan, "gbps": nan, "floor_ms": nan, "pct_floor": nan, "floor_kind": "",
-            "ops_per_call": nan, "kernels_per_call": nan, "syncs_per_call": nan, "note": ""}
+            "floor_problem": False, "median_ratio": nan, "ops_per_call": nan, "kernels_per_call": nan,
+            "syncs_per_call": nan, "note": ""}
 
 
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
@@ -440,10 +444,9 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
         floor_j = len(fns) - 1
     # Host-overhead calls take microseconds: many more rounds fit the same budget.
     max_rounds = cfg.max_rounds * 10 if w.host else cfg.max_rounds
-    # The floor pass too runs in the first rounds only: its fastest call is what counts, and by then it has
-    # had FLOOR_INNER times as many calls as the implementations.
-    if floor_j is not None:
-        refs = refs + (floor_j,)
+    # The floor pass runs in every round, as the implementations do: each % of the floor pairs the two within
+    # a round. (It ran in the first rounds only, and its fastest call was set against the op's median over all
+    # rounds: two statistics of different rounds, so a busy spell in those rounds read as over 100%.)
     rr = timer.rounds(fns, resets, pairs=pairs, min_rounds=cfg.min_rounds, max_rounds=max_rounds,
                       budget_s=cfg.budget_s, ref=refs, ref_rounds=cfg.ref_rounds, host=w.host, band=cfg.band,
                       confidence=cfg.confidence, inner=cfg.inner,
@@ -470,18 +473,22 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
                      written_mb=spec.floor.bytes_written(n_bytes, p_bytes) / 2**20,
                      gbps=moved / (m.median_ms * 1e-3) / 1e9, floor_kind=kind)
             if floor_j is not None and rr.errors[floor_j] is None:
-                best = floor_vs_median(series[floor_j], series[j])
-                if best is not None:
-                    r.update(floor_ms=best[0], pct_floor=100 * best[0] / best[1])
+                share = floor_share(series[floor_j], series[j])
+                if share is not None:
+                    r.update(floor_ms=share[0], pct_floor=share[1], floor_problem=floor_problem(share[1]))
+        over = (f"{r['pct_floor']:.0f}% of its floor: faster than its floor pass in the same rounds, so the floor "
+                "model or the timing does not fit this case") if r["floor_problem"] else ""
+        if over:
+            r["note"] = f"{PROBLEM}: {over}"
         b = pos.get(BASELINE)
         if b is not None and j != b and rr.errors[b] is None:
-            ratio = paired_ratio(series[b], series[j], cfg.confidence)
-            v, why = verdict(ratio, cfg.band)
-            r.update(_ratio_fields(ratio, "speedup"), verdict=v, verdict_why=why)
+            ratio, v, why, mr = judged(series[b], series[j], cfg.confidence, cfg.band)
+            if over:
+                v, why = PROBLEM, over
+            r.update(_ratio_fields(ratio, "speedup"), verdict=v, verdict_why=why, median_ratio=mr)
         c = pos.get(COMPILED)
         if r["role"] == AUTOMATIC and c is not None and rr.errors[c] is None:
-            ratio = paired_ratio(series[c], series[j], cfg.confidence)
-            v, why = verdict(ratio, cfg.band)
+            ratio, v, why, _ = judged(series[c], series[j], cfg.confidence, cfg.band)
             r.update(_ratio_fields(ratio, "vs_compile"), compile_verdict=v, compile_verdict_why=why)
         if r["role"] == AUTOMATIC and alt is not None and rr.errors[alt] is None:
             ratio = paired_ratio(series[alt], series[j], cfg.confidence)
@@ -503,15 +510,19 @@ def _run_case(cfg: Config, timer: Timer, w: benchmark_workloads.Workload, st: be
     return rows
 
 
-def floor_vs_median(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
-    """(the floor pass's fastest call, the implementation's median over all its rounds); None if either never
-    ran. The floor at its best against the op as it typically runs: a busy machine's preemptions (which only
-    add time) can make this read low, not high; on a quiet machine or a GPU the two ends nearly meet."""
-    f = [x for x in floor if x is not None]
-    i = [x for x in impl if x is not None]
-    if not f or not i:
+def floor_problem(pct: float) -> bool:
+    """Whether a % of the floor is no result: above OVER_FLOOR_PCT (NaN, no floor, is none)."""
+    return pct > OVER_FLOOR_PCT
+
+
+def floor_share(floor: list[float | None], impl: list[float | None]) -> tuple[float, float] | None:
+    """(the floor pass's median time, the % of the floor) over the rounds where both ran; None if there are
+    none. The % is the median over those rounds of floor time / implementation time, each pair timed a few ms
+    apart (the paired statistic the speedups use), so a busy spell slows both sides of a pair alike."""
+    pairs = [(f, i) for f, i in zip(floor, impl) if f is not None and i is not None and i > 0]
+    if not pairs:
         return None
-    return min(f), statistics.median(i)
+    return statistics.median(f for f, _ in pairs), 100 * statistics.median(f / i for f, i in pairs)
 
 
 def _count(device: torch.device, rows: list[dict], idx: list[int], fns, rr, reset) -> None:

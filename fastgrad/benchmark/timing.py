@@ -113,6 +113,9 @@ def paired_ratio(base: list[float | None], cand: list[float | None], confidence:
 
 
 FASTER, SLOWER, NOISE = "faster", "slower", "within noise"
+#: A row whose figures contradict each other (its times' medians against its paired ratio, or an op faster than
+#: its own floor pass): a fault of the measurement, not a result either way.
+PROBLEM = "measurement problem"
 
 
 def verdict(r: Ratio, band: float = BAND) -> tuple[str, str]:
@@ -128,6 +131,31 @@ def verdict(r: Ratio, band: float = BAND) -> tuple[str, str]:
     if 1.0 / (1.0 + band) < r.median < 1.0 + band:
         return NOISE, f"within +-{100 * band:.0f}%"
     return (FASTER, "") if r.lo > 1.0 else (SLOWER, "")
+
+
+def median_ratio(base: list[float | None], cand: list[float | None]) -> float:
+    """The ratio of the two medians, baseline over candidate, over the rounds where both ran: what a reader
+    computes from the time columns (each the median of its rounds)."""
+    pairs = [(b, c) for b, c in zip(base, cand) if b is not None and c is not None and b > 0 and c > 0]
+    if not pairs:
+        return float("nan")
+    return statistics.median(b for b, _ in pairs) / statistics.median(c for _, c in pairs)
+
+
+def judged(base: list[float | None], cand: list[float | None], confidence: float = CONFIDENCE,
+           band: float = BAND) -> tuple[Ratio, str, str, float]:
+    """(the paired ratio, its verdict, why, the ratio of the medians) of ``cand`` against ``base``: the verdict
+    of :func:`verdict`, unless the ratio of the medians (the time columns) lies outside the paired interval
+    widened by the noise band on each side. Then the two figures of one row say different things, which
+    happens when the times jump between levels during the case (a median of such times lands on either
+    level): a measurement problem, not a verdict."""
+    r = paired_ratio(base, cand, confidence)
+    v, why = verdict(r, band)
+    mr = median_ratio(base, cand)
+    if not math.isnan(r.lo) and not math.isnan(mr) and not r.lo / (1.0 + band) <= mr <= r.hi * (1.0 + band):
+        v, why = PROBLEM, (f"the medians give {mr:.2f}x, outside the paired interval: the times jumped between "
+                           "levels during the case")
+    return r, v, why, mr
 
 
 def settled(r: Ratio, band: float = BAND, tight: float = 0.10) -> bool:

@@ -21,6 +21,11 @@ of all ranks add up (max/min for the inf/-inf norms) to the norm of the whole mo
   dealt to ranks): per-tensor results are this rank's own tensors' norms, the total is over ``G``.
   ``process_group=Shards(G)``: tensor i on every rank of ``G`` is a piece of one tensor (ZeRO-style hand
   sharding): per-tensor results are the whole tensors' norms, and the lists must match (length, dtypes).
+* ``process_group=Copies(G, {tensor: ranks})`` (``G`` a group or ``Shards(G)``): as ``G``, except that each
+  tensor named is the same on ``ranks`` (a tied embedding on the first and last stage, a weight replicated by
+  hand-written tensor parallelism): only the lowest of ``ranks`` contributes it (on top of what placements
+  decide for a DTensor). A per-tensor vector counts it on the lowest of ``ranks`` within the ranks the vector
+  is reduced over, so each stage holding a tied tensor gets its whole norm. No extra collective.
 
 Which ranks reduce together (the plan, cached per set of meshes and group):
 
@@ -75,10 +80,10 @@ from . import agreement, layout, plan
 from .agreement import RankMismatchError
 from .dtensor import dtensor_grads, has_dtensor, is_dtensor, to_local_norm, wrap_like
 from .layout import Sharded, takes_cpu_pass, local_cpu_norm, prepare, scale_local_cpu
-from .plan import Shards, span_ranks
+from .plan import Copies, Shards, span_ranks
 from .reduce import local_device_dtype, nonfinite_poison, reduced_amp_norm, reduced_exact, reduced_norm, reduced_stats
 
-__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "RankMismatchError", "prepare",
+__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "Copies", "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
            "clear_cache", "nonfinite_poison", "reduced_exact", "local_device_dtype", "takes_cpu_pass", "local_cpu_norm",
            "scale_local_cpu"]

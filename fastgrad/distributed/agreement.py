@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 _INF = float("inf")
-_PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy)
+_PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, whose last flag is the copies')
 _SUM, _MAX, _MIN = 0, 1, 2
 
 
@@ -69,11 +69,15 @@ def _bad_groups(head: Tensor, op: int) -> Tensor:
     return present & ~(hi == lo).all(1)
 
 
-def _mismatch_text(bad: list[int]) -> str:
-    """The error text from the reduced header alone, so every rank raises the same one."""
+def _mismatch_text(bad: list[int], copies_at: int | None = None) -> str:
+    """The error text from the reduced header alone, so every rank raises the same one (``copies_at``: the
+    position of the declared copies' flag, after the groups)."""
     parts = []
     for g in bad:
-        if g == 0:
+        if g == copies_at:
+            parts.append("the ranks declared different copies (Copies): every rank of a tensor's ranks must declare "
+                         "it, with the same ranks, and hold it (a gradient, of the same shape and dtype)")
+        elif g == 0:
             parts.append("the ranks made different calls (a different function, norm_type, per_tensor, or kind of "
                          "process_group/layout); every rank taking part must make the same call")
         elif g == 1:
@@ -85,31 +89,33 @@ def _mismatch_text(bad: list[int]) -> str:
     return "sharded gradient norm: " + "; ".join(parts) + " (nothing was written)"
 
 
-def _settle(bad: Tensor, blocking: bool) -> None:
-    """Raise RankMismatchError when a header group disagrees. On the CPU (gloo) the verdict is read now;
-    on a device it is read now only when ``blocking`` (a vector collective is about to depend on it), else
-    copied to pinned memory and read, without waiting, by the next sharded call."""
+def _settle(bad: Tensor, blocking: bool, copies: bool = False) -> None:
+    """Raise RankMismatchError when a header group disagrees (``copies``: the last flag of ``bad`` is the declared
+    copies' check). On the CPU (gloo) the verdict is read now; on a device it is read now only when ``blocking``
+    (a vector collective is about to depend on it), else copied to pinned memory and read, without waiting, by
+    the next sharded call."""
+    at = len(bad) - 1 if copies else None
     if bad.device.type == "cpu" or blocking:
         idx = bad.nonzero().flatten().tolist() if bool(bad.any()) else []
         if idx:
-            raise RankMismatchError(_mismatch_text(idx))
+            raise RankMismatchError(_mismatch_text(idx, at))
         return
     host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
     host.copy_(bad, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    _PENDING.append((ev, host))
+    _PENDING.append((ev, host, at))
 
 
 def _raise_pending() -> None:
     """Verdicts of earlier device calls whose copy has landed (never waits for one that has not)."""
-    done = [(ev, host) for ev, host in _PENDING if ev.query()]
+    done = [item for item in _PENDING if item[0].query()]
     for item in done:
         _PENDING.remove(item)
-    for _, host in done:
+    for _, host, at in done:
         idx = host.nonzero().flatten().tolist()
         if idx:
-            raise RankMismatchError(_mismatch_text(idx) + " [detected by the previous sharded call]")
+            raise RankMismatchError(_mismatch_text(idx, at) + " [detected by the previous sharded call]")
 
 
 def _signature(kind: int, p: float, vector: bool, plan) -> int:
@@ -151,7 +157,11 @@ def _phase_a(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor
             slots[plan.slot] = (n & 0xFFFF, sh.fp)
         groups += slots
     check = wide == torch.float64
-    head = torch.tensor(_header(op, groups), dtype=wide) if check else payload.new_zeros(0)
+    # SUM calls also carry the declared copies' checksum (0 when every copy's ranks declared it alike: see
+    # fastgrad.distributed.plan.narrow_copies); a max cannot add one up, so inf norms go unchecked there
+    copies = check and op == _SUM
+    head = (torch.tensor(_header(op, groups) + ([float(sh.copies_sum)] if copies else []), dtype=wide) if check
+            else payload.new_zeros(0))
     parts = [payload]
     k = 0
     if ors is not None:
@@ -166,5 +176,9 @@ def _phase_a(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor
         r = buf[m:m + k]
         out_ors = ((-r if op == _MIN else r) > 0).to(ors.dtype)
     if check:
-        _settle(_bad_groups(buf[m + k:], op), blocking=vector and bool(plan.vec_steps))
+        head = buf[m + k:]
+        bad = _bad_groups(head[:-1] if copies else head, op)
+        if copies:
+            bad = torch.cat([bad, head[-1:] != 0])
+        _settle(bad, blocking=vector and bool(plan.vec_steps), copies=copies)
     return buf[:m], out_ors

@@ -13,7 +13,8 @@ from torch import Tensor
 from .. import _scan
 from .agreement import _PENDING, _raise_pending
 from .dtensor import _dtensor_cls
-from .plan import Shards, _Plan, _plan_for, _spec_info, _unwrap, bounded_put, group_key, mark_used
+from .plan import (Copies, Shards, _Plan, _plan_for, _spec_info, _unwrap, bounded_put, group_key, mark_used,
+                   narrow_copies)
 
 _LAYOUTS: dict = {}
 _LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
@@ -49,9 +50,14 @@ class Sharded:
     ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
     ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
     None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``layout``: the
-    cached layout it came from (None for ``for_norm=False``)."""
+    cached layout it came from (None for ``for_norm=False``). With declared copies (:class:`Copies`) a per-tensor
+    vector may count more than the total: ``vsel``, the indices it counts (None: ``sel``), ``tpos``, the positions
+    in ``vsel`` that the total counts, and ``vown``, per entry, whether this rank's stage adds it to a count of
+    tensors (None: all); ``copies_sum``: this rank's share of the declared copies' checksum, which the agreement
+    header adds up."""
 
-    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "layout")
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "layout", "vsel", "tpos",
+                 "vown", "copies_sum")
 
     def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
         self.reads: list[Tensor] = reads
@@ -63,6 +69,10 @@ class Sharded:
         self.fp = fp
         self.checked = type(writes) is _scan.Checked
         self.layout: _Layout | None = None
+        self.vsel: list[int] | None = None
+        self.tpos: list[int] | None = None
+        self.vown: list[bool] | None = None
+        self.copies_sum = 0
 
 
 class _Layout:
@@ -139,7 +149,8 @@ def _dt_tokens(tensors, dt_pos, specs) -> list:
 
 def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = True) -> Sharded:
     """Local shards of ``tensors`` (DTensors on any meshes, plain tensors, mixed) and the plan of the
-    reduction. ``process_group``: a group, or :class:`Shards` (plain tensors that are pieces of one another).
+    reduction. ``process_group``: a group, :class:`Shards` (plain tensors that are pieces of one another) or
+    :class:`Copies` (a group with tensors declared the same on several ranks).
     ``for_norm=False`` gives only the write targets (no plan, no redistribution of Partial tensors).
 
     Host cost: the layout (see the package's docstring) is cached, so a repeat call costs a few C-level passes
@@ -147,7 +158,7 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     local tensors; no DTensor dispatch."""
     if _PENDING:
         _raise_pending()
-    group, pieces = _unwrap(process_group)
+    group, pieces, copies = _unwrap(process_group)
     cls = _dtensor_cls()
     if not for_norm:
         writes = [t._local_tensor if cls is not None and isinstance(t, cls) else t for t in tensors]
@@ -185,9 +196,21 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
             reads[pos[j]] = dts[j].redistribute(m, pl)._local_tensor
 
     counts, sel = _counts(lay, reads, n)
+    vec = owned = None
+    check = 0
+    if copies is not None:
+        counts, vec, owned, check = narrow_copies(copies, tensors, counts, plan)
+        if vec is not None:
+            sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
     fp = _list_fingerprint(lay, reads, n, pieces)
     sh = Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
     sh.layout = lay
+    sh.copies_sum = check
+    if vec is not None and vec != counts:
+        sh.vsel = [i for i, c in enumerate(vec) if c]
+        sh.tpos = [j for j, i in enumerate(sh.vsel) if counts[i]]
+    if owned is not None and not all(owned):
+        sh.vown = owned
     return sh
 
 
@@ -276,10 +299,10 @@ def _slot_descs(cls) -> tuple:
 def takes_cpu_pass(sh: Sharded, process_group) -> bool:
     """Whether :func:`local_cpu_norm` can serve the later calls of a list the general path just prepared as
     ``sh``, from its layout ``sh.layout`` (all DTensors, no Partial, local shards on the CPU in one compiled scan;
-    not ``Shards``). A caller keeps that layout (fastgrad.route's plan) and hands it back."""
+    not ``Shards`` or ``Copies``). A caller keeps that layout (fastgrad.route's plan) and hands it back."""
     lay = sh.layout
     return not (lay is None or lay.dt_pos is not None or lay.partial or lay.plan is None or lay.fp is None
-                or isinstance(process_group, Shards) or not sh.checked or not sh.writes
+                or isinstance(process_group, (Shards, Copies)) or not sh.checked or not sh.writes
                 or sh.writes.device.type != "cpu" or sh.reads is not sh.writes)
 
 

@@ -4,6 +4,8 @@ caches every layout decision shares."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .dtensor import _placements
@@ -27,13 +29,104 @@ class Shards:
         return f"Shards({self.group!r})"
 
 
+class Copies:
+    """``process_group=Copies(group, {tensor: ranks, ...})``: ``group`` (a process group, or :class:`Shards`)
+    as usual, except that each tensor named is the same tensor on ``ranks`` (a process group, or a list of
+    global ranks, this rank among them): a tied embedding held by the first and last pipeline stage, a
+    LayerNorm weight every rank of hand-written tensor parallelism holds, a shared expert. Only the lowest of
+    ``ranks`` counts it, so it enters the norm once; the collectives are the same as without ``Copies``.
+
+    A key is a parameter (matched to its ``.grad``, so one ``Copies`` serves ``clip_grad_norm_(params)`` step
+    after step) or the gradient tensor itself; keys not in a call's list are ignored (a per-group clip).
+    Declared on top of what placements decide: a DTensor counts on a rank only if its placements count it
+    there too, so for a DTensor sharded over a mesh, ``ranks`` are the ranks holding the same LOCAL shard (one
+    per stage). Every rank of ``ranks`` must declare the same ``ranks`` for the tensor (checked in the call's
+    collective when its norm_type is finite: RankMismatchError on every rank). Checked here: the
+    types, each set holding this rank and no rank beyond the world; in each call, before any work: the sets
+    lying within the ranks the call reduces over."""
+
+    __slots__ = ("group", "pieces", "_by_id")
+
+    def __init__(self, process_group, copies):
+        import torch.distributed as dist
+
+        if isinstance(process_group, Copies):
+            raise TypeError("Copies(group, copies): group is a process group or Shards(group), not another Copies")
+        group, pieces, _ = _unwrap(process_group)
+        if group is None:
+            raise ValueError("Copies(group, copies) needs a process group (e.g. dist.group.WORLD)")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Copies(group, copies) needs an initialized torch.distributed process group")
+        self.group, self.pieces = group, pieces
+        me, world = dist.get_rank(), dist.get_world_size()
+        items = copies.items() if hasattr(copies, "items") else copies
+        by_id: dict = {}
+        for item in items:
+            try:
+                key, where = item
+            except (TypeError, ValueError):
+                raise TypeError("Copies(group, copies): copies is a dict {tensor: ranks} or (tensor, ranks) pairs, "
+                                f"got an item {type(item).__name__}") from None
+            if not isinstance(key, torch.Tensor):
+                raise TypeError(f"Copies(group, copies): a key is a parameter or gradient tensor, got {type(key).__name__}")
+            ranks = _copy_ranks(where, world)
+            what = f"the tensor of shape {tuple(key.shape)}"
+            if me not in ranks:
+                raise ValueError(f"Copies(group, copies): {what} is declared a copy on ranks {sorted(ranks)}, "
+                                 f"which do not include this rank ({me}): declare the ranks holding it, this one included")
+            if id(key) in by_id:
+                raise ValueError(f"Copies(group, copies): {what} is declared twice")
+            by_id[id(key)] = (key, ranks)
+        self._by_id = by_id
+
+    def found(self, tensors) -> list:
+        """``[(i, ranks)]`` for each entry of ``tensors`` that a key names (the key itself or its ``.grad``)."""
+        targets = {}
+        for key, ranks in self._by_id.values():
+            targets[id(key)] = ranks
+            if key.is_leaf:  # (.grad of a non-leaf warns; a gradient tensor passed as key is a leaf)
+                g = key.grad
+                if g is not None:
+                    targets[id(g)] = ranks
+        get = targets.get
+        return [(i, r) for i, r in enumerate(map(get, map(id, tensors))) if r is not None]
+
+    def __repr__(self) -> str:
+        inner = Shards(self.group) if self.pieces else self.group
+        return f"Copies({inner!r}, {len(self._by_id)} tensors)"
+
+
+def _copy_ranks(where, world: int) -> frozenset:
+    """The global ranks of a copy's ``ranks``: a process group's, or a list of ints checked against the world."""
+    import torch.distributed as dist
+
+    if isinstance(where, dist.ProcessGroup):
+        return frozenset(dist.get_process_group_ranks(where))
+    try:
+        ranks = list(where)
+    except TypeError:
+        raise TypeError("Copies(group, copies): each tensor's ranks are a process group or a list of global ranks, "
+                        f"got {type(where).__name__}") from None
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) and not (
+        isinstance(r, torch.Tensor) and r.numel() == 1 and not r.is_floating_point())]
+    if bad or not ranks:
+        raise TypeError(f"Copies(group, copies): ranks are a non-empty list of ints, got {where!r}")
+    ranks = frozenset(int(r) for r in ranks)
+    if min(ranks) < 0 or max(ranks) >= world:
+        raise ValueError(f"Copies(group, copies): ranks {sorted(ranks)} are not all ranks of the world (0..{world - 1})")
+    return ranks
+
+
 def _unwrap(process_group):
-    """``(group, pieces)``: the process group, and whether plain lists are pieces of the same tensors."""
+    """``(group, pieces, copies)``: the process group, whether plain lists are pieces of the same tensors, and
+    the declared copies (a :class:`Copies`, or None)."""
+    if isinstance(process_group, Copies):
+        return process_group.group, process_group.pieces, process_group
     if isinstance(process_group, Shards):
         if process_group.group is None:
             raise ValueError("Shards(group) needs a process group (e.g. dist.group.WORLD)")
-        return process_group.group, True
-    return process_group, False
+        return process_group.group, True, None
+    return process_group, False, None
 
 
 # ------------------------------------------------------------------------------- caches (host cost)
@@ -130,7 +223,7 @@ class _Plan:
     the ranks the steps reach (None when this rank cannot tell)."""
 
     __slots__ = ("steps", "vec_steps", "staged", "slots", "slot", "cross", "cross_contrib", "plain_counted",
-                 "mesh_counted", "device", "keep", "span", "pieces")
+                 "mesh_counted", "device", "keep", "span", "pieces", "vec_span")
 
     def __init__(self, steps, vec_steps, *, staged, slots, slot, cross, cross_contrib, plain_counted, device,
                  keep, span, pieces=False):
@@ -150,6 +243,13 @@ class _Plan:
         meshes = keep[0]
         union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes)) if meshes else frozenset()
         self.mesh_counted = tuple(min(union) in _ranks_of_mesh(m) for m in meshes)
+        # the ranks a per-tensor vector is reduced over (this rank alone when per-tensor results are local)
+        if not vec_steps:
+            import torch.distributed as dist
+
+            self.vec_span = frozenset((dist.get_rank(),))
+        else:
+            self.vec_span = union if staged else span
 
     def describe(self) -> str:
         """The collectives in words, e.g. "all-reduce over the world" (for ``fastgrad.route.ListPlan``'s repr)."""
@@ -273,6 +373,42 @@ def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
     plan = _build_plan(meshes, group, pieces)
     bounded_put(_PLAN_CACHE, key, plan, 256)
     return plan
+
+
+def narrow_copies(copies: Copies, tensors, counts: list, plan: _Plan) -> tuple:
+    """What this rank counts once the declared copies among ``tensors`` are counted once (``counts``: what the
+    placements decide): ``(counts, vec_counts, owned, checksum)``, ``None`` for the middle two when no entry is a
+    declared copy. The total counts a copy on the lowest of its ranks only; a per-tensor vector, reduced over the
+    plan's ``vec_span`` (a pipeline stage's ranks, or this rank alone), on the lowest of its ranks there, so each
+    stage holding a tied tensor sees its whole norm; ``owned``: whether the copy's lowest rank lies in that
+    span (the stage that adds it to a count of tensors across stages).
+
+    ``checksum``: this rank's share of a sum that is 0 over all ranks when every rank of each copy's ranks
+    declared it alike: per copy, a 12-bit hash ``h`` of (its ranks, shape, dtype), ``-h`` on each rank but the
+    lowest, ``(len(ranks) - 1) * h`` on the lowest. A rank that leaves out its copy, or declares other ranks,
+    leaves a remainder; the agreement header carries the sum (integers, exact in float64)."""
+    found = copies.found(tensors)
+    if not found:
+        return counts, None, None, 0
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    span, vspan = plan.span, plan.vec_span
+    counts, vec, owned = list(counts), list(counts), [True] * len(counts)
+    checksum = 0
+    for i, ranks in found:
+        if span is not None and not ranks <= span:
+            raise ValueError(f"Copies: the tensor at position {i} (shape {tuple(tensors[i].shape)}) is declared a copy "
+                             f"on ranks {sorted(ranks)}, but this call reduces over ranks {sorted(span)} only: "
+                             "its lowest rank might never count it; declare ranks within the call's group")
+        low = min(ranks)
+        counts[i] = counts[i] and me == low
+        vec[i] = vec[i] and me == min(ranks & vspan)
+        owned[i] = low in vspan
+        t = tensors[i]
+        h = zlib.crc32(repr((sorted(ranks), tuple(t.shape), str(t.dtype))).encode()) & 0xFFF
+        checksum += (len(ranks) - 1) * h if me == low else -h
+    return counts, vec, owned, checksum
 
 
 def span_ranks(sh: "Sharded") -> frozenset | None:

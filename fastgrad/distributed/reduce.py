@@ -55,17 +55,27 @@ def local_device_dtype(sh: Sharded) -> tuple[torch.device, torch.dtype]:
     return sh.plan.device, torch.float32  # a rank owning no shard still takes part in the collective
 
 
-def _counted(sh: Sharded, dtype: torch.dtype, dev: torch.device) -> tuple[list[int], list[Tensor]]:
-    """Indices and local tensors of what this rank counts (a Checked list for the compiled one-pass scan)."""
-    if sh.sel is None:
+def _counted(sh: Sharded, dtype: torch.dtype, dev: torch.device, vec: bool = False) -> tuple[list[int], list[Tensor]]:
+    """Indices and local tensors of what this rank counts (a Checked list for the compiled one-pass scan) in the
+    total, or with ``vec`` in a per-tensor vector (more than the total where declared copies span pipeline
+    stages or per-tensor results are local: ``sh.vsel``)."""
+    sel = sh.vsel if vec and sh.vsel is not None else sh.sel
+    if sel is None:
         return range(len(sh.reads)), sh.reads
-    sel = sh.sel
     local = [sh.reads[i] for i in sel]
     if local and dtype == torch.float64 and acc_dtype(local) != dtype:
         # This rank holds no piece of the float64 tensors, but every rank must accumulate as the whole
         # list dictates: an empty float64 tensor makes the backend accumulate in float64 (entry dropped).
         local = local + [torch.empty(0, dtype=torch.float64, device=dev)]
     return sel, _scan.checked(local) if local else local
+
+
+def _of_total(sh: Sharded, per: Tensor | None) -> Tensor | None:
+    """The entries of a per-tensor vector counted by the vector's indices (``sh.vsel``) that the total counts
+    too (``sh.tpos``); ``per`` itself when they are the same."""
+    if per is None or sh.vsel is None:
+        return per
+    return per[torch.tensor(sh.tpos, dtype=torch.int64).to(per.device, non_blocking=True)]
 
 
 def _place(per: Tensor, sel, n: int, identity: float, like: Tensor) -> Tensor:
@@ -109,7 +119,7 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     given = local_total is not _UNSET
     if given and vector:
         raise ValueError("reduced_norm: local_total= is for a total norm (per_tensor=False, norm_type != 0)")
-    sel, local = ((), ()) if given else _counted(sh, dtype, dev)
+    sel, local = ((), ()) if given else _counted(sh, dtype, dev, vec=vector)
     combine = vector and bool(plan.vec_steps)  # per-tensor vectors reduced across ranks (else local)
 
     per_local = None  # this rank's per-tensor values (norms; counts for p = 0), counted ones in `sel` order
@@ -121,7 +131,9 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         total_local, _ = local_norm(local, False)
     if poison is not None:
         poison = poison.to(dev, wide).reshape(1)  # (+0 leaves the non-negative values' bits alone)
-    payload, ors = _norm_payload(p, per_local, total_local, len(sel), combine, poison, dev, wide)
+    per_total = _of_total(sh, per_local)
+    k_total = len(sel) if per_total is per_local else len(sh.tpos)
+    payload, ors = _norm_payload(p, per_total, total_local, k_total, combine, poison, dev, wide)
     red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
     if p == _INF or p == -_INF:
         total = torch.where(ors_out[0] > 0, float("nan"), red[0])
@@ -130,7 +142,7 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     n = len(sh.reads)
     per = None
     if combine:
-        total, per = _reduced_vector(plan, p, per_tensor, per_local, sel, n, poison, total, dev, wide)
+        total, per = _reduced_vector(plan, p, per_tensor, per_local, sel, n, poison, total, dev, wide, sh.vown)
     elif per_tensor:
         identity = _INF if p == -_INF else 0.0
         per = _spread(per_local.to(wide) if per_local is not None else None, sel, n, identity, dev, wide)
@@ -170,9 +182,11 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
 
 
 def _reduced_vector(plan: _Plan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
-                    poison: Tensor | None, total: Tensor, dev, wide) -> tuple[Tensor, Tensor | None]:
+                    poison: Tensor | None, total: Tensor, dev, wide, owned: list[bool] | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
     """The per-tensor vector reduced across ranks, after the header said the lists agree: ``(total, per)``, the
-    total replaced by the count of tensors with a nonzero for p = 0, ``per`` when ``per_tensor``."""
+    total replaced by the count of tensors with a nonzero for p = 0 (across stages, each stage's count of the
+    entries it ``owned``: a tied copy another stage adds is left out), ``per`` when ``per_tensor``."""
     powers = p != 0 and p not in (_INF, -_INF)
     vals = per_local.to(wide) if per_local is not None else None
     if vals is not None and powers:
@@ -182,7 +196,10 @@ def _reduced_vector(plan: _Plan, p: float, per_tensor: bool, per_local: Tensor |
         vals = vals + poison
     vals = _combine(vals, p, plan.vec_steps)
     if p == 0:
-        count = (vals != 0).sum().to(wide).reshape(1)
+        nonzero = vals != 0
+        if owned is not None:
+            nonzero = nonzero & torch.tensor(owned, dtype=torch.bool).to(dev, non_blocking=True)
+        count = nonzero.sum().to(wide).reshape(1)
         if plan.staged:  # each stage counted its own tensors: add the stages' counts
             if not plan.cross_contrib:
                 count = torch.zeros_like(count)
@@ -213,13 +230,13 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
     plan = sh.plan
     dev, dtype = local_device_dtype(sh)
     wide = _wide(dtype, dev)
-    sel, local = _counted(sh, dtype, dev)
+    sel, local = _counted(sh, dtype, dev, vec=True)
     n = len(sh.reads)
     k = len(sel)
     cols = local_stats(local) if local else None
     if cols is not None:
         sq = cols["norm"][:k].to(wide).square()
-        payload = sq.sum().reshape(1)
+        payload = _of_total(sh, sq).sum().reshape(1)
     else:
         payload = torch.zeros(1, dtype=wide, device=dev)
     combine = bool(plan.vec_steps)
@@ -313,6 +330,9 @@ def reduced_exact(sh: Sharded, p: float, per_tensor: bool,
         payload = payload.to(dev, torch.float64)
     else:
         payload = torch.zeros(width, dtype=torch.float64, device=dev)
+    if per_tensor and sh.vsel is not None:  # the rows count more than the total (declared copies)
+        sel, local = _counted(sh, dtype, dev, vec=True)
+        rows = local_payload(local)[1] if len(local) else None
     if poison is not None:
         payload[poison_at] += torch.isnan(poison).to(payload.device, payload.dtype)
     red, _ = _phase_a(sh, _EXACT, p, per_tensor, payload, None)

@@ -34,12 +34,17 @@ from ..amp import zero_write_applies as _amp_zero_write_applies
 from ..optim_clip import zero_write_applies
 from . import read
 from .counters import COUNTERS, Counters
-from .options import MODES, check_options, make_mode
-from .skip import Skipper, is_fused
+from .modes import DEFAULT
+from .options import MODES, check_options, make_mode, mode_options_doc
+from .skip import NO_GRADS, Skipper, is_fused
 
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+# state()'s names: the last step's readings (Counters.last), then the counters (the slots of COUNTERS)
+_LAST = ("total_norm", "clipped_norm", "coef", "clipped", "skipped")
+_COUNTED = ("steps", "clipped_steps", "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps")
 
 # Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
 # pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
@@ -135,11 +140,11 @@ class StepGuard:
     Args:
         optimizer: a ``torch.optim.Optimizer`` (not LBFGS: its ``step(closure)`` recomputes the gradients; not
             SparseAdam), or accelerate's prepared optimizer (its GradScaler, if any, is used by ``clip_``).
-        max_norm: ``mode="norm"``: the clip threshold (required). zclip/autoclip: an optional hard cap on top
-            of the adaptive threshold. adagc: the global threshold of its warm-up (``lambda_abs``, default 1.0).
+        max_norm: what it is to each mode: below (``mode="norm"``: the clip threshold, required).
         norm_type: as ``clip_grad_norm_`` (adaptive modes: 2 only, as their papers).
-        mode: "norm" (fixed threshold), "zclip" (Kumar et al. 2025, arXiv 2504.02507), "autoclip" (Seetharaman
-            et al. 2020, arXiv 2007.14469), "adagc" (Wang et al. 2025, arXiv 2502.11034).
+        mode: one of ``fastgrad.guard.MODES``, below: "norm" (fixed threshold), "zclip" (Kumar et al. 2025,
+            arXiv 2504.02507), "autoclip" (Seetharaman et al. 2020, arXiv 2007.14469), "adagc" (Wang et al.
+            2025, arXiv 2502.11034); docs/guard-reference.md's Modes table.
         skip_factor: also skip a finite step whose norm exceeds ``skip_factor`` times the mode's reference
             (norm: the run's own level, warm-up mean then EMA; zclip: the EMA mean; autoclip: the percentile
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
@@ -149,26 +154,21 @@ class StepGuard:
             either way the guard warns once (:class:`GuardWarning`) after ``WARN_AFTER`` (25) in a row.
         non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
         zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
-            as ``clip_optimizer_grad_norm_`` does (not for adagc, whose coefficients are per tensor).
+            as ``clip_optimizer_grad_norm_`` does (not for a per-tensor mode such as adagc).
         process_group: the gradients are this rank's disjoint shards (as ``clip_grad_norm_``); DTensor
             gradients need nothing. The decision then comes from the global norm on every rank.
-        alpha, z_thresh, warmup_steps, eps, clip_factor: ZClip (defaults 0.97, 2.5, 25, 1e-6, 1.0).
-        alpha, warmup_steps (mode "norm" with skip_factor): the spike reference, the mean of the first
-            warmup_steps finite norms then their EMA (defaults 0.97, 25).
-        percentile, history_size: AutoClip (defaults 10, 1000).
-        lambda_rel, beta, warmup_steps, eps: AdaGC (defaults 1.05, 0.98, 100, 1e-8).
         exact: every decision taken from the correctly rounded norm (fastgrad.exact; p = 1, 2, inf; AdaGC's
             per-tensor norms too), one more read of the gradients; with a GradScaler they are unscaled in
             place first (zero_write does not apply there).
+        **mode_options: the mode's options by name (None: the default), each checked here. Per mode, from
+            its declaration (fastgrad/guard/modes/):
+{mode_options}
     """
 
-    def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = "norm",
+    def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = DEFAULT,
                  skip_factor: float | None = None, max_consecutive_skips: int | None = None,
                  non_fused: str = "sync", zero_write: bool = True, process_group=None, backend: str | None = None,
-                 alpha: float | None = None, z_thresh: float | None = None, warmup_steps: int | None = None,
-                 eps: float | None = None, clip_factor: float | None = None, percentile: float | None = None,
-                 history_size: int | None = None, lambda_rel: float | None = None, beta: float | None = None,
-                 exact: bool = False):
+                 exact: bool = False, **mode_options):
         optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
@@ -187,24 +187,21 @@ class StepGuard:
                             "gradients with fastgrad.clip_grad_norm_")
         if guard_for(optimizer) is not None:
             raise ValueError("this optimizer already has a StepGuard; use that one (fastgrad.guard.guard_for)")
-        o = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
-                          max_consecutive_skips=max_consecutive_skips, non_fused=non_fused, zero_write=zero_write,
-                          backend=backend, exact=exact,
-                          alpha=alpha, z_thresh=z_thresh, warmup_steps=warmup_steps, eps=eps,
-                          clip_factor=clip_factor, percentile=percentile, history_size=history_size,
-                          lambda_rel=lambda_rel, beta=beta)
+        checked = check_options(mode=mode, max_norm=max_norm, norm_type=norm_type, skip_factor=skip_factor,
+                                max_consecutive_skips=max_consecutive_skips, non_fused=non_fused,
+                                zero_write=zero_write, backend=backend, exact=exact, **mode_options)
         self.mode = mode
-        self.norm_type = o.norm_type
-        self.max_norm = o.max_norm
-        self.skip_factor = o.skip_factor
-        self.max_consecutive_skips = o.max_consecutive_skips
-        self.options = o.mode_options
+        self.norm_type = checked.norm_type
+        self.max_norm = checked.max_norm
+        self.skip_factor = checked.skip_factor
+        self.max_consecutive_skips = checked.max_consecutive_skips
+        self.options = checked.mode_options
         self.non_fused = non_fused
         self.zero_write = zero_write
         self.process_group = process_group
         self.backend = backend
         self.exact = exact
-        self._exact = o.exact  # the norms from fastgrad.exact (read.general's exact route)
+        self._exact = checked.exact  # the norms from fastgrad.exact (read.general's exact route)
         self._optimizer = optimizer
         self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
         self._counters = Counters(self.max_norm)
@@ -218,15 +215,15 @@ class StepGuard:
 
         @_make_eager
         def pre(opt, args, kwargs):
-            g = ref()
-            if g is not None:
-                return g._skip.pre_step(opt, args, kwargs)
+            guard = ref()
+            if guard is not None:
+                return guard._skip.pre_step(opt, args, kwargs)
 
         @_make_eager
         def post(opt, args, kwargs):
-            g = ref()
-            if g is not None:
-                g._skip.post_step(opt)
+            guard = ref()
+            if guard is not None:
+                guard._skip.post_step(opt)
 
         self._hooks = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
         _GUARDS[optimizer] = weakref.ref(self)  # the guard holds the optimizer, not the other way
@@ -246,23 +243,28 @@ class StepGuard:
         return self._optimizer
 
     def state_dict(self) -> dict:
-        """The guard's statistics (the mode's EMAs / history / per-tensor gammas) and counters, for a
-        checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
-        self._counters.fold()
-        counts = self._counters.counts
+        """The guard's statistics (the mode's EMAs / history / per-tensor gammas), counters and last step's
+        readings, for a checkpoint next to the optimizer's. Tensors are cloned; nothing is read on the host."""
+        c = self._counters
+        c.fold()
         return {"mode": self.mode, "options": dict(self.options),
                 "stats": {k: v.clone() for k, v in self._mode.state.items()},
-                "counts": None if counts is None else counts.clone()}
+                "counts": None if c.counts is None else c.counts.clone(),
+                "last": None if c.last is None else tuple(t.clone() for t in c.last)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients)."""
+        """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients): every
+        reading (:meth:`state`, :meth:`counters`, ``total_norm``, ``skipped``, ...) is then what it was when
+        the state was saved. A checkpoint without the last step's readings (an older fastgrad) loads with none."""
         if state.get("mode") != self.mode:
             raise ValueError(f"state_dict is for mode={state.get('mode')!r}, this guard is mode={self.mode!r}")
         if state.get("options") != self.options:
             raise ValueError(f"state_dict was made with options {state.get('options')}, this guard has "
                              f"{self.options}")
         self._mode.state = {k: v.clone() for k, v in state["stats"].items()}
-        self._counters.clear(None if state["counts"] is None else state["counts"].clone())
+        last = state.get("last")
+        self._counters.clear(None if state["counts"] is None else state["counts"].clone(),
+                             None if last is None else tuple(t.clone() for t in last))
         self._device = None if self._counters.counts is None else self._counters.counts.device
 
     @_eager
@@ -294,8 +296,8 @@ class StepGuard:
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
         params = optimizer_params(opt)
-        if (self.mode == "norm" and scaler is None and self.process_group is None and not is_fused(opt)
-                and not self._exact):
+        kernel_clip = self._mode.kernel_clip
+        if kernel_clip and scaler is None and self.process_group is None and not is_fused(opt) and not self._exact:
             # the common CPU case first: clip_grad_norm_'s one-call C++ clip, which answers None (nothing
             # done) for anything but plain dense CPU gradients, before any Python pass over the list
             out = read.cpu_write(self, params)
@@ -308,13 +310,15 @@ class StepGuard:
                             "(nothing was modified)")
         sharded = self.process_group is not None or distributed.has_dtensor(grads)
         use_scaler = scaler is not None and scaler.is_enabled()
-        if use_scaler and sharded and (self.mode == "adagc" or _is_sharded(scaler)):
+        per_tensor = self._mode.per_tensor
+        if use_scaler and sharded and (per_tensor or _is_sharded(scaler)):
             raise NotImplementedError("StepGuard.clip_(scaler) with sharded (DTensor or process_group) gradients "
                                       "supports torch's plain GradScaler and the total-norm modes; for "
-                                      f"{'mode=adagc' if self.mode == 'adagc' else 'a ShardedGradScaler'} call "
+                                      f"{f'mode={self.mode}' if per_tensor else 'a ShardedGradScaler'} call "
                                       "fastgrad.scaler_unscale_and_clip first, then guard.clip_() (nothing was "
                                       "modified)")
         if not grads and not sharded:
+            self._skip.clear(NO_GRADS)  # no decision: a step on gradients made later is refused
             if use_scaler:  # unscale_ records an empty flag set; so do we
                 state = _optimizer_state(scaler, opt, False)
                 _check_ready(scaler, state)
@@ -336,10 +340,10 @@ class StepGuard:
         fused = is_fused(opt)
         # decided on the host before the read pass (checks of types and attributes only)
         # (exact=True under a scaler unscales in place first: nothing left to hand over)
-        hand_over = (fused and self.zero_write and not sharded and self.mode != "adagc" and
+        hand_over = (fused and self.zero_write and not sharded and not per_tensor and
                      not (self._exact and use_scaler) and
                      (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
-        if self.mode == "norm" and not sharded and not self._exact:
+        if kernel_clip and not sharded and not self._exact:
             # (outside no_grad, as clip_grad_norm_'s one-call path: these calls record nothing for autograd)
             out = read.one_call(self, params, grads, inv_scale, scaler, state, hand_over)
             if out is not None:
@@ -401,28 +405,38 @@ class StepGuard:
         """Whether the last step was clipped (and not skipped): device bool tensor, no sync."""
         return self._counters.folded(3)
 
-    def counters(self) -> Tensor | None:
-        """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``), or None before the first
-        clip_. Reading it (``.tolist()``) is one transfer."""
-        self._counters.fold()
-        return self._counters.counts
+    def counters(self) -> Tensor:
+        """The counters as ONE device tensor (slots: ``fastgrad.guard.COUNTERS``); zeros (on the parameters'
+        device) before the first step. Reading it (``.tolist()``) is one transfer."""
+        c = self._counters
+        c.fold()
+        if c.counts is None:
+            params = optimizer_params(self._optimizer)
+            return c.zeros(params[0].device if params else torch.device("cpu"))
+        return c.counts
 
     def state(self) -> dict:
         """Everything the guard knows, read in ONE device-to-host transfer: the last step's ``total_norm``
-        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped``, and the counters
-        (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``, ``nonfinite_steps``,
-        ``spike_steps``). Syncs, once."""
+        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped`` (None before any step),
+        and the counters (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``,
+        ``nonfinite_steps``, ``spike_steps``; 0 before any step). Syncs, once; readable at any time (new,
+        loaded, mid-run)."""
         c = self._counters
-        if c.counts is None:
-            return {}
         c.fold()
-        dt = c.counts.dtype
-        vals = torch.cat([torch.stack([x.to(dt) for x in c.last]), c.counts]).tolist()
-        names = ["total_norm", "clipped_norm", "coef", "clipped", "skipped", "steps", "clipped_steps",
-                 "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps"]
-        out = dict(zip(names, vals))
+        last = c.last
+        if c.counts is None:
+            vals = [0] * len(COUNTERS)
+        elif last is None:
+            vals = c.counts.tolist()
+        else:
+            dt = c.counts.dtype
+            vals = torch.cat([torch.stack([x.to(c.counts.device, dt) for x in last]), c.counts]).tolist()
+            last, vals = vals[:len(_LAST)], vals[len(_LAST):]
+        out = dict(zip(_LAST, last if last is not None else [None] * len(_LAST)))
         for k in ("clipped", "skipped"):
-            out[k] = bool(out[k])
-        for k in names[5:]:
-            out[k] = int(out[k])
+            out[k] = None if out[k] is None else bool(out[k])
+        out.update(zip(_COUNTED, (int(v) for v in vals)))
         return out
+
+
+StepGuard.__doc__ = StepGuard.__doc__.replace("{mode_options}", mode_options_doc())

@@ -52,12 +52,18 @@ class Counters:
         self.warned = False  # the WARN_AFTER warning was given (once per guard)
         self._mask: Tensor | None = None  # slot 3 of the counters, as a device bool mask
 
-    def start(self, device: torch.device) -> None:
+    @staticmethod
+    def zeros(device: torch.device) -> Tensor:
+        """A COUNTERS vector of zeros (float64 where the device has it)."""
         cdt = torch.float32 if device.type == "mps" else torch.float64
-        self.counts = torch.zeros(len(COUNTERS), dtype=cdt, device=device)
+        return torch.zeros(len(COUNTERS), dtype=cdt, device=device)
 
-    def clear(self, counts: Tensor | None) -> None:
-        self.records, self.last = [], None
+    def start(self, device: torch.device) -> None:
+        self.counts = self.zeros(device)
+
+    def clear(self, counts: Tensor | None, last: tuple | None = None) -> None:
+        """Start again from ``counts`` and ``last`` (a loaded checkpoint's), no records."""
+        self.records, self.last = [], last
         self.counts = counts
         self.streak = None if counts is None else counts[3].clone()
         self.host = None

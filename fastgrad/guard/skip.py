@@ -18,7 +18,11 @@ Every path: a step on which torch would create a parameter's state lazily reads 
 hides the gradients, so a skipped step leaves no state behind (torch's fused kernels would otherwise create
 it: fused SGD's momentum buffer as uninitialised memory). ``step(closure)``: the closure is wrapped, and the
 decision its ``clip_`` makes is applied when it returns, still before the update. A decision holds until the
-next ``clip_``: a second ``step()`` on the same gradients obeys it again; one on other gradients raises.
+next ``clip_``: a second ``step()`` on the same gradients obeys it again. A step on gradients that no decision
+covers (``clip_`` never called, a ``clip_`` that found no gradients, gradients changed since the decision)
+raises in the pre-hook, before anything is written, and keeps raising until the next ``clip_``; a step with no
+gradients at all passes (it changes nothing). The check is host work only: the gradients' list and optim_clip's
+fingerprint (identity and autograd version of the first and last gradient), no device read.
 """
 
 from __future__ import annotations
@@ -33,9 +37,18 @@ from ..optim_clip import PendingScale as _Record, fused_torch_optimizer as _fuse
 
 _MISSING = object()
 
-_STALE = ("StepGuard.clip_() decided on this optimizer's next step, but {why}, so the decision no longer "
-          "belongs to those gradients. Call guard.clip_() after the last backward and right before "
-          "optimizer.step() / scaler.step(optimizer). Nothing was stepped.")
+_STALE = ("StepGuard: no guard.clip_() decided on the gradients of this optimizer.step(): {why}. Call "
+          "guard.clip_() after the last backward and right before optimizer.step() / scaler.step(optimizer) "
+          "(with step(closure): inside the closure, after backward). Nothing was stepped.")
+
+# why no decision covers the gradients a step is about to use (the {why} of _STALE)
+NEVER = ("guard.clip_() has not been called since the guard was built, and the guard lets no step use "
+         "gradients it did not decide on")
+NO_GRADS = ("the last guard.clip_() found no gradients, so it decided nothing (it ran before backward(), or "
+            "between zero_grad() and backward())")
+RAISED = "the last guard.clip_() raised before it decided"
+CHANGED = "the gradients changed after the clip (a backward, zero_grad() or an in-place write)"
+UNSEEN = "this step's gradients were not seen by a clip_ (a new backward since the last clip_ and step)"
 
 
 def _local(t: Tensor) -> Tensor:
@@ -80,6 +93,7 @@ class Skipper:
         self.non_fused = non_fused
         self.pending: Pending | None = None
         self.sticky: Pending | None = None
+        self.undecided = NEVER  # while neither holds a decision: why (the refusal's text)
         self.undo = None  # what the pre-hook must undo in the post-hook
         self._stated = None  # (opt.state, number of parameters) once every parameter has its state
 
@@ -87,7 +101,7 @@ class Skipper:
         """Whether ``opt.step()`` would create optimizer state for a parameter that has a gradient (torch
         creates it lazily, on a parameter's first step). O(1) once every parameter has its state (torch never
         deletes state; ``load_state_dict`` replaces ``opt.state``, which starts the scan again)."""
-        n = sum(len(g["params"]) for g in opt.param_groups)
+        n = sum(len(group["params"]) for group in opt.param_groups)
         if self._stated is not None and self._stated[0] is opt.state and self._stated[1] == n:
             return False
         complete = True
@@ -107,8 +121,15 @@ class Skipper:
         if not grads:  # a rank owning no shard: nothing to fingerprint, nothing to check at the step
             self.pending.record.fingerprint = None
 
-    def clear(self) -> None:
+    def clear(self, why: str = RAISED) -> None:
+        """Drop the decision (a new ``clip_`` starts, or it found no gradients: ``why`` a later step on
+        gradients is refused)."""
         self.pending = self.sticky = None
+        self.undecided = why
+
+    def _retire(self, why: str) -> None:
+        self.pending = self.sticky = None
+        self.undecided = why
 
     # ---------------------------------------------------------------- the step hooks
     def pre_step(self, opt, args, kwargs):
@@ -147,23 +168,20 @@ class Skipper:
         return tuple(rest), kwargs
 
     def _apply(self, opt) -> None:
-        pend = self.pending
-        if pend is not None:
-            self.pending = None
-        else:
-            pend = self.sticky
-            if pend is None:
-                return
         grads = inputs.grads_of(optimizer_params(opt))
+        pend = self.pending if self.pending is not None else self.sticky
+        if pend is None:
+            if grads:  # gradients no decision covers: refused (host work only, no device read)
+                raise RuntimeError(_STALE.format(why=self.undecided))
+            return  # nothing to step on: the step changes nothing, nothing to guard
         if pend is self.sticky and not grads:
-            self.sticky = None  # nothing to step on (zero_grad(set_to_none=True)): nothing to guard
+            self._retire(UNSEEN)  # nothing to step on (zero_grad(set_to_none=True)): nothing to guard
             return
         if pend.record.fingerprint is not None and not pend.record.unchanged(grads):
-            why = ("the gradients changed after the clip (a backward, zero_grad() or an in-place write)"
-                   if pend is not self.sticky else
-                   "this step's gradients were not seen by a clip_ (a new backward since the last clip_ and step)")
-            self.sticky = pend  # a retried step() raises again rather than step unguarded
-            raise RuntimeError(_STALE.format(why=why))
+            # a retried step() raises again, with the same reason, rather than step unguarded
+            self._retire(CHANGED if pend is self.pending else UNSEEN)
+            raise RuntimeError(_STALE.format(why=self.undecided))
+        self.pending = None
         pend.grads = grads
         self.sticky = pend
         fused = _fused_torch_optimizer(opt)
@@ -200,8 +218,8 @@ class Skipper:
                     else:
                         setattr(opt, name, prev)
         elif kind == "hidden":
-            for q, g in data:
-                q.grad = g
+            for q, grad in data:
+                q.grad = grad
         elif kind == "restore":
             with torch.no_grad():
                 self._merge(opt, *data)

@@ -16,11 +16,11 @@ def require(module: str, package: str, what: str):
 
 def counters(guard, prefix: str) -> dict[str, float]:
     """The guard's counters and last norms as plain numbers (ONE device-to-host transfer), named for a
-    logger; empty before the first clip."""
+    logger; the last norms only once there was a step."""
     st = guard.state()
     keys = ("steps", "skipped_steps", "nonfinite_steps", "spike_steps", "clipped_steps", "consecutive_skipped",
             "total_norm", "clipped_norm")
-    return {f"{prefix}{k}": float(st[k]) for k in keys if k in st}
+    return {f"{prefix}{k}": float(st[k]) for k in keys if st.get(k) is not None}
 
 
 def check_hold_schedule(hold_schedule) -> bool:

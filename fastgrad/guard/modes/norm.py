@@ -7,13 +7,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import decide
-from ._state import Mode, zeros
+from ... import decide
+from .base import Mode, Norms, ema_weight, warmup_steps, zeros
 
 
 class NormMode(Mode):
     name = "norm"
-    options = {"alpha": 0.97, "warmup_steps": 25}  # only with skip_factor (the spike reference)
+    # (the spike reference's: taken only with skip_factor)
+    OPTIONS = (ema_weight("alpha", 0.97, spike_only=True), warmup_steps(25, spike_only=True))
+    kernel_clip = True
+    norm_types = None  # any, as clip_grad_norm_
+    max_norm_is = "the clip threshold"
+    max_norm_required = True
+    max_norm_zero = None  # clip_grad_norm_'s meaning: every gradient clipped to zero
 
     def init(self, total: Tensor, n_params: int) -> None:
         self.state = dict(n=zeros(total), mean=zeros(total)) if self.skip_factor is not None else {}
@@ -21,12 +27,11 @@ class NormMode(Mode):
     def fits(self, n_params: int) -> bool:
         return self.skip_factor is None or "mean" in self.state
 
-    def update(self, total: Tensor, finite: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(coefficient, spike-or-None) on the total's device."""
-        coef = decide.clip_coef(total, self.max_norm)
-        return coef, (self.spike(total, finite) if self.skip_factor is not None else None)
+    def update(self, norms: Norms) -> tuple[Tensor | None, Tensor | None]:
+        coef = None if norms.clipped else decide.clip_coef(norms.total, self.max_norm)
+        return coef, (self._spike(norms.total, norms.finite) if self.skip_factor is not None else None)
 
-    def spike(self, g: Tensor, finite: Tensor) -> Tensor:
+    def _spike(self, norm: Tensor, finite: Tensor) -> Tensor:
         """Is this finite norm more than k times the run's usual norm?
 
         The reference is the mean of the first ``warmup_steps`` finite norms (no spike is declared before it
@@ -35,15 +40,13 @@ class NormMode(Mode):
         bounded amount while a lasting shift of the norm's level is followed within a few skipped steps (with
         alpha=0.97 and k=10 the reference grows 1.27x per skipped step) rather than skipped forever. A
         non-finite norm changes nothing. Device ops only."""
-        o, s = self.o, self.state
-        k, a = self.skip_factor, o["alpha"]
-        ready = s["n"] >= o["warmup_steps"]
+        s, k, alpha = self.state, self.skip_factor, self.options["alpha"]
+        ready = s["n"] >= self.options["warmup_steps"]
         ref = s["mean"]
-        spike = decide.spike(g, k, ref, finite, ready)
-        x = torch.where(spike, k * ref, g)
-        warm_mean = ref + (g - ref) / (s["n"] + 1)
-        new = torch.where(ready, a * ref + (1 - a) * x, warm_mean)
+        spike = decide.spike(norm, k, ref, finite, ready)
+        x = torch.where(spike, k * ref, norm)
+        warm_mean = ref + (norm - ref) / (s["n"] + 1)
+        new = torch.where(ready, alpha * ref + (1 - alpha) * x, warm_mean)
         s["mean"] = torch.where(finite, new, ref)
         s["n"] = s["n"] + finite.to(s["n"].dtype)
         return spike
-
