@@ -51,8 +51,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["EXACT_NORM_TYPES", "check_norm_type", "window", "limbs", "limbs_torch", "compiled_ok", "normalize", "finish",
-           "total_digits", "rounded_norm", "compiled_total", "two_roundings", "parts_digits"]
+__all__ = ["EXACT_NORM_TYPES", "check_norm_type", "window", "limbs", "limbs_torch", "compiled_ok", "normalize",
+           "finish", "total_digits", "rounded_norm", "compiled_total", "two_roundings", "parts_digits"]
 
 #: Norm orders ``exact=True`` supports.
 EXACT_NORM_TYPES = (1.0, 2.0, math.inf)
