@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from . import _scan, backends
+from . import _scan, backends, exact
 from .decide import nonfinite
 from ._scan import Checked, checked  # noqa: F401  (re-exported for the public modules)
 from .backends import Backend
@@ -126,6 +126,14 @@ def check_norm_type(norm_type) -> float:
     return p
 
 
+def check_exact(exact_asked: bool, p: float) -> bool:
+    """Whether ``exact=True`` changes the computation: p = 1 or 2 (inf is a max, exact already). Rejects any
+    other order with ValueError before any work."""
+    if not exact_asked:
+        return False
+    return exact.check_norm_type(p) != math.inf
+
+
 def check_max_norm(max_norm) -> float:
     value = _as_float("max_norm", max_norm)
     if math.isnan(value) or value < 0:
@@ -195,6 +203,31 @@ def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallb
         # other floating dtypes (float8...): torch's implementation decides
         needs_torch = True
     return needs_torch
+
+
+def check_scaler(scaler, optimizer) -> None:
+    """``scaler_unscale_and_clip``'s first check: ``scaler`` is a GradScaler (and not swapped with the
+    optimizer), else a TypeError that says the fix."""
+    if scaler is None or not hasattr(scaler, "unscale_"):
+        explain_amp_args(scaler, optimizer, swapped_only=True)
+        # None (a scaler the script only makes under AMP) would fail deep inside with an AttributeError
+        raise TypeError(f"scaler_unscale_and_clip(scaler, optimizer, max_norm): scaler must be a "
+                        f"torch.amp.GradScaler, got {type(scaler).__name__}; without AMP call "
+                        "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
+
+
+def explain_amp_args(scaler, optimizer, swapped_only: bool = False) -> None:
+    """Error path of ``scaler_unscale_and_clip``'s checks: ``optimizer`` has no param_groups (or ``scaler`` no
+    unscale_). Say the fix."""
+    if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
+        raise TypeError("scaler_unscale_and_clip(scaler, optimizer, max_norm): the scaler and the optimizer are "
+                        "swapped; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, max_norm) (the "
+                        "gradients were not modified)") from None
+    if swapped_only:
+        return
+    raise TypeError(f"scaler_unscale_and_clip: optimizer must be a torch.optim.Optimizer (with param_groups), "
+                    f"got {type(optimizer).__name__}; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, "
+                    "max_norm) (the gradients were not modified)") from None
 
 
 # ---------------------------------------------------------------- grouping and dispatch

@@ -24,20 +24,15 @@ unscaled element that found_inf does not flag); torch turns that element into Na
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Sequence
-
 import torch
 from torch import Tensor
 
 from . import _inputs as inputs
-from . import exact_reads
 from . import passes
 from . import route
 from . import scaler_state
 from .clip import clip_grad_norm_
-from .scaler_state import GradScaler, OptState
+from .scaler_state import zero_write_applies  # (public here: docs/amp.md)
 
 __all__ = ["scaler_unscale_and_clip", "zero_write_applies"]
 
@@ -46,84 +41,7 @@ class ScaleNotStartedError(RuntimeError, AssertionError):
     """A GradScaler used before its first ``scale()`` (an AssertionError too, as torch raises there)."""
 
 
-# ---------------------------------------------------------------- zero-write mode
-_STEP_PROBES: dict = {}
-
-
-def _step_keeps_grad_scale(step_fn) -> bool:
-    """Does this ``GradScaler.step`` hand a ``grad_scale`` set on the optimizer through to a
-    ``_step_supports_amp_scaling`` optimizer after unscale_? torch >= 2.5 or so does (it multiplies scales);
-    older releases overwrite it with None, which would silently skip our factor. Asked once per step
-    function by running it on a dummy CPU optimizer."""
-    known = _STEP_PROBES.get(step_fn)
-    if known is not None:
-        return known
-    sentinel = torch.tensor(3.0)
-
-    class _Probe:
-        _step_supports_amp_scaling = True
-        param_groups: list = []
-        seen = None
-
-        def step(self):
-            self.seen = getattr(self, "grad_scale", None)
-
-    ok = False
-    try:
-        probe = _Probe()
-        s = GradScaler("cpu", init_scale=2.0)
-        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
-        s._per_optimizer_states[id(probe)] = {"stage": OptState.UNSCALED,
-                                             "found_inf_per_device": {torch.device("cpu"): torch.zeros(())}}
-        probe.grad_scale = sentinel
-        step_fn(s, probe)
-        ok = probe.seen is sentinel and not hasattr(probe, "grad_scale")
-    except Exception:  # any incompatibility means: do not rely on it
-        ok = False
-    _STEP_PROBES[step_fn] = ok
-    return ok
-
-
-def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None) -> bool:
-    """Whether ``scaler_unscale_and_clip(..., zero_write=True)`` can hand its factor to ``optimizer``
-    instead of writing the gradients: an enabled torch GradScaler (or ShardedGradScaler) whose ``step``
-    passes ``optimizer.grad_scale`` through, an optimizer that unscales inside its step
-    (``_step_supports_amp_scaling``, e.g. torch's ``fused=True`` Adam/AdamW/SGD) without the legacy
-    ``grad_scaler`` keyword and without a ``grad_scale`` of its own already set, and no float64 gradients
-    (the fused kernels take a float32 scale)."""
-    if not scaler.is_enabled() or not scaler_state.known_unscale(scaler):
-        return False
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    if getattr(optimizer, "grad_scale", None) is not None:
-        return False
-    try:
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            return False
-    except (TypeError, ValueError):
-        return False
-    if grads is None:
-        grads = inputs.grads_of(inputs.optimizer_params(optimizer))
-    if inputs.has_dtype(grads, torch.float64):
-        return False
-    return _step_keeps_grad_scale(type(scaler).step)
-
-
 # ---------------------------------------------------------------- public
-def _explain_bad_args(scaler, optimizer, swapped_only: bool = False) -> None:
-    """Error path of scaler_unscale_and_clip: ``optimizer`` has no param_groups (or ``scaler`` no unscale_).
-    Say the fix."""
-    if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
-        raise TypeError("scaler_unscale_and_clip(scaler, optimizer, max_norm): the scaler and the optimizer are "
-                        "swapped; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, max_norm) (the "
-                        "gradients were not modified)") from None
-    if swapped_only:
-        return
-    raise TypeError(f"scaler_unscale_and_clip: optimizer must be a torch.optim.Optimizer (with param_groups), "
-                    f"got {type(optimizer).__name__}; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, "
-                    "max_norm) (the gradients were not modified)") from None
-
-
 @torch.no_grad()
 def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float = 2.0, *,
                             error_if_nonfinite: bool = False, zero_write: bool = False,
@@ -160,19 +78,14 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     overflow verdict travel in one all-reduce. p = inf takes the default route (a max of the rounded unscaled
     values is exact already).
     """
-    if scaler is None or not hasattr(scaler, "unscale_"):
-        _explain_bad_args(scaler, optimizer, swapped_only=True)
-        # None (a scaler the script only makes under AMP) would fail deep inside with an AttributeError
-        raise TypeError(f"scaler_unscale_and_clip(scaler, optimizer, max_norm): scaler must be a "
-                        f"torch.amp.GradScaler, got {type(scaler).__name__}; without AMP call "
-                        "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
+    inputs.check_scaler(scaler, optimizer)
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p) if exact else False  # inf: a max of rounded unscaled values, exact already
+    ex = inputs.check_exact(exact, p) if exact else False  # inf: a max of rounded unscaled values, exact already
     try:
         params = inputs.optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
-        _explain_bad_args(scaler, optimizer)  # raises the TypeError that says the fix
+        inputs.explain_amp_args(scaler, optimizer)  # raises the TypeError that says the fix
     traced = scaler_state.traced_plain(scaler)
     enabled = scaler_state.enabled(scaler, traced)
     if enabled and (traced or scaler_state.known_unscale(scaler)):  # unscale_'s work is done here
@@ -190,14 +103,11 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         plan = route.lookup(params, process_group)
         sh = plan.place(grads)
         if plan.route != "torch":
-            unscale = scaler_state.Unscale(scaler, state, sharded)
+            unscale = scaler_state.Unscale(scaler, state, sharded, optimizer if zero_write else None)
             if sh is None and not grads:
                 scaler_state.record_unscaled(scaler, state, {}, sharded, unscale.flag_shape)
                 return torch.tensor(0.0)
-            hand_over = None
-            if zero_write and sh is None and not ex and zero_write_applies(scaler, optimizer, grads):
-                # the fused optimizers divide by grad_scale (and store the quotient into .grad) inside their step
-                hand_over = functools.partial(setattr, optimizer, "grad_scale")
+            hand_over = unscale.hand_over(grads) if sh is None and not ex else None  # zero_write, where it applies
             return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, None, backend, ex, unscale, hand_over)
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend was asked
         # for by name)

@@ -28,7 +28,6 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
-from . import exact_reads
 from . import passes
 from . import route
 from .backends import acc_dtype
@@ -54,7 +53,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     """
     tensors = inputs.checked(inputs.as_list(tensors))
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p)
+    ex = inputs.check_exact(exact, p)
     if not tensors and process_group is None:
         return torch.tensor(0.0)
     plan = route.plan_for(tensors, process_group)
@@ -115,7 +114,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     params = parameters if type(parameters) is list else inputs.as_list(parameters, warn_empty_generator=True)
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p) if exact else False
+    ex = inputs.check_exact(exact, p) if exact else False
     plan = route.lookup(params, process_group)
     total = plan.one_pass_clip(params, max_norm, p, error_if_nonfinite, backend, ex)
     if total is not None:
@@ -174,7 +173,7 @@ def multi_tensor_norm(tensors, norm_type: float = 2.0, *, per_tensor: bool = Fal
     ``exact=True`` (p = 1, 2, inf): both results correctly rounded from the exact norms (fastgrad.exact)."""
     tensors = inputs.checked(inputs.as_list(tensors))
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p)
+    ex = inputs.check_exact(exact, p)
     if not tensors and process_group is None:
         total = torch.tensor(0.0)
         return (total, torch.zeros(0)) if per_tensor else total

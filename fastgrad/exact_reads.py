@@ -13,8 +13,6 @@ backend, else the torch reference: the same digits); a sharded list's digits tra
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -23,16 +21,8 @@ from . import distributed
 from . import exact
 from .backends import acc_dtype
 
-__all__ = ["applies", "refuse_fallback", "local_digits", "reduced_digits", "totals", "acc_norms",
+__all__ = ["refuse_fallback", "local_digits", "reduced_digits", "totals", "acc_norms",
            "grad_stats_total"]
-
-
-def applies(exact_asked: bool, p: float) -> bool:
-    """Whether ``exact=True`` changes the computation: p = 1 or 2 (inf is a max, exact already). Rejects any
-    other order with ValueError before any work."""
-    if not exact_asked:
-        return False
-    return exact.check_norm_type(p) != math.inf
 
 
 def refuse_fallback() -> None:

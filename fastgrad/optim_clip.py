@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from . import _inputs as inputs
-from . import exact_reads
 from . import route
 from .clip import clip_grad_norm_
 
@@ -263,7 +262,7 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
     """
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_reads.applies(exact, p)
+    ex = inputs.check_exact(exact, p)
     if not isinstance(zero_write, bool):
         raise TypeError(f"zero_write must be True or False, got {zero_write!r}; the gradients were not modified")
     params = _params(optimizer)

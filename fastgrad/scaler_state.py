@@ -1,14 +1,18 @@
 """A GradScaler's state as ``scaler.unscale_(optimizer)`` reads and leaves it: what kind of scaler it is, its
 checks (in torch's order, with torch's texts), its inverse scale, and the per-optimizer state a fused read pass
 records in place of ``unscale_`` (the overflow flags per device, stage UNSCALED, a ShardedGradScaler's
-reduction of the flags), so that ``scaler.step`` and ``scaler.update`` need no change.
+reduction of the flags), so that ``scaler.step`` and ``scaler.update`` need no change; and whether its ``step``
+can hand a factor to an optimizer that unscales inside its own step (:func:`zero_write_applies`).
 
 Shared by ``fastgrad.scaler_unscale_and_clip`` and the step guard's ``clip_(scaler)``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -26,8 +30,8 @@ except ImportError:  # pragma: no cover - torch < 2.3 kept the scaler under torc
     from torch.cuda.amp.grad_scaler import GradScaler, OptState  # type: ignore[no-redef]
 
 __all__ = ["GradScaler", "OptState", "sharded_scaler_class", "is_sharded", "traced_plain", "enabled",
-           "optimizer_state", "known_unscale", "check_ready", "inv_scale", "Unscale", "folds_flags", "read", "flags_of",
-           "all_reduce_found_inf", "record_unscaled", "record_read_pass"]
+           "optimizer_state", "known_unscale", "check_ready", "inv_scale", "zero_write_applies", "Unscale",
+           "folds_flags", "read", "flags_of", "all_reduce_found_inf", "record_unscaled", "record_read_pass"]
 
 _SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
@@ -105,19 +109,93 @@ def inv_scale(scaler) -> Tensor:
     return s.reciprocal() if s.device.type == "mps" else s.double().reciprocal().float()
 
 
+# ---------------------------------------------------------------- zero-write: the factor handed to the step
+_STEP_PROBES: dict = {}
+
+
+def _step_keeps_grad_scale(step_fn) -> bool:
+    """Does this ``GradScaler.step`` hand a ``grad_scale`` set on the optimizer through to a
+    ``_step_supports_amp_scaling`` optimizer after unscale_? torch >= 2.5 or so does (it multiplies scales);
+    older releases overwrite it with None, which would silently skip our factor. Asked once per step
+    function by running it on a dummy CPU optimizer."""
+    known = _STEP_PROBES.get(step_fn)
+    if known is not None:
+        return known
+    sentinel = torch.tensor(3.0)
+
+    class _Probe:
+        _step_supports_amp_scaling = True
+        param_groups: list = []
+        seen = None
+
+        def step(self):
+            self.seen = getattr(self, "grad_scale", None)
+
+    ok = False
+    try:
+        probe = _Probe()
+        s = GradScaler("cpu", init_scale=2.0)
+        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        s._per_optimizer_states[id(probe)] = {"stage": OptState.UNSCALED,
+                                             "found_inf_per_device": {torch.device("cpu"): torch.zeros(())}}
+        probe.grad_scale = sentinel
+        step_fn(s, probe)
+        ok = probe.seen is sentinel and not hasattr(probe, "grad_scale")
+    except Exception:  # any incompatibility means: do not rely on it
+        ok = False
+    _STEP_PROBES[step_fn] = ok
+    return ok
+
+
+def zero_write_applies(scaler, optimizer, grads: Sequence[Tensor] | None = None) -> bool:
+    """Whether ``scaler_unscale_and_clip(..., zero_write=True)`` can hand its factor to ``optimizer``
+    instead of writing the gradients: an enabled torch GradScaler (or ShardedGradScaler) whose ``step``
+    passes ``optimizer.grad_scale`` through, an optimizer that unscales inside its step
+    (``_step_supports_amp_scaling``, e.g. torch's ``fused=True`` Adam/AdamW/SGD) without the legacy
+    ``grad_scaler`` keyword and without a ``grad_scale`` of its own already set, and no float64 gradients
+    (the fused kernels take a float32 scale)."""
+    if not scaler.is_enabled() or not known_unscale(scaler):
+        return False
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    try:
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    if grads is None:
+        grads = inputs.grads_of(inputs.optimizer_params(optimizer))
+    if inputs.has_dtype(grads, torch.float64):
+        return False
+    return _step_keeps_grad_scale(type(scaler).step)
+
+
 class Unscale:
     """What a GradScaler adds to a clip (``fastgrad.route.clip_``): its ``inv`` (:func:`inv_scale`), the
-    per-optimizer ``state`` the read records its overflow flags in, and whether it is a ShardedGradScaler
-    (``sharded``: flags of shape ``(1,)``, reduced over its process group)."""
+    per-optimizer ``state`` the read records its overflow flags in, whether it is a ShardedGradScaler
+    (``sharded``: flags of shape ``(1,)``, reduced over its process group), and the optimizer that asked for
+    ``zero_write`` (``zero_write_to``; None: the gradients are written)."""
 
-    __slots__ = ("scaler", "state", "inv", "sharded", "flag_shape")
+    __slots__ = ("scaler", "state", "inv", "sharded", "flag_shape", "zero_write_to")
 
-    def __init__(self, scaler, state: dict, sharded: bool):
+    def __init__(self, scaler, state: dict, sharded: bool, zero_write_to=None):
         self.scaler = scaler
         self.state = state
         self.inv = inv_scale(scaler)
         self.sharded = sharded
         self.flag_shape = (1,) if sharded else ()  # torch's flags: 0-dim per device, (1,) for ShardedGradScaler
+        self.zero_write_to = zero_write_to
+
+    def hand_over(self, grads: list[Tensor]):
+        """Where :func:`zero_write_applies` to a plain list's ``grads``: the hand-over of the factor to the
+        optimizer (the fused optimizers divide by ``grad_scale``, and store the quotient into ``.grad``, inside
+        their step); else None (the gradients are written)."""
+        opt = self.zero_write_to
+        if opt is None or not zero_write_applies(self.scaler, opt, grads):
+            return None
+        return functools.partial(setattr, opt, "grad_scale")
 
 
 def folds_flags(scaler, sh) -> bool:

@@ -13,6 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 import fastgrad
 from fastgrad import amp as famp
+from fastgrad import scaler_state
 
 from . import oracle
 from .helpers import assert_no_worse_than, bits, clone_params, grads, make_params
@@ -467,8 +468,8 @@ def test_zero_write_requires_a_step_that_passes_grad_scale(monkeypatch):
         del optimizer.grad_scale
         del optimizer.found_inf
 
-    assert famp._step_keeps_grad_scale(torch.amp.GradScaler.step) is True
-    assert famp._step_keeps_grad_scale(old_step) is False
+    assert scaler_state._step_keeps_grad_scale(torch.amp.GradScaler.step) is True
+    assert scaler_state._step_keeps_grad_scale(old_step) is False
 
     class OldScaler(torch.amp.GradScaler):
         step = old_step
