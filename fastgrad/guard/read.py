@@ -24,6 +24,7 @@ from .. import decide
 from .. import _scan
 from .. import distributed
 from .. import exact_reads as exact_norm
+from .. import passes
 from ..backends import acc_dtype
 from ..passes import amp_norms as device_amp_norms, combine_totals as combine_device_totals, unscale_first
 from ..passes import list_norm as _norm, scale_ as _scale
@@ -96,16 +97,8 @@ def general(guard, params, grads, inv_scale, scaler, state, hand_over, sharded, 
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
         sh = distributed.prepare(grads, guard.process_group)
-        backend = guard.backend
-
-        def local_amp(ts):
-            groups = inputs.split_by_device(ts)
-            parts = device_amp_norms(groups, inv_scale, p, backend)
-            total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
-            return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
-
         poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, guard.backend, None, False)[0])
-        total, _, flag = distributed.reduced_amp_norm(sh, p, local_amp, poison)
+        total, _, flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv_scale, p, guard.backend), poison)
         groups = inputs.split_by_device(sh.writes)
         found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, guard.backend)
