@@ -830,3 +830,22 @@ def test_sparse_grads_go_through_torch():
         torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(e1.weight.grad.to_dense(), e2.weight.grad.to_dense())
     _assert_same_state(s1, o1, s2, o2)
+
+
+def test_bad_arguments_say_the_fix_and_leave_the_gradients():
+    """The scaler and the optimizer swapped, no scaler, an optimizer without param_groups: each a TypeError that says
+    the fix, raised before anything is read or written."""
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    before = p.grad.clone()
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(TypeError, match="the scaler and the optimizer are swapped"):
+        fastgrad.scaler_unscale_and_clip(opt, scaler, 1.0)
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler, got NoneType"):
+        fastgrad.scaler_unscale_and_clip(None, opt, 1.0)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .with param_groups., got list"):
+        fastgrad.scaler_unscale_and_clip(scaler, [p], 1.0)
+    assert torch.equal(p.grad, before)
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
