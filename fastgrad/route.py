@@ -200,7 +200,7 @@ def clear() -> None:
     _PLANS.clear()
 
 
-distributed._ON_CLEAR.append(clear)
+distributed.on_clear(clear)
 
 
 # ------------------------------------------------------------------------------------------ the readings

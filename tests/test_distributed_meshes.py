@@ -786,5 +786,5 @@ def test_deferred_verdict_on_cuda_without_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     with pytest.raises(distributed.RankMismatchError, match="gradient lists differ.*previous sharded call"):
-        distributed.agreement._raise_pending()
-    assert not distributed.agreement._PENDING
+        distributed.agreement.raise_pending()
+    assert not distributed.agreement.PENDING

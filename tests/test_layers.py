@@ -184,6 +184,32 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def private_imports(sources: dict[str, str] | None = None) -> list[str]:
+    """``from <a fastgrad module> import _name`` statements: a private name of another module (a private
+    submodule, ``from . import _scan``, is a module and allowed). What modules share gets a public name."""
+    mods = _modules()
+    if sources is None:
+        sources = {m: p.read_text() for m, p in mods.items()}
+    known = set(sources)
+    out = []
+    for mod, src in sorted(sources.items()):
+        is_pkg = mods[mod].name == "__init__.py" if mod in mods else False
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                source = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not (source == "fastgrad" or source.startswith("fastgrad.")):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{source}.{a.name}" not in known:
+                    out.append(f"{mod}:{node.lineno} imports {source}.{a.name}")
+    return out
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a path [a, b, ..., a], or None."""
     state: dict[str, int] = {}
@@ -228,6 +254,24 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_no_module_imports_a_private_name_of_another():
+    bad = private_imports()
+    assert not bad, "private names imported across modules (give them a public name where they live):\n" + \
+        "\n".join(bad)
+
+
+@pytest.mark.parametrize("importer, stmt", [
+    ("fastgrad.distributed.reduce", "from .agreement import _op_of\n"),
+    ("fastgrad.guard.read", "def f():\n    from ..passes import _private\n"),
+    ("fastgrad.route", "from fastgrad.distributed.plan import _build_plan as build\n"),
+])
+def test_reintroduced_private_import_is_caught(importer, stmt):
+    mods = _modules()
+    sources = {m: p.read_text() for m, p in mods.items()}
+    sources[importer] += "\n" + stmt
+    assert private_imports(sources), stmt
+
+
 def test_graph_sees_known_edges():
     g = import_graph()
     assert "fastgrad._scan" in g["fastgrad.backends.base"]
@@ -259,6 +303,6 @@ def test_registry_hands_its_functions_down():
     from fastgrad import _scan, backends
     from fastgrad.backends import ext_backend
 
-    assert _scan._selects_builtin() is backends.selects_builtin
+    assert _scan.builtin_selector() is backends.selects_builtin
     assert ext_backend._REGISTRY_FNS == {"select_automatic": backends.select_automatic,
                                          "get_default_backend": backends.get_default_backend}

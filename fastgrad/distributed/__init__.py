@@ -92,13 +92,17 @@ __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "C
 def clear_cache() -> None:
     """Forget the cached placement decisions, mesh rank sets, reduction plans and list layouts (e.g. after
     destroying and re-creating process groups with the same objects' ids)."""
-    plan._SPEC_CACHE.clear()
-    plan._MESH_RANKS.clear()
-    plan._PLAN_CACHE.clear()
-    layout._LAYOUTS.clear()
-    agreement._PENDING.clear()
+    plan.clear_caches()
+    layout.clear_layouts()
+    agreement.PENDING.clear()
     for forget in _ON_CLEAR:
         forget()
 
 
 _ON_CLEAR: list = []  # the layers above that keep layouts (fastgrad.route's plans) register their clear here
+
+
+def on_clear(forget) -> None:
+    """Register ``forget()`` to run at every :func:`clear_cache` (a layer above that keeps layouts: route's
+    plans)."""
+    _ON_CLEAR.append(forget)

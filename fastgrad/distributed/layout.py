@@ -11,13 +11,18 @@ import torch
 from torch import Tensor
 
 from .. import _scan
-from .agreement import _PENDING, _raise_pending
-from .dtensor import _dtensor_cls
-from .plan import (Copies, Shards, _Plan, _plan_for, _spec_info, _unwrap, bounded_put, group_key, mark_used,
-                   narrow_copies)
+from .agreement import PENDING, raise_pending
+from .dtensor import dtensor_class
+from .plan import (Copies, Shards, ReducePlan, bounded_put, group_key, mark_used, narrow_copies, reduce_plan_for,
+                   spec_info, unwrap_group)
 
 _LAYOUTS: dict = {}
 _LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
+
+
+def clear_layouts() -> None:
+    """Forget the cached list layouts."""
+    _LAYOUTS.clear()
 
 
 _SPEC = operator.attrgetter("_spec")
@@ -65,7 +70,7 @@ class Sharded:
         self.counts: list[bool] = counts
         self.sel: list[int] | None = sel
         self.mesh = mesh
-        self.plan: _Plan = plan
+        self.plan: ReducePlan = plan
         self.fp = fp
         self.checked = type(writes) is _scan.Checked
         self.layout: _Layout | None = None
@@ -113,13 +118,13 @@ def _build_layout(tensors, types, cls, group, pieces) -> _Layout:
                     else:
                         pos = len(meshes)
                         meshes.append(m)
-            info = _spec_info(m, pl)
+            info = spec_info(m, pl)
             last_mesh, last_pl = spec.mesh, pl
         dt_pos.append(i)
         specs.append(spec)
         where.append(pos)
         info_of.append(info)
-    lay.plan = _plan_for(meshes, group, pieces) if (meshes or group is not None) else None
+    lay.plan = reduce_plan_for(meshes, group, pieces) if (meshes or group is not None) else None
     mesh_counted = lay.plan.mesh_counted if lay.plan is not None else ()
     lay.dt_pos = None if len(dt_pos) == len(tensors) else dt_pos
     lay.plain_pos = plain_pos
@@ -156,10 +161,10 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     Host cost: the layout (see the package's docstring) is cached, so a repeat call costs a few C-level passes
     over the list (its types, its DTensors' spec objects, their local tensors) and the compiled scan of the
     local tensors; no DTensor dispatch."""
-    if _PENDING:
-        _raise_pending()
-    group, pieces, copies = _unwrap(process_group)
-    cls = _dtensor_cls()
+    if PENDING:
+        raise_pending()
+    group, pieces, copies = unwrap_group(process_group)
+    cls = dtensor_class()
     if not for_norm:
         writes = [t._local_tensor if cls is not None and isinstance(t, cls) else t for t in tensors]
         return Sharded(writes, _scan.checked(writes) if writes else writes, [], None, None, None)
@@ -317,12 +322,12 @@ def local_cpu_norm(params: Sequence[Tensor], lay, norm_type: float, backend: str
     c = _scan.helpers()
     if not params or c is None or not hasattr(c, "dtensor_local_norm") or lay is None or lay.empties is None:
         return None
-    selects_builtin = _scan._selects_builtin()
+    selects_builtin = _scan.builtin_selector()
     if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
         return None
-    if _PENDING:
-        _raise_pending()
-    cls = _dtensor_cls()
+    if PENDING:
+        raise_pending()
+    cls = dtensor_class()
     spec_desc, local_desc = _slot_descs(cls)
     out = c.dtensor_local_norm(params, cls, spec_desc, local_desc, lay.specs, lay.counted, norm_type)
     if out is None:

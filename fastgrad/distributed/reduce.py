@@ -13,9 +13,9 @@ from torch import Tensor
 from .. import _scan
 from ..backends import acc_dtype
 from ..decide import nonfinite
-from .agreement import _AMP, _EXACT, _NORM, _STATS, _all_reduce, _phase_a
+from .agreement import KIND_AMP, KIND_EXACT, KIND_NORM, KIND_STATS, all_reduce_steps, collective
 from .layout import Sharded
-from .plan import _Plan
+from .plan import ReducePlan
 
 _INF = float("inf")
 
@@ -36,14 +36,14 @@ def _combine(vals: Tensor, p: float, steps: list) -> Tensor:
         nan = torch.isnan(vals)
         if p == _INF:
             buf = torch.cat([torch.where(nan, 0.0, vals), nan.to(vals.dtype)])
-            _all_reduce(buf, dist.ReduceOp.MAX, steps)
+            all_reduce_steps(buf, dist.ReduceOp.MAX, steps)
             flag = buf[n:] > 0
         else:
             buf = torch.cat([torch.where(nan, _INF, vals), -nan.to(vals.dtype)])
-            _all_reduce(buf, dist.ReduceOp.MIN, steps)
+            all_reduce_steps(buf, dist.ReduceOp.MIN, steps)
             flag = buf[n:] < 0
         return torch.where(flag, float("nan"), buf[:n])
-    _all_reduce(vals, dist.ReduceOp.SUM, steps)
+    all_reduce_steps(vals, dist.ReduceOp.SUM, steps)
     return vals
 
 
@@ -134,7 +134,7 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
     per_total = _of_total(sh, per_local)
     k_total = len(sel) if per_total is per_local else len(sh.tpos)
     payload, ors = _norm_payload(p, per_total, total_local, k_total, combine, poison, dev, wide)
-    red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
+    red, ors_out = collective(sh, KIND_NORM, p, vector, payload, ors)
     if p == _INF or p == -_INF:
         total = torch.where(ors_out[0] > 0, float("nan"), red[0])
     else:
@@ -181,7 +181,7 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
     return payload, None
 
 
-def _reduced_vector(plan: _Plan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
+def _reduced_vector(plan: ReducePlan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
                     poison: Tensor | None, total: Tensor, dev, wide, owned: list[bool] | None = None
                     ) -> tuple[Tensor, Tensor | None]:
     """The per-tensor vector reduced across ranks, after the header said the lists agree: ``(total, per)``, the
@@ -240,7 +240,7 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
     else:
         payload = torch.zeros(1, dtype=wide, device=dev)
     combine = bool(plan.vec_steps)
-    red, _ = _phase_a(sh, _STATS, 2.0, True, payload, None)
+    red, _ = collective(sh, KIND_STATS, 2.0, True, payload, None)
     total = red[0].sqrt().to(dtype)
     sums = torch.zeros((5, n), dtype=wide, device=dev)
     peak = torch.zeros((n,), dtype=wide, device=dev)
@@ -256,7 +256,7 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
             peak[idx] = mx
     if combine:
         sums = sums.reshape(-1)
-        _all_reduce(sums, dist.ReduceOp.SUM, plan.vec_steps)
+        all_reduce_steps(sums, dist.ReduceOp.SUM, plan.vec_steps)
         sums = sums.reshape(5, n)
         peak = _combine(peak, _INF, plan.vec_steps)
     counts = sums[1:].to(torch.int64)
@@ -295,14 +295,14 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
             total = total + poison
         nan = torch.isnan(total)
         ors = torch.cat([nan.to(wide), f])
-        red, out = _phase_a(sh, _AMP, p, False, torch.where(nan, identity, total), ors)
+        red, out = collective(sh, KIND_AMP, p, False, torch.where(nan, identity, total), ors)
         g_total = torch.where(out[0] > 0, float("nan"), red[0])
         g_flag = out[1]
     else:
         pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
         if poison is not None:
             pw = pw + poison
-        red, out = _phase_a(sh, _AMP, p, False, pw, f)
+        red, out = collective(sh, KIND_AMP, p, False, pw, f)
         g_total = red[0].pow(1.0 / p)
         g_flag = out[0]
     return g_total.to(dtype), flag, g_flag.to(torch.float32)
@@ -335,7 +335,7 @@ def reduced_exact(sh: Sharded, p: float, per_tensor: bool,
         rows = local_payload(local)[1] if len(local) else None
     if poison is not None:
         payload[poison_at] += torch.isnan(poison).to(payload.device, payload.dtype)
-    red, _ = _phase_a(sh, _EXACT, p, per_tensor, payload, None)
+    red, _ = collective(sh, KIND_EXACT, p, per_tensor, payload, None)
     red = red.to(torch.int64)
     if not per_tensor:
         return red, None

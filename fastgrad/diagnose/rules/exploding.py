@@ -78,7 +78,7 @@ class Exploding(Rule):
                 first += f"; step {start.step} had {fmt(start.grad_norm)}"
             detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
                       + clip_text + (run.lr_text(k) if crit else ""))
-            layers = _largest_layers(run.last) if k == last_k else []
+            layers = largest_layers(run.last) if k == last_k else []
             # the script clips: "clip (max_norm=1.0)" would read as "add one"
             if ev.get("variant") == "loose_clip":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
@@ -93,7 +93,7 @@ class Exploding(Rule):
         return out
 
 
-def _largest_layers(last, k: int = 3) -> list[str]:
+def largest_layers(last, k: int = 3) -> list[str]:
     if last is None:
         return []
     finite = [r for r in last.layers if math.isfinite(r.norm) and r.norm > 0]

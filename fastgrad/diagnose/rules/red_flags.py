@@ -8,7 +8,7 @@ import math
 
 from ..finding import Finding, fmt, steps_text
 from .base import Rule, RunView
-from .exploding import _largest_layers
+from .exploding import largest_layers
 
 __all__ = ["ClipScaled", "ClipAfterStep", "ClipPartial", "NoZeroGrad", "NoClipping"]
 
@@ -71,7 +71,7 @@ class NoClipping(Rule):
         run.flags["no_clipping"] = s
         return [Finding(self.code, "warning", "no gradient clipping while the norm exceeds 100",
                         f"The norm reached {'inf (overflowed float32)' if over else fmt(peak)} and no clip function "
-                        "was called.", _largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
+                        "was called.", largest_layers(run.last) or list(run.bad_params), s, {"peak": peak})]
 
 
 CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the GradScaler interceptors)",
