@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from .. import _inputs as inputs
-from .. import distributed
 from .. import optim_clip
+from .. import route
 from .. import scaler_state
 from .._inputs import optimizer_params
 from . import read
@@ -306,7 +306,8 @@ class StepGuard:
             raise TypeError("StepGuard supports dense real floating gradients (float16/bfloat16/float32/float64); "
                             "got sparse, complex or other gradients. Clip those with fastgrad.clip_grad_norm_ "
                             "(nothing was modified)")
-        sharded = self.process_group is not None or distributed.has_dtensor(grads)
+        plan = route.lookup(params, self.process_group)
+        sharded = plan.sharded(grads)
         use_scaler = scaler is not None and scaler.is_enabled()
         per_tensor = self._mode.per_tensor
         if use_scaler and sharded and (per_tensor or scaler_state.is_sharded(scaler)):
@@ -348,7 +349,8 @@ class StepGuard:
             if out is not None:
                 return out
         with torch.no_grad():
-            return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler)
+            sh = plan.place(grads) if sharded else None  # (the grads' types were checked above: no torch route)
+            return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sh, use_scaler)
 
     def _decided(self, total, coef, inv, bad, spike, scale, grads) -> None:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
