@@ -31,7 +31,6 @@ from . import _inputs as inputs
 from . import passes
 from . import route
 from . import scaler_state
-from .clip import clip_grad_norm_
 from .scaler_state import zero_write_applies  # (public here: docs/amp.md)
 
 __all__ = ["scaler_unscale_and_clip", "zero_write_applies"]
@@ -115,5 +114,4 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
     if enabled:  # a scaler with its own unscale_ (and its own rules), or gradients only torch's reads: run it
         scaler.unscale_(optimizer)
     # (a disabled scaler only clips)
-    return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend, process_group=process_group,
-                           exact=ex)
+    return route.clip_params(params, max_norm, p, error_if_nonfinite, None, backend, ex, process_group)

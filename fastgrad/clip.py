@@ -115,19 +115,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
     ex = inputs.check_exact(exact, p) if exact else False
-    plan = route.lookup(params, process_group)
-    total = plan.one_pass_clip(params, max_norm, p, error_if_nonfinite, backend, ex)
-    if total is not None:
-        return total
-    with torch.no_grad():
-        grads = passes.grads_of(params)
-        if not grads and process_group is None:
-            return torch.tensor(0.0)
-        sh = plan.place(grads)
-        if plan.route == "torch":
-            plan.refuse_fallback("clip_grad_norm_", backend, ex)
-            return _torch_utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite, foreach)
-        return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, foreach, backend, ex)
+    return route.clip_params(params, max_norm, p, error_if_nonfinite, foreach, backend, ex, process_group)
 
 
 @torch.no_grad()

@@ -52,12 +52,14 @@ from . import distributed
 from . import exact_reads
 from . import passes
 from . import scaler_state
+# torch's own functions as captured at import: the fallback must not reach a patch_torch() router (recursion)
+from ._torch_fns import TORCH
 from .backends import Backend, BackendError
 from .decide import amp_factor, clip_coef, grad_scale
 from .distributed.plan import bounded_put, mark_used
 
 __all__ = ["ListPlan", "plan_of", "lookup", "plan_for", "ROUTES", "SHARDED", "one_call_backend", "total_norm",
-           "norms", "clip_"]
+           "norms", "clip_", "clip_params"]
 
 ROUTES = ("cpu", "plain", "sharded", "sharded-cpu", "torch")
 SHARDED = ("sharded", "sharded-cpu")
@@ -250,6 +252,25 @@ def norms(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backe
 
 
 # ------------------------------------------------------------------------------------------ the clip
+def clip_params(params: list, max_norm: float, p: float, check: bool, foreach: bool | None, backend: str | None,
+                exact: bool, process_group) -> Tensor:
+    """``clip_grad_norm_`` of a parameter list whose arguments are checked: the plan's one-pass C++ routes, else
+    the list placed and clipped (:func:`clip_`), or torch's own implementation where the plan allows it."""
+    plan = lookup(params, process_group)
+    total = plan.one_pass_clip(params, max_norm, p, check, backend, exact)
+    if total is not None:
+        return total
+    with torch.no_grad():
+        grads = passes.grads_of(params)
+        if not grads and process_group is None:
+            return torch.tensor(0.0)
+        sh = plan.place(grads)
+        if plan.route == "torch":
+            plan.refuse_fallback("clip_grad_norm_", backend, exact)
+            return TORCH.clip_grad_norm_(params, max_norm, p, check, foreach)
+        return clip_(sh, grads, max_norm, p, check, foreach, backend, exact)
+
+
 def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, p: float, check: bool,
           foreach: bool | None, backend: str | None, exact: bool, unscale: scaler_state.Unscale | None = None,
           hand_over=None) -> Tensor:
@@ -263,28 +284,28 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
     (``fastgrad.decide``), or the factor handed over (``hand_over(grad_scale)``: to an optimizer that applies it
     inside its step). A plain list on one device that one backend serves (:func:`one_call_backend`) takes the
     read, the factor and the write in ONE call: its fused ``clip_norm_`` (which always writes), or ``amp_clip_``."""
+    one = None
     if sh is None and not exact and not check and (unscale is None or not unscale.sharded):
-        b = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
-        dtype = inputs.promoted_dtype(grads)
-        if b is not None and unscale is None and hand_over is None:
-            return b.clip_norm_(grads, max_norm, p, foreach=foreach).to(dtype)
-        if b is not None and unscale is not None:
-            dev = grads[0].device
-            total, found, factor = b.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
-                                               hand_over is None)
-            scaler_state.record_unscaled(unscale.scaler, unscale.state, {dev: found.reshape(())}, False)
-            if hand_over is not None:
-                hand_over(grad_scale(factor))
-            return total.to(dtype)
-    groups = inputs.split_by_device(grads if sh is None else sh.writes)
-    unscaled = False
-    if unscale is None:
-        total, out = total_norm(sh, grads, p, backend, foreach, exact)
-    else:
-        total, out, found, reduce_flags, unscaled = scaler_state.read(unscale, sh, grads, groups, p, backend, exact,
-                                                                      out_dtype(sh, grads))
-        scaler_state.record_unscaled(unscale.scaler, unscale.state, found, reduce_flags)
+        one = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
+        if one is not None and unscale is None and hand_over is None:
+            return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(inputs.promoted_dtype(grads))
+    unscaled = written = False
     factor = None
+    if one is not None:  # under a scaler: the read, the flag, the factor and (unless handed over) the write
+        groups = []
+        dev = grads[0].device
+        total, flag, factor = one.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
+                                            hand_over is None)
+        out, found, reduce_flags, written = total.to(inputs.promoted_dtype(grads)), {dev: flag.reshape(())}, False, True
+    else:
+        groups = inputs.split_by_device(grads if sh is None else sh.writes)
+        if unscale is None:
+            total, out = total_norm(sh, grads, p, backend, foreach, exact)
+        else:
+            total, out, found, reduce_flags, unscaled = scaler_state.read(unscale, sh, grads, groups, p, backend,
+                                                                          exact, out_dtype(sh, grads))
+    if unscale is not None:
+        scaler_state.record_unscaled(unscale.scaler, unscale.state, found, reduce_flags)
     if groups:  # (computed before the check: a device op, nothing written)
         total_here = total.to(groups[0][0].device)
         factor = (clip_coef(total_here, max_norm) if unscale is None or unscaled
@@ -298,6 +319,6 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
             raise
     if factor is not None and hand_over is not None:
         hand_over(grad_scale(factor))
-    elif factor is not None:
+    elif factor is not None and not written:
         passes.scale_groups(groups, factor, backend, foreach)
     return out if sh is None else distributed.wrap_like(out, sh)
