@@ -287,16 +287,18 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
     one = None
     if sh is None and not exact and not check and (unscale is None or not unscale.sharded):
         one = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
-        if one is not None and unscale is None and hand_over is None:
-            return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(inputs.promoted_dtype(grads))
-    unscaled = written = False
+        if one is not None and unscale is None:
+            if hand_over is None:
+                return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(inputs.promoted_dtype(grads))
+            one = None  # (its clip_norm_ always writes: a factor to hand over takes the passes below)
+    unscaled = False
     factor = None
     if one is not None:  # under a scaler: the read, the flag, the factor and (unless handed over) the write
-        groups = []
+        groups = []  # (nothing left to write here)
         dev = grads[0].device
         total, flag, factor = one.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
                                             hand_over is None)
-        out, found, reduce_flags, written = total.to(inputs.promoted_dtype(grads)), {dev: flag.reshape(())}, False, True
+        out, found, reduce_flags = total.to(inputs.promoted_dtype(grads)), {dev: flag.reshape(())}, False
     else:
         groups = inputs.split_by_device(grads if sh is None else sh.writes)
         if unscale is None:
@@ -319,6 +321,6 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
             raise
     if factor is not None and hand_over is not None:
         hand_over(grad_scale(factor))
-    elif factor is not None and not written:
+    elif factor is not None:
         passes.scale_groups(groups, factor, backend, foreach)
     return out if sh is None else distributed.wrap_like(out, sh)
