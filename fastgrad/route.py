@@ -225,11 +225,10 @@ def out_dtype(sh: distributed.Sharded | None, tensors: list[Tensor]) -> torch.dt
 
 
 def total_norm(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backend: str | None,
-               foreach: bool | None, exact: bool) -> tuple[Tensor, Tensor]:
+               foreach: bool | None, exact: bool, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """The total norm of a placed list (``sh``: its sharded view, one collective; None: plain):
-    ``(in the accumulation dtype, for a coefficient; the value returned, in the list's dtype)``. ``exact``: both
-    correctly rounded from one exact sum (fastgrad.exact)."""
-    dtype = out_dtype(sh, tensors)
+    ``(total, out)``, the total in the accumulation dtype (for a coefficient) and the value returned, in ``dtype``
+    (:func:`out_dtype`). ``exact``: both correctly rounded from one exact sum (fastgrad.exact)."""
     if exact:
         return exact_reads.totals(sh, tensors, p, backend, dtype)
     if sh is not None:
@@ -284,12 +283,13 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
     (``fastgrad.decide``), or the factor handed over (``hand_over(grad_scale)``: to an optimizer that applies it
     inside its step). A plain list on one device that one backend serves (:func:`one_call_backend`) takes the
     read, the factor and the write in ONE call: its fused ``clip_norm_`` (which always writes), or ``amp_clip_``."""
+    dtype = out_dtype(sh, grads)
     one = None
     if sh is None and not exact and not check and (unscale is None or not unscale.sharded):
         one = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
         if one is not None and unscale is None:
             if hand_over is None:
-                return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(inputs.promoted_dtype(grads))
+                return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(dtype)
             one = None  # (its clip_norm_ always writes: a factor to hand over takes the passes below)
     unscaled = False
     factor = None
@@ -298,14 +298,14 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
         dev = grads[0].device
         total, flag, factor = one.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
                                             hand_over is None)
-        out, found, reduce_flags = total.to(inputs.promoted_dtype(grads)), {dev: flag.reshape(())}, False
+        out, found, reduce_flags = total.to(dtype), {dev: flag.reshape(())}, False
     else:
         groups = inputs.split_by_device(grads if sh is None else sh.writes)
         if unscale is None:
-            total, out = total_norm(sh, grads, p, backend, foreach, exact)
+            total, out = total_norm(sh, grads, p, backend, foreach, exact, dtype)
         else:
             total, out, found, reduce_flags, unscaled = scaler_state.read(unscale, sh, grads, groups, p, backend,
-                                                                          exact, out_dtype(sh, grads))
+                                                                          exact, dtype)
     if unscale is not None:
         scaler_state.record_unscaled(unscale.scaler, unscale.state, found, reduce_flags)
     if groups:  # (computed before the check: a device op, nothing written)
