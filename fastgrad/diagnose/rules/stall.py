@@ -24,11 +24,17 @@ from .evidence import loss_change
 __all__ = ["Stall", "loss_stall"]
 
 
-def loss_stall(losses: list[float], *, window: int, z: float, rel: float) -> dict | None:
+def loss_stall(losses: list[float], *, window: int, z: float, rel: float, chance: float | None = None,
+               chance_share: float = 0.0) -> dict | None:
     """``loss_change`` of ``losses`` (finite, oldest first) when they did not improve over their last ``window``
-    values (see the module docstring), else None."""
+    values (see the module docstring), else None. With ``chance`` (ln(classes) of a cross-entropy), the dict also
+    says ``at_chance`` (the last quarter within ``chance_share`` of it) and ``back`` (improved on the first quarter,
+    but at chance and not below the first loss by the change that counts: a stall too)."""
     c = loss_change(losses, window=window, z=z, rel=rel)
-    return None if c["improved"] else c
+    c["at_chance"] = chance is not None and abs(c["last"] - chance) <= chance_share * chance
+    # a blow-up and its recovery make the first quarter's mean high: a "fall" back to chance learned nothing
+    c["back"] = c["at_chance"] and c["improved"] and losses[-c["n"]] - c["last"] <= c["need"]
+    return None if c["improved"] and not c["back"] else c
 
 
 class Stall(Rule):
@@ -42,16 +48,13 @@ class Stall(Rule):
             if len(pts) < lim.stall_min_steps or run.multi:
                 continue  # adversarial and actor-critic losses are not meant to fall: one series only
             vals = [v for _, v in pts]
-            s = loss_change(vals, window=lim.stall_window, z=lim.stall_z, rel=run.th.loss_progress)
             classes = run.ctx.get("classes")
             chance = math.log(classes) if classes and classes > 1 else None
-            at_chance = chance is not None and abs(s["last"] - chance) <= lim.stall_chance * chance
-            # a cross-entropy that begins at chance and ends there learned nothing, whatever its first quarter did
-            # in between (a blow-up and its recovery make the first quarter's mean high: a "fall" back to chance)
-            v0 = vals[-s["n"]]
-            back = at_chance and s["improved"] and v0 - s["last"] <= s["need"]
-            if s["improved"] and not back:
+            s = loss_stall(vals, window=lim.stall_window, z=lim.stall_z, rel=run.th.loss_progress, chance=chance,
+                           chance_share=lim.stall_chance)
+            if s is None:
                 continue
+            at_chance, back, v0 = s["at_chance"], s["back"], vals[-s["n"]]
             steps = [st for st, _ in pts[-s["n"]:]]
             level = abs(s["last"]) or 1.0
             flat = s["noise"] <= lim.stall_flat * level and abs(s["drop"]) <= lim.stall_flat * level
