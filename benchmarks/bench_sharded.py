@@ -55,7 +55,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
     torch.set_num_threads(1)
     import fastgrad
     from fastgrad import _scan
-    from fastgrad import clip as fg_clip
+    from fastgrad import passes
     from fastgrad import distributed
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -105,8 +105,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args, out_file: str) -> No
         coef = torch.tensor(0.5)
 
         def kernel_calls():
-            fg_clip._norm(checked_locals, 2.0, None, None)
-            fg_clip._scale(checked_locals, coef, None, None)
+            passes.list_norm(checked_locals, 2.0, None, None)
+            passes.scale_(checked_locals, coef, None, None)
 
         grads = [prm.grad for prm in params]
 

@@ -9,7 +9,15 @@ the whole cost. Measured in the same run, interleaved round by round so machine 
 * ``torch``: ``torch.nn.utils.clip_grad_norm_`` (foreach);
 * ``fastgrad_zw``: ``fastgrad.clip_optimizer_grad_norm_(opt, max_norm)`` on a fused Adam over the same
   parameters (zero-write: the norm, then the coefficient left pending with a snapshot of the grads; each call
-  replaces the previous one, no step is taken).
+  replaces the previous one, no step is taken);
+* ``amp`` (with ``--ops``): ``fastgrad.scaler_unscale_and_clip(scaler, opt, max_norm)`` with a CPU
+  ``torch.amp.GradScaler`` and a plain Adam over the same parameters, the scaler's per-optimizer state emptied
+  before each call (as ``scaler.update()`` leaves it); the scale is 1, so with the default ``--max-norm`` the
+  factor is 1 and nothing is written, as for ``fastgrad``;
+* ``guard`` (with ``--ops``): ``StepGuard(opt, max_norm).clip_()`` on a plain Adam over the same parameters (no
+  step is taken).
+
+``--ops`` chooses the variants (default ``fastgrad,fastgrad_ops,torch,fastgrad_zw``).
 
 ``--fresh``: every timed call gets new ``.grad`` tensors, made by autograd as a training loop with
 ``zero_grad(set_to_none=True)`` has them (one multiply per parameter, then ``backward()``; untimed): each
@@ -25,6 +33,7 @@ gradient is scaled. Reports the minimum and the median per call over all rounds.
 
     python benchmarks/host_overhead.py --tensors 4000,148 --rounds 30
     python benchmarks/host_overhead.py --tensors 4000 --rounds 30 --fresh
+    python benchmarks/host_overhead.py --tensors 148,4000 --rounds 20 --clock thread --ops fastgrad,amp,guard,torch
 """
 
 from __future__ import annotations
@@ -69,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="new autograd-made .grad tensors before every call")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="wall time (perf_counter) or this thread's CPU time (thread_time)")
+    ap.add_argument("--ops", default="fastgrad,fastgrad_ops,torch,fastgrad_zw",
+                    help="comma list of variants: fastgrad, fastgrad_ops, torch, fastgrad_zw, amp, guard")
     args = ap.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
@@ -89,17 +100,34 @@ def main(argv=None) -> int:
     print(f"# fastgrad {fastgrad.__file__}, torch {torch.__version__}, threads {torch.get_num_threads()}, max_norm {args.max_norm}, "
           f"numel {args.numel}, {'fresh grads every call' if args.fresh else 'same grads every call'}; "
           f"per call, microseconds of {args.clock} time; load average {os.getloadavg()[0]:.2f} at start")
+    ops = [x for x in args.ops.split(",") if x]
+    unknown = set(ops) - set(variants) - {"fastgrad_zw", "amp", "guard"}
+    if unknown:
+        ap.error(f"unknown --ops {sorted(unknown)}")
     for n in [int(x) for x in args.tensors.split(",") if x]:
         ps = params(n, args.numel)
         coef = [torch.randn(args.numel) for _ in ps]
         opt = torch.optim.Adam(ps, fused=True)
         variants["fastgrad_zw"] = lambda ps, opt=opt: fastgrad.clip_optimizer_grad_norm_(opt, args.max_norm)
+        plain = torch.optim.Adam(ps)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # factor 1 with a large max_norm: nothing written
+        scaler.scale(torch.ones(()))  # the scale exists from the first scale() on
+        states = scaler._per_optimizer_states
+
+        def amp(ps, plain=plain, scaler=scaler, states=states):
+            states.clear()  # as update() leaves it: the next unscale_ starts from a fresh state
+            return fastgrad.scaler_unscale_and_clip(scaler, plain, args.max_norm)
+
+        variants["amp"] = amp
+        if "guard" in ops:
+            variants["guard"] = lambda ps, g=fastgrad.StepGuard(torch.optim.Adam(ps), args.max_norm): g.clip_()
+        chosen = {k: variants[k] for k in ops}
         calls = args.calls or (5 if args.fresh else max(3, int(20_000 / (n * 0.15 + 10))))
-        times = {k: [] for k in variants}
-        for fn in variants.values():
+        times = {k: [] for k in chosen}
+        for fn in chosen.values():
             fn(ps)
         for _ in range(args.rounds):
-            for name, fn in variants.items():
+            for name, fn in chosen.items():
                 if args.fresh:  # time each call alone, after its own fresh gradients
                     t = 0.0
                     for _ in range(calls):
@@ -113,11 +141,11 @@ def main(argv=None) -> int:
                         fn(ps)
                     t = clock() - t0
                 times[name].append(t / calls * 1e6)
-        base = statistics.median(times["torch"])
+        base = statistics.median(times["torch"]) if "torch" in times else None
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"{n:6d} tensors  {name:13s} min {min(ts):9.1f}  median {med:9.1f}  "
-                  f"(torch / this: {base / med:5.1f}x)")
+            ratio = f"  (torch / this: {base / med:5.1f}x)" if base is not None else ""
+            print(f"{n:6d} tensors  {name:13s} min {min(ts):9.1f}  median {med:9.1f}{ratio}")
     print(f"# load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

@@ -12,7 +12,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from . import _scan, backends
+from . import _scan, backends, exact
+from .decide import nonfinite
 from ._scan import Checked, checked  # noqa: F401  (re-exported for the public modules)
 from .backends import Backend
 
@@ -50,6 +51,14 @@ def as_list(parameters, *, warn_empty_generator: bool = False) -> list:
     if warn_empty_generator and is_generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
     return items
+
+
+def optimizer_params(optimizer) -> list[Tensor]:
+    """The parameters of every group of ``optimizer``, in order."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:  # the common case: the group's own list, no per-parameter Python step
+        return groups[0]["params"]
+    return [p for group in groups for p in group["params"]]
 
 
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
@@ -117,6 +126,14 @@ def check_norm_type(norm_type) -> float:
     return p
 
 
+def check_exact(exact_asked: bool, p: float) -> bool:
+    """Whether ``exact=True`` changes the computation: p = 1 or 2 (inf is a max, exact already). Rejects any
+    other order with ValueError before any work."""
+    if not exact_asked:
+        return False
+    return exact.check_norm_type(p) != math.inf
+
+
 def check_max_norm(max_norm) -> float:
     value = _as_float("max_norm", max_norm)
     if math.isnan(value) or value < 0:
@@ -149,6 +166,20 @@ def _as_float(name: str, value) -> float:
         raise NotANumberError(f"{name} must be a number, got {value!r}") from None
 
 
+NONFINITE_MSG = (
+    "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be clipped. "
+    "To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
+
+
+def check_finite(total: Tensor, norm_type: float) -> None:
+    """``error_if_nonfinite``'s check of a total norm, before anything is written."""
+    # The one host sync the contract allows (docs/contract.md section 3), and only when the caller asked for it.
+    if nonfinite(total):
+        raise RuntimeError(NONFINITE_MSG.format(norm_type))
+
+
 def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallback: bool = True) -> bool:
     """Reject integer/bool tensors with TypeError. Returns True when some tensor needs torch's own
     implementation (sparse or complex), which the clipping functions delegate to."""
@@ -172,6 +203,31 @@ def check_tensors(tensors: list[Tensor], what: str = "gradients", *, allow_fallb
         # other floating dtypes (float8...): torch's implementation decides
         needs_torch = True
     return needs_torch
+
+
+def check_scaler(scaler, optimizer) -> None:
+    """``scaler_unscale_and_clip``'s first check: ``scaler`` is a GradScaler (and not swapped with the
+    optimizer), else a TypeError that says the fix."""
+    if scaler is None or not hasattr(scaler, "unscale_"):
+        explain_amp_args(scaler, optimizer, swapped_only=True)
+        # None (a scaler the script only makes under AMP) would fail deep inside with an AttributeError
+        raise TypeError(f"scaler_unscale_and_clip(scaler, optimizer, max_norm): scaler must be a "
+                        f"torch.amp.GradScaler, got {type(scaler).__name__}; without AMP call "
+                        "fastgrad.clip_grad_norm_(params, max_norm) instead (the gradients were not modified)")
+
+
+def explain_amp_args(scaler, optimizer, swapped_only: bool = False) -> None:
+    """Error path of ``scaler_unscale_and_clip``'s checks: ``optimizer`` has no param_groups (or ``scaler`` no
+    unscale_). Say the fix."""
+    if hasattr(scaler, "param_groups") and hasattr(optimizer, "unscale_"):
+        raise TypeError("scaler_unscale_and_clip(scaler, optimizer, max_norm): the scaler and the optimizer are "
+                        "swapped; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, max_norm) (the "
+                        "gradients were not modified)") from None
+    if swapped_only:
+        return
+    raise TypeError(f"scaler_unscale_and_clip: optimizer must be a torch.optim.Optimizer (with param_groups), "
+                    f"got {type(optimizer).__name__}; call fastgrad.scaler_unscale_and_clip(scaler, optimizer, "
+                    "max_norm) (the gradients were not modified)") from None
 
 
 # ---------------------------------------------------------------- grouping and dispatch

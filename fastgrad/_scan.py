@@ -141,15 +141,16 @@ def clip_norm_cpu(params: Sequence[Tensor], max_norm: float, norm_type: float, e
     c = helpers()
     if c is None or not hasattr(c, "clip_norm_cpu"):
         return None
-    if not _selects_builtin()("cpu", "norm", backend, norm_type):
+    if not builtin_selector()("cpu", "norm", backend, norm_type):
         return None
     return c.clip_norm_cpu(params, max_norm, norm_type, error_if_nonfinite)
 
 
-def _selects_builtin():
-    # fastgrad.backends.selects_builtin. The registry sits above this module (it imports it), so it hands
-    # the function down when it is imported (set_selector) instead of this module importing it; until then
-    # (never in practice: every caller imports the registry) the fast paths decline.
+def builtin_selector():
+    """``fastgrad.backends.selects_builtin`` (see :func:`set_selector`)."""
+    # The registry sits above this module (it imports it), so it hands the function down when it is
+    # imported instead of this module importing it; until then (never in practice: every caller imports
+    # the registry) the fast paths decline.
     return _state.get("selects_builtin") or _decline
 
 
@@ -173,7 +174,7 @@ def monitor_clip_cpu(params: Sequence[Tensor], max_norm: float, error_if_nonfini
     c = helpers()
     if c is None or not hasattr(c, "monitor_clip_cpu"):
         return None
-    selects_builtin = _selects_builtin()
+    selects_builtin = builtin_selector()
     if not (selects_builtin("cpu", "grad_stats", backend, 2.0) and selects_builtin("cpu", "scale", backend, 2.0)):
         return None
     return c.monitor_clip_cpu(params, max_norm, error_if_nonfinite)

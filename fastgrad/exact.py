@@ -51,7 +51,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["EXACT_NORM_TYPES", "check_norm_type", "window", "limbs", "limbs_torch", "finish", "norm"]
+__all__ = ["EXACT_NORM_TYPES", "check_norm_type", "window", "limbs", "limbs_torch", "compiled_ok", "normalize",
+           "finish", "total_digits", "rounded_norm", "compiled_total", "two_roundings", "parts_digits"]
 
 #: Norm orders ``exact=True`` supports.
 EXACT_NORM_TYPES = (1.0, 2.0, math.inf)
@@ -186,7 +187,8 @@ def limbs_torch(tensors, p: float, per_tensor: bool = False) -> tuple[Tensor, Te
     return acc.unsqueeze(0), fl.unsqueeze(0)
 
 
-def _compiled_ok(tensors) -> bool:
+def compiled_ok(tensors) -> bool:
+    """Whether the compiled CPU kernels serve ``tensors`` (a non-empty list of CPU tensors, extension built)."""
     from . import _ext
 
     return (len(tensors) > 0 and all(t.device.type == "cpu" for t in tensors) and _ext.load() is not None
@@ -196,10 +198,27 @@ def _compiled_ok(tensors) -> bool:
 def limbs(tensors, p: float, per_tensor: bool = False, *, compiled: bool = True) -> tuple[Tensor, Tensor]:
     """:func:`limbs_torch`'s result, from the compiled CPU kernel when ``compiled`` and it applies (CPU tensors,
     extension built), else from the reference. Both give the same digits."""
-    if compiled and _compiled_ok(tensors):
+    if compiled and compiled_ok(tensors):
         base, nl = _WINDOWS[p]
         return torch.ops.fastgrad.exact_limbs(list(tensors), int(p), base, nl, per_tensor)
     return limbs_torch(tensors, p, per_tensor)
+
+
+def parts_digits(parts: list, p: float, per_tensor: bool, compiled: list[bool], device: torch.device
+                 ) -> tuple[Tensor, Tensor]:
+    """:func:`limbs` of a list given in parts (each on one device, ``compiled[i]``: whether the compiled kernel
+    may build part i's digits), on ``device``: the parts' digits added (normalised), or with ``per_tensor`` their
+    rows part after part."""
+    dgs, fls = [], []
+    for part, c in zip(parts, compiled):
+        dg, fl = limbs(part, p, per_tensor, compiled=c)
+        dgs.append(dg.to(device))
+        fls.append(fl.to(device))
+    if len(dgs) == 1:
+        return dgs[0], fls[0]
+    if not per_tensor:
+        return normalize(torch.stack(dgs).sum(0)), torch.stack(fls).sum(0)
+    return torch.cat(dgs), torch.cat(fls)
 
 
 # ------------------------------------------------------------------------------------------- rounding
@@ -292,8 +311,8 @@ def total_digits(digits: Tensor, flags: Tensor) -> tuple[Tensor, Tensor]:
     return normalize(digits.sum(0)), flags.sum(0)
 
 
-def norm(tensors, p: float, dtype: torch.dtype, *, per_tensor: bool = False, per_dtype: torch.dtype | None = None,
-         compiled: bool = True, extra_dtype: torch.dtype | None = None):
+def rounded_norm(tensors, p: float, dtype: torch.dtype, *, per_tensor: bool = False,
+                 per_dtype: torch.dtype | None = None, compiled: bool = True, extra_dtype: torch.dtype | None = None):
     """Correctly rounded p-norm (p = 1 or 2) of all values of ``tensors`` (a non-empty list on one device) in
     ``dtype``; with ``per_tensor`` also each tensor's, in ``per_dtype`` (default ``dtype``), as ``(total, per)``.
     ``extra_dtype``: also return the total rounded (from the same sum) to that dtype, as the last item."""
@@ -311,133 +330,24 @@ def norm(tensors, p: float, dtype: torch.dtype, *, per_tensor: bool = False, per
     return out
 
 
-# ------------------------------------------------------------------------------------------- public routes
-# (fastgrad.clip's keyword lands here: single-process lists on any devices, and sharded lists)
+def compiled_total(tensors, p: float, acc_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """The correctly rounded norm of a list the compiled kernels serve (:func:`compiled_ok`) in ``acc_dtype`` and
+    ``out_dtype`` (one sum, two roundings) from the compiled ``exact_total``, which decides from a float64 sum with
+    an error bound when it can (then no digits are built) and otherwise returns the exact digits, rounded here;
+    None where that kernel is not built (the caller builds the digits)."""
+    if not hasattr(torch.ops.fastgrad, "exact_total"):
+        return None
+    base, nl = _WINDOWS[p]
+    ra, rb, dg, fl = torch.ops.fastgrad.exact_total(list(tensors), int(p), base, nl, acc_dtype, out_dtype)
+    if dg.shape[0] == 0:  # decided by the bound (a shape, not a value, is read)
+        return ra, rb
+    return two_roundings(dg[0], fl[0], p, acc_dtype, out_dtype)
 
 
-def applies(exact: bool, p: float) -> bool:
-    """Whether ``exact=True`` changes the computation: p = 1 or 2 (inf is a max, exact already). Rejects any
-    other order with ValueError before any work."""
-    if not exact:
-        return False
-    return check_norm_type(p) != math.inf
-
-
-def reject_fallback() -> None:
-    raise TypeError("exact=True supports dense real floating tensors (float16, bfloat16, float32, float64) only")
-
-
-def local_digits(tensors, p: float, backend: str | None, per_tensor: bool = False) -> tuple[Tensor, Tensor]:
-    """Digits and flags of a plain list on any devices (rows per tensor in input order when ``per_tensor``,
-    else one row), on the first tensor's device. Each device's part comes from the backend that
-    ``backend=`` selects for its norm: the compiled kernel on the cpu backend, else the torch reference."""
-    from . import _inputs as inputs
-
-    groups = inputs.group_by_device(tensors)
-    first = tensors[0].device
-    dgs, fls = [], []
-    for idx in groups.values():
-        part = [tensors[i] for i in idx] if len(groups) > 1 else tensors
-        b = inputs.pick("norm", part, backend, norm_type=p)
-        dg, fl = limbs(part, p, per_tensor, compiled=b.name == "cpu")
-        dgs.append(dg.to(first))
-        fls.append(fl.to(first))
-    if len(dgs) == 1:
-        return dgs[0], fls[0]
-    if not per_tensor:
-        return normalize(torch.stack(dgs).sum(0)), torch.stack(fls).sum(0)
-    return inputs.restore_order(torch.cat(dgs), groups), inputs.restore_order(torch.cat(fls), groups)
-
-
-def reduced_digits(sh, p: float, backend: str | None, per_tensor: bool = False, poison: Tensor | None = None):
-    """The whole list's digits and flags over every rank of a sharded list (``fastgrad.distributed.prepare``),
-    the same on every rank: this rank's counted shards' digits travel, as float64 integers below 2^32, in the
-    one SUM all-reduce that carries the agreement header (sums of < 2^21 ranks' digits are exact). With
-    ``per_tensor``: also ``(digits, flags)`` per tensor in input order (whole tensors where shards combine, one
-    more collective, as the default path; a pipeline stage's own tensors otherwise). ``poison``
-    (``fastgrad.distributed.nonfinite_poison``): NaN counts as one NaN value in the same payload, so a
-    non-finite copy this rank holds but does not count makes the total NaN on every rank."""
-    from .distributed import reduce
-
-    nl = _WINDOWS[p][1]
-
-    def payload(local):
-        dg, fl = local_digits(local, p, backend, per_tensor)
-        rows = None
-        if per_tensor:
-            rows = torch.cat([dg, fl], dim=1)
-            dg, fl = total_digits(dg, fl)
-        else:
-            dg, fl = dg[0], fl[0]
-        return torch.cat([dg, fl]), rows
-
-    red, vals = reduce.reduced_exact(sh, p, per_tensor, payload, nl + 2, poison, nl)
-    total = (normalize(red[:nl]), red[nl:])
-    if vals is None:
-        return total, None
-    return total, (normalize(vals[:, :nl]), vals[:, nl:])
-
-
-def sharded_totals(sh, p: float, backend: str | None, out_dtype: torch.dtype | None = None
-                   ) -> tuple[Tensor, Tensor]:
-    """:func:`totals` of a sharded list (one all-reduce, :func:`reduced_digits`): the correctly rounded norm in
-    the local accumulation dtype (for the coefficient) and in ``out_dtype`` (the returned value; None: the
-    same tensor)."""
-    from .distributed import reduce
-
-    (dg, fl), _ = reduced_digits(sh, p, backend)
-    total = finish(dg, fl, p, reduce.local_device_dtype(sh)[1])
-    return total, total if out_dtype is None else finish(dg, fl, p, out_dtype)
-
-
-def acc_norms(tensors, p: float, backend: str | None, per_tensor: bool, sh=None, poison: Tensor | None = None
-              ) -> tuple[Tensor, Tensor | None]:
-    """The exact total and, with ``per_tensor``, per-tensor norms of ``tensors`` (or over every rank of the
-    sharded view ``sh``: one all-reduce, ``poison`` as :func:`reduced_digits`), each correctly rounded to the
-    accumulation dtype; per-tensor None without ``per_tensor``."""
-    if sh is not None:
-        from .distributed import reduce
-
-        (dg, fl), rows = reduced_digits(sh, p, backend, per_tensor, poison)
-        dtype = reduce.local_device_dtype(sh)[1]
-        return finish(dg, fl, p, dtype), rows and finish(*rows, p, dtype)
-    from .backends import acc_dtype
-
-    dtype = acc_dtype(tensors)
-    if not per_tensor:  # (on the cpu backend, the compiled kernel's bound decides most)
-        return totals(tensors, p, backend, dtype, dtype)[0], None
-    dg, fl = local_digits(tensors, p, backend, True)
-    return finish(*total_digits(dg, fl), p, dtype), finish(dg, fl, p, dtype)
-
-
-def totals(tensors, p: float, backend: str | None, a: torch.dtype, b: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The whole plain list's correctly rounded norm in dtypes ``a`` and ``b`` (one sum, two roundings). CPU
-    tensors on the cpu backend: the compiled ``exact_total``, which decides from a float64 sum with an error bound
-    when it can (then no digits are built) and otherwise returns the exact digits, rounded here."""
-    from . import _inputs as inputs
-
-    if (len(inputs.split_by_device(tensors)) == 1 and _compiled_ok(tensors)
-            and hasattr(torch.ops.fastgrad, "exact_total")):
-        if inputs.pick("norm", tensors, backend, norm_type=p).name == "cpu":
-            base, nl = _WINDOWS[p]
-            ra, rb, dg, fl = torch.ops.fastgrad.exact_total(list(tensors), int(p), base, nl, a, b)
-            if dg.shape[0] == 0:  # decided by the bound (a shape, not a value, is read)
-                return ra, rb
-            return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
-    dg, fl = local_digits(tensors, p, backend)
-    return finish(dg[0], fl[0], p, a), finish(dg[0], fl[0], p, b)
-
-
-def grad_stats_total(grads, backend: str | None, process_group, like: Tensor) -> Tensor:
-    """``grad_stats(..., exact=True)``'s ``total_norm``: the exact L2 norm of ``grads`` (plain or sharded), in
-    ``like``'s dtype and on its device (the default total it replaces)."""
-    from . import distributed
-
-    if any(g.layout != torch.strided or not g.dtype.is_floating_point or g.is_complex() for g in grads):
-        reject_fallback()
-    if process_group is not None or distributed.has_dtensor(grads):
-        (dg, fl), _ = reduced_digits(distributed.prepare(grads, process_group), 2.0, backend)
-        return finish(dg, fl, 2.0, like.dtype).to(like.device)
-    if not grads:
-        return like
-    return totals(grads, 2.0, backend, like.dtype, like.dtype)[0].to(like.device)
+def two_roundings(digits: Tensor, flags: Tensor, p: float, acc_dtype: torch.dtype, out_dtype: torch.dtype | None
+                  ) -> tuple[Tensor, Tensor]:
+    """:func:`finish` to ``acc_dtype`` and to ``out_dtype`` (the same tensor when that is None or the same dtype)."""
+    total = finish(digits, flags, p, acc_dtype)
+    if out_dtype is None or out_dtype == acc_dtype:
+        return total, total
+    return total, finish(digits, flags, p, out_dtype)

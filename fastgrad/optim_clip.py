@@ -29,11 +29,8 @@ import torch
 from torch import Tensor
 
 from . import _inputs as inputs
-from . import distributed
-from . import exact as exact_norm
-from .amp import optimizer_params
-from .decide import clip_coef, grad_scale
-from .clip import _check_finite, _norm, clip_grad_norm_
+from . import route
+from .clip import clip_grad_norm_
 
 __all__ = ["clip_optimizer_grad_norm_", "zero_write_applies"]
 
@@ -77,7 +74,9 @@ def _inside_step(optimizer) -> bool:
     return False
 
 
-def _fused_torch_optimizer(optimizer) -> bool:
+def fused_torch_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's Adam/AdamW/SGD/Adagrad built with ``fused=True`` (every group
+    fused, ``step`` not overridden): its kernels compute ``grad / grad_scale``."""
     # _step_supports_amp_scaling is set by fused=True at construction; every group must still be fused (a
     # group added with fused=False would assert that grad_scale is None), and a subclass that overrides step
     # is not a kernel we know the arithmetic of.
@@ -94,7 +93,7 @@ def zero_write_applies(optimizer, grads: list[Tensor] | None = None) -> bool:
     ``fused=True`` (every parameter group fused, ``step`` not overridden), no ``optimizer.grad_scale`` already
     set by someone else, not called from inside that optimizer's step (a closure), not while dynamo traces,
     and gradients that are dense, real, not float64 (the kernels take a float32 scale) and not DTensors."""
-    if torch.compiler.is_compiling() or not _fused_torch_optimizer(optimizer):
+    if torch.compiler.is_compiling() or not fused_torch_optimizer(optimizer):
         return False
     if getattr(optimizer, "grad_scale", None) is not None:
         return False
@@ -102,14 +101,15 @@ def zero_write_applies(optimizer, grads: list[Tensor] | None = None) -> bool:
     if rec is not None and rec.in_step and _inside_step(optimizer):  # in_step alone may be left by a raise
         return False
     if grads is None:
-        grads = inputs.grads_of(optimizer_params(optimizer))
-    if inputs.check_tensors(grads) or distributed.has_dtensor(grads):
+        grads = inputs.grads_of(inputs.optimizer_params(optimizer))
+    plan = route.plan_for(grads, None)
+    if plan.place(grads, for_norm=False) is not None or plan.route != "plain":  # sharded, or torch's to serve
         return False
     return not inputs.has_dtype(grads, torch.float64)
 
 
 # ---------------------------------------------------------------- the pending factor and its hooks
-class _Record:
+class PendingScale:
     """Per optimizer: the pending ``grad_scale`` with a fingerprint of the gradients it belongs to, and what
     the pre-hook replaced (restored by the post-hook). Holds no reference to the optimizer, and only weak
     ones to gradients (a zero_grad(set_to_none=True) must still free them).
@@ -155,7 +155,7 @@ _STALE_MSG = (
 )
 
 
-def _restore(optimizer, rec: _Record) -> None:
+def _restore(optimizer, rec: PendingScale) -> None:
     """Put back the ``grad_scale`` the pre-hook replaced, unless the step changed it itself."""
     if getattr(optimizer, "grad_scale", None) is rec.applied:
         if rec.prev is _MISSING:
@@ -165,7 +165,7 @@ def _restore(optimizer, rec: _Record) -> None:
     rec.applied, rec.prev = None, _MISSING
 
 
-def _pre_step(rec: _Record, optimizer, args, kwargs) -> None:
+def _pre_step(rec: PendingScale, optimizer, args, kwargs) -> None:
     rec.in_step = True
     if rec.applied is not None:  # a previous step raised before its post-hook: undo what it left
         _restore(optimizer, rec)
@@ -178,7 +178,7 @@ def _pre_step(rec: _Record, optimizer, args, kwargs) -> None:
         if closure is not None:
             raise RuntimeError(_STALE_MSG.format(
                 why="step(closure) recomputes the gradients (clip inside the closure, after its backward)"))
-        if not rec.unchanged(inputs.grads_of(optimizer_params(optimizer))):
+        if not rec.unchanged(inputs.grads_of(inputs.optimizer_params(optimizer))):
             raise RuntimeError(_STALE_MSG.format(
                 why="the gradients changed after the clip (a backward, zero_grad() or an in-place write)"))
     except RuntimeError:
@@ -195,16 +195,16 @@ def _pre_step(rec: _Record, optimizer, args, kwargs) -> None:
     optimizer.grad_scale = applied
 
 
-def _post_step(rec: _Record, optimizer, args, kwargs) -> None:
+def _post_step(rec: PendingScale, optimizer, args, kwargs) -> None:
     rec.in_step = False
     if rec.applied is not None:
         _restore(optimizer, rec)
 
 
-def _record_for(optimizer) -> _Record:
+def _record_for(optimizer) -> PendingScale:
     rec = _RECORDS.get(optimizer)
     if rec is None:
-        rec = _Record()
+        rec = PendingScale()
         ref = weakref.ref(rec)  # the hooks live on the optimizer; the record lives while the optimizer does
 
         def pre(opt, args, kwargs):
@@ -226,7 +226,7 @@ def _record_for(optimizer) -> _Record:
 # ---------------------------------------------------------------- public
 def _params(optimizer) -> list[Tensor]:
     try:
-        return optimizer_params(optimizer)
+        return inputs.optimizer_params(optimizer)
     except (AttributeError, TypeError, KeyError, IndexError):
         pass
     if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
@@ -262,14 +262,14 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
     """
     max_norm = inputs.check_max_norm(max_norm)
     p = inputs.check_norm_type(norm_type)
-    ex = exact_norm.applies(exact, p)
+    ex = inputs.check_exact(exact, p)
     if not isinstance(zero_write, bool):
         raise TypeError(f"zero_write must be True or False, got {zero_write!r}; the gradients were not modified")
     params = _params(optimizer)
     rec = _RECORDS.get(optimizer)
     if rec is not None:
         rec.drop()  # a new clip replaces a coefficient still pending from an earlier one
-    grads = inputs.grads_of(params) if zero_write and _fused_torch_optimizer(optimizer) else None
+    grads = inputs.grads_of(params) if zero_write and fused_torch_optimizer(optimizer) else None
     if grads is not None and rec is None and not torch.compiler.is_compiling() and _inside_step(optimizer):
         # the first clip, inside a step that started before there were hooks: that step's pre-hook never ran
         # and cannot install a factor now. Register the hooks and flag the step (its post-hook, registered
@@ -279,14 +279,8 @@ def clip_optimizer_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0
         return clip_grad_norm_(params, max_norm, p, error_if_nonfinite, backend=backend, exact=exact)
     if not grads:
         return torch.tensor(0.0)
-    out = None
-    if ex:  # float32 and the grads' dtype from one exact sum
-        total, out = exact_norm.totals(grads, p, backend, torch.float32, inputs.promoted_dtype(grads))
-    else:
-        total, _ = _norm(grads, p, backend, None)
-    if error_if_nonfinite:
-        _check_finite(total, p)
-    # clip_grad_norm_'s coefficient, op for op (accumulation dtype float32 here: float64 grads never get here)
-    coef = clip_coef(total, max_norm)
-    _record_for(optimizer).pend(grad_scale(coef), grads)
-    return total.to(inputs.promoted_dtype(grads)) if out is None else out
+    # clip_grad_norm_'s plain route, op for op, the factor handed over instead of written (zero_write_applies:
+    # plain dense grads, whose accumulation dtype is float32: float64 grads never get here)
+    pending = _record_for(optimizer)
+    return route.clip_(None, grads, max_norm, p, error_if_nonfinite, None, backend, ex,
+                       hand_over=lambda scale: pending.pend(scale, grads))

@@ -14,10 +14,11 @@ from torch import Tensor
 
 from . import _inputs as inputs
 from . import distributed
-from . import exact as exact_norm
+from . import exact_reads
+from . import route
 from .backends import acc_dtype
 
-__all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names"]
+__all__ = ["GradStats", "grad_stats", "tensor_stats", "row_sparse_names", "named_params", "stats_of", "stats_of_all"]
 
 
 @dataclass
@@ -75,7 +76,9 @@ def row_sparse_names(model, prefix: str = "") -> list[str]:
     return [prefix + n for n, p in model.named_parameters() if id(p) in ids] if ids else []
 
 
-def _named(obj) -> list[tuple[str, Tensor]]:
+def named_params(obj) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` pairs of what ``grad_stats`` accepts: a module's ``named_parameters()``, pairs as given,
+    or tensors named by their position."""
     if isinstance(obj, torch.nn.Module):
         return list(obj.named_parameters())
     items = inputs.as_list(obj)
@@ -114,11 +117,8 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     sharded gradients: one more collective, which carries its digits).
     """
     obj = parameters_or_named_parameters_or_module
-    named = _named(obj)
-    st = _stats_of([n for n, _ in named], [p for _, p in named], backend, process_group=process_group)
-    if exact:
-        st.total_norm = exact_norm.grad_stats_total([p.grad for _, p in named if p.grad is not None], backend,
-                                                    process_group, st.total_norm)
+    named = named_params(obj)
+    st = stats_of([n for n, _ in named], [p for _, p in named], backend, process_group=process_group, exact=exact)
     hint = row_sparse_names(obj)
     if hint:
         seen = set(st.row_sparse)
@@ -126,21 +126,33 @@ def grad_stats(parameters_or_named_parameters_or_module, *, backend: str | None 
     return st
 
 
-def _stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
-              grads: list[Tensor] | None = None, process_group=None) -> GradStats:
+def stats_of(names: list[str], params: list[Tensor], backend: str | None, cache: dict | None = None,
+             grads: list[Tensor] | None = None, process_group=None, exact: bool = False) -> GradStats:
     """grad_stats over validated ``names``/``params``. When every parameter has a gradient (the usual step)
     the gradients come from the one compiled scan and the names, shapes and dtypes are the parameters' own
     (torch keeps a grad's shape and dtype equal to its parameter's); a caller that keeps the same parameter
     list (a monitor) passes ``cache``, a dict that keeps them and the device copy of the numels across calls,
     and ``grads`` when it has just collected ``inputs.grads_of(params)`` itself (a second scan costs ~1 us per
-    tensor). Else the Python loop."""
+    tensor). Else the Python loop. ``exact``: the total as ``grad_stats(..., exact=True)``."""
     if grads is None:
         grads = inputs.grads_of(params)
-    if process_group is not None or distributed.has_dtensor(grads):
-        return _sharded_stats(names, params, backend, process_group)
+    plan = route.lookup(params, process_group)
+    if plan.sharded(grads):
+        return _sharded_stats(names, params, backend, plan, exact)
     if len(grads) == len(params) and grads and (type(grads) is inputs.Checked or _all_strided(grads)):
         numel = cache["numel"] if cache else None
-        return _stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
+        st = stats_of_all(names, params, tensor_stats(grads, backend=backend, numel=numel), cache)
+    else:
+        st = _stats_of_some(names, params, backend)
+    if exact:
+        if plan.place(grads) is None and plan.route == "torch":
+            plan.refuse_fallback("grad_stats", backend, exact=True)
+        st.total_norm = exact_reads.grad_stats_total(grads, backend, None, st.total_norm)
+    return st
+
+
+def _stats_of_some(names: list[str], params: list[Tensor], backend: str | None) -> GradStats:
+    """:func:`stats_of` by the Python loop: some parameters without a gradient, or sparse ones among them."""
     named = list(zip(names, params))
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     no_grad = [n for n, p in named if p.grad is None]
@@ -215,25 +227,31 @@ def _mixed_stats(grads: list[Tensor], backend: str | None) -> dict[str, Tensor]:
     return cols
 
 
-def _sharded_stats(names: list[str], params: list[Tensor], backend: str | None, process_group) -> GradStats:
+def _sharded_stats(names: list[str], params: list[Tensor], backend: str | None, plan: route.ListPlan,
+                   exact: bool) -> GradStats:
     """grad_stats of sharded gradients (fastgrad.distributed.reduced_stats): local statistics of this rank's
-    counted shards through the backends, then the collectives. A rank with no gradient still takes part."""
+    counted shards through the backends, then the collectives. A rank with no gradient still takes part.
+    ``exact``: the exact total from the same sharded view (one more collective)."""
     with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
     no_grad = [n for n, p in zip(names, params) if p.grad is None]
     grads = [g for _, g in with_grad]
     inputs.check_tensors(grads, allow_fallback=False)
-    sh = distributed.prepare(grads, process_group)
+    sh = plan.place(grads)
+    if sh is None:  # a dtype only torch's implementation reads, which has no sharded statistics
+        raise TypeError("sharded grad_stats takes float16, bfloat16, float32 and float64 gradients only")
     cols = distributed.reduced_stats(sh, lambda ts: tensor_stats(ts, backend=backend))
+    if exact:
+        cols["total_norm"] = exact_reads.grad_stats_total(grads, backend, sh, cols["total_norm"])
     return GradStats([n for n, _ in with_grad], [tuple(g.shape) for g in grads], [g.dtype for g in grads],
                      cols["norm"], cols["max_abs"], cols["nan"], cols["inf"], cols["zero"], cols["numel"],
                      cols["total_norm"], no_grad)
 
 
-def _stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None
-                  ) -> GradStats:
+def stats_of_all(names: list[str], params: list[Tensor], cols: dict[str, Tensor], cache: dict | None
+                 ) -> GradStats:
     """GradStats of a step where every parameter has a gradient, from the statistics columns ``cols`` (as
     :func:`tensor_stats` returns them; ``numel`` may be missing, for CPU gradients only). Names, shapes and
-    dtypes are the parameters' own, taken from and kept in ``cache`` (see :func:`_stats_of`)."""
+    dtypes are the parameters' own, taken from and kept in ``cache`` (see :func:`stats_of`)."""
     info = cache if cache else {"names": list(names), "shapes": [tuple(p.shape) for p in params],
                                 "dtypes": [p.dtype for p in params], "numel": None}
     numel = cols.get("numel")

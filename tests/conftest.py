@@ -59,6 +59,20 @@ def _clean_backend_state(monkeypatch):
     backends.set_backend(None)
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group (``dist.group.WORLD``) for sharded code paths in a single process."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
 SKIPS_DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 

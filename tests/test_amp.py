@@ -13,6 +13,7 @@ from torch.amp.grad_scaler import OptState
 
 import fastgrad
 from fastgrad import amp as famp
+from fastgrad import scaler_state
 
 from . import oracle
 from .helpers import assert_no_worse_than, bits, clone_params, grads, make_params
@@ -467,8 +468,8 @@ def test_zero_write_requires_a_step_that_passes_grad_scale(monkeypatch):
         del optimizer.grad_scale
         del optimizer.found_inf
 
-    assert famp._step_keeps_grad_scale(torch.amp.GradScaler.step) is True
-    assert famp._step_keeps_grad_scale(old_step) is False
+    assert scaler_state._step_keeps_grad_scale(torch.amp.GradScaler.step) is True
+    assert scaler_state._step_keeps_grad_scale(old_step) is False
 
     class OldScaler(torch.amp.GradScaler):
         step = old_step
@@ -486,21 +487,24 @@ def test_zero_write_requires_a_step_that_passes_grad_scale(monkeypatch):
 
 # ---------------------------------------------------------------- ShardedGradScaler (FSDP)
 @pytest.fixture
-def process_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+def flag_reductions(one_rank_group, monkeypatch) -> list:
+    """The all-reduces that run, as (shape, group): a ShardedGradScaler's flags must be reduced as torch does."""
+    import torch.distributed as dist
+
+    reduced = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        reduced.append((tuple(tensor.shape), kwargs.get("group")))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    return reduced
 
 
 @pytest.mark.parametrize("dtypes", [[torch.float16], [torch.float32, torch.bfloat16]], ids=["fp16", "fp32+bf16"])
 @pytest.mark.parametrize("overflow", [None, INF], ids=["finite", "inf"])
-def test_sharded_scaler(bd, process_group, dtypes, overflow):
+def test_sharded_scaler(bd, one_rank_group, dtypes, overflow):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     backend, device = bd
@@ -540,18 +544,10 @@ def test_sharded_scaler(bd, process_group, dtypes, overflow):
     assert float(s1.get_scale()) == float(s2.get_scale())
 
 
-def test_sharded_scaler_without_grads(process_group, monkeypatch):
-    import torch.distributed as dist
+def test_sharded_scaler_without_grads(flag_reductions):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    reduced = []
-    real_all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):  # the flags must be all-reduced across ranks as torch does
-        reduced.append((tuple(tensor.shape), kwargs.get("group")))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    reduced = flag_reductions
 
     def make():
         s = ShardedGradScaler(device="cpu", init_scale=8.0)
@@ -565,6 +561,28 @@ def test_sharded_scaler_without_grads(process_group, monkeypatch):
     assert ours and ours == reduced[len(ours):]
     _assert_same_state(s1, o1, s2, o2)
     assert list(s1._per_optimizer_states[id(o1)]["found_inf_per_device"]) == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_sharded_scaler_reduces_the_flags_of_plain_grads(flag_reductions, exact):
+    """Plain gradients (each rank its own) under a ShardedGradScaler: the per-device flags go through the
+    scaler's own all-reduce over its process group, as its unscale_ does, with or without exact=True."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    reduced = flag_reductions
+
+    def make():
+        s = ShardedGradScaler(device="cpu", init_scale=8.0)
+        s._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        params = make_params([(7, 3), (5,)], [torch.float32], "cpu", seed=66, scale=8.0)
+        return torch.optim.SGD(params, lr=0.1), s
+
+    (o1, s1), (o2, s2) = make(), make()
+    fastgrad.scaler_unscale_and_clip(s1, o1, 1e9, exact=exact)
+    ours = list(reduced)
+    s2.unscale_(o2)
+    assert ours and ours == reduced[len(ours):]
+    _assert_same_state(s1, o1, s2, o2)
 
 
 # ---------------------------------------------------------------- the amp_clip_ primitive (issue 13)
@@ -812,3 +830,22 @@ def test_sparse_grads_go_through_torch():
         torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(e1.weight.grad.to_dense(), e2.weight.grad.to_dense())
     _assert_same_state(s1, o1, s2, o2)
+
+
+def test_bad_arguments_say_the_fix_and_leave_the_gradients():
+    """The scaler and the optimizer swapped, no scaler, an optimizer without param_groups: each a TypeError that says
+    the fix, raised before anything is read or written."""
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    before = p.grad.clone()
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(TypeError, match="the scaler and the optimizer are swapped"):
+        fastgrad.scaler_unscale_and_clip(opt, scaler, 1.0)
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler, got NoneType"):
+        fastgrad.scaler_unscale_and_clip(None, opt, 1.0)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .with param_groups., got list"):
+        fastgrad.scaler_unscale_and_clip(scaler, [p], 1.0)
+    assert torch.equal(p.grad, before)
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY

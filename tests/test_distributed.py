@@ -150,7 +150,7 @@ def _torch_per_tensor(ts, p, acc):
 
 def _check_norms_and_clip(rank, backend, fulls, dts, tag):
     """All checks on one list of DTensors ``dts`` whose full values are ``fulls``."""
-    DTensor = distributed.dtensor._dtensor_cls()
+    DTensor = distributed.dtensor.dtensor_class()
     acc = torch.float64 if any(f.dtype == torch.float64 for f in fulls) else torch.float32
     # torch raises for the inf norm of a zero-size tensor (fastgrad: 0, docs/contract.md section 3), so torch's
     # references leave those out; they add nothing to any norm of order >= 0. It also raises for the inf
@@ -335,7 +335,7 @@ def _scenario_fsdp2(rank, world, backend):
     model(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
 
-    DTensor = distributed.dtensor._dtensor_cls()
+    DTensor = distributed.dtensor.dtensor_class()
     params = list(model.parameters())
     assert all(isinstance(p.grad, DTensor) and p.grad.placements[0].is_shard() for p in params)
     twins = [Holder(p.grad.clone()) for p in params]  # torch's clip on the same DTensors

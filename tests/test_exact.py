@@ -32,7 +32,7 @@ def _bits(t: torch.Tensor) -> bytes:
 
 def _check(ts, p, dtype=None, compiled=False):
     dtype = dtype or _promoted(ts)
-    got, _ = exact_norm.norm(ts, p, dtype, compiled=compiled)
+    got, _ = exact_norm.rounded_norm(ts, p, dtype, compiled=compiled)
     want = correctly_rounded(_values(ts), p, dtype)
     assert got.dtype == dtype
     assert _bits(got) == _bits(want), (p, dtype, got.item(), want.item())
@@ -129,7 +129,7 @@ def test_subnormals_overflow_and_specials():
         _check([torch.tensor([6e-8, 1e-7], dtype=torch.float16)], p)
     # true norm above the float32 maximum: inf (and only then)
     big = torch.tensor([3e38, 3e38], dtype=f32)
-    assert exact_norm.norm([big], 2.0, f32)[0].item() == math.inf
+    assert exact_norm.rounded_norm([big], 2.0, f32)[0].item() == math.inf
     _check([big], 2.0)
     _check([torch.tensor([2.4e38], dtype=f32), torch.tensor([1e37], dtype=f32)], 2.0)
     _check([torch.tensor([1.5e308, 1.5e308], dtype=torch.float64)], 2.0)
@@ -139,9 +139,9 @@ def test_subnormals_overflow_and_specials():
     got = _check([torch.tensor([1e-30, 1e-30], dtype=f32)], 2.0)
     assert got.item() > 0
     nan_inf = torch.tensor([1.0, math.inf, math.nan])
-    assert math.isnan(exact_norm.norm([nan_inf], 2.0, f32)[0].item())
-    assert exact_norm.norm([torch.tensor([1.0, -math.inf])], 1.0, f32)[0].item() == math.inf
-    assert exact_norm.norm([torch.zeros(3), torch.zeros(0)], 2.0, f32)[0].item() == 0.0
+    assert math.isnan(exact_norm.rounded_norm([nan_inf], 2.0, f32)[0].item())
+    assert exact_norm.rounded_norm([torch.tensor([1.0, -math.inf])], 1.0, f32)[0].item() == math.inf
+    assert exact_norm.rounded_norm([torch.zeros(3), torch.zeros(0)], 2.0, f32)[0].item() == 0.0
     for p in (1.0, 2.0):
         _check([torch.tensor([math.inf, math.nan])], p)
 
@@ -151,16 +151,16 @@ def test_order_grouping_and_dtype_mix_give_the_same_bytes(p):
     gen = torch.Generator().manual_seed(11)
     vals = torch.randn(5000, generator=gen, dtype=torch.float64) * torch.logspace(-20, 20, 5000, dtype=torch.float64)
     vals = vals.float()
-    whole = exact_norm.norm([vals], p, torch.float32)[0]
+    whole = exact_norm.rounded_norm([vals], p, torch.float32)[0]
     perm = vals[torch.randperm(5000, generator=gen)]
     pieces = list(perm.split([1, 999, 0, 3000, 1000]))
-    assert _bits(exact_norm.norm(pieces, p, torch.float32)[0]) == _bits(whole)
-    assert _bits(exact_norm.norm(pieces[::-1], p, torch.float32)[0]) == _bits(whole)
+    assert _bits(exact_norm.rounded_norm(pieces, p, torch.float32)[0]) == _bits(whole)
+    assert _bits(exact_norm.rounded_norm(pieces[::-1], p, torch.float32)[0]) == _bits(whole)
     # as 2-D and non-contiguous views of the same values
-    assert _bits(exact_norm.norm([vals.reshape(50, 100).t()], p, torch.float32)[0]) == _bits(whole)
+    assert _bits(exact_norm.rounded_norm([vals.reshape(50, 100).t()], p, torch.float32)[0]) == _bits(whole)
     # the same values held partly as float64 (exactly): float64 result, equal to float32 rounding of the same sum
     mixed = [vals[:2500], vals[2500:].double()]
-    assert _bits(exact_norm.norm(mixed, p, torch.float32)[0]) == _bits(whole)
+    assert _bits(exact_norm.rounded_norm(mixed, p, torch.float32)[0]) == _bits(whole)
     _check([vals], p)
 
 
@@ -168,7 +168,7 @@ def test_per_tensor_norms_are_exact_too():
     gen = torch.Generator().manual_seed(5)
     ts = [torch.randn(n, generator=gen) * 10.0 ** i for i, n in enumerate((3, 0, 70, 1))]
     for p in (1.0, 2.0):
-        total, per = exact_norm.norm(ts, p, torch.float32, per_tensor=True)
+        total, per = exact_norm.rounded_norm(ts, p, torch.float32, per_tensor=True)
         assert per.shape == (4,)
         for t, v in zip(ts, per):
             assert _bits(v) == _bits(correctly_rounded(_values([t]), p, torch.float32))
@@ -208,5 +208,5 @@ def test_no_host_read_or_host_value_on_the_way():
     ts = [torch.randn(100), torch.randn(7, dtype=torch.bfloat16), torch.zeros(0)]
     with Watch() as w:
         for p in (1.0, 2.0):
-            exact_norm.norm(ts, p, torch.float32, per_tensor=True, compiled=False, extra_dtype=torch.bfloat16)
+            exact_norm.rounded_norm(ts, p, torch.float32, per_tensor=True, compiled=False, extra_dtype=torch.bfloat16)
     assert w.hits == []

@@ -163,6 +163,14 @@ def test_nonfinite_and_empty():
     assert fastgrad.get_total_norm(big, exact=True).item() == math.inf
     ok = [torch.tensor([1.5e38, 1.5e38])]
     assert _bits(fastgrad.get_total_norm(ok, exact=True)) == _bits(correctly_rounded(_vals(ok), 2.0, torch.float32))
+    # error_if_nonfinite judges the value get_total_norm returns: float16 values whose exact norm is past float16's
+    # largest (finite in float32) round to inf there, as torch's float16 norm overflows
+    over = [torch.full((3,), 60000.0, dtype=torch.float16)]
+    assert fastgrad.get_total_norm(over, exact=True).item() == math.inf
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fastgrad.get_total_norm(over, error_if_nonfinite=True, exact=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.get_total_norm(over, error_if_nonfinite=True)
 
 
 @needs_kernel

@@ -220,6 +220,28 @@ def _scenario_amp_guard(rank, world):
         assert not math.isfinite(got.item())
         flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
         assert [f.item() for f in flags.values()] == [1.0]
+    # a ShardedGradScaler: the overflow verdict is the reduced exact norm's, the same on every rank, so its own
+    # reduction of the flags (a second collective, which would count the ranks) does not run
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    fulls = _fulls([torch.float32], [(13, 7), (5,), (64, 9)], seed=5)
+    c_total, _ = _clipped(fulls, 2.0)
+    for overflow in (False, True):
+        params = [torch.nn.Parameter(_piece(f, rank, world).clone()) for f in fulls]
+        for prm in params:
+            prm.grad = prm.detach() * scale
+        if overflow and rank == world - 1:
+            params[-1].grad[0] = math.inf
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = ShardedGradScaler(device="cpu", init_scale=scale)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        with CollectiveCount() as c:
+            got = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, process_group=pieces, exact=True)
+        assert c.n == 1, c.kinds
+        assert overflow or _bits(got) == _bits(c_total)
+        flags = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+        assert [tuple(f.shape) for f in flags.values()] == [(1,)]
+        assert [f.item() for f in flags.values()] == [float(overflow)]
 
 
 def _scenario_guard_copy(rank, world):

@@ -170,6 +170,36 @@ def test_scaler_overflow_backs_off_spike_does_not(fused):
     assert st["skipped_steps"] == 2 and st["spike_steps"] == 1 and st["nonfinite_steps"] == 1
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_sharded_scaler_norm_is_the_unscaled_gradients(one_rank_group, backend, norm_type):
+    """process_group= under a GradScaler (the sharded read, one all-reduce of the unscaled norm and the
+    overflow flag): the recorded and returned norm is the float64 norm of the UNSCALED gradients, and the
+    gradients are left unscaled and clipped by it. (The rank scenario above only asks skip or step.)"""
+    from . import oracle
+
+    if backend not in fastgrad.backends.available_backends():
+        pytest.skip("fastgrad._C is not built")
+    scale = 2.0 ** 11
+    gen = torch.Generator().manual_seed(41)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (13, 7, 64)]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    unscaled = [oracle.f64(p.grad) / scale for p in ps]
+    max_norm = 0.25 * oracle.total_norm(unscaled, norm_type)  # clips: the coefficient is read from the norm
+    want_total, want = oracle.clipped(unscaled, max_norm, norm_type)
+    opt = torch.optim.SGD(ps, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    guard = StepGuard(opt, max_norm, norm_type, process_group=one_rank_group, backend=backend)
+    total = guard.clip_(scaler)
+    torch.testing.assert_close(total.double(), torch.tensor(want_total, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert guard.state()["total_norm"] == pytest.approx(want_total, rel=1e-6)
+    for p, w in zip(ps, want):
+        torch.testing.assert_close(p.grad.double(), torch.from_numpy(w.astype("float64")), rtol=2e-6, atol=1e-12)
+    assert not guard.last_step_skipped()
+
+
 # ---------------------------------------------------------------- errors, counters, stale decisions
 def test_bad_arguments_raise_before_anything():
     ps = _params()

@@ -41,15 +41,19 @@ LAYERS: list[list[str]] = [
     # 5: the backends, then their registry
     ["fastgrad.backends.torch_backend", "fastgrad.backends.triton_backend", "fastgrad.backends.ext_backend"],
     ["fastgrad.backends"],
-    # 6: helpers of the public ops; the sharded reduction: its DTensor adapters and one collective, which
-    # ranks reduce together, a list's local view, what each kind of call reduces, then the package; the exact
-    # norm, whose sharded form rides on that package's collective; the plan of a list's route
-    ["fastgrad._inputs", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
+    # 6: helpers of the public ops: input checks and the exact norm's arithmetic; the sharded reduction: its
+    # DTensor adapters and one collective, which ranks reduce together, a list's local view, what each kind of
+    # call reduces, then the package; the passes over a list (reads and writes per device); the exact norm's
+    # readings (its sharded form rides on that package's collective) and a GradScaler's state; the plan of a
+    # list's route, which chooses among those readings
+    ["fastgrad._inputs", "fastgrad.exact", "fastgrad.distributed.dtensor", "fastgrad.distributed.agreement"],
     ["fastgrad.distributed.plan"],
     ["fastgrad.distributed.layout"],
     ["fastgrad.distributed.reduce"],
     ["fastgrad.distributed"],
-    ["fastgrad.exact", "fastgrad.route"],
+    ["fastgrad.passes"],
+    ["fastgrad.exact_reads", "fastgrad.scaler_state"],
+    ["fastgrad.route"],
     # 7: public ops
     ["fastgrad.clip", "fastgrad.agc", "fastgrad.centralize", "fastgrad.stats"],
     ["fastgrad.amp"],
@@ -183,6 +187,32 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def private_imports(sources: dict[str, str] | None = None) -> list[str]:
+    """``from <a fastgrad module> import _name`` statements: a private name of another module (a private
+    submodule, ``from . import _scan``, is a module and allowed). What modules share gets a public name."""
+    mods = _modules()
+    if sources is None:
+        sources = {m: p.read_text() for m, p in mods.items()}
+    known = set(sources)
+    out = []
+    for mod, src in sorted(sources.items()):
+        is_pkg = mods[mod].name == "__init__.py" if mod in mods else False
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                source = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not (source == "fastgrad" or source.startswith("fastgrad.")):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{source}.{a.name}" not in known:
+                    out.append(f"{mod}:{node.lineno} imports {source}.{a.name}")
+    return out
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a path [a, b, ..., a], or None."""
     state: dict[str, int] = {}
@@ -227,11 +257,29 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_no_module_imports_a_private_name_of_another():
+    bad = private_imports()
+    assert not bad, "private names imported across modules (give them a public name where they live):\n" + \
+        "\n".join(bad)
+
+
+@pytest.mark.parametrize("importer, stmt", [
+    ("fastgrad.distributed.reduce", "from .agreement import _op_of\n"),
+    ("fastgrad.guard.read", "def f():\n    from ..passes import _private\n"),
+    ("fastgrad.route", "from fastgrad.distributed.plan import _build_plan as build\n"),
+])
+def test_reintroduced_private_import_is_caught(importer, stmt):
+    mods = _modules()
+    sources = {m: p.read_text() for m, p in mods.items()}
+    sources[importer] += "\n" + stmt
+    assert private_imports(sources), stmt
+
+
 def test_graph_sees_known_edges():
     g = import_graph()
     assert "fastgrad._scan" in g["fastgrad.backends.base"]
-    assert "fastgrad.backends" in g["fastgrad.clip"]  # via `from .backends.torch_backend import ...`
-    assert "fastgrad.backends.torch_backend" in g["fastgrad.clip"]
+    assert "fastgrad.backends" in g["fastgrad.passes"]  # via `from .backends.torch_backend import ...`
+    assert "fastgrad.backends.torch_backend" in g["fastgrad.passes"]
     assert "fastgrad.triton_kernels" in g["fastgrad.backends.triton_backend"]  # function-local import
     assert "fastgrad.clip" in g["fastgrad.diagnose.collect.hooks"]  # `from ... import clip as fg_clip`, in a function
 
@@ -258,6 +306,6 @@ def test_registry_hands_its_functions_down():
     from fastgrad import _scan, backends
     from fastgrad.backends import ext_backend
 
-    assert _scan._selects_builtin() is backends.selects_builtin
+    assert _scan.builtin_selector() is backends.selects_builtin
     assert ext_backend._REGISTRY_FNS == {"select_automatic": backends.select_automatic,
                                          "get_default_backend": backends.get_default_backend}

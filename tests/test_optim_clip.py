@@ -688,3 +688,20 @@ def test_cuda_matches_the_kernel_model_without_host_sync(dtype):
             ob.step()
             for i, (x, y, z) in enumerate(zip(pa, pb, pc)):
                 assert_max_error_within(x.detach(), y.detach(), z.detach(), dtype, f"param {i}, step {step}")
+
+
+def test_zero_write_never_hands_over_a_sharded_or_torch_list(one_rank_group):
+    """Only a plain list of dense real floating gradients is handed over: DTensor gradients (their clip writes the
+    local shards after a collective) and gradients only torch's implementation reads are clipped in place."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    ps = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    for prm in ps:
+        prm.grad = torch.randn(5)
+    opt = torch.optim.Adam(ps, fused=True)
+    assert oc.zero_write_applies(opt)
+    mesh = DeviceMesh("cpu", [0])
+    assert not oc.zero_write_applies(opt, [distribute_tensor(p.grad, mesh, [Replicate()]) for p in ps])
+    assert not oc.zero_write_applies(opt, [ps[0].grad, torch.randn(5, dtype=torch.complex64)])
+    assert not oc.zero_write_applies(opt, [ps[0].grad, torch.randn(5).to_sparse()])

@@ -161,3 +161,74 @@ def test_a_planned_call_gives_the_bits_of_a_first_call(max_norm):
     assert torch.equal(bits(out), bits(ref))
     for p, q in zip(planned.parameters(), fresh.parameters()):
         assert torch.equal(bits(p.grad), bits(q.grad))
+
+
+def _with_a_complex_grad(seed: int = 9) -> list:
+    torch.manual_seed(seed)
+    c = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))
+    c.grad = torch.randn(5, dtype=torch.complex64)
+    r = torch.nn.Parameter(torch.randn(4))
+    r.grad = torch.randn(4)
+    return [c, r]
+
+
+def test_torchs_own_implementation_is_refused_in_one_order(one_rank_group):
+    """A list only torch's implementation reads (a complex gradient): ``process_group=`` refuses it first
+    (fastgrad's reduction only), then ``exact=True``, then a fastgrad backend asked for by name, for every entry
+    that could hand it to torch, before anything is written; an automatic choice gets torch's own result."""
+    from fastgrad.backends import BackendError
+
+    ps = _with_a_complex_grad()
+    grads = [p.grad.clone() for p in ps]
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    opt = torch.optim.SGD(ps, lr=0.1)
+    with pytest.raises(TypeError, match="process_group= supports dense real floating"):
+        fastgrad.clip_grad_norm_(ps, 0.1, backend="cpu", process_group=one_rank_group, exact=True)
+    with pytest.raises(TypeError, match="process_group= supports dense real floating"):
+        fastgrad.get_total_norm(grads, backend="cpu", process_group=one_rank_group, exact=True)
+    with pytest.raises(TypeError, match="process_group= supports dense real floating"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 0.1, backend="cpu", process_group=one_rank_group, exact=True)
+    with pytest.raises(TypeError, match="complex tensors are not supported"):  # never torch's: its own words
+        fastgrad.multi_tensor_norm(grads, process_group=one_rank_group)
+    with pytest.raises(TypeError, match="exact=True supports dense real floating"):
+        fastgrad.clip_grad_norm_(ps, 0.1, backend="cpu", exact=True)
+    with pytest.raises(TypeError, match="exact=True supports dense real floating"):
+        fastgrad.scaler_unscale_and_clip(scaler, opt, 0.1, backend="cpu", exact=True)
+    with pytest.raises(BackendError, match="sparse, complex"):
+        fastgrad.clip_grad_norm_(ps, 0.1, backend="cpu")
+    with pytest.raises(BackendError, match="sparse, complex"):
+        fastgrad.clip_grads_with_norm_(ps, 0.1, torch.tensor(3.0), backend="cpu")
+    assert all(torch.equal(p.grad, g) for p, g in zip(ps, grads))  # nothing written
+    ref = _with_a_complex_grad()
+    out = fastgrad.clip_grad_norm_(ps, 0.1)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.1)
+    assert torch.equal(out, want) and all(torch.equal(p.grad, q.grad) for p, q in zip(ps, ref))
+    assert route.plan_of(ps).route == "torch"
+
+
+def test_one_fused_call_only_when_the_reading_backend_also_writes(monkeypatch):
+    """``route.one_call_backend``: a plain list takes the one fused call (``clip_norm_``, ``amp_clip_``) only when
+    the backend that reads it is the one that writes it. On the CPU a norm order without a fused kernel (p = 0) is
+    read by the torch backend and written by the cpu backend: two calls, never torch's whole clip."""
+    from fastgrad.backends import get
+
+    cpu, ref = get("cpu"), get("torch")
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(cpu.unavailable_reason())
+    calls = []
+    spied = ((cpu, ("scale_", "clip_norm_", "amp_clip_")), (ref, ("scale_", "clip_norm_", "amp_clip_")))
+    for b, names in spied:
+        for name in names:
+            def spy(self, *args, _name=f"{b.name}.{name}", _orig=getattr(type(b), name), **kwargs):
+                calls.append(_name)
+                return _orig(self, *args, **kwargs)
+            monkeypatch.setattr(type(b), name, spy)
+    m = _model(10)
+    fastgrad.clip_grad_norm_(m.parameters(), 1e-3, 0.0)
+    assert calls == ["cpu.scale_"], calls  # (the read: torch's norm)
+    calls.clear()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    fastgrad.scaler_unscale_and_clip(scaler, torch.optim.SGD(m.parameters(), lr=0.1), 1e-3, 0.0)
+    assert calls == ["cpu.scale_"], calls

@@ -373,7 +373,7 @@ def launches(monkeypatch):
     """Names of the Triton kernels launched, in order: JITFunction.run (InterpretedFunction.run under the
     interpreter) is what ``kernel[grid](...)`` calls, once per launch."""
     seen = []
-    cls = type(tk.clip._scale_kernel)
+    cls = type(tk.clip.scale_kernel)
     real = cls.run
 
     def run(self, *args, **kwargs):
@@ -472,7 +472,7 @@ def test_clip_norm_launches(launches):
     # (one per dtype): nothing else, whatever the list's length
     ts = make(SIZES * 3, [torch.float32], seed=23)
     triton_backend.clip_norm_(ts, 0.1, 2.0)
-    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "_scale_kernel"]
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "scale_kernel"]
     launches.clear()
     ts = make(SIZES, [torch.float32, torch.bfloat16], seed=23)
     builds = tk.cache_stats()["builds"]
@@ -482,8 +482,8 @@ def test_clip_norm_launches(launches):
         p.grad = t
     for _ in range(2):
         fastgrad_clip(params, 0.1, backend="triton")  # the public call: no torch op computes the coefficient
-    assert launches == ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2 \
-        + ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2
+    assert launches == ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["scale_kernel"] * 2 \
+        + ["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["scale_kernel"] * 2
     assert tk.cache_stats()["builds"] == builds + 1  # one table for both passes and both calls
     launches.clear()
     triton_backend.clip_norm_(make([(0,), (2, 0)], [torch.float32], seed=24), 1.0, 2.0)
@@ -544,7 +544,7 @@ def test_amp_clip_launches(launches):
     inv = torch.tensor(1.0 / 1024.0, device=DEVICE)
     ts = make(SIZES * 3, [torch.float32], seed=27)
     triton_backend.amp_clip_(ts, inv, 0.1, 2.0)
-    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "_scale_kernel"]
+    assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel", "scale_kernel"]
     launches.clear()
     triton_backend.amp_clip_(ts, inv, 0.1, 2.0, False)
     assert launches == ["_norm_partial_kernel", "_norm_finalize_kernel"]
@@ -560,7 +560,7 @@ def test_amp_clip_launches(launches):
         scaler.scale(torch.ones((), device=DEVICE))  # initialises the scale on the first pass
         __import__("fastgrad").scaler_unscale_and_clip(scaler, opt, 0.1, backend="triton")
         scaler._per_optimizer_states.clear()  # as update() does: the next call is a fresh step
-    assert launches == (["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["_scale_kernel"] * 2) * 2
+    assert launches == (["_norm_partial_kernel"] * 2 + ["_norm_finalize_kernel"] + ["scale_kernel"] * 2) * 2
     assert tk.cache_stats()["builds"] == builds + 1
     launches.clear()
     triton_backend.amp_clip_(make([(0,), (2, 0)], [torch.float32], seed=29), inv, 1.0, 2.0)
@@ -705,7 +705,7 @@ def test_agc_gc_launches_and_tables(launches):
     builds = tk.cache_stats()["builds"]
     for _ in range(2):
         triton_backend.agc_(ps, gs, 0.01, 1e-3, 2.0)
-    assert launches == (["_agc_rows_kernel"] * 2 + ["_agc_coef_kernel", "_scale_kernel"]) * 2
+    assert launches == (["_agc_rows_kernel"] * 2 + ["_agc_coef_kernel", "scale_kernel"]) * 2
     launches.clear()
     for _ in range(2):
         triton_backend.centralize_([g for g in gs if g.dim() > 1])

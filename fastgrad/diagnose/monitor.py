@@ -18,8 +18,9 @@ from torch import Tensor
 from .. import _inputs as inputs
 from .. import _scan
 from .. import distributed
+from .. import passes
 from ..backends import clip_coef
-from ..stats import GradStats, _named, _stats_of, _stats_of_all, row_sparse_names
+from ..stats import GradStats, named_params, row_sparse_names, stats_of, stats_of_all
 from .collect.history import DeviceHistory
 from .collect.snapshot import gather
 from .finding import Finding
@@ -116,7 +117,7 @@ class GradientMonitor:
         self._loggers = Loggers(list(logger) if isinstance(logger, (list, tuple)) else
                                 ([] if logger is None else [logger]))
         self.loggers = self._loggers.items
-        self.named = _named(model)
+        self.named = named_params(model)
         self._by_name = dict(self.named)
         # embeddings: left out of the depth rule (found in a module; named by the caller otherwise)
         self._row_sparse = row_sparse_names(model) + [n for n in (row_sparse or ()) if isinstance(n, str)]
@@ -159,7 +160,7 @@ class GradientMonitor:
     step_ = __call__
 
     def _stats(self, grads: list[Tensor] | None = None) -> GradStats:
-        return _stats_of(self._all_names, self._params, self.backend, self._meta, grads)
+        return stats_of(self._all_names, self._params, self.backend, self._meta, grads)
 
     @torch.no_grad()
     def record(self, stats: GradStats, loss=None) -> GradientReport | None:
@@ -240,10 +241,10 @@ class GradientMonitor:
             if fast is not None:
                 total, nonfinite, mask, *cols = fast
                 if nonfinite:
-                    raise RuntimeError(fastgrad_clip._NONFINITE_MSG.format(p))  # nothing was written
+                    raise RuntimeError(inputs.NONFINITE_MSG.format(p))  # nothing was written
                 cols = dict(zip(("norm", "max_abs", "nan", "inf", "zero"), cols), total_norm=total)
                 self._clip_step = (self.step + 1, max_norm)
-                self.record(_stats_of_all(self._all_names, self._params, cols, self._meta), loss)
+                self.record(stats_of_all(self._all_names, self._params, cols, self._meta), loss)
                 return total.to(_scan.dtype_of_mask(mask, total.dtype))
         grads = inputs.grads_of(self._params)
         if p != 2.0 or not grads or not _fusable(grads):
@@ -257,8 +258,8 @@ class GradientMonitor:
         stats = self._stats(grads)
         total = stats.total_norm
         if error_if_nonfinite:
-            fastgrad_clip._check_finite(total, p)  # the one sync asked for, before anything is written
-        fastgrad_clip._scale(grads, clip_coef(total, max_norm), self.backend, foreach)
+            inputs.check_finite(total, p)  # the one sync asked for, before anything is written
+        passes.scale_(grads, clip_coef(total, max_norm), self.backend, foreach)
         self._clip_step = (self.step + 1, max_norm)
         self.record(stats, loss)
         return total.to(inputs.promoted_dtype(grads))

@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..stats import GradStats, _named, grad_stats, row_sparse_names
+from ..stats import GradStats, grad_stats, named_params, row_sparse_names
 from .collect.snapshot import LayerRow, ParamRow, RowSparseRow, gather, group_layers, ratio, row_sparse_rows
 from .finding import Finding
 from .render import step_text
@@ -291,7 +291,7 @@ def gradient_report(model_or_parameters, *, loss=None, loss_history: Sequence | 
     caveat for vanishing gradients and the ``loss_spike`` rule. ``row_sparse``, ``pre_clip_norm`` and
     ``clip_max_norm``: see :meth:`GradientReport.from_stats` (the embeddings of a module are found by
     themselves)."""
-    named = _named(model_or_parameters)
+    named = named_params(model_or_parameters)
     stats = grad_stats(named, backend=backend)
     stats.row_sparse = stats.row_sparse + row_sparse_names(model_or_parameters)
     pnorms = None

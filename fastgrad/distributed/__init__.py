@@ -68,10 +68,6 @@ Results: a ``Replicate()`` DTensor on the mesh when all gradients are DTensors o
 ``clip_grad_norm_`` returns; torch gives ``Partial(max)`` for the inf norm, whose ``full_tensor()`` is the
 same value), else a plain 0-dim tensor; in both cases the same value on every rank, ready to log.
 
-Seam for callers that decide more than the norm (e.g. a step guard's bad-step flag): ``reduced_norm`` and
-``reduced_amp_norm`` take ``flags=``, a 1-D tensor of 0/1 values that travels in the same buffer and comes
-back OR-ed over every rank in ``sh.flags`` (no extra collective).
-
 Modules: ``dtensor`` (DTensor adapters), ``plan`` (which ranks reduce together, and the caches), ``layout``
 (a list's local view, and its one-pass C++ form for CPU shards), ``agreement`` (a call's one
 collective with its header, and :class:`RankMismatchError`), ``reduce`` (what a norm, AMP's read pass and
@@ -96,13 +92,17 @@ __all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "C
 def clear_cache() -> None:
     """Forget the cached placement decisions, mesh rank sets, reduction plans and list layouts (e.g. after
     destroying and re-creating process groups with the same objects' ids)."""
-    plan._SPEC_CACHE.clear()
-    plan._MESH_RANKS.clear()
-    plan._PLAN_CACHE.clear()
-    layout._LAYOUTS.clear()
-    agreement._PENDING.clear()
+    plan.clear_caches()
+    layout.clear_layouts()
+    agreement.PENDING.clear()
     for forget in _ON_CLEAR:
         forget()
 
 
 _ON_CLEAR: list = []  # the layers above that keep layouts (fastgrad.route's plans) register their clear here
+
+
+def on_clear(forget) -> None:
+    """Register ``forget()`` to run at every :func:`clear_cache` (a layer above that keeps layouts: route's
+    plans)."""
+    _ON_CLEAR.append(forget)

@@ -1,4 +1,4 @@
-"""A sharded call's ONE collective (``_phase_a``: the payload, the flags to OR and the agreement header in one
+"""A sharded call's ONE collective (``collective``: the payload, the flags to OR and the agreement header in one
 buffer) and the header itself: what tells every rank, from the reduced buffer alone, whether all the ranks
 made the same call on the same list (see fastgrad.distributed's docstring, "Agreement between ranks"), and
 the error raised alike on every rank when they did not."""
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 _INF = float("inf")
-_PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, whose last flag is the copies')
+PENDING: list = []  # CUDA verdicts not read yet: (event, pinned host copy, whose last flag is the copies')
 _SUM, _MAX, _MIN = 0, 1, 2
 
 
@@ -104,14 +104,14 @@ def _settle(bad: Tensor, blocking: bool, copies: bool = False) -> None:
     host.copy_(bad, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    _PENDING.append((ev, host, at))
+    PENDING.append((ev, host, at))
 
 
-def _raise_pending() -> None:
+def raise_pending() -> None:
     """Verdicts of earlier device calls whose copy has landed (never waits for one that has not)."""
-    done = [item for item in _PENDING if item[0].query()]
+    done = [item for item in PENDING if item[0].query()]
     for item in done:
-        _PENDING.remove(item)
+        PENDING.remove(item)
     for _, host, at in done:
         idx = host.nonzero().flatten().tolist()
         if idx:
@@ -119,15 +119,16 @@ def _raise_pending() -> None:
 
 
 def _signature(kind: int, p: float, vector: bool, plan) -> int:
-    """The call's part of the header: what every rank of one call must agree on (``plan``: its _Plan)."""
+    """The call's part of the header: what every rank of one call must agree on (``plan``: its ReducePlan)."""
     return hash((kind, p, vector, plan.staged, plan.pieces, plan.slots)) & 0xFFFF
 
 
-_NORM, _AMP, _STATS, _EXACT = 1, 2, 3, 4  # the kinds of call (the signature's first field; _EXACT:
-# fastgrad.exact's digits, so a rank calling without exact=True mismatches)
+# the kinds of call (the signature's first field; KIND_EXACT: fastgrad.exact's digits, so a rank calling
+# without exact=True mismatches)
+KIND_NORM, KIND_AMP, KIND_STATS, KIND_EXACT = 1, 2, 3, 4
 
 
-def _all_reduce(t: Tensor, op, steps: list) -> None:
+def all_reduce_steps(t: Tensor, op, steps: list) -> None:
     import torch.distributed as dist
 
     for g in steps:
@@ -140,14 +141,14 @@ def _reduce_op(op: int):
     return (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)[op]
 
 
-def _phase_a(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor | None
+def collective(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor | None
              ) -> tuple[Tensor, Tensor | None]:
     """THE collective of a call: ``payload`` (already in its reduction's form: p-th power sums, a max/min with
     its identity where this rank adds nothing), ``ors`` (0/1 flags to OR over the ranks) and the agreement
     header, in one buffer, over the plan's steps. Returns the reduced payload and flags; raises
     RankMismatchError (on every rank alike) when the header disagrees."""
     plan = sh.plan
-    op = _op_of(p) if kind != _STATS else _SUM
+    op = _op_of(p) if kind != KIND_STATS else _SUM
     wide = payload.dtype
     n = len(sh.reads)
     groups: list = [(_signature(kind, p, vector, plan), 0), None if plan.staged else (n & 0xFFFF, sh.fp)]
@@ -169,7 +170,7 @@ def _phase_a(sh, kind: int, p: float, vector: bool, payload: Tensor, ors: Tensor
         parts.append(-ors if op == _MIN else ors)
     parts.append(head.to(payload.device, non_blocking=True))
     buf = torch.cat(parts)
-    _all_reduce(buf, _reduce_op(op), plan.steps)
+    all_reduce_steps(buf, _reduce_op(op), plan.steps)
     m = payload.numel()
     out_ors = None
     if ors is not None:

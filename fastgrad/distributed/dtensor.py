@@ -15,7 +15,7 @@ _DT: type | None = None
 _DT_CHECKED = False
 
 
-def _dtensor_cls() -> type | None:
+def dtensor_class() -> type | None:
     """The DTensor class, or None where torch.distributed (or DTensor) is not built in. Imported on first
     need only, so a plain call never pays for torch.distributed.tensor's import."""
     global _DT, _DT_CHECKED
@@ -35,7 +35,7 @@ def _dtensor_cls() -> type | None:
     return _DT
 
 
-def _placements():
+def replicate_placement():
     try:
         from torch.distributed.tensor import Replicate
     except ImportError:  # pragma: no cover - torch 2.4
@@ -46,7 +46,7 @@ def _placements():
 def is_dtensor(t) -> bool:
     if type(t) is Tensor:
         return False
-    cls = _dtensor_cls()
+    cls = dtensor_class()
     return cls is not None and isinstance(t, cls)
 
 
@@ -71,7 +71,7 @@ def dtensor_grads(params: Sequence[Tensor]) -> list[Tensor] | None:
     ``__torch_function__`` is DTensor's own (disabled) one, read with torch-function handling switched off:
     the same objects, at half the cost (the handling alone is about a microsecond per parameter). None
     otherwise (the caller reads them the usual way)."""
-    cls = _dtensor_cls()
+    cls = dtensor_class()
     if cls is None or not params or torch.compiler.is_compiling():
         return None
     own = cls.__torch_function__
@@ -87,8 +87,8 @@ def wrap_like(value: Tensor, sh):
     one mesh (what torch's clip_grad_norm_ returns), else the plain tensor (the same on every rank)."""
     if sh.mesh is None:
         return value
-    Replicate = _placements()
-    return _dtensor_cls().from_local(value, sh.mesh, [Replicate()] * sh.mesh.ndim, run_check=False)
+    Replicate = replicate_placement()
+    return dtensor_class().from_local(value, sh.mesh, [Replicate()] * sh.mesh.ndim, run_check=False)
 
 
 def to_local_norm(total_norm):

@@ -11,12 +11,18 @@ import torch
 from torch import Tensor
 
 from .. import _scan
-from .agreement import _PENDING, _raise_pending
-from .dtensor import _dtensor_cls
-from .plan import Copies, Shards, _Plan, _keep, _plan_for, _spec_info, _unwrap, _used, group_key, narrow_copies
+from .agreement import PENDING, raise_pending
+from .dtensor import dtensor_class
+from .plan import (Copies, Shards, ReducePlan, bounded_put, group_key, mark_used, narrow_copies, reduce_plan_for,
+                   spec_info, unwrap_group)
 
 _LAYOUTS: dict = {}
 _LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
+
+
+def clear_layouts() -> None:
+    """Forget the cached list layouts."""
+    _LAYOUTS.clear()
 
 
 _SPEC = operator.attrgetter("_spec")
@@ -48,15 +54,15 @@ class Sharded:
     (a :class:`fastgrad._scan.Checked` list when the compiled scan accepted them: ``checked``);
     ``counts[i]``: whether this rank's ``reads[i]`` contributes (``sel``: their indices, None when all do);
     ``mesh``: the one mesh of an all-DTensor single-mesh list (the result is a Replicate DTensor on it), else
-    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``flags``: after
-    a reduction given ``flags=``, their OR over every rank; ``layout``: the cached layout it came from (None
-    for ``for_norm=False``). With declared copies (:class:`Copies`) a per-tensor vector may count more than the
-    total: ``vsel``, the indices it counts (None: ``sel``), ``tpos``, the positions in ``vsel`` that the total
-    counts, and ``vown``, per entry, whether this rank's stage adds it to a count of tensors (None: all);
-    ``copies_sum``: this rank's share of the declared copies' checksum, which the agreement header adds up."""
+    None; ``plan``: the collectives; ``fp``: the list's fingerprint for the agreement header; ``layout``: the
+    cached layout it came from (None for ``for_norm=False``). With declared copies (:class:`Copies`) a per-tensor
+    vector may count more than the total: ``vsel``, the indices it counts (None: ``sel``), ``tpos``, the positions
+    in ``vsel`` that the total counts, and ``vown``, per entry, whether this rank's stage adds it to a count of
+    tensors (None: all); ``copies_sum``: this rank's share of the declared copies' checksum, which the agreement
+    header adds up."""
 
-    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "flags", "layout", "vsel",
-                 "tpos", "vown", "copies_sum")
+    __slots__ = ("reads", "writes", "counts", "sel", "mesh", "plan", "fp", "checked", "layout", "vsel", "tpos",
+                 "vown", "copies_sum")
 
     def __init__(self, reads, writes, counts, sel, mesh, plan, fp=0):
         self.reads: list[Tensor] = reads
@@ -64,10 +70,9 @@ class Sharded:
         self.counts: list[bool] = counts
         self.sel: list[int] | None = sel
         self.mesh = mesh
-        self.plan: _Plan = plan
+        self.plan: ReducePlan = plan
         self.fp = fp
         self.checked = type(writes) is _scan.Checked
-        self.flags: Tensor | None = None
         self.layout: _Layout | None = None
         self.vsel: list[int] | None = None
         self.tpos: list[int] | None = None
@@ -113,13 +118,13 @@ def _build_layout(tensors, types, cls, group, pieces) -> _Layout:
                     else:
                         pos = len(meshes)
                         meshes.append(m)
-            info = _spec_info(m, pl)
+            info = spec_info(m, pl)
             last_mesh, last_pl = spec.mesh, pl
         dt_pos.append(i)
         specs.append(spec)
         where.append(pos)
         info_of.append(info)
-    lay.plan = _plan_for(meshes, group, pieces) if (meshes or group is not None) else None
+    lay.plan = reduce_plan_for(meshes, group, pieces) if (meshes or group is not None) else None
     mesh_counted = lay.plan.mesh_counted if lay.plan is not None else ()
     lay.dt_pos = None if len(dt_pos) == len(tensors) else dt_pos
     lay.plain_pos = plain_pos
@@ -156,10 +161,10 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     Host cost: the layout (see the package's docstring) is cached, so a repeat call costs a few C-level passes
     over the list (its types, its DTensors' spec objects, their local tensors) and the compiled scan of the
     local tensors; no DTensor dispatch."""
-    if _PENDING:
-        _raise_pending()
-    group, pieces, copies = _unwrap(process_group)
-    cls = _dtensor_cls()
+    if PENDING:
+        raise_pending()
+    group, pieces, copies = unwrap_group(process_group)
+    cls = dtensor_class()
     if not for_norm:
         writes = [t._local_tensor if cls is not None and isinstance(t, cls) else t for t in tensors]
         return Sharded(writes, _scan.checked(writes) if writes else writes, [], None, None, None)
@@ -169,10 +174,10 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
     lay, dts = _cached_layout(tensors, _LAYOUTS.get(key), group)
     if lay is None:
         lay = _build_layout(tensors, list(map(type, tensors)), cls, group, pieces)
-        _keep(_LAYOUTS, key, lay, _LIST_CAP)
+        bounded_put(_LAYOUTS, key, lay, _LIST_CAP)
         dts = tensors if lay.dt_pos is None else [tensors[i] for i in lay.dt_pos]
     else:
-        _used(_LAYOUTS, key)
+        mark_used(_LAYOUTS, key)
     plan = lay.plan
     locs = list(map(_LOCAL, dts))
     if lay.empties is None:  # local shapes follow from the specs: which local shards are empty is cached
@@ -317,12 +322,12 @@ def local_cpu_norm(params: Sequence[Tensor], lay, norm_type: float, backend: str
     c = _scan.helpers()
     if not params or c is None or not hasattr(c, "dtensor_local_norm") or lay is None or lay.empties is None:
         return None
-    selects_builtin = _scan._selects_builtin()
+    selects_builtin = _scan.builtin_selector()
     if not (selects_builtin("cpu", "norm", backend, norm_type) and selects_builtin("cpu", "scale", backend, norm_type)):
         return None
-    if _PENDING:
-        _raise_pending()
-    cls = _dtensor_cls()
+    if PENDING:
+        raise_pending()
+    cls = dtensor_class()
     spec_desc, local_desc = _slot_descs(cls)
     out = c.dtensor_local_norm(params, cls, spec_desc, local_desc, lay.specs, lay.counted, norm_type)
     if out is None:

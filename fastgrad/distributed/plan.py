@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from .dtensor import _placements
+from .dtensor import replicate_placement
 
 
 class Shards:
@@ -52,7 +52,7 @@ class Copies:
 
         if isinstance(process_group, Copies):
             raise TypeError("Copies(group, copies): group is a process group or Shards(group), not another Copies")
-        group, pieces, _ = _unwrap(process_group)
+        group, pieces, _ = unwrap_group(process_group)
         if group is None:
             raise ValueError("Copies(group, copies) needs a process group (e.g. dist.group.WORLD)")
         if not dist.is_available() or not dist.is_initialized():
@@ -117,7 +117,7 @@ def _copy_ranks(where, world: int) -> frozenset:
     return ranks
 
 
-def _unwrap(process_group):
+def unwrap_group(process_group):
     """``(group, pieces, copies)``: the process group, whether plain lists are pieces of the same tensors, and
     the declared copies (a :class:`Copies`, or None)."""
     if isinstance(process_group, Copies):
@@ -137,9 +137,16 @@ _MESH_RANKS: dict = {}
 _PLAN_CACHE: dict = {}
 
 
-def _keep(cache: dict, key, value, cap: int) -> None:
+def clear_caches() -> None:
+    """Forget the cached placement decisions, mesh rank sets and reduction plans."""
+    _SPEC_CACHE.clear()
+    _MESH_RANKS.clear()
+    _PLAN_CACHE.clear()
+
+
+def bounded_put(cache: dict, key, value, cap: int) -> None:
     """Store ``value`` in a bounded cache, dropping the least recently used entry when full (dicts keep insertion
-    order and :func:`_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
+    order and :func:`mark_used` moves a hit to the end). Clearing the whole cache instead would throw away the layout
     of the list a training loop clips every step whenever another list came and went in between."""
     cache.pop(key, None)
     while len(cache) >= cap:
@@ -147,7 +154,7 @@ def _keep(cache: dict, key, value, cap: int) -> None:
     cache[key] = value
 
 
-def _used(cache: dict, key) -> None:
+def mark_used(cache: dict, key) -> None:
     """Mark a hit as the most recently used entry (a no-op when it already is)."""
     if next(reversed(cache)) != key:
         cache[key] = cache.pop(key)
@@ -159,7 +166,7 @@ def group_key(group) -> int:
     return 0 if group is None else id(group)
 
 
-def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
+def spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
     """``(counted, has_partial, read_placements)`` for a DTensor on ``mesh`` with ``placements`` on this
     rank: whether its local values enter the norm (coordinate 0 of every dimension on which it is
     replicated), and the placements to redistribute to for the norm when some are Partial."""
@@ -173,12 +180,12 @@ def _spec_info(mesh, placements) -> tuple[bool, bool, tuple | None]:
     partial = any(p.is_partial() for p in placements)
     read_pl = None
     if partial:
-        Replicate = _placements()
+        Replicate = replicate_placement()
         read_pl = tuple(Replicate() if p.is_partial() else p for p in placements)
     eff = read_pl if partial else placements
     counted = all(coord[d] == 0 for d, p in enumerate(eff) if p.is_replicate())
     info = (counted, partial, read_pl)
-    _keep(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
+    bounded_put(_SPEC_CACHE, key, (mesh, info), 4096)  # placements are a handful of kinds; a flood: short-lived meshes
     return info
 
 
@@ -208,7 +215,7 @@ def _root_ranks(mesh) -> frozenset | None:
 
 
 # ------------------------------------------------------------------------------------------ the plan
-class _Plan:
+class ReducePlan:
     """The collectives of one call.
 
     ``steps``: the groups the fixed-size buffer (totals, flags, header) is all-reduced over in turn, each
@@ -307,7 +314,7 @@ def _refuse_a_slice(meshes: list, union: frozenset) -> None:
             )
 
 
-def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
+def _build_plan(meshes: list, group, pieces: bool) -> ReducePlan:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -327,10 +334,10 @@ def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
         if group is None:  # plain tensors without a group never get here (single-process path)
             raise ValueError("plain tensors need process_group= to be reduced across ranks")
         if pieces:  # ZeRO pieces: tensor i on every rank is one tensor; one reduction over the group
-            return _Plan([group], [group], staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+            return ReducePlan([group], [group], staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
                          plain_counted=True, device=dev, keep=((), group), span=granks, pieces=True)
         # each rank its own tensors (a stage, or nothing): per-tensor results are local
-        return _Plan([group], [], staged=True, slots=slots, slot=order.index(me), cross=group,
+        return ReducePlan([group], [], staged=True, slots=slots, slot=order.index(me), cross=group,
                      cross_contrib=True, plain_counted=True, device=dev, keep=((), group), span=granks)
     union = frozenset().union(*(_ranks_of_mesh(m) for m in meshes))
     plain_counted = me == min(union)
@@ -339,16 +346,16 @@ def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
         if len(union) < world:
             _refuse_a_slice(meshes, union)
         steps = _mesh_steps(meshes, union)
-        return _Plan(steps, steps, staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
+        return ReducePlan(steps, steps, staged=False, slots=0, slot=None, cross=None, cross_contrib=False,
                      plain_counted=plain_counted, device=_group_device(steps[0]), keep=keep, span=union)
     if union <= granks:
         # The group contains the meshes: one all-reduce over it. Ranks of the group outside the meshes hold
         # other parameters (stages); per-tensor vectors are reduced within the meshes then.
         if granks == union:
-            return _Plan([group], [group], staged=False, slots=slots, slot=None, cross=None, cross_contrib=False,
+            return ReducePlan([group], [group], staged=False, slots=slots, slot=None, cross=None, cross_contrib=False,
                          plain_counted=plain_counted, device=dev, keep=keep, span=granks)
         stage = _mesh_steps(meshes, union)
-        return _Plan([group], stage, staged=True, slots=slots, slot=order.index(min(union)), cross=group,
+        return ReducePlan([group], stage, staged=True, slots=slots, slot=order.index(min(union)), cross=group,
                      cross_contrib=plain_counted, plain_counted=plain_counted, device=dev, keep=keep, span=granks)
     if granks & union != {me}:
         raise ValueError(
@@ -359,23 +366,23 @@ def _build_plan(meshes: list, group, pieces: bool) -> _Plan:
     stage = _mesh_steps(meshes, union)
     tiled = len(granks) * len(union) == world
     steps = [None] if tiled else stage + [group]
-    return _Plan(steps, stage, staged=True, slots=slots, slot=order.index(me), cross=group, cross_contrib=True,
+    return ReducePlan(steps, stage, staged=True, slots=slots, slot=order.index(me), cross=group, cross_contrib=True,
                  plain_counted=plain_counted, device=dev, keep=keep,
                  span=frozenset(range(world)) if tiled else None)
 
 
-def _plan_for(meshes: list, group, pieces: bool) -> _Plan:
+def reduce_plan_for(meshes: list, group, pieces: bool) -> ReducePlan:
     key = (tuple(id(m) for m in meshes), group_key(group), pieces)
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit.keep[-1] is group and all(a is b for a, b in zip(hit.keep[0], meshes)):
-        _used(_PLAN_CACHE, key)
+        mark_used(_PLAN_CACHE, key)
         return hit
     plan = _build_plan(meshes, group, pieces)
-    _keep(_PLAN_CACHE, key, plan, 256)
+    bounded_put(_PLAN_CACHE, key, plan, 256)
     return plan
 
 
-def narrow_copies(copies: Copies, tensors, counts: list, plan: _Plan) -> tuple:
+def narrow_copies(copies: Copies, tensors, counts: list, plan: ReducePlan) -> tuple:
     """What this rank counts once the declared copies among ``tensors`` are counted once (``counts``: what the
     placements decide): ``(counts, vec_counts, owned, checksum)``, ``None`` for the middle two when no entry is a
     declared copy. The total counts a copy on the lowest of its ranks only; a per-tensor vector, reduced over the

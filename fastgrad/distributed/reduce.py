@@ -13,9 +13,9 @@ from torch import Tensor
 from .. import _scan
 from ..backends import acc_dtype
 from ..decide import nonfinite
-from .agreement import _AMP, _EXACT, _NORM, _STATS, _all_reduce, _phase_a
+from .agreement import KIND_AMP, KIND_EXACT, KIND_NORM, KIND_STATS, all_reduce_steps, collective
 from .layout import Sharded
-from .plan import _Plan
+from .plan import ReducePlan
 
 _INF = float("inf")
 
@@ -36,14 +36,14 @@ def _combine(vals: Tensor, p: float, steps: list) -> Tensor:
         nan = torch.isnan(vals)
         if p == _INF:
             buf = torch.cat([torch.where(nan, 0.0, vals), nan.to(vals.dtype)])
-            _all_reduce(buf, dist.ReduceOp.MAX, steps)
+            all_reduce_steps(buf, dist.ReduceOp.MAX, steps)
             flag = buf[n:] > 0
         else:
             buf = torch.cat([torch.where(nan, _INF, vals), -nan.to(vals.dtype)])
-            _all_reduce(buf, dist.ReduceOp.MIN, steps)
+            all_reduce_steps(buf, dist.ReduceOp.MIN, steps)
             flag = buf[n:] < 0
         return torch.where(flag, float("nan"), buf[:n])
-    _all_reduce(vals, dist.ReduceOp.SUM, steps)
+    all_reduce_steps(vals, dist.ReduceOp.SUM, steps)
     return vals
 
 
@@ -89,21 +89,15 @@ def _place(per: Tensor, sel, n: int, identity: float, like: Tensor) -> Tensor:
     return vals
 
 
-def _flags_in(flags: Tensor | None, dev, wide) -> Tensor | None:
-    return None if flags is None else flags.reshape(-1).to(dev, wide)
-
-
 _UNSET = object()
 
 
 def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
                  local_norm: Callable[[list[Tensor], bool], tuple[Tensor, Tensor | None]] | None,
-                 poison: Tensor | None = None, *, flags: Tensor | None = None,
-                 local_total=_UNSET) -> tuple[Tensor, Tensor | None]:
+                 poison: Tensor | None = None, *, local_total=_UNSET) -> tuple[Tensor, Tensor | None]:
     """Global total norm (and per-tensor norms, in input order, when asked) in the accumulation dtype on
     the first local tensor's device, identical on every rank. ``local_norm(tensors, per_tensor)`` is the
-    single-process norm of a list of local tensors (fastgrad.clip's backend dispatch). ``flags``: see the
-    package's docstring (the OR over ranks lands in ``sh.flags``).
+    single-process norm of a list of local tensors (fastgrad.passes.list_norm).
 
     The total: ONE collective per step of the plan (one for the usual layouts) carrying the p-th-power sum
     (SUM) or the max/min with a NaN flag (MAX/MIN), and the agreement header. Per-tensor results that combine
@@ -135,19 +129,16 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
         per_local = per_local[: len(sel)]
     elif local:  # a total only: the local total (its p-th power is what adds up; a max/min is exact)
         total_local, _ = local_norm(local, False)
-    ors = _flags_in(flags, dev, wide)
     if poison is not None:
         poison = poison.to(dev, wide).reshape(1)  # (+0 leaves the non-negative values' bits alone)
     per_total = _of_total(sh, per_local)
     k_total = len(sel) if per_total is per_local else len(sh.tpos)
-    payload, ors = _norm_payload(p, per_total, total_local, k_total, combine, poison, ors, dev, wide)
-    red, ors_out = _phase_a(sh, _NORM, p, vector, payload, ors)
+    payload, ors = _norm_payload(p, per_total, total_local, k_total, combine, poison, dev, wide)
+    red, ors_out = collective(sh, KIND_NORM, p, vector, payload, ors)
     if p == _INF or p == -_INF:
         total = torch.where(ors_out[0] > 0, float("nan"), red[0])
-        sh.flags = ors_out[1:] if flags is not None else None
     else:
         total = red[0].pow(1.0 / p) if p != 0 else red[0]
-        sh.flags = ors_out
     n = len(sh.reads)
     per = None
     if combine:
@@ -159,10 +150,10 @@ def reduced_norm(sh: Sharded, norm_type: float, per_tensor: bool,
 
 
 def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None, k: int, combine: bool,
-                  poison: Tensor | None, ors: Tensor | None, dev, wide) -> tuple[Tensor, Tensor | None]:
+                  poison: Tensor | None, dev, wide) -> tuple[Tensor, Tensor | None]:
     """This rank's contribution to a norm's collective, in its reduction's form (a p-th power sum; a max/min
     with its NaN flag moved into ``ors``; for p = 0 a count), from its per-tensor values (``k`` of them) or its
-    total, and the flags to OR."""
+    total, and its NaN flag to OR (the max/min; else None)."""
     identity = _INF if p == -_INF else 0.0
     if p == _INF or p == -_INF:
         if per_local is not None:
@@ -174,7 +165,7 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
         if poison is not None:
             t = t + poison
         nan = torch.isnan(t)
-        return torch.where(nan, identity, t), nan.to(wide) if ors is None else torch.cat([nan.to(wide), ors])
+        return torch.where(nan, identity, t), nan.to(wide)
     if p != 0:
         if per_local is not None:  # in float64: exact squares of fp32 norms
             payload = per_local.to(wide).pow(p).sum().reshape(1)
@@ -187,10 +178,10 @@ def _norm_payload(p: float, per_local: Tensor | None, total_local: Tensor | None
                    else torch.zeros(1, dtype=wide, device=dev))
     if poison is not None:
         payload = payload + poison
-    return payload, ors
+    return payload, None
 
 
-def _reduced_vector(plan: _Plan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
+def _reduced_vector(plan: ReducePlan, p: float, per_tensor: bool, per_local: Tensor | None, sel, n: int,
                     poison: Tensor | None, total: Tensor, dev, wide, owned: list[bool] | None = None
                     ) -> tuple[Tensor, Tensor | None]:
     """The per-tensor vector reduced across ranks, after the header said the lists agree: ``(total, per)``, the
@@ -249,7 +240,7 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
     else:
         payload = torch.zeros(1, dtype=wide, device=dev)
     combine = bool(plan.vec_steps)
-    red, _ = _phase_a(sh, _STATS, 2.0, True, payload, None)
+    red, _ = collective(sh, KIND_STATS, 2.0, True, payload, None)
     total = red[0].sqrt().to(dtype)
     sums = torch.zeros((5, n), dtype=wide, device=dev)
     peak = torch.zeros((n,), dtype=wide, device=dev)
@@ -265,7 +256,7 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
             peak[idx] = mx
     if combine:
         sums = sums.reshape(-1)
-        _all_reduce(sums, dist.ReduceOp.SUM, plan.vec_steps)
+        all_reduce_steps(sums, dist.ReduceOp.SUM, plan.vec_steps)
         sums = sums.reshape(5, n)
         peak = _combine(peak, _INF, plan.vec_steps)
     counts = sums[1:].to(torch.int64)
@@ -275,11 +266,11 @@ def reduced_stats(sh: Sharded, local_stats: Callable[[list[Tensor]], dict[str, T
 
 def reduced_amp_norm(sh: Sharded, norm_type: float,
                      local_amp: Callable[[list[Tensor]], tuple[Tensor, Tensor]],
-                     poison: Tensor | None = None, *, flags: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     poison: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused AMP read pass over shards: ``local_amp(tensors)`` gives this rank's (norm of the unscaled
     values, found_inf 0/1); ONE all-reduce (per step of the plan) carries the p-th power (or max), the
     overflow flag and the agreement header together. Returns ``(global total, local found_inf, global
-    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``flags``: see the package's docstring; ``poison``: as
+    found_inf)``, the flags 0-dim float32 exactly 0 or 1. ``poison``: as
     in :func:`reduced_norm` (a NaN only this rank sees is an overflow on every rank). norm_type 0 has no
     sharded AMP form (the read pass yields totals, not per-tensor counts)."""
     p = norm_type
@@ -299,24 +290,21 @@ def reduced_amp_norm(sh: Sharded, norm_type: float,
     if poison is not None:  # (as in reduced_norm) a NaN only this rank sees: an overflow on every rank
         poison = poison.to(dev, wide).reshape(1)
         f = torch.where(torch.isnan(poison), 1.0, f)
-    extra = _flags_in(flags, dev, wide)
     if p == _INF or p == -_INF:
         if poison is not None:
             total = total + poison
         nan = torch.isnan(total)
-        ors = torch.cat([nan.to(wide), f] + ([extra] if extra is not None else []))
-        red, out = _phase_a(sh, _AMP, p, False, torch.where(nan, identity, total), ors)
+        ors = torch.cat([nan.to(wide), f])
+        red, out = collective(sh, KIND_AMP, p, False, torch.where(nan, identity, total), ors)
         g_total = torch.where(out[0] > 0, float("nan"), red[0])
-        g_flag, rest = out[1], out[2:]
+        g_flag = out[1]
     else:
         pw = total.pow(p) if local else torch.zeros_like(total)  # no shard: adds nothing (also for p < 0)
         if poison is not None:
             pw = pw + poison
-        ors = f if extra is None else torch.cat([f, extra])
-        red, out = _phase_a(sh, _AMP, p, False, pw, ors)
+        red, out = collective(sh, KIND_AMP, p, False, pw, f)
         g_total = red[0].pow(1.0 / p)
-        g_flag, rest = out[0], out[1:]
-    sh.flags = rest if flags is not None else None
+        g_flag = out[0]
     return g_total.to(dtype), flag, g_flag.to(torch.float32)
 
 
@@ -347,7 +335,7 @@ def reduced_exact(sh: Sharded, p: float, per_tensor: bool,
         rows = local_payload(local)[1] if len(local) else None
     if poison is not None:
         payload[poison_at] += torch.isnan(poison).to(payload.device, payload.dtype)
-    red, _ = _phase_a(sh, _EXACT, p, per_tensor, payload, None)
+    red, _ = collective(sh, KIND_EXACT, p, per_tensor, payload, None)
     red = red.to(torch.int64)
     if not per_tensor:
         return red, None

@@ -26,10 +26,10 @@ import torch
 from torch import Tensor
 
 from .. import _inputs as inputs
-from .. import distributed
-from ..amp import _check_ready, _inv_scale, _is_sharded, _known_unscale, _optimizer_state, optimizer_params
-from ..amp import zero_write_applies as _amp_zero_write_applies
-from ..optim_clip import zero_write_applies
+from .. import optim_clip
+from .. import route
+from .. import scaler_state
+from .._inputs import optimizer_params
 from . import read
 from .counters import COUNTERS, Counters
 from .modes import DEFAULT
@@ -306,10 +306,11 @@ class StepGuard:
             raise TypeError("StepGuard supports dense real floating gradients (float16/bfloat16/float32/float64); "
                             "got sparse, complex or other gradients. Clip those with fastgrad.clip_grad_norm_ "
                             "(nothing was modified)")
-        sharded = self.process_group is not None or distributed.has_dtensor(grads)
+        plan = route.lookup(params, self.process_group)
+        sharded = plan.sharded(grads)
         use_scaler = scaler is not None and scaler.is_enabled()
         per_tensor = self._mode.per_tensor
-        if use_scaler and sharded and (per_tensor or _is_sharded(scaler)):
+        if use_scaler and sharded and (per_tensor or scaler_state.is_sharded(scaler)):
             raise NotImplementedError("StepGuard.clip_(scaler) with sharded (DTensor or process_group) gradients "
                                       "supports torch's plain GradScaler and the total-norm modes; for "
                                       f"{f'mode={self.mode}' if per_tensor else 'a ShardedGradScaler'} call "
@@ -318,36 +319,38 @@ class StepGuard:
         if not grads and not sharded:
             self._skip.clear(NO_GRADS)  # no decision: a step on gradients made later is refused
             if use_scaler:  # unscale_ records an empty flag set; so do we
-                state = _optimizer_state(scaler, opt, False)
-                _check_ready(scaler, state)
+                state = scaler_state.optimizer_state(scaler, opt, False)
+                scaler_state.check_ready(scaler, state)
                 state["found_inf_per_device"] = {}
                 from torch.amp.grad_scaler import OptState
                 state["stage"] = OptState.UNSCALED
             return torch.tensor(0.0)
-        if use_scaler and not _known_unscale(scaler):
+        if use_scaler and not scaler_state.known_unscale(scaler):
             raise TypeError(f"StepGuard.clip_(scaler): {type(scaler).__name__} overrides unscale_; only torch's "
                             "GradScaler is supported (nothing was modified)")
         inv_scale = None
         state = None
         if use_scaler:
-            state = _optimizer_state(scaler, opt, False)
-            _check_ready(scaler, state)
+            state = scaler_state.optimizer_state(scaler, opt, False)
+            scaler_state.check_ready(scaler, state)
             if inputs.has_dtype(grads, torch.float16):
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            inv_scale = _inv_scale(scaler)
+            inv_scale = scaler_state.inv_scale(scaler)
         fused = is_fused(opt)
         # decided on the host before the read pass (checks of types and attributes only)
         # (exact=True under a scaler unscales in place first: nothing left to hand over)
         hand_over = (fused and self.zero_write and not sharded and not per_tensor and
                      not (self._exact and use_scaler) and
-                     (_amp_zero_write_applies(scaler, opt, grads) if use_scaler else zero_write_applies(opt, grads)))
+                     (scaler_state.zero_write_applies(scaler, opt, grads) if use_scaler
+                      else optim_clip.zero_write_applies(opt, grads)))
         if kernel_clip and not sharded and not self._exact:
             # (outside no_grad, as clip_grad_norm_'s one-call path: these calls record nothing for autograd)
             out = read.one_call(self, params, grads, inv_scale, scaler, state, hand_over)
             if out is not None:
                 return out
         with torch.no_grad():
-            return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler)
+            sh = plan.place(grads) if sharded else None  # (the grads' types were checked above: no torch route)
+            return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sh, use_scaler)
 
     def _decided(self, total, coef, inv, bad, spike, scale, grads) -> None:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import _inputs as inputs
-from .. import exact as exact_norm
 from ..backends import get as get_backend
 from .modes import MODE_CLASSES, MODES
 from .modes.base import Mode, count, real
@@ -41,7 +40,7 @@ def check_options(*, mode, max_norm, norm_type, skip_factor, max_consecutive_ski
     norm_type = inputs.check_norm_type(norm_type)
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be True or False, got {exact!r}")
-    exact = exact_norm.applies(exact, norm_type)  # ValueError for a norm_type other than 1, 2, inf
+    exact = inputs.check_exact(exact, norm_type)  # ValueError for a norm_type other than 1, 2, inf
     if cls.norm_types is not None and norm_type not in cls.norm_types:
         allowed = " or ".join(f"{p:g}" for p in cls.norm_types)
         raise ValueError(f"mode={mode!r} is defined on the {allowed}-norm (as its paper); norm_type must be "

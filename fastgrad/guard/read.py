@@ -21,12 +21,15 @@ from torch import Tensor
 
 from .. import _inputs as inputs
 from .. import decide
+from .. import exact_reads
 from .. import _scan
 from .. import distributed
-from .. import exact as exact_norm
-from ..amp import _record_read_pass, device_amp_norms, combine_device_totals, unscale_first
+from .. import passes
+from .. import route
 from ..backends import acc_dtype
-from ..clip import _norm, _scale
+from ..passes import amp_norms as device_amp_norms, combine_totals as combine_device_totals, unscale_first
+from ..passes import list_norm as _norm, scale_ as _scale
+from ..scaler_state import record_read_pass as _record_read_pass
 from .modes.base import Norms
 
 
@@ -61,10 +64,8 @@ def one_call(guard, params, grads, inv_scale, scaler, state, hand_over) -> Tenso
         out = cpu_write(guard, params, grads)
         if out is not None:
             return out
-    if len(inputs.split_by_device(grads)) != 1:
-        return None
-    b = inputs.pick("amp_norm", grads, guard.backend, norm_type=p)
-    if inputs.pick("scale", grads, guard.backend) is not b:
+    b = route.one_call_backend("amp_norm", grads, guard.backend, p)
+    if b is None:
         return None
     dev = grads[0].device
     if guard._one is None or guard._one.device != dev:
@@ -83,54 +84,40 @@ def one_call(guard, params, grads, inv_scale, scaler, state, hand_over) -> Tenso
     return total.to(inputs.promoted_dtype(grads))
 
 
-def general(guard, params, grads, inv_scale, scaler, state, hand_over, sharded, use_scaler) -> Tensor:
-    """Every mode, any layout: norms (per tensor where the mode asks) through clip.py's dispatch, the mode's
-    rule in device ops, then the write (one coefficient, or one per tensor) or the hand-over."""
+def general(guard, params, grads, inv_scale, scaler, state, hand_over, sh, use_scaler) -> Tensor:
+    """Every mode, any layout (``sh``: the sharded view the list's plan placed, None for a plain list): norms
+    (per tensor where the mode asks), the mode's rule in device ops, then the write (one coefficient, or one per
+    tensor) or the hand-over."""
     p = guard.norm_type
     per_tensor = guard._mode.per_tensor
     if guard._exact:  # the gradients are unscaled by now: the rule below clips them without inv_scale
-        total, per, writes, sh = exact_norms(guard, grads, inv_scale, scaler, state, sharded, use_scaler)
+        total, per, writes = exact_norms(guard, grads, inv_scale, scaler, state, sh, use_scaler)
         inv_scale = None
-    elif use_scaler and sharded:
+    elif use_scaler and sh is not None:
         # one all-reduce carries the global norm of the unscaled shards and the global overflow flag, so
         # every rank records the same found_inf and takes the same decision (fastgrad.amp's sharded path)
-        sh = distributed.prepare(grads, guard.process_group)
-        backend = guard.backend
-
-        def local_amp(ts):
-            groups = inputs.split_by_device(ts)
-            parts = device_amp_norms(groups, inv_scale, p, backend)
-            total = combine_device_totals([t for t, _ in parts], p, ts[0].device, acc_dtype(ts))
-            return total, torch.stack([f.to(ts[0].device).reshape(()) for _, f in parts]).amax()
-
-        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, guard.backend, None, False)[0])
-        total, _, flag = distributed.reduced_amp_norm(sh, p, local_amp, poison)
+        total, _, flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv_scale, p, guard.backend),
+                                                      _poison(guard, sh))
         groups = inputs.split_by_device(sh.writes)
         found = {x[0].device: flag.to(x[0].device).reshape(()) for x in groups}
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, guard.backend)
         writes, per = sh.writes, None
     elif use_scaler:
         groups = inputs.split_by_device(grads)
-        if per_tensor:
-            total, per, found = _amp_norms_per_tensor(guard, grads, inv_scale)
-        else:
-            parts = device_amp_norms(groups, inv_scale, p, guard.backend)
-            total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
-            found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
-            per = None
+        parts = device_amp_norms(groups, inv_scale, p, guard.backend)
+        total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
+        found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
+        per = _unscaled_per_tensor(guard, grads, inv_scale) if per_tensor else None
         _record_read_pass(scaler, state, False, found, total, p, False, groups, inv_scale, guard.backend)
-        writes, sh = grads, None
-    elif sharded:
+        writes = grads
+    elif sh is not None:
         # clip.py's sharded norm, plus the flag of the copies this rank holds but does not count, folded
         # into the same all-reduce: every rank takes the same decision (fastgrad.distributed.nonfinite_poison)
-        sh = distributed.prepare(grads, guard.process_group)
-        poison = distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, guard.backend, None, False)[0])
-        total, per = distributed.reduced_norm(sh, p, per_tensor,
-                                              lambda ts, per_t: _norm(ts, p, guard.backend, None, per_t), poison)
+        total, per = passes.sharded_norm(sh, p, guard.backend, None, per_tensor, _poison(guard, sh))
         writes = sh.writes
     else:
         total, per = _norm(grads, p, guard.backend, None, per_tensor)
-        writes, sh = grads, None
+        writes = grads
 
     guard._ensure_state(total, len(params))
     norms = Norms(total, per, _param_index(guard, params, grads) if per_tensor else None)
@@ -147,26 +134,23 @@ def general(guard, params, grads, inv_scale, scaler, state, hand_over, sharded, 
     return distributed.wrap_like(out, sh) if sh is not None else out
 
 
-def exact_norms(guard, grads, inv_scale, scaler, state, sharded, use_scaler):
+def exact_norms(guard, grads, inv_scale, scaler, state, sh, use_scaler):
     """exact=True's read: with a scaler, ``unscale_``'s own pass first (the overflow flags from the scaled
     values), then the correctly rounded norms of the unscaled values (per tensor for AdaGC): ``(total, per,
-    writes, sharded view)``. Sharded: one all-reduce; every rank's found_inf is then the reduced norm's
-    verdict (an overflowed scaled value is non-finite unscaled), the same everywhere."""
+    writes)``. Sharded (``sh``): one all-reduce; every rank's found_inf is then the reduced norm's verdict (an
+    overflowed scaled value is non-finite unscaled), the same everywhere."""
     p, per_tensor = guard.norm_type, guard._mode.per_tensor
-    sh = distributed.prepare(grads, guard.process_group) if sharded else None
     writes = sh.writes if sh is not None else grads
     groups = inputs.split_by_device(writes)
     found = unscale_first(groups, inv_scale) if use_scaler else None
     # a non-finite copy this rank holds but does not count reaches every rank's verdict (same payload)
-    poison = (distributed.nonfinite_poison(sh, lambda ts: _norm(ts, p, guard.backend, None, False)[0])
-              if sh is not None else None)
-    total, per = exact_norm.acc_norms(grads, p, guard.backend, per_tensor, sh, poison)
+    total, per = exact_reads.acc_norms(grads, p, guard.backend, per_tensor, sh, _poison(guard, sh))
     if sh is not None and use_scaler:
         bad = decide.nonfinite(total).to(torch.float32)
         found = {dev: bad.to(dev) for dev in found}
     if use_scaler:
         _record_read_pass(scaler, state, False, found, total, p, False, groups, None, guard.backend)
-    return total, per, writes, sh
+    return total, per, writes
 
 
 def _param_index(guard, params: list, grads: list) -> Tensor | None:
@@ -177,17 +161,18 @@ def _param_index(guard, params: list, grads: list) -> Tensor | None:
     return idx.to(guard._device, non_blocking=True)
 
 
-def _amp_norms_per_tensor(guard, grads, inv_scale):
-    """AdaGC under a GradScaler: the overflow flags from the AMP read pass, then the per-tensor norms of the
-    unscaled values (a second read: the AMP primitive has no per-tensor output)."""
-    p = guard.norm_type
-    groups = inputs.split_by_device(grads)
-    parts = device_amp_norms(groups, inv_scale, p, guard.backend)
-    found = {x[0].device: f.reshape(()) for x, (_, f) in zip(groups, parts)}
-    total = combine_device_totals([t for t, _ in parts], p, grads[0].device, acc_dtype(grads))
-    _, per = _norm(grads, p, guard.backend, None, True)
-    per = per * inv_scale.to(per.device, per.dtype)
-    return total, per, found
+def _unscaled_per_tensor(guard, grads, inv_scale) -> Tensor:
+    """AdaGC under a GradScaler: the per-tensor norms of the unscaled values (a second read after the AMP
+    read pass, whose primitive has no per-tensor output)."""
+    _, per = _norm(grads, guard.norm_type, guard.backend, None, True)
+    return per * inv_scale.to(per.device, per.dtype)
+
+
+def _poison(guard, sh) -> Tensor | None:
+    """A sharded list's flag of the copies this rank holds but does not count (None for a plain list)."""
+    if sh is None:
+        return None
+    return distributed.nonfinite_poison(sh, lambda ts: _norm(ts, guard.norm_type, guard.backend, None, False)[0])
 
 
 def _scale_per_tensor(writes: list[Tensor], coefs: Tensor) -> None:

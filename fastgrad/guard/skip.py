@@ -32,8 +32,8 @@ from torch import Tensor
 
 from .. import _inputs as inputs
 from .. import distributed
-from ..amp import optimizer_params
-from ..optim_clip import _Record, _fused_torch_optimizer
+from .._inputs import optimizer_params
+from ..optim_clip import PendingScale as _Record, fused_torch_optimizer as _fused_torch_optimizer
 
 _MISSING = object()
 

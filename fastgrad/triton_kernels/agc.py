@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .clip import _scale_kernel
+from .clip import scale_kernel
 from .multi_tensor import (Config, block_info, tensor_base, copy_back, device_guard, div_rn, flat_inputs,
                            get_plan, row_cols, row_starts, row_tile, rows_of, segment_reduce, tl_dtype, to_dt_once)
-from .norm import MODE_P, _norm_step, _root, mode_of
+from .norm import MODE_P, mode_of, norm_root, norm_step
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -41,10 +41,10 @@ def _unit_partial(ptr, n, p, DT: tl.constexpr, C: tl.constexpr, ACC: tl.constexp
     nfull = n - n % BLOCK
     for i in range(0, nfull, BLOCK):
         x = tl.load(ptr + i + ar)
-        acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, 1.0, p, C, DT, ACC, MODE, False, False)
+        acc, nanacc, bad = norm_step(x, acc, nanacc, bad, 1.0, p, C, DT, ACC, MODE, False, False)
     offs = nfull + ar
     x = tl.load(ptr + offs, mask=offs < n, other=0.0)
-    acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, 1.0, p, C, DT, ACC, MODE, False, False)
+    acc, nanacc, bad = norm_step(x, acc, nanacc, bad, 1.0, p, C, DT, ACC, MODE, False, False)
     if MODE == 2:
         return tl.max(acc, 0) + tl.sum(nanacc, 0)
     else:
@@ -85,15 +85,15 @@ def _agc_rows(wp, gp, length, nrows, clip_factor, eps, tiny, p, pinv, DTW: tl.co
             offs, m = row_tile(base, rmask, c0, length, CB)
             w = tl.load(wp + offs, mask=m, other=0.0)
             g = tl.load(gp + offs, mask=m, other=0.0)
-            aw, nw, bad = _norm_step(w, aw, nw, bad, 1.0, p, AW, DTW, AW, MODE, False, False)
-            ag, ng, bad = _norm_step(g, ag, ng, bad, 1.0, p, AG, DTG, AG, MODE, False, False)
+            aw, nw, bad = norm_step(w, aw, nw, bad, 1.0, p, AW, DTW, AW, MODE, False, False)
+            ag, ng, bad = norm_step(g, ag, ng, bad, 1.0, p, AG, DTG, AG, MODE, False, False)
         if MODE == 2:
             wn = (tl.max(aw, 1) + tl.sum(nw, 1)).to(tl.float64)
             gn = (tl.max(ag, 1) + tl.sum(ng, 1)).to(tl.float64)
         else:
             wn = tl.sum(aw, 1).to(tl.float64)
             gn = tl.sum(ag, 1).to(tl.float64)
-        coef = _agc_ratio(_root(wn, pinv, MODE), _root(gn, pinv, MODE), clip_factor, eps, tiny, tl.float64)
+        coef = _agc_ratio(norm_root(wn, pinv, MODE), norm_root(gn, pinv, MODE), clip_factor, eps, tiny, tl.float64)
         need = rmask & (coef != 1.0)
         if tl.max(need.to(tl.int32), 0) > 0:  # rows that keep their gradient are not written
             for c0 in range(0, length, CB):
@@ -139,8 +139,8 @@ def _agc_coef_kernel(part, seg_tab, split_tab, coef, clip_factor: tl.float64, ep
     i = tl.program_id(0) * SEG_BLOCK + tl.arange(0, SEG_BLOCK)
     imask = i < nsplit
     segs = tl.load(split_tab + i, mask=imask, other=0)
-    w = _root(segment_reduce(part, seg_tab, segs, imask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
-    g = _root(segment_reduce(part + nb, seg_tab, segs, imask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
+    w = norm_root(segment_reduce(part, seg_tab, segs, imask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
+    g = norm_root(segment_reduce(part + nb, seg_tab, segs, imask, ACC, MODE == 2, PART_BLOCK), pinv, MODE).to(OUT)
     tl.store(coef + segs, _agc_ratio(w, g, clip_factor, eps, tiny, OUT), mask=imask)
 
 
@@ -176,7 +176,7 @@ def launch_agc_(params: Sequence[Tensor], grads: Sequence[Tensor], clip_factor: 
             for g in plan.groups:
                 if g.nsplit == 0:
                     continue
-                _scale_kernel[(g.nsplit,)](
+                scale_kernel[(g.nsplit,)](
                     plan.ptr_tabs[1], plan.blk, coef, g.b0 + g.count - g.nsplit, DT=tl_dtype(g.dtypes[1]),
                     C=tl.float64, PER_SEG=True, ALIGNED=g.aligned, BLOCK=Config.BLOCK,
                     num_warps=Config.NUM_WARPS, enable_fp_fusion=False)

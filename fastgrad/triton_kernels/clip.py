@@ -22,7 +22,7 @@ from .norm import norm_passes
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["b0"])
-def _scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.constexpr,
+def scale_kernel(ptr_tab, blk_tab, factor_ptr, b0, DT: tl.constexpr, C: tl.constexpr,
                   PER_SEG: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """x = T(x * f) with f one factor for the list (clip) or one per segment (AGC's per-row ratios);
     a block whose factor is exactly 1 returns without touching memory. A float64 product (C) is rounded to
@@ -82,7 +82,7 @@ def scale_passes(flat: Sequence[Tensor], plan, factor: Tensor) -> None:
             if g.count == 0:
                 continue
             dt = g.dtypes[0]
-            _scale_kernel[(g.count,)](
+            scale_kernel[(g.count,)](
                 plan.ptr_tabs[0], plan.blk, factor, g.b0,
                 DT=tl_dtype(dt), C=tl.float64 if (f64 or dt == torch.float64) else tl.float32, PER_SEG=False,
                 ALIGNED=g.aligned, BLOCK=Config.BLOCK, num_warps=Config.NUM_WARPS, enable_fp_fusion=False)

@@ -36,7 +36,7 @@ def mode_of(norm_type: float) -> int:
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _norm_step(x, acc, nanacc, bad, scale, p, C: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+def norm_step(x, acc, nanacc, bad, scale, p, C: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                MODE: tl.constexpr, HAS_SCALE: tl.constexpr, FLAG: tl.constexpr):
     xf = x.to(C)
     if FLAG:
@@ -77,10 +77,10 @@ def _norm_partial_kernel(ptr_tab, blk_tab, part, flags, scale_ptr, p: tl.float64
     # full tiles without a mask (vectorisable), then one masked tail
     for i in range(0, nfull, BLOCK):
         x = tl.load(ptr + i + ar)
-        acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
+        acc, nanacc, bad = norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
     offs = nfull + ar
     x = tl.load(ptr + offs, mask=offs < n, other=0.0)
-    acc, nanacc, bad = _norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
+    acc, nanacc, bad = norm_step(x, acc, nanacc, bad, scale, p, C, DT, ACC, MODE, HAS_SCALE, FLAG)
     if MODE == 2:
         r = tl.max(acc, 0) + tl.sum(nanacc, 0)
     else:
@@ -91,7 +91,7 @@ def _norm_partial_kernel(ptr_tab, blk_tab, part, flags, scale_ptr, p: tl.float64
 
 
 @triton.jit
-def _root(s, pinv, MODE: tl.constexpr):
+def norm_root(s, pinv, MODE: tl.constexpr):
     if MODE == 0:
         return sqrt_rn(s)
     elif MODE == 3:
@@ -127,7 +127,7 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, c
         smask = segs < nsegs
         v = segment_reduce(part, seg_tab, segs, smask, ACC, MODE == 2, PART_BLOCK)
         if PER:
-            tl.store(per_out + segs, _root(v, pinv, MODE).to(OUT), mask=smask)
+            tl.store(per_out + segs, norm_root(v, pinv, MODE).to(OUT), mask=smask)
         # the total is reduced from the per-tensor sums (not roots): same value, one rounding fewer
         if MODE == 2:
             tot = tl.maximum(tot, tl.where(v == v, v, 0.0))
@@ -160,7 +160,7 @@ def _norm_finalize_kernel(part, flags, seg_tab, total_out, per_out, found_out, c
         total = tl.where((plain == plain) & (tl.abs(plain) < INF), total, plain)
     else:
         total = tl.sum(totp, 0)
-    total = _root(total, pinv, MODE).to(OUT)
+    total = norm_root(total, pinv, MODE).to(OUT)
     tl.store(total_out, total)
     if COEF:
         coef = clip_coef(total, max_norm, eps, OUT)

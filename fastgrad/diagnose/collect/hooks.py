@@ -32,7 +32,7 @@ from ...distributed import to_local_norm
 from ...guard import StepGuard, guard_for
 from ...stats import grad_stats
 from .identity import IdentityMap
-from .interceptors import _ABSENT, RedFlagInterceptors, scaler_classes
+from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
@@ -180,7 +180,7 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
 
     def remove(self) -> None:
         for owner, name, orig in reversed(self._undo):
-            if orig is _ABSENT:
+            if orig is ABSENT:
                 delattr(owner, name)
             else:
                 setattr(owner, name, orig)

@@ -15,7 +15,7 @@ from ...stats import grad_stats
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
 
-_ABSENT = object()  # an attribute to delete, not restore, when the interceptors are removed
+ABSENT = object()  # an attribute to delete, not restore, when the interceptors are removed
 
 
 def scaler_classes() -> list[type]:
@@ -63,7 +63,7 @@ class RedFlagInterceptors:
                 chk.errors.append(f"GradScaler subclass {cls.__name__}: {e}")
 
         base.__init_subclass__ = classmethod(__init_subclass__)
-        self._undo.append((base, "__init_subclass__", orig if had else _ABSENT))
+        self._undo.append((base, "__init_subclass__", orig if had else ABSENT))
 
     def _wrap_opt_init(self, orig):
         chk = self

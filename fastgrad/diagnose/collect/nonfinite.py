@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from ...stats import _named, tensor_stats
+from ...stats import named_params, tensor_stats
 
 __all__ = ["NonFiniteEntry", "NonFiniteReport", "find_nonfinite"]
 
@@ -137,7 +137,7 @@ def find_nonfinite(model_or_parameters, loss=None, *, check_params: bool = True,
     gradients, one over the parameters, one host sync. ``watcher``: a ``fastgrad.diagnose.collect.watch.ForwardWatcher`` that
     watched the forward passes; the first module output it saw go non-finite is reported as ``origin`` and
     leads the diagnosis (one more sync, the watcher's)."""
-    named = _named(model_or_parameters)
+    named = named_params(model_or_parameters)
     with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
     params = [(n, p.detach()) for n, p in named] if check_params else []
     dev = None

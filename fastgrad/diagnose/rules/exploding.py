@@ -89,7 +89,7 @@ class Exploding(Rule):
                 first += f"; step {start.step} had {fmt(start.grad_norm)}"
             detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
                       + clip_text + (run.lr_text(k) if sev == "critical" else "") + _harm_text(harm, harm_of(run, k)))
-            layers = _largest_layers(run.last) if k == last_k else []
+            layers = largest_layers(run.last) if k == last_k else []
             # the script clips: "clip (max_norm=1.0)" would read as "add one"
             if not harm:
                 title = (f"{label}gradient norm above {'1000' if crit else '100'} with no harm seen (the guide's "
@@ -117,7 +117,7 @@ def _harm_text(harm: list, h) -> str:
             "asks a question." + SCALE_QUESTION)
 
 
-def _largest_layers(last, k: int = 3) -> list[str]:
+def largest_layers(last, k: int = 3) -> list[str]:
     if last is None:
         return []
     finite = [r for r in last.layers if math.isfinite(r.norm) and r.norm > 0]

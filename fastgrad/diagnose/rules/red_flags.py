@@ -8,7 +8,7 @@ import math
 
 from ..finding import Finding, fmt, steps_text
 from .base import Rule, RunView
-from .exploding import _largest_layers
+from .exploding import largest_layers
 
 __all__ = ["ClipScaled", "ClipAfterStep", "ClipPartial", "NoZeroGrad", "NoClipping"]
 
@@ -75,7 +75,7 @@ class NoClipping(Rule):
         return [Finding(self.code, "warning" if harmed else "notice", "no gradient clipping while the norm exceeds 100",
                         f"The norm reached {'inf (overflowed float32)' if over else fmt(peak)} and no clip function "
                         "was called." + ("" if harmed else " The run shows no harm from it (see exploding)."),
-                        _largest_layers(run.last) or list(run.bad_params), s,
+                        largest_layers(run.last) or list(run.bad_params), s,
                         {"peak": peak, "harm": sorted({h for f in exp for h in f.evidence.get("harm", ["overflow"])})})]
 
 
