@@ -41,6 +41,7 @@ collectives=all-reduce over the world)``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -79,7 +80,8 @@ class ListPlan:
         self.route: str | None = None
         self.layout = None
         self.n = n
-        self.first = first
+        # weakly: a cached plan must not keep a dead model's parameter (and its gradient) alive
+        self.first = _weak(first)
         self.group = group
 
     def __repr__(self) -> str:
@@ -183,13 +185,22 @@ def lookup(params: list, process_group) -> ListPlan:
     first = params[0]
     key = (len(params), 0 if process_group is None else id(process_group), id(first))  # (plan.group_key, inline)
     plan = _PLANS.get(key)
-    if plan is not None and plan.first is first and plan.group is process_group:
+    if plan is not None and plan.first() is first and plan.group is process_group:
         if len(_PLANS) > _CAP // 2:  # the recency order matters only once the cache can fill: skip its upkeep
             mark_used(_PLANS, key)
         return plan
     plan = ListPlan(len(params), first, process_group)
-    bounded_put(_PLANS, key, plan, _CAP)
+    if plan.first is not None:  # (not a tensor: never cached, the entry's input check names it)
+        bounded_put(_PLANS, key, plan, _CAP)
     return plan
+
+
+def _weak(obj):
+    """A weak reference to ``obj``, or None for what takes none (None itself, a number in a bad list)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 def plan_for(tensors: list, process_group) -> ListPlan:

@@ -117,6 +117,35 @@ def test_plans_are_bounded_and_the_list_in_use_keeps_its_plan():
     assert route.plan_of(others[0]).route is None  # long evicted: planned anew by its next call
 
 
+@pytest.mark.parametrize("entry", ["clip_grad_norm_", "scaler_unscale_and_clip", "grad_stats", "guard"])
+def test_a_cached_plan_keeps_no_dead_model_alive(entry):
+    """A sweep that builds a model per run: the plan cached for the first run's list must not hold its first
+    parameter (with its gradient) once the script drops the model (check's sweep script once showed it kept)."""
+    import gc
+    import weakref
+
+    m = _model(8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    route.clear()
+    if entry == "clip_grad_norm_":
+        fastgrad.clip_grad_norm_(m.parameters(), 1.0)
+    elif entry == "grad_stats":
+        fastgrad.grad_stats(m.parameters())
+    else:  # both with a GradScaler (the guard's CPU clip without one takes the C++ call, which plans nothing)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(m(torch.randn(4, 7)).square().sum()).backward()
+        if entry == "scaler_unscale_and_clip":
+            fastgrad.scaler_unscale_and_clip(scaler, opt, 1.0)
+        else:
+            fastgrad.StepGuard(opt, 1.0).clip_(scaler)
+    first = weakref.ref(next(m.parameters()))
+    assert [p for p in route._PLANS.values() if p.first() is first()]  # the entry cached the list's plan
+    del m, opt
+    scaler = None  # (its per-optimizer state holds the optimizer's gradients' scale, not the model)
+    gc.collect()
+    assert first() is None
+
+
 def test_a_traced_call_never_reaches_the_id_keyed_lookup(monkeypatch):
     """The 2026-11-27 H200 run (torch 2.11): every compiled clip_grad_norm_ stopped at an id() in the sharded
     layout lookup this plan replaced, which Dynamo 2.11 cannot trace. While tracing, plan_of returns a fresh plan
