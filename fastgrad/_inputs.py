@@ -285,6 +285,15 @@ def has_dtype(tensors: list[Tensor], dtype: torch.dtype) -> bool:
     return any(t.dtype == dtype for t in tensors)
 
 
+def out_dtype(tensors: list[Tensor], local: list[Tensor] | None = None) -> torch.dtype | None:
+    """The dtype a norm of ``tensors`` is returned in (torch's: their promoted dtype); None for an empty list (its
+    norm keeps its own dtype). ``local``: a sharded list's local tensors, read instead when the compiled scan
+    checked them (it knows their dtypes: no Python pass through the DTensors)."""
+    if not tensors:
+        return None
+    return promoted_dtype(local if type(local) is Checked else tensors)
+
+
 def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
     if type(tensors) is Checked:
         return _scan.promoted_dtype_of(tensors)

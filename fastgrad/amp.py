@@ -93,20 +93,21 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
             raise ScaleNotStartedError(
                 "scaler_unscale_and_clip was called before scaler.scale(loss): the GradScaler has no scale yet. "
                 "Call scaler.scale(loss).backward() first in each iteration; the gradients were not modified")
+        grads = passes.grads_of(params)
+        plan = route.lookup(params, process_group)
+        sh = plan.place(grads)  # (reads and checks only: a refusal below still leaves everything untouched)
         state = scaler_state.optimizer_state(scaler, optimizer, traced)
         scaler_state.check_ready(scaler, state, traced)
         sharded = not traced and scaler_state.is_sharded(scaler)
-        grads = passes.grads_of(params)
+        unscale = scaler_state.Unscale(scaler, state, sharded, optimizer if zero_write else None)
+        fused = plan.route != "torch" and sh is None and not ex
+        hand_over = unscale.hand_over(grads) if fused else None  # zero_write, where it applies
         if not sharded and inputs.has_dtype(grads, torch.float16):
             raise ValueError("Attempting to unscale FP16 gradients.")
-        plan = route.lookup(params, process_group)
-        sh = plan.place(grads)
         if plan.route != "torch":
-            unscale = scaler_state.Unscale(scaler, state, sharded, optimizer if zero_write else None)
             if sh is None and not grads:
                 scaler_state.record_unscaled(scaler, state, {}, sharded, unscale.flag_shape)
                 return torch.tensor(0.0)
-            hand_over = unscale.hand_over(grads) if sh is None and not ex else None  # zero_write, where it applies
             return route.clip_(sh, grads, max_norm, p, error_if_nonfinite, None, backend, ex, unscale, hand_over)
         # Sparse or complex grads: torch's unscale_ and clip (refused before anything if a fused backend was asked
         # for by name)

@@ -61,7 +61,8 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     if plan.route == "torch":
         plan.refuse_fallback("get_total_norm", backend, ex)
         return _torch_utils.get_total_norm(tensors, p, error_if_nonfinite, foreach)
-    total, out = route.total_norm(sh, tensors, p, backend, foreach, ex, route.out_dtype(sh, tensors))
+    dtype = inputs.out_dtype(tensors, None if sh is None else sh.writes)
+    total, out = route.total_norm(sh, tensors, p, backend, foreach, ex, dtype)
     if error_if_nonfinite:
         inputs.check_finite(out if ex else total, p)  # (exact: the value returned, rounded once)
     return out if sh is None else distributed.wrap_like(out, sh)

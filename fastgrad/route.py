@@ -227,19 +227,11 @@ def one_call_backend(read: str, grads: list[Tensor], backend: str | None, p: flo
     return b if inputs.pick("scale", grads, backend) is b else None
 
 
-def out_dtype(sh: distributed.Sharded | None, tensors: list[Tensor]) -> torch.dtype | None:
-    """The dtype a norm of ``tensors`` is returned in (torch's: their promoted dtype), from the compiled scan of a
-    sharded list's local tensors when there is one; None for an empty list (its norm keeps its own dtype)."""
-    if not tensors:
-        return None
-    return inputs.promoted_dtype(sh.writes if sh is not None and sh.checked else tensors)
-
-
 def total_norm(sh: distributed.Sharded | None, tensors: list[Tensor], p: float, backend: str | None,
                foreach: bool | None, exact: bool, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """The total norm of a placed list (``sh``: its sharded view, one collective; None: plain):
     ``(total, out)``, the total in the accumulation dtype (for a coefficient) and the value returned, in ``dtype``
-    (:func:`out_dtype`). ``exact``: both correctly rounded from one exact sum (fastgrad.exact)."""
+    (``fastgrad._inputs.out_dtype``). ``exact``: both correctly rounded from one exact sum (fastgrad.exact)."""
     if exact:
         return exact_reads.totals(sh, tensors, p, backend, dtype)
     if sh is not None:
@@ -294,24 +286,24 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
     (``fastgrad.decide``), or the factor handed over (``hand_over(grad_scale)``: to an optimizer that applies it
     inside its step). A plain list on one device that one backend serves (:func:`one_call_backend`) takes the
     read, the factor and the write in ONE call: its fused ``clip_norm_`` (which always writes), or ``amp_clip_``."""
-    dtype = out_dtype(sh, grads)
     one = None
     if sh is None and not exact and not check and (unscale is None or not unscale.sharded):
         one = one_call_backend("norm" if unscale is None else "amp_norm", grads, backend, p)
-        if one is not None and unscale is None:
-            if hand_over is None:
-                return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(dtype)
+        if one is not None and unscale is None and hand_over is not None:
             one = None  # (its clip_norm_ always writes: a factor to hand over takes the passes below)
+    # the local tensors to write, by device (none left to write after one fused call), and the returned dtype
+    groups = [] if one is not None else inputs.split_by_device(grads if sh is None else sh.writes)
+    dtype = inputs.out_dtype(grads, None if sh is None else sh.writes)
+    if one is not None and unscale is None:
+        return one.clip_norm_(grads, max_norm, p, foreach=foreach).to(dtype)
     unscaled = False
     factor = None
     if one is not None:  # under a scaler: the read, the flag, the factor and (unless handed over) the write
-        groups = []  # (nothing left to write here)
         dev = grads[0].device
         total, flag, factor = one.amp_clip_(grads, unscale.inv.to(dev, non_blocking=True), max_norm, p,
                                             hand_over is None)
         out, found, reduce_flags = total.to(dtype), {dev: flag.reshape(())}, False
     else:
-        groups = inputs.split_by_device(grads if sh is None else sh.writes)
         if unscale is None:
             total, out = total_norm(sh, grads, p, backend, foreach, exact, dtype)
         else:
