@@ -223,6 +223,11 @@ def read(unscale: Unscale, sh, grads: list[Tensor], groups: list[list[Tensor]], 
     and whether the gradients were unscaled in place already (``exact``: ``unscale_``'s own pass first, then the
     exact norm of the unscaled values). Sharded: one all-reduce carries the norm and the overflow flag."""
     inv, flag_shape = unscale.inv, unscale.flag_shape
+    # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly the
+    # ranks a sharded default read's all-reduce reached, the global flag that came back with the norm IS that
+    # reduction (as 0/1 where torch records the number of ranks that overflowed; step and update read both as
+    # "overflow or not"): no second collective. Otherwise (own) the scaler's own reduction of the local flags.
+    own = sh is not None and not exact and unscale.sharded and not folds_flags(unscale.scaler, sh)
     if exact:
         for g in groups:  # the backends that will write, checked before anything is
             inputs.pick("scale", g, backend)
@@ -232,18 +237,15 @@ def read(unscale: Unscale, sh, grads: list[Tensor], groups: list[list[Tensor]], 
             return total, out, found, unscale.sharded, True
         # every rank's verdict from the reduced norm (an overflowed scaled value is non-finite unscaled): the same
         # found_inf everywhere without a second collective
-        return total, out, flags_of(unscale, nonfinite(total).to(torch.float32), found), False, True
-    if sh is None:
+        flag, devices = nonfinite(total).to(torch.float32), found
+    elif sh is not None:
+        total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv, p, backend))
+        out = total if dtype is None else total.to(dtype)
+        flag, devices = (local_flag if own else global_flag), {g[0].device: None for g in groups}
+    else:
         total, found = passes.amp_total(groups, inv, p, backend, flag_shape, acc_dtype(grads))
         return total, total.to(dtype), found, unscale.sharded, False
-    total, local_flag, global_flag = distributed.reduced_amp_norm(sh, p, passes.local_amp(inv, p, backend))
-    # A ShardedGradScaler reduces the ranks' flags over its own process group. When that group is exactly the
-    # ranks the norm's all-reduce reached, the global flag that came back with the norm IS that reduction (as
-    # 0/1 where torch records the number of ranks that overflowed; step and update read both as "overflow or
-    # not"): no second collective. Otherwise the scaler's own reduction of the local flags.
-    own = unscale.sharded and not folds_flags(unscale.scaler, sh)
-    found = flags_of(unscale, local_flag if own else global_flag, {g[0].device: None for g in groups})
-    return total, total if dtype is None else total.to(dtype), found, own, False
+    return total, out, flags_of(unscale, flag, devices), own, exact
 
 
 def flags_of(unscale: Unscale, flag: Tensor, devices: dict) -> dict:

@@ -226,14 +226,18 @@ def _scenario_amp_guard(rank, world):
 
     fulls = _fulls([torch.float32], [(13, 7), (5,), (64, 9)], seed=5)
     c_total, _ = _clipped(fulls, 2.0)
-    for overflow in (False, True):
+    # also a scaler whose own group is not the ranks the norm reached (each rank alone): an exact read's verdict
+    # is global already, so it still takes no second collective (a default read there would run the scaler's own)
+    singles = [dist.new_group([r]) for r in range(world)]
+    for overflow, scaler_group in ((False, None), (True, None), (True, singles[rank])):
         params = [torch.nn.Parameter(_piece(f, rank, world).clone()) for f in fulls]
         for prm in params:
             prm.grad = prm.detach() * scale
         if overflow and rank == world - 1:
             params[-1].grad[0] = math.inf
         opt = torch.optim.SGD(params, lr=0.1)
-        scaler = ShardedGradScaler(device="cpu", init_scale=scale)
+        kw = {} if scaler_group is None else {"process_group": scaler_group}
+        scaler = ShardedGradScaler(device="cpu", init_scale=scale, **kw)
         scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
         with CollectiveCount() as c:
             got = fastgrad.scaler_unscale_and_clip(scaler, opt, 0.5, process_group=pieces, exact=True)
