@@ -88,7 +88,7 @@ def test_a_list_that_changed_is_planned_again_with_the_same_results(monkeypatch)
     assert plan.route == "cpu"
 
 
-def test_exact_and_process_group_never_take_the_cpu_route(monkeypatch):
+def test_exact_and_process_group_never_take_the_cpu_route(monkeypatch, one_rank_group):
     m = _model(4)
     fastgrad.clip_grad_norm_(m.parameters(), 1.0)
     calls = _spy_cpu_calls(monkeypatch)
@@ -96,6 +96,13 @@ def test_exact_and_process_group_never_take_the_cpu_route(monkeypatch):
     out = fastgrad.clip_grad_norm_(m.parameters(), 0.05, exact=True)
     assert calls == []  # the exact norm has its own reads
     assert torch.equal(out, fastgrad.get_total_norm([p.grad for p in ref], exact=True))
+    # a process_group: the one-call C++ clip would read this rank's shards alone (no collective), so a list that
+    # has no plan yet under that group never tries it, on its first call or later ones
+    m = _model(9)
+    for _ in range(2):
+        fastgrad.clip_grad_norm_(m.parameters(), 1.0, process_group=one_rank_group)
+    assert calls == []
+    assert route.plan_of(m.parameters(), one_rank_group).route == "sharded"
 
 
 @needs_host
