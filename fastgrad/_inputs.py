@@ -291,7 +291,9 @@ def out_dtype(tensors: list[Tensor], local: list[Tensor] | None = None) -> torch
     checked them (it knows their dtypes: no Python pass through the DTensors)."""
     if not tensors:
         return None
-    return promoted_dtype(local if type(local) is Checked else tensors)
+    if type(local) is Checked:
+        return _scan.promoted_dtype_of(local)
+    return _scan.promoted_dtype_of(tensors) if type(tensors) is Checked else promoted_dtype(tensors)
 
 
 def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:

@@ -324,6 +324,6 @@ def clip_(sh: distributed.Sharded | None, grads: list[Tensor], max_norm: float, 
             raise
     if factor is not None and hand_over is not None:
         hand_over(grad_scale(factor))
-    elif factor is not None:
+    elif factor is not None and groups:  # (none left after one fused call, which wrote)
         passes.scale_groups(groups, factor, backend, foreach)
     return out if sh is None else distributed.wrap_like(out, sh)
