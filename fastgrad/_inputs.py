@@ -291,9 +291,10 @@ def out_dtype(tensors: list[Tensor], local: list[Tensor] | None = None) -> torch
     checked them (it knows their dtypes: no Python pass through the DTensors)."""
     if not tensors:
         return None
-    if type(local) is Checked:
-        return _scan.promoted_dtype_of(local)
-    return _scan.promoted_dtype_of(tensors) if type(tensors) is Checked else promoted_dtype(tensors)
+    src = local if type(local) is Checked else tensors
+    if type(src) is not Checked:
+        return promoted_dtype(src)
+    return _scan.promoted_dtype_of(src)  # (promoted_dtype's own first case, one call fewer)
 
 
 def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
