@@ -72,7 +72,8 @@ _CAP = 64  # lists planned at once: a model's clip lists (a few per training scr
 class ListPlan:
     """How one list is served: ``route`` (one of :data:`ROUTES`, None before the list is placed), ``layout``
     (the sharded routes: the list's cached layout, with the plan of its collectives) and the list's identity
-    (``n``, ``first``, ``group``: the ``process_group=`` its calls pass)."""
+    (``n``, ``first``: a weak reference to its first parameter, None for a plan never looked up; ``group``: the
+    ``process_group=`` its calls pass)."""
 
     __slots__ = ("route", "layout", "n", "first", "group")
 
@@ -81,7 +82,7 @@ class ListPlan:
         self.layout = None
         self.n = n
         # weakly: a cached plan must not keep a dead model's parameter (and its gradient) alive
-        self.first = _weak(first)
+        self.first = None if first is None else _weak(first)
         self.group = group
 
     def __repr__(self) -> str:
@@ -181,7 +182,7 @@ def lookup(params: list, process_group) -> ListPlan:
     """:func:`plan_of` for a list. While torch.compile traces, a fresh plan (Dynamo 2.11 cannot trace every id(),
     and the routes a plan remembers are eager C++ passes): the traced call places it as a first call would."""
     if not params or torch.compiler.is_compiling():
-        return ListPlan(len(params), params[0] if params else None, process_group)
+        return ListPlan(len(params), None, process_group)  # (never looked up: no reference to trace)
     first = params[0]
     key = (len(params), 0 if process_group is None else id(process_group), id(first))  # (plan.group_key, inline)
     plan = _PLANS.get(key)
@@ -205,7 +206,7 @@ def _weak(obj):
 
 def plan_for(tensors: list, process_group) -> ListPlan:
     """A fresh, uncached plan for a list of gradients themselves (see the module's docstring)."""
-    return ListPlan(len(tensors), tensors[0] if tensors else None, process_group)
+    return ListPlan(len(tensors), None, process_group)  # (never looked up: no identity kept)
 
 
 def clear() -> None:
