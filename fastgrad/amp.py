@@ -100,8 +100,8 @@ def scaler_unscale_and_clip(scaler, optimizer, max_norm: float, norm_type: float
         scaler_state.check_ready(scaler, state, traced)
         sharded = not traced and scaler_state.is_sharded(scaler)
         unscale = scaler_state.Unscale(scaler, state, sharded, optimizer if zero_write else None)
-        asks = zero_write and plan.route != "torch" and sh is None and not ex
-        hand_over = unscale.hand_over(grads) if asks else None  # zero_write, where it applies
+        may_hand_over = zero_write and plan.route != "torch" and sh is None and not ex
+        hand_over = unscale.hand_over(grads) if may_hand_over else None  # zero_write, where it applies
         if not sharded and inputs.has_dtype(grads, torch.float16):
             raise ValueError("Attempting to unscale FP16 gradients.")
         if plan.route != "torch":
