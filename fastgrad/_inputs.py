@@ -291,10 +291,7 @@ def out_dtype(tensors: list[Tensor], local: list[Tensor] | None = None) -> torch
     checked them (it knows their dtypes: no Python pass through the DTensors)."""
     if not tensors:
         return None
-    src = local if type(local) is Checked else tensors
-    if type(src) is not Checked:
-        return promoted_dtype(src)
-    return _scan.promoted_dtype_of(src)  # (promoted_dtype's own first case, one call fewer)
+    return promoted_dtype(local if type(local) is Checked else tensors)
 
 
 def promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
