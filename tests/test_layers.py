@@ -73,7 +73,8 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.collect.identity", "fastgrad.diagnose.collect.snapshot", "fastgrad.diagnose.collect.history",
      "fastgrad.diagnose.collect.watch", "fastgrad.diagnose.collect.nonfinite", "fastgrad.diagnose.collect.steps"],
     ["fastgrad.diagnose.collect.interceptors", "fastgrad.diagnose.collect.manual",
-     "fastgrad.diagnose.collect.naming", "fastgrad.diagnose.collect.optimizer_hooks"],
+     "fastgrad.diagnose.collect.naming", "fastgrad.diagnose.collect.optimizer_hooks",
+     "fastgrad.diagnose.collect.bookkeeping", "fastgrad.diagnose.collect.readout"],
     ["fastgrad.diagnose.collect.ranks"],
     ["fastgrad.diagnose.collect.hooks"],
     ["fastgrad.diagnose.rules.trends", "fastgrad.diagnose.rules.base"],
@@ -273,6 +274,36 @@ def test_reintroduced_private_import_is_caught(importer, stmt):
     sources = {m: p.read_text() for m, p in mods.items()}
     sources[importer] += "\n" + stmt
     assert private_imports(sources), stmt
+
+
+MAX_CLASS_LINES = 400
+
+
+def long_classes(sources: dict[str, str] | None = None) -> list[str]:
+    """Classes of fastgrad/ longer than MAX_CLASS_LINES (from ``class`` to the class's last line)."""
+    if sources is None:
+        sources = {m: p.read_text() for m, p in _modules().items()}
+    out = []
+    for mod, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    out.append(f"{mod}.{node.name}: {n} lines")
+    return out
+
+
+def test_no_class_over_the_size_bound():
+    bad = long_classes()
+    assert not bad, f"classes over {MAX_CLASS_LINES} lines (split them along their seams):\n" + "\n".join(bad)
+
+
+def test_a_class_at_the_bound_passes_and_one_line_over_fails():
+    def sized(n):  # a class of exactly n lines
+        return "class Big:\n" + "    x = 0\n" * (n - 1)
+
+    assert not long_classes({"m": sized(MAX_CLASS_LINES)})
+    assert long_classes({"m": sized(MAX_CLASS_LINES + 1)}) == [f"m.Big: {MAX_CLASS_LINES + 1} lines"]
 
 
 def test_graph_sees_known_edges():

@@ -13,7 +13,9 @@ device until a flush (one sync per ``flush_every`` steps and one at the end).
   a GradScaler) on the device;
 - a :class:`~fastgrad.diagnose.collect.watch.ForwardWatcher` on every module remembers the first non-finite
   module output;
-- the red-flag interceptors (``interceptors``) watch the clip, ``zero_grad`` and the GradScaler.
+- the red-flag interceptors (``interceptors``) watch the clip, ``zero_grad`` and the GradScaler;
+- each step's row is closed and flushed by ``bookkeeping``, and the run read to the host at its end by
+  ``readout``.
 
 Nothing on the script's path reads a device value: per-step values are written with device ops (never a
 host number assigned into a device tensor, which on CUDA is a synchronizing copy)."""
@@ -27,27 +29,26 @@ import weakref
 import torch
 from torch import Tensor
 
-from ...clip import multi_tensor_norm
-from ...distributed import to_local_norm
-from ...guard import StepGuard, guard_for
-from ...stats import grad_stats
+from ...guard import StepGuard
+from .bookkeeping import StepBookkeeping
 from .identity import IdentityMap
 from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
 from .ranks import RankRecorder
+from .readout import RunReadout
 from .steps import StepRecord, StopCheck
 from .watch import ForwardWatcher
 
 __all__ = ["Checker", "StopCheck"]
 
 
-
-
-
-class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLoopReader, RankRecorder):
-    """The hooks and interceptors of one checked run. ``install()``/``remove()`` bracket the script."""
+class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, RedFlagInterceptors,
+              ManualLoopReader, RankRecorder):
+    """The hooks and interceptors of one checked run (its state, what it installs, the backward interceptor).
+    ``install()``/``remove()`` bracket the script; each step is closed by ``StepBookkeeping`` and the run read
+    by ``RunReadout.finish()``."""
 
     def __init__(self, max_steps: int | None = None, flush_every: int = 64):
         self.max_steps = max_steps
@@ -275,190 +276,4 @@ class Checker(OptimizerStepReader, ParameterNames, RedFlagInterceptors, ManualLo
                 raise StopCheck()
         self._m_losses.append(loss)
         return True
-
-    def finish(self) -> None:
-        """After the script: close an open hand-written step, read everything to the host."""
-        if not self._opt_started and self._m_row is not None:
-            try:
-                if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
-                    self._m_used = self._stats_row(grad_stats(self._m_named))
-                self._manual_close()
-            except Exception as e:  # noqa: BLE001
-                self.errors.append(f"last backward: {e}")
-        self.flush()
-        if not self.steps and (self._m_steps or self._m_host):
-            self.steps = self._m_host + self._read(self._m_steps)
-            self._m_steps = []
-            self.last_stats = self._m_last
-        if self.update_rows:
-            vals = torch.stack([t.to(self.update_rows[0][2].device) for _, _, t in self.update_rows]) \
-                if len({t.shape for _, _, t in self.update_rows}) == 1 else None
-            rows = vals.tolist() if vals is not None else [t.tolist() for _, _, t in self.update_rows]
-            self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
-            self.update_rows = []
-        self._read_live()
-        for i, ref in enumerate(self._opt_refs):
-            opt = ref()
-            if opt is not None and opt.param_groups:
-                lr = opt.param_groups[0].get("lr")
-                self.series_lr[i] = lr if isinstance(lr, (int, float)) else self.series_lr[i]
-
-    def _note_live(self, live: dict, series: int, stats, named) -> None:
-        """Count, on the device, the parameters of one read whose gradient is nonzero (a norm other than 0: NaN
-        counts as nonzero); the names and the steps read are counted on the host. No sync."""
-        key = (series, tuple(stats.names))
-        nz = (stats.norm != 0).to(torch.int64)
-        acc = live.get(key)
-        if acc is None:
-            live[key] = [nz, 1]
-        else:
-            acc[0] = acc[0] + nz
-            acc[1] += 1
-        kept = self._series_params.get(series)
-        # the same list object while the optimizer's parameters stay (its id only: holding the list would keep a
-        # dropped model alive; a series is one optimizer, so a freed list's id never comes back for it)
-        if kept is None or kept[0] != id(named):
-            self._series_params[series] = (id(named), [(n, p.requires_grad) for n, p in named])
-
-    def _read_live(self) -> None:
-        """After the run: per parameter, (series, steps read, steps with a gradient, steps with a nonzero one),
-        for the optimizers' parameters (or the hand-written loop's, when no optimizer stepped). One sync."""
-        live = self._live if self._opt_started else self._m_live
-        if not live:
-            return
-        keys = list(live)
-        vals = torch.cat([live[k][0].to(live[keys[0]][0].device) for k in keys]).tolist()
-        reads: dict[int, int] = {}
-        present: dict[str, list] = {}
-        pos = 0
-        for key in keys:
-            series, names = key
-            n = live[key][1]
-            reads[series] = reads.get(series, 0) + n
-            for name in names:
-                acc = present.setdefault(name, [series, 0, 0])
-                acc[1] += n
-                acc[2] += int(vals[pos])
-                pos += 1
-        out = {}
-        for series, (_, params) in self._series_params.items():
-            for name, trainable in params:
-                if not trainable:
-                    continue
-                _, got, nz = present.get(name, [series, 0, 0])
-                out.setdefault(name, (series, reads.get(series, 0), got, nz))
-        self.live = out
-        self._live, self._m_live = {}, {}
-
-    def _grad_norm_now(self) -> Tensor | None:
-        """Device norm of the gradients the last optimizer holds before a new backward: nonzero when they
-        were never zeroed. No sync."""
-        opt = None if self._last_opt is None else self._last_opt()
-        if opt is None:
-            return None
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
-        if not grads:
-            return None
-        return multi_tensor_norm(grads)
-
-    # ---------------------------------------------------------------- optimizer step hooks
-    def _boundary(self, opt, skipped: bool) -> None:
-        """End of one training step (an optimizer step, or a step the GradScaler skipped)."""
-        series = self._series_of(opt)
-        self.steps_done += 1
-        step = self.steps_done
-        if self._clip_after_bw and self._bw_after_clip:
-            self.flags["clip_partial"].append(step)
-        unread = not skipped and getattr(self, "_read_failed", False)
-        st = self.last_stats if not skipped and not unread else None
-        dev = st.total_norm.device if st is not None and len(st) else torch.device("cpu")
-        # a fill kernel, not torch.tensor(nan, device=dev): on CUDA that is a synchronizing host-to-device copy
-        nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)
-
-        def val(t):
-            # (a sharded run's norms may be DTensors: the value each rank holds)
-            return nan if t is None else to_local_norm(t.detach()).reshape(()).to(dev, torch.float64)
-
-        # the step's loss: everything backpropagated over the step (the micro-batch losses added up); for a
-        # closure, its first evaluation's
-        losses = self._step_losses if self._step_losses is not None else self._losses
-        if not losses and self._bw == 0 and self._step_losses is None:
-            # no backward since the previous step: these gradients came from that step's backward (one loss,
-            # several optimizers stepping on it), so that is the loss behind this step too
-            losses = self._prev_losses
-        self._prev_losses = losses
-        loss = torch.stack([v.to(dev) for v in losses]).sum() if losses else None
-        if st is not None and len(st):
-            norm, nonfin, zero = val(st.total_norm), val((st.nan + st.inf).sum()), val(st.zero.sum())
-            if self._extra_bad is not None:
-                nonfin = nonfin + val(self._extra_bad)
-            numel = sum(map(_numel, st.shapes))
-        elif skipped or unread:
-            norm = nonfin = zero = nan
-            numel = 0
-        else:  # a step with no gradient at all: nothing learns (not "non-finite")
-            norm = nonfin = zero = torch.zeros((), dtype=torch.float64, device=dev)
-            numel = 0
-        # a StepGuard's decision for this step (its device flag), when clip_ ran since the previous step
-        g = guard_for(opt)
-        gflag = None
-        if g is not None and g.calls != self._guard_calls.get(g, 0) and g.skipped is not None:
-            gflag = g.skipped.to(torch.float64)
-        if g is not None:
-            self._guard_calls[g] = g.calls
-        row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm),
-                           val(gflag) if gflag is not None else torch.zeros((), dtype=torch.float64, device=dev)])
-        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
-        rec = StepRecord(step=step, skipped=skipped, numel=numel, has_loss=loss is not None,
-                         clipped=self._clips > 0, zeroed=self._zeroed,
-                         leftover_checked=self._leftover is not None, series=series,
-                         evals=max(self._evals, 1), clip_max=self._clip_max if self._clips else None,
-                         clip_read=self._clip_norm is not None,
-                         lr=lr if isinstance(lr, (int, float)) else None, unread=unread)
-        self._read_failed = False
-        self._pending.append((rec, row))
-        # reset the per-step state
-        self._bw = 0
-        self._clip_after_bw = self._bw_after_clip = False
-        self._zeroed = False
-        self._grads_scaled = False
-        self._losses = []
-        self._step_losses, self._evals, self._extra_bad = None, 0, None
-        self._clip_norm = self._leftover = None
-        self._clip_max = None
-        self._clips = 0
-        if self.watcher is not None:
-            self.watcher.step()
-        if len(self._pending) >= self.flush_every:
-            self.flush()
-
-    @staticmethod
-    def _read(pending) -> list[StepRecord]:
-        if not pending:
-            return []
-        dev = pending[0][1].device
-        vals = torch.stack([r.to(dev) for _, r in pending]).tolist()
-        out = []
-        for (rec, _), (norm, nonfin, zero, loss, leftover, clip_norm, gskip) in zip(pending, vals):
-            rec.total_norm, rec.nonfinite, rec.zero = norm, nonfin, zero
-            rec.guard_skipped = gskip > 0
-            rec.loss = loss if rec.has_loss else None
-            rec.leftover = leftover if rec.leftover_checked else None
-            rec.clip_norm = clip_norm if rec.clip_read else None
-            out.append(rec)
-        return out
-
-    def flush(self) -> None:
-        """Read the pending per-step rows to the host: one sync."""
-        self.steps += self._read(self._pending)
-        self._pending.clear()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
 

@@ -1,8 +1,8 @@
 """The optimizer step hooks of a checked run: right before ``step()`` (or, with ``step(closure)``, when the
 closure's FIRST evaluation returns) the fused ``grad_stats`` pass reads the step's gradients and keeps the
 results on the device; NaN/Inf gradients of later closure evaluations are counted too; after the step the
-step's row is closed (``Checker._boundary``). A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`,
-which owns the state."""
+step's row is closed (``StepBookkeeping._boundary`` of ``collect.bookkeeping``). A mixin of
+:class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the state."""
 
 from __future__ import annotations
 

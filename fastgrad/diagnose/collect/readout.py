@@ -1,0 +1,91 @@
+"""The end of a checked run: what ``python -m fastgrad.check`` reads to the host once the script has returned
+(a hand-written loop's open step, the pending step rows, the sampled updates, the per-parameter counts of
+nonzero gradients, each optimizer's final learning rate). A mixin of
+:class:`~fastgrad.diagnose.collect.hooks.Checker`; ``_note_live`` is the device-side count that the step hooks
+feed during the run (no sync), ``finish`` the reads after it."""
+
+from __future__ import annotations
+
+import torch
+
+from ...stats import grad_stats
+
+__all__ = ["RunReadout"]
+
+
+class RunReadout:
+    """``finish()`` after the script; the counts of live parameters kept on the device until then."""
+
+    def finish(self) -> None:
+        """After the script: close an open hand-written step, read everything to the host."""
+        if not self._opt_started and self._m_row is not None:
+            try:
+                if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
+                    self._m_used = self._stats_row(grad_stats(self._m_named))
+                self._manual_close()
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"last backward: {e}")
+        self.flush()
+        if not self.steps and (self._m_steps or self._m_host):
+            self.steps = self._m_host + self._read(self._m_steps)
+            self._m_steps = []
+            self.last_stats = self._m_last
+        if self.update_rows:
+            vals = torch.stack([t.to(self.update_rows[0][2].device) for _, _, t in self.update_rows]) \
+                if len({t.shape for _, _, t in self.update_rows}) == 1 else None
+            rows = vals.tolist() if vals is not None else [t.tolist() for _, _, t in self.update_rows]
+            self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
+            self.update_rows = []
+        self._read_live()
+        for i, ref in enumerate(self._opt_refs):
+            opt = ref()
+            if opt is not None and opt.param_groups:
+                lr = opt.param_groups[0].get("lr")
+                self.series_lr[i] = lr if isinstance(lr, (int, float)) else self.series_lr[i]
+
+    def _note_live(self, live: dict, series: int, stats, named) -> None:
+        """Count, on the device, the parameters of one read whose gradient is nonzero (a norm other than 0: NaN
+        counts as nonzero); the names and the steps read are counted on the host. No sync."""
+        key = (series, tuple(stats.names))
+        nz = (stats.norm != 0).to(torch.int64)
+        acc = live.get(key)
+        if acc is None:
+            live[key] = [nz, 1]
+        else:
+            acc[0] = acc[0] + nz
+            acc[1] += 1
+        kept = self._series_params.get(series)
+        # the same list object while the optimizer's parameters stay (its id only: holding the list would keep a
+        # dropped model alive; a series is one optimizer, so a freed list's id never comes back for it)
+        if kept is None or kept[0] != id(named):
+            self._series_params[series] = (id(named), [(n, p.requires_grad) for n, p in named])
+
+    def _read_live(self) -> None:
+        """After the run: per parameter, (series, steps read, steps with a gradient, steps with a nonzero one),
+        for the optimizers' parameters (or the hand-written loop's, when no optimizer stepped). One sync."""
+        live = self._live if self._opt_started else self._m_live
+        if not live:
+            return
+        keys = list(live)
+        vals = torch.cat([live[k][0].to(live[keys[0]][0].device) for k in keys]).tolist()
+        reads: dict[int, int] = {}
+        present: dict[str, list] = {}
+        pos = 0
+        for key in keys:
+            series, names = key
+            n = live[key][1]
+            reads[series] = reads.get(series, 0) + n
+            for name in names:
+                acc = present.setdefault(name, [series, 0, 0])
+                acc[1] += n
+                acc[2] += int(vals[pos])
+                pos += 1
+        out = {}
+        for series, (_, params) in self._series_params.items():
+            for name, trainable in params:
+                if not trainable:
+                    continue
+                _, got, nz = present.get(name, [series, 0, 0])
+                out.setdefault(name, (series, reads.get(series, 0), got, nz))
+        self.live = out
+        self._live, self._m_live = {}, {}
