@@ -22,17 +22,22 @@ WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and th
 WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 
 # An install is redone only when something it depends on changed: the build files and C++/CUDA sources
-# (file times against the stamp), or the environment (which python, which torch, what fastgrad install it
-# sees; written into the stamp). `make -B setup` forces it. The stamps live in the ignored build/ folder,
+# (file times against the stamp), or the environment (written into the stamp): which python, and the torch and
+# the fastgrad that python imports, as seen from outside the clone (-I: neither the working directory, where a
+# `pip install .` leaves fastgrad.egg-info, nor PYTHONPATH counts). The fastgrad is its version and the source
+# it was installed from, not how: `pip install .` and make's editable install of the same clone build the same
+# in-place extension, so switching between them rebuilds nothing. `make -B setup` forces it. The stamps live in the ignored build/ folder,
 # so a clean clone installs everything. One stamp per install kind: `make test` after `make bench` adds
 # the test extras' packages without rebuilding fastgrad (a rebuild recompiles the extension: minutes), as
 # long as the benchmark's install is current; `make bench` after `make test` finds everything there.
 TEST_STAMP := build/.make-install-test
 BENCH_STAMP := build/.make-install-bench
-ENV_ID_PY := import sys, hashlib, importlib.metadata as m; \
-  print(hashlib.sha1(repr((sys.executable, [d.version for d in m.distributions(name='torch')], \
-        [(d.read_text('direct_url.json') or '') + d.version for d in m.distributions(name='fastgrad')])).encode()).hexdigest())
-ENV_ID := $(shell $(PYTHON) -c "$(ENV_ID_PY)" 2>/dev/null)
+ENV_ID_PY := import sys, json, hashlib, importlib.metadata as m; \
+  dist = lambda n: next(iter(m.distributions(name=n)), None); \
+  src = lambda d: d and (d.version, json.loads(d.read_text('direct_url.json') or '{}').get('url', '')); \
+  print(hashlib.sha1(repr((sys.executable, src(dist('torch')), src(dist('fastgrad')))).encode()).hexdigest())
+ENV_ID_RUN := $(PYTHON) -I -c "$(ENV_ID_PY)"
+ENV_ID := $(shell $(ENV_ID_RUN) 2>/dev/null)
 INSTALL_DEPS := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 # The requirements the installed fastgrad declares for the extras in argv[1], their extra clause dropped so
 # pip still evaluates the rest of a marker (transformers only on Python >= 3.11).
@@ -98,7 +103,7 @@ define install
 	$(call watched_pip,install,install --no-build-isolation -e ".[$$extras]") || exit 1; \
 	echo "== fastgrad[$$extras] installed in $$(( $$(date +%s) - start )) s"
 	@mkdir -p $(dir $(2))
-	@$(PYTHON) -c "$(ENV_ID_PY)" > $(2)
+	@$(ENV_ID_RUN) > $(2)
 endef
 
 setup: $(TEST_STAMP)
@@ -127,7 +132,7 @@ add-test-extras:
 	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done
 	@$(PYTHON) -c "$$EXTRA_REQS_PY" $(TEST_EXTRAS) > build/.make-test-requirements.txt
 	@$(PYTHON) -m pip install -r build/.make-test-requirements.txt
-	@$(PYTHON) -c "$(ENV_ID_PY)" > $(TEST_STAMP)
+	@$(ENV_ID_RUN) > $(TEST_STAMP)
 
 $(BENCH_STAMP): $(INSTALL_DEPS)
 	$(call install,$(BENCH_EXTRAS),$@,make bench)
