@@ -53,9 +53,9 @@ def test_steady_times_keep_their_verdict_and_the_medians_agree():
     assert math.isnan(timing.median_ratio([None], [1.0]))
 
 
-def test_too_few_rounds_stay_within_noise_whatever_the_medians():
+def test_too_few_rounds_give_no_interval_whatever_the_medians():
     r, v, why, _ = timing.judged([10.0, 1.0, 10.0], [1.0, 10.0, 1.0])
-    assert v == timing.NOISE and "too few" in why
+    assert v == timing.NO_INTERVAL and why == "3 rounds"
 
 
 # ------------------------------------------------------------------------------------------- the floor

@@ -195,7 +195,7 @@ def test_verdict_noisy_is_within_noise_and_says_why():
     assert v == timing.NOISE and why == "within +-5%"
     # too few rounds for an interval: never a verdict either way, however large the ratio
     v, why = timing.verdict(_ratio([3.0, 3.1, 2.9]))
-    assert v == timing.NOISE and "too few" in why
+    assert (v, why) == (timing.NO_INTERVAL, "3 rounds")
     # one bad round among many moves neither the median nor (with enough rounds) the interval
     v, _ = timing.verdict(_ratio([2.0] * 19 + [0.1]))
     assert v == timing.FASTER
@@ -402,6 +402,8 @@ def test_host_workload_rows_and_env_backend_ignored(monkeypatch, tmp_path, capsy
     assert os.environ["FASTGRAD_BACKEND"] == "torch"  # restored after the run
     captured = capsys.readouterr()
     assert "Legend:" in captured.out and "For reference only" in captured.out
+    # one round each: no interval, said as such on every such row (never "within noise")
+    assert "1 round: no interval" in captured.out and "within noise (" not in captured.out
     with open(tmp_path / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["op"] for r in rows} == {"clip"}
@@ -411,7 +413,7 @@ def test_host_workload_rows_and_env_backend_ignored(monkeypatch, tmp_path, capsy
         # host workloads have no floor; one round gives no interval, so no verdict either way
         assert r["pct_floor"] == "" and int(r["tensors"]) == 4000 and float(r["host_ms"]) > 0
         if r["role"] != "baseline":
-            assert r["verdict"] == "within noise" and "too few" in r["verdict_why"]
+            assert r["verdict"] == "no interval" and r["verdict_why"] == "1 round"
     notes = json.loads((tmp_path / "meta.json").read_text())["notes"]
     assert any("FASTGRAD_BACKEND=torch was ignored" in n for n in notes)
 
@@ -449,6 +451,68 @@ def test_report_main_table_holds_only_the_automatic_choice():
     assert "0.10x [0.09-0.11]" in ref
     assert "1 faster, 0 slower, 0 within noise" in main
     assert "SPEC" not in text and "SPEC" not in report.markdown(res)
+
+
+def _side(role, impl, speedup, rounds):
+    """A row beside the headline with the verdict the harness gives its per-round ratios."""
+    ratio = timing.paired_ratio([speedup] * rounds, [1.0] * rounds)
+    v, why = timing.verdict(ratio)
+    return {"workload": "a", "op": "norm", "impl": impl, "role": role, "median_ms": 1.0 / speedup,
+            "speedup": ratio.median, "speedup_lo": ratio.lo, "speedup_hi": ratio.hi, "verdict": v,
+            "verdict_why": why, "rounds": rounds}
+
+
+def _headline(**kw):
+    return [{"workload": "a", "op": "norm", "impl": "torch eager", "role": "baseline", "median_ms": 2.0},
+            {"workload": "a", "op": "norm", "impl": "fastgrad auto", "role": "auto", "median_ms": 1.0,
+             "speedup": 2.0, "speedup_lo": 1.9, "speedup_hi": 2.1, "verdict": "faster"} | kw]
+
+
+def test_a_ratio_without_an_interval_is_printed_as_such_never_within_noise():
+    res = _res(_headline() + [_side("compile", "torch.compile", 0.30, 3), _side("reference", "fastgrad:torch", 0.47, 3),
+                              _side("reference", "fastgrad:triton", 0.9, 1)])
+    for text in (report.console_table(res), report.markdown(res)):
+        rows = [line for line in text.splitlines() if "0.30x" in line or "0.47x" in line or "0.90x" in line]
+        assert len(rows) >= 3 and all("no interval" in line and "within noise" not in line for line in rows), rows
+        assert "0.30x [no interval]" in text and "3 rounds: no interval" in text and "1 round: no interval" in text
+    # the headline's own count keeps them apart too
+    res = _res(_headline(speedup=3.0, speedup_lo=float("nan"), speedup_hi=float("nan"), verdict="no interval",
+                         verdict_why="3 rounds"))
+    text = report.console_table(res)
+    assert "0 faster, 0 slower, 0 within noise, 1 with no interval (too few rounds) (of 1 cases)" in text
+    assert "3 rounds: no interval" in text
+    # enough rounds for an interval: a verdict again (the rule's boundary, from the sign-test rank)
+    n = next(n for n in range(1, 20) if timing.ci_rank(n) > 0)
+    assert timing.verdict(timing.paired_ratio([0.3] * (n - 1), [1.0] * (n - 1)))[0] == timing.NO_INTERVAL
+    assert timing.verdict(timing.paired_ratio([0.3] * n, [1.0] * n))[0] == timing.SLOWER
+    assert timing.verdict(timing.Ratio(float("nan"), float("nan"), float("nan"), 0)) == (timing.NOT_MEASURED, "")
+
+
+def _names_only_what_it_holds(text: str, roles: set[str]) -> None:
+    for role, what in report.SIDE_KINDS.items():
+        assert (what in text) == (role in roles), (role, what, roles)
+
+
+@pytest.mark.parametrize("roles", [{"compile", "other baseline"}, {"reference"}, {"compile"},
+                                   {"reference", "compile", "other baseline"}, set()])
+def test_the_text_never_states_what_its_tables_contradict(roles):
+    """The run's note for the automatic choice alone, beside tables that hold torch.compile and the own loops (the
+    14 rows a CPU run printed under "no reference rows"): every line names only kinds of rows that are there."""
+    side = [_side(role, {"compile": "torch.compile", "other baseline": "torch: own loop",
+                         "reference": "fastgrad:torch"}[role], 0.5, 3) for role in sorted(roles)]
+    res = _res(_headline() + side)
+    if "reference" not in roles:
+        res.notes.append(runner.ONLY_AUTOMATIC_NOTE)
+    text = report.console_table(res)
+    main, _, rest = text.partition("For reference only")
+    assert bool(rest) == bool(roles)
+    _names_only_what_it_holds(text.split("Legend:")[0], roles)
+    _names_only_what_it_holds(report.markdown(res).split("## How to read")[0], roles)
+    assert "no reference rows" not in text and "no reference rows" not in report.markdown(res)
+    if "reference" not in roles:
+        # what the note denies (other fastgrad backends) is what no table holds
+        assert "fastgrad backends benchmarked" in "\n".join(report.meta_lines(res))
+        assert "fastgrad:" not in text
 
 
 def test_rounds_keep_the_fastest_of_back_to_back_calls():

@@ -16,7 +16,7 @@ from pathlib import Path
 from . import ops as benchmark_ops
 from .runner import (ALTERNATIVE, AUTO, AUTOMATIC, BASELINE, CACHE_FLOOR, COMPILE, COMPILED, EAGER,
                      MIN_FLOOR_BYTES, OVER_FLOOR_PCT, REFERENCE, Result)
-from .timing import FASTER, NOISE, PROBLEM, SLOWER
+from .timing import FASTER, NO_INTERVAL, NOISE, NOT_MEASURED, PROBLEM, SLOWER
 
 COLUMNS = ["workload", "op", "impl", "role", "backend", "baseline", "tensors", "grad_mb", "median_ms", "min_ms",
            "host_ms", "rounds", "inner", "spread_pct", "speedup", "speedup_lo", "speedup_hi", "verdict",
@@ -48,7 +48,7 @@ def _host_workloads(res: Result) -> set[str]:
 
 
 def _ratio(r: dict, key: str = "speedup") -> str:
-    """``1.40x [1.31-1.52]``; without an interval ``1.40x [too few rounds]``."""
+    """``1.40x [1.31-1.52]``; without an interval ``1.40x [no interval]``."""
     med, lo, hi = r[key], r[key + "_lo"], r[key + "_hi"]
     if math.isnan(med):
         return "-"
@@ -59,6 +59,8 @@ def _ratio(r: dict, key: str = "speedup") -> str:
 
 def _verdict(r: dict, key: str = "verdict") -> str:
     v, why = r[key], r[key + "_why"]
+    if v == NO_INTERVAL:  # "3 rounds: no interval": no verdict either way, whatever the ratio
+        return f"{why}: {v}" if why else v
     return f"{v} ({why})" if why and v in (NOISE, PROBLEM) else v or "-"
 
 
@@ -126,6 +128,8 @@ def legend_lines(res: Result) -> list[str]:
         f"verdict: 'faster' = the whole interval above 1 and the median at least {band:.0f}% faster; 'slower' =",
         f"  the mirror image; 'within noise' otherwise, saying why: the interval straddles 1, or the median is",
         f"  within +-{band:.0f}% of 1 (a difference a shared machine does not reliably repeat).",
+        f"  'N rounds: {NO_INTERVAL}': too few rounds for a {conf:.0f}% interval (the rows beside the headline run",
+        "  in the first rounds only): no verdict either way, however far the ratio is from 1.",
         f"  '{PROBLEM}': the row's figures disagree, so it is no result either way: the ratio of its two ms",
         f"  columns lies outside the speedup's interval widened by {band:.0f}% (the times jumped between levels",
         f"  during the case), or the op ran faster than its own floor pass (% floor '{OVER_CELL}').",
@@ -218,7 +222,7 @@ def main_table(res: Result) -> list[str]:
 
 
 def verdict_counts(res: Result) -> dict[str, int]:
-    counts = {FASTER: 0, SLOWER: 0, NOISE: 0, PROBLEM: 0}
+    counts = {FASTER: 0, SLOWER: 0, NOISE: 0, NO_INTERVAL: 0, NOT_MEASURED: 0, PROBLEM: 0}
     for r in _main_rows(res):
         if r["verdict"] in counts:
             counts[r["verdict"]] += 1
@@ -228,6 +232,23 @@ def verdict_counts(res: Result) -> dict[str, int]:
 def _side_rows(res: Result) -> list[dict]:
     """Rows beside the headline: other torch baselines, torch.compile, the other fastgrad backends."""
     return [r for r in res.rows if r["role"] in (ALTERNATIVE, COMPILED, REFERENCE)]
+
+
+#: What the table beside the headline holds, per role, in the order named in its heading.
+SIDE_KINDS = {REFERENCE: "other fastgrad backends, by name", COMPILED: "torch.compile against torch eager",
+              ALTERNATIVE: "the other torch baselines against torch eager"}
+
+
+def side_kinds(res: Result) -> list[str]:
+    """What the rows beside the headline are, only the kinds present (so no heading names an absent kind)."""
+    roles = {r["role"] for r in _side_rows(res)}
+    return [what for role, what in SIDE_KINDS.items() if role in roles]
+
+
+def reference_heading(res: Result) -> str:
+    """The heading of the table beside the headline ('' when it has no rows)."""
+    kinds = side_kinds(res)
+    return f"For reference only (not fastgrad's automatic choice: {'; '.join(kinds)}):" if kinds else ""
 
 
 def reference_table(res: Result) -> list[str]:
@@ -249,9 +270,11 @@ def reference_table(res: Result) -> list[str]:
 
 def _summary(res: Result) -> str:
     c = verdict_counts(res)
-    problems = f", {c[PROBLEM]} {PROBLEM}{'s' if c[PROBLEM] != 1 else ''} (no result)" if c[PROBLEM] else ""
+    extra = "".join(f", {c[k]} {what}" for k, what in (
+        (NO_INTERVAL, f"with {NO_INTERVAL} (too few rounds)"), (NOT_MEASURED, NOT_MEASURED),
+        (PROBLEM, f"{PROBLEM}{'s' if c[PROBLEM] != 1 else ''} (no result)")) if c[k])
     return (f"fastgrad auto vs torch eager: {c[FASTER]} faster, {c[SLOWER]} slower, {c[NOISE]} within noise"
-            f"{problems} (of {sum(c.values())} cases)")
+            f"{extra} (of {sum(c.values())} cases)")
 
 
 def console_table(res: Result) -> str:
@@ -261,8 +284,7 @@ def console_table(res: Result) -> str:
     out += ["", _summary(res)]
     ref = reference_table(res)
     if ref:
-        out += ["", "For reference only (not fastgrad's automatic choice: other fastgrad backends, by name; "
-                "torch.compile and the other torch baselines against torch eager):", ""] + ref
+        out += ["", reference_heading(res), ""] + ref
     out += ["", "Legend:"] + ["  " + line for line in legend_lines(res)]
     return "\n".join(out)
 
@@ -366,9 +388,11 @@ def markdown(res: Result) -> str:
         out.append(line + f" {_per_call_pair(eager, r)} | {r['note']} |")
     ref = _side_rows(res)
     if ref:
-        out += ["", "## Beside the headline: other torch baselines, torch.compile, other fastgrad backends", "",
-                "Each compared with torch eager. The other fastgrad backends are what a user gets only by naming "
-                "them (`backend=...`).", "", "| workload | op | impl | ms | vs eager [CI] | verdict | % floor | note |",
+        named = any(r["role"] == REFERENCE for r in ref)
+        out += ["", "## Beside the headline: " + "; ".join(side_kinds(res)), "",
+                "Each compared with torch eager." + (" The other fastgrad backends are what a user gets only by "
+                                                     "naming them (`backend=...`)." if named else ""),
+                "", "| workload | op | impl | ms | vs eager [CI] | verdict | % floor | note |",
                 "|---|---|---|---:|---|---|---:|---|"]
         for r in ref:
             out.append(f"| {r['workload']} | {r['op']} | {r['impl']} | "

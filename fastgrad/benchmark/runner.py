@@ -287,6 +287,12 @@ def _row(wname: str, op: str, impl: str, role: str, backend: str | None, w: benc
             "syncs_per_call": nan, "note": ""}
 
 
+#: The note of a run that timed no fastgrad backend by name. (torch.compile and the other torch baselines may
+#: still run beside the headline: the note denies only what no table then holds.)
+ONLY_AUTOMATIC_NOTE = ("no other fastgrad backend timed: fastgrad's automatic choice is the only fastgrad row "
+                       "(--backends all adds the other usable backends)")
+
+
 def run(cfg: Config, progress: Callable[[str], None] | None = None,
         on_workload: Callable[[Result], None] | None = None) -> Result:
     """Benchmark every requested (workload, op, implementation); ``progress`` is called once per case and
@@ -305,8 +311,7 @@ def run(cfg: Config, progress: Callable[[str], None] | None = None,
     if cfg.busy_before:
         notes.append(cfg.busy_before)
     if cfg.backends == []:
-        notes.append("no reference rows: only fastgrad's automatic choice was timed (--backends all adds the "
-                     "other usable backends)")
+        notes.append(ONLY_AUTOMATIC_NOTE)
     # "fastgrad auto" must be the automatic choice: FASTGRAD_BACKEND would override it for the whole run.
     env_backend = os.environ.pop("FASTGRAD_BACKEND", None)
     if env_backend is not None:

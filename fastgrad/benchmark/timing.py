@@ -113,6 +113,9 @@ def paired_ratio(base: list[float | None], cand: list[float | None], confidence:
 
 
 FASTER, SLOWER, NOISE = "faster", "slower", "within noise"
+#: No verdict either way: too few rounds for an interval (the reference rows, timed in the first rounds only), or
+#: no round at all. Never "within noise": a 0.3x with no interval is not a tie.
+NO_INTERVAL, NOT_MEASURED = "no interval", "not measured"
 #: A row whose figures contradict each other (its times' medians against its paired ratio, or an op faster than
 #: its own floor pass): a fault of the measurement, not a result either way.
 PROBLEM = "measurement problem"
@@ -121,11 +124,12 @@ PROBLEM = "measurement problem"
 def verdict(r: Ratio, band: float = BAND) -> tuple[str, str]:
     """(verdict, why) for a speedup ratio: ``faster`` when the whole interval is above 1 and the median at
     least ``1 + band``; ``slower`` when the interval is below 1 and the median at most ``1 / (1 + band)``;
-    otherwise ``within noise``, saying whether the interval straddles 1 or the median is within the band."""
+    otherwise ``within noise``, saying whether the interval straddles 1 or the median is within the band. With
+    too few rounds for an interval, ``no interval`` (why: how many rounds); with none, ``not measured``."""
     if r.n == 0 or math.isnan(r.median):
-        return NOISE, "not measured"
+        return NOT_MEASURED, ""
     if math.isnan(r.lo):
-        return NOISE, f"{r.n} rounds: too few for an interval"
+        return NO_INTERVAL, f"{r.n} round{'s' if r.n != 1 else ''}"
     if r.lo <= 1.0 <= r.hi:
         return NOISE, "interval straddles 1"
     if 1.0 / (1.0 + band) < r.median < 1.0 + band:
