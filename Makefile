@@ -17,7 +17,7 @@ TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
 # What each extra is for, printed before an install (pyproject.toml lists the packages).
 WHY_bench := bench: tqdm, matplotlib - progress bar and plots of python -m fastgrad.bench
 WHY_triton := triton: the Triton backend - on a CPU-only torch the tests run its kernels in the interpreter (TRITON_INTERPRET=1)
-WHY_test := test: pytest, pytest-timeout, numpy - the test suite, a time limit per test, its float64 oracles
+WHY_test := test: pytest, pytest-timeout - the test suite, a time limit per test
 WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and the monitor/check plots, which tests/test_report.py, test_monitor.py, test_check.py exercise
 WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 

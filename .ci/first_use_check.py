@@ -52,6 +52,8 @@ def main() -> None:
 
     second, err = smoke()
     check("compiling" not in err and "compiled" not in err, "a second process loads them without compiling")
+    # numpy comes with fastgrad (torch's CPU wheel does not require it, and warns at every start without it)
+    check("Failed to initialize NumPy" not in err, "torch starts without its warning about a missing NumPy")
     print(f"== second use, from the cache: {second:.1f} s")
 
 
