@@ -71,7 +71,7 @@ mkdir -p build && set -o pipefail && $(PYTHON) -m pip $(2) -v 2>&1 | tee build/$
   { echo "== pip failed; the end of its log (all of it: build/$(1).log):"; tail -n 40 build/$(1).log; exit 1; }
 endef
 
-.PHONY: setup setup-bench test bench info install-test add-test-extras wheel-check first-use-check bench-cases
+.PHONY: setup setup-bench test test-slow bench info install-test add-test-extras wheel-check first-use-check bench-cases
 
 ifneq ($(ENV_ID),$(shell cat $(TEST_STAMP) 2>/dev/null))
 .PHONY: $(TEST_STAMP)
@@ -137,9 +137,14 @@ add-test-extras:
 $(BENCH_STAMP): $(INSTALL_DEPS)
 	$(call install,$(BENCH_EXTRAS),$@,make bench)
 
+# The suite in two tiers (docs/testing.md, "Tiers"): `make test` the fast one, within 12 minutes on a 2-core
+# machine; `make test-slow` the tests marked slow (tests/conftest.py SLOW_TESTS). CI runs both.
 test: setup
 	$(PYTHON) -m fastgrad.info
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+test-slow: setup
+	$(PYTHON) -m pytest -q -m slow tests
 
 bench: setup-bench
 	$(PYTHON) -m fastgrad.bench --quick

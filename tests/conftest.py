@@ -132,11 +132,51 @@ def pytest_report_header(config):
     return lines
 
 
+# ---------------------------------------------------------------- the slow tier
+#: The test functions (all their parameters) of the slow tier, marked `slow` here: `make test` runs the rest
+#: (`-m "not slow"`), `make test-slow` these, and CI both (docs/testing.md, "Tiers"). Chosen from a measured run of
+#: the whole suite (`--durations`, the costliest functions first) until the rest fits in the README's 12 minutes on
+#: a 2-core machine. A test can also carry `@pytest.mark.slow` itself.
+SLOW_TESTS = frozenset({
+    "tests/test_triton_compile.py::test_every_kernel_compiles_for_sm80_and_sm90",
+    "tests/test_layout_fuzz.py::test_layouts_count_every_element_once",
+    "tests/test_bench_harness.py::test_pct_floor_is_the_paired_floor_pass_over_the_op",
+    "tests/test_amp.py::test_amp_clip_primitive_same_bits_as_the_composition",
+    "tests/test_ext.py::test_cuda_source_compiles",
+    "tests/test_check_corpus.py::test_report_is_what_the_truth_calls_for",
+    "tests/test_triton_kernels.py::test_amp_clip_equals_unfused_bitwise",
+    "tests/test_triton_kernels.py::test_clip_norm_equals_unfused_clip_bitwise",
+    "tests/test_agc.py::test_agc_matches_timm_and_oracle",
+    "tests/test_agc.py::test_cuda_row_plan_host_check",
+    "tests/test_triton_kernels.py::test_bitwise_determinism_20_runs",
+    "tests/test_triton_kernels.py::test_agc_rows_packed_and_split",
+    "tests/test_exact_distributed.py::test_exact_across_ranks_and_layouts",
+    "tests/test_distributed_meshes.py::test_global_norm_any_sharding",
+    "tests/test_check_distributed.py::test_correct_scripts_raise_no_alarm",
+    "tests/test_distributed.py::test_dtensor_1d_mesh",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[", 1)[0] in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 # ---------------------------------------------------------------- skips: only the documented ones
-def documented_skips(text: str) -> dict[str, int]:
-    """docs/testing.md's skip table: reason pattern (`...` stands for any text) -> count in a CI run."""
+#: The runs whose skips are counted, by their -m expression: the whole suite, or one of its two tiers.
+TIERS = {"": "all", "not slow": "fast", "slow": "slow"}
+
+
+def documented_skips(text: str, tier: str = "all") -> dict[str, int]:
+    """docs/testing.md's skip table: reason pattern (`...` stands for any text) -> count in a CI run of ``tier``
+    ("all", "fast" or "slow"). A count cell reads `N`, or `N (M slow)` when M of the N are in the slow tier."""
     section = text.split("\n## Skips", 1)[1].split("\n## ", 1)[0]
-    return {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| *(\d+) *\| *`([^`]+)` *\|", section, re.M)}
+    out = {}
+    for m in re.finditer(r"^\| *(\d+)(?: *\((\d+) slow\))? *\| *`([^`]+)` *\|", section, re.M):
+        total, slow = int(m.group(1)), int(m.group(2) or 0)
+        out[m.group(3)] = {"all": total, "fast": total - slow, "slow": slow}[tier]
+    return out
 
 
 def skip_mismatches(seen: collections.Counter, documented: dict[str, int], whole_suite: bool) -> list[str]:
@@ -165,12 +205,14 @@ def pytest_runtest_logreport(report):
         _SKIPPED[report.longrepr[2].removeprefix("Skipped: ")] += 1
 
 
-def _whole_suite(session) -> bool:
+def _tier(session) -> str | None:
+    """Which whole tier ran ("all", "fast", "slow"), or None for any other part of the suite."""
     opt = session.config.option
     tests = Path(__file__).resolve().parent
     args = [Path(a.split("::")[0]).resolve() for a in session.config.args]
-    return (args == [tests] and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
-            and not session.shouldstop and not session.shouldfail)
+    whole = (args == [tests] and not opt.keyword and not getattr(opt, "deselect", None)
+             and not session.shouldstop and not session.shouldfail)
+    return TIERS.get(" ".join((opt.markexpr or "").split())) if whole else None
 
 
 _SKIP_PROBLEMS: list[str] = []
@@ -179,7 +221,9 @@ _SKIP_PROBLEMS: list[str] = []
 def pytest_sessionfinish(session, exitstatus):
     if not IN_CI or exitstatus not in (0, 1) or session.config.option.collectonly:
         return
-    _SKIP_PROBLEMS[:] = skip_mismatches(_SKIPPED, documented_skips(SKIPS_DOC.read_text()), _whole_suite(session))
+    tier = _tier(session)
+    _SKIP_PROBLEMS[:] = skip_mismatches(_SKIPPED, documented_skips(SKIPS_DOC.read_text(), tier or "all"),
+                                        tier is not None)
     if _SKIP_PROBLEMS:
         session.exitstatus = 1
 

@@ -37,6 +37,26 @@ def test_skips_are_matched_by_reason_and_counted_for_the_whole_suite():
         "1 skipped, reason not in docs/testing.md's list: 'needs a GPU'"]
 
 
+def test_skips_are_counted_per_tier():
+    text = ("\n## Skips\n\n| skipped | reason | why |\n|---|---|---|\n| 5 (2 slow) | `needs a CUDA device` | x |\n"
+            "| 3 | `needs CUDA` | y |\n\n## Next\n")
+    assert conftest.documented_skips(text) == {"needs a CUDA device": 5, "needs CUDA": 3}
+    assert conftest.documented_skips(text, "fast") == {"needs a CUDA device": 3, "needs CUDA": 3}
+    assert conftest.documented_skips(text, "slow") == {"needs a CUDA device": 2, "needs CUDA": 0}
+    # the two tiers together are the whole suite; a skip in the wrong tier is a mismatch
+    seen = collections.Counter({"needs a CUDA device": 2})
+    assert conftest.skip_mismatches(seen, conftest.documented_skips(text, "slow"), whole_suite=True) == []
+    assert conftest.skip_mismatches(seen, conftest.documented_skips(text, "fast"), whole_suite=True) != []
+    assert conftest.TIERS == {"": "all", "not slow": "fast", "slow": "slow"}
+
+
+def test_the_slow_tier_names_existing_tests():
+    """A renamed test would silently leave the slow tier (and lengthen `make test`)."""
+    for entry in conftest.SLOW_TESTS:
+        path, func = entry.split("::")
+        assert f"def {func}(" in (ROOT / path).read_text(), entry
+
+
 def test_the_documented_skip_list_parses():
     documented = conftest.documented_skips((ROOT / "docs" / "testing.md").read_text())
     assert documented and all(n > 0 for n in documented.values()), documented

@@ -65,9 +65,12 @@ def test_quick_start_is_what_make_and_ci_run():
     assert re.search(r"^make bench\b", quick, re.M) and re.search(r"^make test\b", quick, re.M)
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test:", makefile, re.M) and re.search(r"^bench:", makefile, re.M)
-    assert re.search(r"^\$\(PYTHON\) -m pytest -q tests$", makefile.replace("\t", ""), re.M)
+    # the fast tier, then the slow one: together the whole suite
+    assert re.search(r'^\$\(PYTHON\) -m pytest -q -m "not slow" tests$', makefile.replace("\t", ""), re.M)
+    assert re.search(r"^\$\(PYTHON\) -m pytest -q -m slow tests$", makefile.replace("\t", ""), re.M)
     ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     assert "make test" in ci, ".ci/run must run the README's test command"
+    assert ci.index("make test-slow") > ci.index("make test"), ".ci/run must run the slow tier too"
 
 
 def test_every_docs_page_is_linked_from_the_readme():
