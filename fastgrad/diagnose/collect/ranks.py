@@ -69,6 +69,7 @@ class RankRecorder:
         if self.watcher is not None:
             self._refresh_names()
         names = [self._names.get(p, f"parameter {i}") for i, p in enumerate(params)]
+        kinds = self._module_kinds(params)
         grads = [p.grad for p in params]
         dt_pos = [i for i, g in enumerate(grads) if is_dtensor(g)]
         counted: list = [None] * len(grads)
@@ -84,7 +85,23 @@ class RankRecorder:
         sq = [torch.sum(torch.square(r.detach().to(torch.float64))).reshape(1) for r in reads]
         keys = [None if c is not None else (tuple(g.shape), str(g.dtype)) for c, g in zip(counted, grads)]
         prints = [fingerprint(r) if c is None else None for c, r in zip(counted, reads)]
-        return step, names, counted, [r.numel() for r in reads], keys, sq, prints
+        return step, names, counted, [r.numel() for r in reads], keys, sq, prints, kinds
+
+    def _module_kinds(self, params) -> list:
+        """Per parameter, the type name of the module that holds it directly in the watched models (the
+        attribution's "tensors of one module type"), None where none does."""
+        want = {id(p): k for k, p in enumerate(params)}
+        out: list = [None] * len(params)
+        roots = [r() for r in self.watcher._roots] if self.watcher is not None else []
+        for root in roots:
+            if root is None:
+                continue
+            for m in root.modules():
+                for p in m.parameters(recurse=False):
+                    k = want.get(id(p))
+                    if k is not None and out[k] is None:
+                        out[k] = type(m).__name__
+        return out
 
     def _rank_keep(self, rec: tuple | None, norm, max_norm) -> None:
         """After the clip: keep ``rec`` with the norm the script clipped with (its device value)."""
@@ -104,11 +121,11 @@ class RankRecorder:
 
         mine = []
         try:
-            for (step, names, counted, numels, keys, sq, prints), norm, dtype, max_norm in self._rank_rows:
+            for (step, names, counted, numels, keys, sq, prints, kinds), norm, dtype, max_norm in self._rank_rows:
                 sqv = torch.cat(sq).tolist() if sq else []
                 fp = [None if p is None else tuple(p.tolist()) for p in prints]
-                entries = [(n, c, s, k, None if key is None else key + f)
-                           for n, c, s, k, key, f in zip(names, counted, sqv, numels, keys, fp)]
+                entries = [(n, c, s, k, None if key is None else key + f, kind)
+                           for n, c, s, k, key, f, kind in zip(names, counted, sqv, numels, keys, fp, kinds)]
                 mine.append({"step": step, "entries": entries, "norm": float(norm.to(torch.float64)),
                              "dtype": dtype, "max_norm": max_norm})
         except Exception as e:  # noqa: BLE001 - still join the gather, or the other ranks wait forever
