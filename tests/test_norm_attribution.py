@@ -207,3 +207,29 @@ def test_attribute_never_returns_a_set_off_the_norm():
                 (u["times"] - 1) * math.fsum(e.sq * k for r, ws in zip(ranks, w) for e, k in zip(r, ws)
                                              if e.name == name) for name, u in x["units"].items())
             assert abs(math.sqrt(got) / s - 1) <= 1e-6
+
+
+def _flat(name, values):
+    e = _e(name, values)
+    return Entry(e.name, None, e.sq, e.numel, e.key, None, True)
+
+
+def test_an_undeclared_flat_partition_is_a_named_cannot_tell_never_a_warning():
+    # ZeRO over 2 ranks of a tp model: each rank's partition holds a replicated LayerNorm's slice (the same on
+    # both) next to other elements; the right norm counts the LayerNorm once, the byte rule twice
+    ln, rest = _vals(100, 6), {r: _vals(101 + r, 10) for r in range(2)}
+    ranks = [[_flat("flat_partition", ln + rest[r])] for r in range(2)]
+    right = _norm((ln, 1), (rest[0], 1), (rest[1], 1))
+    f = _finding(ranks, right, [[[0, 1]]] * 2, max_norm=0.01)
+    assert f.severity == "notice" and f.layers == ["flat_partition"] and "cannot tell" in f.title
+    assert f.evidence["cannot_tell"] == ["flat_partition"] and not f.evidence["explanations"]
+    assert "fastgrad.distributed.Partition" in f.detail
+    # the same elements as declared slices (what check records from a Partition): the right norm is silent
+    split = [[_e("ln.weight", ln), _e("fc.weight", rest[r])] for r in range(2)]
+    call = {"step": 1, "ranks": [{"entries": r, "norm": right, "dtype": "torch.float32", "max_norm": 0.01,
+                                  "groups": [[0, 1]]} for r in split]}
+    assert NORM_MISCOUNTED.evaluate(RunView(steps=[], ctx={"ranks": [call]})) == []
+    # a flat buffer the ranks hold alike (a data-parallel replica) is one tensor in copies: judged as usual
+    same = [[_flat("flat_grads", rest[0])] for _ in range(2)]
+    f = _finding(same, _norm((rest[0], 2)), [[[0, 1]]] * 2)
+    assert f.layers == ["flat_grads"] and f.evidence["over"] == {"flat_grads": pytest.approx(2.0)}

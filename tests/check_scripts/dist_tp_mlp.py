@@ -7,6 +7,10 @@ its bias replicated), on tp=2 ranks, times dp = WORLD_SIZE / 2 data-parallel rep
   ROCm/TransformerEngine PR #715 and NVIDIA-NeMo/RL PR #3788).
 --norm local: torch.nn.utils.clip_grad_norm_ on this rank's parameters: the other tp rank's shards are missing.
 --norm right: the replicated tensors counted on tp rank 0 only (the correct hand-written norm).
+--norm bias-twice: as right, but the filter knows only the LayerNorm as replicated: the row-parallel bias is
+  counted on both tp ranks (a partial over-count: one tensor twice, every other one right).
+--norm shard-missed: as right, but fc1.weight is taken for a replicated tensor (its "model parallel" mark
+  lost): only tp rank 0's shard of it is counted (a partial under-count).
 
 Rank 0 writes the truth (FG_TRUTH): per step the norm the script clipped with and the float64 norm of the
 whole model's gradients, gathered onto rank 0 and rebuilt from the shards."""
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from _truth import Truth
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--norm", choices=["tp-sum", "local", "right"], default="tp-sum")
+ap.add_argument("--norm", choices=["tp-sum", "local", "right", "bias-twice", "shard-missed"], default="tp-sum")
 ap.add_argument("--max-norm", type=float, default=0.05)
 ap.add_argument("--steps", type=int, default=5)
 a = ap.parse_args()
@@ -129,9 +133,11 @@ for step in range(a.steps):
         total = torch.nn.utils.clip_grad_norm_(params, a.max_norm)
     else:
         names = dict((id(p), n) for n, p in model.named_parameters())
+        once = {"right": REPLICATED, "bias-twice": ["ln.weight", "ln.bias"],
+                "shard-missed": REPLICATED + ["fc1.weight"]}.get(a.norm, [])  # counted on tp rank 0 only
         sq = torch.zeros((), dtype=torch.float32)
         for p in params:
-            if a.norm == "right" and names[id(p)] in REPLICATED and tp_rank != 0:
+            if names[id(p)] in once and tp_rank != 0:
                 continue
             sq = sq + p.grad.pow(2).sum()
         dist.all_reduce(sq, group=tp_group)

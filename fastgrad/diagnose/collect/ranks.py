@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...distributed import is_dtensor, prepare
+from ...distributed import declared_partitions, is_dtensor, prepare
 from .optimizer_hooks import UPDATE_ALWAYS, UPDATE_EVERY
 
 __all__ = ["RankRecorder", "MAX_RECORDS", "fingerprint", "world"]
@@ -82,10 +82,42 @@ class RankRecorder:
             for j, i in enumerate(dt_pos):
                 counted[i] = bool(sh.counts[j])
                 reads[i] = sh.reads[j]
+        flat = [False] * len(reads)
+        parts = dict(declared_partitions(grads))
+        if parts or any(c is None and r.dim() == 1 and p not in self._names
+                        for c, r, p in zip(counted, reads, params)):
+            names, counted, reads, kinds, flat = self._rank_pieces(params, names, counted, reads, kinds, parts)
         sq = [torch.sum(torch.square(r.detach().to(torch.float64))).reshape(1) for r in reads]
-        keys = [None if c is not None else (tuple(g.shape), str(g.dtype)) for c, g in zip(counted, grads)]
+        keys = [None if c is not None else (tuple(r.shape), str(r.dtype)) for c, r in zip(counted, reads)]
         prints = [fingerprint(r) if c is None else None for c, r in zip(counted, reads)]
-        return step, names, counted, [r.numel() for r in reads], keys, sq, prints, kinds
+        return step, names, counted, [r.numel() for r in reads], keys, sq, prints, kinds, flat
+
+    def _rank_pieces(self, params, names, counted, reads, kinds, parts) -> tuple:
+        """The record's entries once flat buffers are looked into: a buffer with a declared layout
+        (``fastgrad.distributed.Partition``) becomes one entry per slice, named after the parameter it belongs to,
+        so that a replicated slice (the same bytes on the ranks that hold it) counts once; the stretches it
+        leaves undeclared, and a plain 1-D gradient that no module of the watched models holds (a flat buffer
+        whose layout nobody declared), are marked ``flat``: the rule cannot tell what they hold."""
+        out: tuple = ([], [], [], [], [])
+        for i, (p, name, c, r, kind) in enumerate(zip(params, names, counted, reads, kinds)):
+            part = parts.get(i)
+            if p not in self._names and c is None and r.dim() == 1:
+                name = self._var_name(p) or name  # a buffer is named after the script's variable
+            if part is None:
+                undeclared = c is None and r.dim() == 1 and p not in self._names
+                for lst, v in zip(out, (name, c, r, kind, undeclared)):
+                    lst.append(v)
+                continue
+            whole = r.reshape(-1)
+            for a, b, owner, _ in part.pieces():
+                if isinstance(owner, Tensor):
+                    label = self._names.get(owner, f"{name}[{a}:{b}]")
+                    what = self._module_kinds([owner])[0]
+                else:
+                    label, what = (owner, None) if owner is not None else (f"{name}[{a}:{b}]", None)
+                for lst, v in zip(out, (label, None, whole[a:b], what, owner is None)):
+                    lst.append(v)
+        return out
 
     def _module_kinds(self, params) -> list:
         """Per parameter, the type name of the module that holds it directly in the watched models (the
@@ -121,11 +153,11 @@ class RankRecorder:
 
         mine = []
         try:
-            for (step, names, counted, numels, keys, sq, prints, kinds), norm, dtype, max_norm in self._rank_rows:
+            for (step, names, counted, numels, keys, sq, prints, kinds, flat), norm, dtype, max_norm in self._rank_rows:
                 sqv = torch.cat(sq).tolist() if sq else []
                 fp = [None if p is None else tuple(p.tolist()) for p in prints]
-                entries = [(n, c, s, k, None if key is None else key + f, kind)
-                           for n, c, s, k, key, f, kind in zip(names, counted, sqv, numels, keys, fp, kinds)]
+                entries = [(n, c, s, k, None if key is None else key + f, kind, fl)
+                           for n, c, s, k, key, f, kind, fl in zip(names, counted, sqv, numels, keys, fp, kinds, flat)]
                 mine.append({"step": step, "entries": entries, "norm": float(norm.to(torch.float64)),
                              "dtype": dtype, "max_norm": max_norm})
         except Exception as e:  # noqa: BLE001 - still join the gather, or the other ranks wait forever

@@ -51,6 +51,7 @@ class Entry:
     numel: int
     key: tuple | None = None
     kind: str | None = None  # the type of the module that holds the parameter (e.g. "LayerNorm"), when known
+    flat: bool = False  # a flat buffer's elements whose layout is not declared (fastgrad.distributed.Partition)
 
 
 def copy_weights(ranks: list[list[Entry]]) -> list[list[int]]:
@@ -369,7 +370,8 @@ class NormMiscounted(Rule):
         judged = [_judge(call) for call in calls]
         # what the report's summary and JSON show of every recorded clip, found or not
         run.ctx["rank_norms"] = [{"step": j["step"], "ranks": len(j["norms"]), "true_norm": j["explained"]["true"],
-                                  "norms": j["norms"], "tolerance": j["tol"], "differs": j["bad"]}
+                                  "norms": j["norms"], "tolerance": j["tol"], "differs": j["bad"],
+                                  "undeclared_buffers": j["unknown"]}
                                  for j in judged if j is not None]
         bad = [j for j in judged if j is not None and j["bad"]]
         if not bad:
@@ -380,6 +382,8 @@ class NormMiscounted(Rule):
         run.key_steps.add(first["step"])
         e = first["explained"]
         f0 = e["factors"][0]
+        if first["unknown"]:
+            return [_cannot_tell(self.code, first, steps, len(calls))]
         over, under = e["over"], e["under"]
         ranks_text = ", ".join(f"rank {r}: {x:.6g}x" for r, x in enumerate(e["factors"]))
         found = e["explanations"]
@@ -425,6 +429,42 @@ class NormMiscounted(Rule):
                       "true_coef": harmed[0]["true_coef"] if harmed else None})]
 
 
+def _cannot_tell(code: str, first: dict, steps: list, calls: int) -> Finding:
+    """The finding for a clip whose gradients hold flat buffers of undeclared layout: a notice naming them,
+    never a warning (a correct norm over a ZeRO partition of a tensor-parallel model differs from the count
+    that takes every rank's slice as its own)."""
+    e, bufs = first["explained"], first["unknown"]
+    names = ", ".join(bufs)
+    return Finding(
+        code, "notice", f"cannot tell whether the script's gradient norm counts each element once: flat buffer(s) "
+        f"{names} of undeclared layout",
+        f"At step {first['step']} the norm the script clipped with was {fmt(first['norms'][0])} on rank 0. The "
+        f"gradients of {names} differ between ranks, as a ZeRO partition's do: counting every rank's slice as its "
+        f"own elements gives a norm of {fmt(e['true'])} (the script's is {e['factors'][0]:.6g}x that), but where the buffer holds slices of a tensor that several "
+        "tensor-parallel ranks keep whole, those slices count once and the true norm is smaller. Which of its "
+        "elements are replicated only a declaration says: fastgrad.distributed.Partition(buffer, [(offset, "
+        "length, owner, replicated_over), ...]) on every rank, then check counts each element once. "
+        f"{len(steps)} of {calls} recorded clip(s) differ from the count that takes every slice as its own.",
+        layers=list(bufs), steps=steps,
+        evidence={"cannot_tell": list(bufs), "factor": e["factors"][0], "factors": e["factors"],
+                  "slices_as_own_norm": e["true"], "script_norm": first["norms"][0], "step": first["step"],
+                  "tolerance": first["tol"], "harm": [], "explanations": [], "ambiguous": False})
+
+
+def undeclared_buffers(ranks: list[list[Entry]]) -> list[str]:
+    """The flat buffers whose layout is not declared and whose bytes differ between ranks (a ZeRO partition:
+    each rank holds another slice of the flattened model). The byte rule counts such a buffer on every rank, which
+    is right for slices of shards and wrong for slices of a tensor every tensor-parallel rank keeps whole: which
+    one it holds, only a declaration says."""
+    weights = copy_weights(ranks)
+    holders: dict = {}
+    for r, (entries, ws) in enumerate(zip(ranks, weights)):
+        for e, w in zip(entries, ws):
+            if e.flat and w:
+                holders.setdefault(e.name, set()).add(r)
+    return sorted(n for n, rs in holders.items() if len(rs) > 1)
+
+
 def _coef(norm: float, max_norm: float) -> float:
     return float(clip_coef(torch.tensor(norm, dtype=torch.float64), max_norm))
 
@@ -446,7 +486,7 @@ def _judge(call: dict) -> dict | None:
     if not e["true"] > 0:
         return None
     out = {"step": call["step"], "norms": norms, "explained": e, "tol": tol, "coef_differs": False,
-           "bad": any(abs(f - 1) > tol for f in e["factors"])}
+           "bad": any(abs(f - 1) > tol for f in e["factors"]), "unknown": undeclared_buffers(ranks)}
     if not out["bad"]:
         return out
     for r, (n, rec) in enumerate(zip(norms, call["ranks"])):
