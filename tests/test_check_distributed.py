@@ -148,6 +148,8 @@ RUNS = {
     "tp_bias_twice_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--norm", "bias-twice", "--steps", "3"]),
     "tp_shard_missed": ("nproc", 2, "dist_tp_mlp.py", ["--norm", "shard-missed", "--steps", "3"]),
     "tp_right_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--norm", "right", "--steps", "3"]),
+    "sp_ln_twice": ("nproc", 2, "dist_tp_mlp.py", ["--sp", "--norm", "ln-twice", "--steps", "3"]),
+    "sp_right_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--sp", "--norm", "right", "--steps", "3"]),
     "ep_router": ("nproc", 2, "dist_moe_ep.py", ["--norm", "router-twice"]),
     "ep_shared": ("nproc", 2, "dist_moe_ep.py", ["--norm", "shared-twice"]),
     "ep_local": ("nproc", 2, "dist_moe_ep.py", ["--norm", "experts-local"]),
@@ -281,6 +283,12 @@ def test_tp_one_sharded_weight_counted_on_tp_rank_0_only(runs):
 
 
 @pytest.mark.slow
+def test_sp_layernorm_counted_on_both_tp_ranks_is_named_by_module_type(runs):
+    f = _named(runs["sp_ln_twice"], ["ln.weight", "ln.bias"], times={"ln.weight": 2, "ln.bias": 2})
+    assert f["evidence"]["model"] == "every LayerNorm tensor counted 2 times"
+
+
+@pytest.mark.slow
 def test_ep_router_counted_on_every_expert_rank(runs):
     _named(runs["ep_router"], ["router.weight"], times={"router.weight": 2})
 
@@ -314,7 +322,7 @@ def test_zero_partition_without_a_declaration_is_a_named_cannot_tell(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp_right_2x2", "ep_right", "zero_declared"])
+@pytest.mark.parametrize("name", ["tp_right_2x2", "sp_right_2x2", "ep_right", "zero_declared"])
 def test_fixed_partial_scripts_are_silent(runs, name):
     r = runs[name]
     assert _miscounted(r) is None and r["rc"] == 0, r["stderr"][-3000:]
