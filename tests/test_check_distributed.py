@@ -143,6 +143,20 @@ RUNS = {
     "pipe_copies": ("nproc", 2, "dist_pipeline_tied.py", ["--norm", "copies"]),
     "ddp": ("torchrun", 2, "dist_ddp_clip.py", []),
     "fsdp2": ("nproc", 2, "dist_fsdp2_clip.py", []),
+    # partial mis-counts (slow: one launch each)
+    "tp_bias_twice": ("nproc", 2, "dist_tp_mlp.py", ["--norm", "bias-twice", "--steps", "3"]),
+    "tp_bias_twice_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--norm", "bias-twice", "--steps", "3"]),
+    "tp_shard_missed": ("nproc", 2, "dist_tp_mlp.py", ["--norm", "shard-missed", "--steps", "3"]),
+    "tp_right_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--norm", "right", "--steps", "3"]),
+    "sp_ln_twice": ("nproc", 2, "dist_tp_mlp.py", ["--sp", "--norm", "ln-twice", "--steps", "3"]),
+    "sp_right_2x2": ("nproc", 4, "dist_tp_mlp.py", ["--sp", "--norm", "right", "--steps", "3"]),
+    "ep_router": ("nproc", 2, "dist_moe_ep.py", ["--norm", "router-twice"]),
+    "ep_shared": ("nproc", 2, "dist_moe_ep.py", ["--norm", "shared-twice"]),
+    "ep_local": ("nproc", 2, "dist_moe_ep.py", ["--norm", "experts-local"]),
+    "ep_right": ("nproc", 2, "dist_moe_ep.py", ["--norm", "right"]),
+    "zero_deepspeed": ("nproc", 4, "dist_zero_tp.py", ["--norm", "deepspeed"]),
+    "zero_declared": ("nproc", 4, "dist_zero_tp.py", ["--norm", "declared"]),
+    "zero_declared_sum": ("nproc", 4, "dist_zero_tp.py", ["--norm", "declared-sum"]),
 }
 
 
@@ -235,3 +249,86 @@ def test_correct_scripts_raise_no_alarm(runs, name):
         assert c["true_norm"] == pytest.approx(row["true"], rel=1e-12)
     row = next(x for x in r["json"]["summary"] if x["metric"].startswith("Clip norm vs true norm"))
     assert row["value"].startswith("5 of 5") and row["status"] == "healthy"
+
+
+# ------------------------------------------------------------------------------ partial mis-counts, named
+def _named(r, layers, times=None, missing=None):
+    """The finding names exactly ``layers``, with the factor the script's truth gives and, per layer, the
+    times it is counted or the ranks whose shards are missing."""
+    f = _miscounted(r)
+    assert f is not None and r["rc"] == 0, r["stderr"][-3000:]
+    want, row = _factor_at(r, f["steps"][0])
+    assert f["evidence"]["factor"] == pytest.approx(want, rel=1e-6)
+    assert f["evidence"]["true_norm"] == pytest.approx(row["true"], rel=1e-6)
+    assert f["layers"] == layers and not f["evidence"]["ambiguous"], f["detail"]
+    (x,) = f["evidence"]["explanations"]
+    for k in times or {}:
+        assert x["units"][k]["times"] == pytest.approx(times[k])
+    for k in missing or {}:
+        assert x["units"][k]["missing"] == missing[k]
+    return f
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp_bias_twice", "tp_bias_twice_2x2"])
+def test_tp_one_replicated_bias_counted_on_both_tp_ranks(runs, name):
+    f = _named(runs[name], ["fc2.bias"], times={"fc2.bias": 2})
+    assert f["severity"] == "warning" and "fc2.bias counted 2 times" in f["detail"]
+
+
+@pytest.mark.slow
+def test_tp_one_sharded_weight_counted_on_tp_rank_0_only(runs):
+    f = _named(runs["tp_shard_missed"], ["fc1.weight"], missing={"fc1.weight": [1]})
+    assert f["evidence"]["factor"] < 1
+
+
+@pytest.mark.slow
+def test_sp_layernorm_counted_on_both_tp_ranks_is_named_by_module_type(runs):
+    f = _named(runs["sp_ln_twice"], ["ln.weight", "ln.bias"], times={"ln.weight": 2, "ln.bias": 2})
+    assert f["evidence"]["model"] == "every LayerNorm tensor counted 2 times"
+
+
+@pytest.mark.slow
+def test_ep_router_counted_on_every_expert_rank(runs):
+    _named(runs["ep_router"], ["router.weight"], times={"router.weight": 2})
+
+
+@pytest.mark.slow
+def test_ep_shared_expert_counted_on_every_expert_rank(runs):
+    _named(runs["ep_shared"], ["shared.w1.weight", "shared.w2.weight"],
+           times={"shared.w1.weight": 2, "shared.w2.weight": 2})
+
+
+@pytest.mark.slow
+def test_ep_experts_never_summed_over_the_expert_ranks(runs):
+    layers = ["experts.0.w1.weight", "experts.0.w2.weight", "experts.1.w1.weight", "experts.1.w2.weight"]
+    _named(runs["ep_local"], layers, missing={k: [1] for k in layers})
+
+
+@pytest.mark.slow
+def test_zero_partition_declared_with_its_sum_over_counted_names_the_owners(runs):
+    _named(runs["zero_declared_sum"], ["ln.weight", "ln.bias", "fc2.bias"],
+           times={"ln.weight": 2, "ln.bias": 2, "fc2.bias": 2})
+
+
+@pytest.mark.slow
+def test_zero_partition_without_a_declaration_is_a_named_cannot_tell(runs):
+    r = runs["zero_deepspeed"]
+    f = _miscounted(r)
+    assert f is not None and f["severity"] == "notice" and r["rc"] == 0
+    assert f["layers"] == ["partition"] and f["evidence"]["cannot_tell"] == ["partition"]
+    for row in r["truth"]["steps"]:  # the script's norm is right, which check cannot know here
+        assert row["script"] == pytest.approx(row["true"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp_right_2x2", "sp_right_2x2", "ep_right", "zero_declared"])
+def test_fixed_partial_scripts_are_silent(runs, name):
+    r = runs[name]
+    assert _miscounted(r) is None and r["rc"] == 0, r["stderr"][-3000:]
+    compared = r["json"]["rank_norms"]
+    assert len(compared) == 3 and not any(c["differs"] for c in compared)
+    for c in compared:
+        row = next(x for x in r["truth"]["steps"] if x["step"] == c["step"])
+        assert c["true_norm"] == pytest.approx(row["true"], rel=1e-9)
+        assert row["script"] == pytest.approx(row["true"], rel=1e-6)

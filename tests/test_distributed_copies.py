@@ -21,7 +21,7 @@ import torch
 
 import fastgrad
 from fastgrad import distributed
-from fastgrad.distributed import Copies, Shards
+from fastgrad.distributed import Copies, Partition, Shards
 
 from . import oracle
 from .helpers import CollectiveCount, run_scenarios, scenario_outcome, spawn_ranks
@@ -306,8 +306,99 @@ def _scenario_disagreeing_declarations(rank):
             fastgrad.grad_stats(params, process_group=Copies(dist.group.WORLD, declared))
 
 
+class _ZeroTP:
+    """ZeRO over dp=2 of a tp=2 model of plain tensors (rank = 2 * dp + tp): each tp rank's local model (a
+    LayerNorm and a row-parallel bias whole on both tp ranks, a column-parallel weight split by rows) flattened
+    and cut in two partitions, partition d held by the ranks of dp coordinate d."""
+
+    def __init__(self, rank):
+        self.dp, self.tp = divmod(rank, 2)
+        gen = torch.Generator().manual_seed(5)
+        self.whole = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in
+                      [("ln", (6,)), ("fc", (8, 6)), ("bias", (5,))]}
+        self.tp_ranks = [2 * self.dp, 2 * self.dp + 1]
+        local = torch.cat([self.whole["ln"], self.whole["fc"].tensor_split(2)[self.tp].reshape(-1), self.whole["bias"]])
+        self.cut = 18  # of 35: ln [0, 6) and fc [6, 18) | fc [18, 30) and bias [30, 35)
+        self.flat = (local[:self.cut] if self.dp == 0 else local[self.cut:]).to(torch.float32)
+
+    def buffer(self):
+        b = torch.nn.Parameter(torch.zeros_like(self.flat))
+        b.grad = self.flat.clone()
+        return b
+
+    def declare(self, b):
+        if self.dp == 0:
+            return Partition(b, [(0, 6, "ln.weight", self.tp_ranks), (6, 12, "fc.weight", None)])
+        return Partition(b, [(0, 12, "fc.weight", None), (12, 5, "fc2.bias", self.tp_ranks)])
+
+    def truth(self):
+        return float(torch.cat([t.reshape(-1).to(torch.float32).double() for t in self.whole.values()]).norm())
+
+
+def _scenario_partition(rank):
+    """A declared flat partition counts each element once (against the float64 oracle of the whole model), the
+    clip scales the whole buffer, and without the declaration the replicated slices count twice."""
+    m = _ZeroTP(rank)
+    b = m.buffer()
+    plain = fastgrad.clip_grad_norm_([b], 1e9, process_group=dist.group.WORLD)
+    rep = math.fsum(float(x) ** 2 for x in torch.cat([m.whole["ln"], m.whole["bias"]]).to(torch.float32).double())
+    _close(plain, math.sqrt(m.truth() ** 2 + rep), "undeclared: the replicated slices on both tp ranks")
+    part = m.declare(b)
+    try:
+        for exact in (False, True):
+            b = m.buffer()
+            part = m.declare(b)
+            with CollectiveCount() as c:
+                got = fastgrad.clip_grad_norm_([b], 0.5, process_group=dist.group.WORLD, exact=exact)
+            assert c.n == 1, c.kinds
+            _close(got, m.truth(), f"declared partition, exact={exact}")
+            # the clip scales every element of the buffer, the slices this rank does not count included
+            coef = min(1.0, 0.5 / (float(got) + 1e-6))
+            assert torch.allclose(b.grad, m.flat * coef, rtol=1e-6, atol=0)
+        # a rank that declares its replicated slice as its own: the checksum disagrees on every rank
+        b = m.buffer()
+        part = m.declare(b)
+        if rank == 1:
+            part = Partition(b, [(0, 6, "ln.weight", None), (6, 12, "fc.weight", None)])
+        with pytest.raises(distributed.RankMismatchError, match="declared different copies"):
+            fastgrad.clip_grad_norm_([b], 1e-3, process_group=dist.group.WORLD)
+        assert torch.equal(b.grad, m.flat)
+    finally:
+        part.remove()
+    assert not distributed.declared_partitions([b])
+
+
+def _scenario_partition_arguments(rank):
+    """Bad partition declarations: a clear error naming the problem, before any work."""
+    b = torch.nn.Parameter(torch.zeros(10))
+    _raises(TypeError, "buffer is a tensor", lambda: Partition([0.0] * 10, []))
+    _raises(TypeError, "offset, length, owner, replicated_over", lambda: Partition(b, [(0, 4)]))
+    _raises(TypeError, "are ints", lambda: Partition(b, [(0.0, 4, "w", None)]))
+    _raises(ValueError, "not inside the buffer's 10 elements", lambda: Partition(b, [(8, 4, "w", None)]))
+    _raises(ValueError, "not inside", lambda: Partition(b, [(0, 0, "w", None)]))
+    _raises(ValueError, "overlap", lambda: Partition(b, [(0, 4, "a", None), (3, 2, "b", None)]))
+    _raises(TypeError, "its parameter or a name", lambda: Partition(b, [(0, 4, 3, None)]))
+    other = (rank + 1) % WORLD
+    _raises(ValueError, f"do not include this rank \\({rank}\\)", lambda: Partition(b, [(0, 4, "w", [other])]))
+    assert not distributed.declared_partitions([b])  # nothing registered by a failed declaration
+    p = Partition(b, [(2, 3, "w", [rank])])
+    assert [x[:2] for x in p.pieces()] == [(0, 2), (2, 5), (5, 10)] and "3 slices" not in repr(p)
+    b.grad = torch.ones(10)
+    wrong = torch.nn.Parameter(torch.zeros(5))
+    try:
+        Partition(wrong, [(0, 2, "w", None)])
+        wrong.grad = torch.ones(5)
+        wrong.data = torch.zeros(4)  # the buffer re-made smaller than its gradient after the declaration
+        _raises(ValueError, "declared buffer has 4 elements, its gradient at position 0 has 5",
+                lambda: fastgrad.clip_grad_norm_([wrong], 1.0, process_group=dist.group.WORLD))
+        assert torch.equal(wrong.grad, torch.ones(5))
+    finally:
+        distributed.plan._PARTITIONS.clear()
+
+
 SCENARIOS = {"megatron": _scenario_megatron, "keys": _scenario_keys, "dtensor_stages": _scenario_dtensor_stages,
-             "arguments": _scenario_arguments, "disagreeing_declarations": _scenario_disagreeing_declarations}
+             "arguments": _scenario_arguments, "disagreeing_declarations": _scenario_disagreeing_declarations,
+             "partition": _scenario_partition, "partition_arguments": _scenario_partition_arguments}
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:

@@ -26,6 +26,9 @@ of all ranks add up (max/min for the inf/-inf norms) to the norm of the whole mo
   hand-written tensor parallelism): only the lowest of ``ranks`` contributes it (on top of what placements
   decide for a DTensor). A per-tensor vector counts it on the lowest of ``ranks`` within the ranks the vector
   is reduced over, so each stage holding a tied tensor gets its whole norm. No extra collective.
+* ``Partition(buffer, [(offset, length, owner, replicated_over), ...])`` declares what a flat buffer holds (a
+  ZeRO partition of a tensor-parallel model: shards' slices next to slices of replicated tensors): every call
+  with a ``process_group`` counts a replicated slice on the lowest of its ranks only, whatever the group.
 
 Which ranks reduce together (the plan, cached per set of meshes and group):
 
@@ -80,10 +83,11 @@ from . import agreement, layout, plan
 from .agreement import RankMismatchError
 from .dtensor import dtensor_grads, has_dtensor, is_dtensor, to_local_norm, wrap_like
 from .layout import Sharded, takes_cpu_pass, local_cpu_norm, prepare, scale_local_cpu
-from .plan import Copies, Shards, span_ranks
+from .plan import Copies, Partition, Shards, declared_partitions, span_ranks
 from .reduce import local_device_dtype, nonfinite_poison, reduced_amp_norm, reduced_exact, reduced_norm, reduced_stats
 
-__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "Copies", "RankMismatchError", "prepare",
+__all__ = ["is_dtensor", "has_dtensor", "dtensor_grads", "Sharded", "Shards", "Copies", "Partition", "declared_partitions",
+           "RankMismatchError", "prepare",
            "reduced_norm", "reduced_amp_norm", "reduced_stats", "wrap_like", "to_local_norm", "span_ranks",
            "clear_cache", "nonfinite_poison", "reduced_exact", "local_device_dtype", "takes_cpu_pass", "local_cpu_norm",
            "scale_local_cpu"]

@@ -13,8 +13,8 @@ from torch import Tensor
 from .. import _scan
 from .agreement import PENDING, raise_pending
 from .dtensor import dtensor_class
-from .plan import (Copies, Shards, ReducePlan, bounded_put, group_key, mark_used, narrow_copies, reduce_plan_for,
-                   spec_info, unwrap_group)
+from .plan import (Copies, Shards, ReducePlan, bounded_put, declared_partitions, group_key, mark_used,
+                   narrow_copies, narrow_partitions, reduce_plan_for, spec_info, unwrap_group)
 
 _LAYOUTS: dict = {}
 _LIST_CAP = 64  # list layouts kept: a model's clip lists, each a few KB
@@ -208,6 +208,13 @@ def prepare(tensors: Sequence[Tensor], process_group=None, *, for_norm: bool = T
         if vec is not None:
             sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
     fp = _list_fingerprint(lay, reads, n, pieces)
+    parts = declared_partitions(tensors)
+    if parts:  # flat buffers whose replicated slices count on their lowest rank only (after the fingerprint,
+        # which compares the buffers' own shapes)
+        reads, counts, psum = narrow_partitions(parts, reads, counts)
+        reads = _scan.checked(reads)
+        sel = None if all(counts) else [i for i, c in enumerate(counts) if c]
+        check += psum
     sh = Sharded(reads, writes, counts, sel, lay.mesh, plan, fp)
     sh.layout = lay
     sh.copies_sum = check

@@ -117,6 +117,140 @@ def _copy_ranks(where, world: int) -> frozenset:
     return ranks
 
 
+class Partition:
+    """``Partition(buffer, [(offset, length, owner, replicated_over), ...])`` declares what a flat buffer holds
+    (a ZeRO-style partition of a flattened model: slices of tensor-parallel shards next to slices of tensors
+    every tensor-parallel rank keeps whole). Each entry: ``length`` elements of the flattened buffer from
+    ``offset`` belong to ``owner`` (the parameter they come from, or its name; what check reports), and
+    ``replicated_over`` says whether that tensor is replicated (a process group, or a list of global ranks,
+    this rank among them: the same elements sit in the same slice on every one of them, and only the lowest
+    counts them) or sharded (None: these elements are this rank's alone).
+
+    The declaration holds from its creation on, for the buffer and its ``.grad``: every sharded clip
+    (``fastgrad.clip_grad_norm_(..., process_group=...)`` and the other norms that take one) counts each
+    element once, and ``python -m fastgrad.check`` judges the buffer slice by slice. A later declaration for
+    the same buffer replaces this one; :meth:`remove` drops it. Checked here, before any work: the types,
+    slices inside the buffer that do not overlap, each replicated slice's ranks holding this rank and no rank
+    beyond the world. Every rank of a replicated slice must declare it alike (checked in a sharded call's
+    collective when its norm_type is finite: RankMismatchError on every rank). A rank that does not count a
+    replicated slice reads the slices it counts through one copy of them per call."""
+
+    __slots__ = ("buffer", "slices", "__weakref__")
+
+    def __init__(self, buffer, slices):
+        import torch.distributed as dist
+
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"Partition(buffer, slices): buffer is a tensor (a flat parameter), got {type(buffer).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Partition(buffer, slices) needs an initialized torch.distributed process group")
+        me, world = dist.get_rank(), dist.get_world_size()
+        n = buffer.numel()
+        out = []
+        for item in slices:
+            try:
+                offset, length, owner, where = item
+            except (TypeError, ValueError):
+                raise TypeError("Partition(buffer, slices): each slice is (offset, length, owner, replicated_over), "
+                                f"got {item!r}") from None
+            if isinstance(offset, bool) or isinstance(length, bool) or not isinstance(offset, int) \
+                    or not isinstance(length, int):
+                raise TypeError(f"Partition: offset and length are ints, got {offset!r} and {length!r}")
+            if offset < 0 or length <= 0 or offset + length > n:
+                raise ValueError(f"Partition: the slice [{offset}, {offset + length}) is not inside the buffer's "
+                                 f"{n} elements")
+            if not isinstance(owner, (str, torch.Tensor)):
+                raise TypeError(f"Partition: a slice's owner is its parameter or a name, got {type(owner).__name__}")
+            ranks = None
+            if where is not None:
+                ranks = _copy_ranks(where, world)
+                if me not in ranks:
+                    raise ValueError(f"Partition: the slice [{offset}, {offset + length}) is declared replicated on "
+                                     f"ranks {sorted(ranks)}, which do not include this rank ({me})")
+            out.append((offset, offset + length, owner, ranks))
+        out.sort(key=lambda x: x[0])
+        for a, b in zip(out, out[1:]):
+            if b[0] < a[1]:
+                raise ValueError(f"Partition: the slices [{a[0]}, {a[1]}) and [{b[0]}, {b[1]}) overlap")
+        self.buffer, self.slices = buffer, out
+        _PARTITIONS[id(buffer)] = self
+
+    def remove(self) -> None:
+        """Forget the declaration."""
+        if _PARTITIONS.get(id(self.buffer)) is self:
+            del _PARTITIONS[id(self.buffer)]
+
+    def pieces(self) -> list[tuple[int, int, object, frozenset | None]]:
+        """The whole buffer in order, as ``(start, stop, owner, replicated ranks)``: the declared slices and,
+        between them, the undeclared stretches (owner None)."""
+        out, at = [], 0
+        for a, b, owner, ranks in self.slices:
+            if a > at:
+                out.append((at, a, None, None))
+            out.append((a, b, owner, ranks))
+            at = b
+        if at < self.buffer.numel():
+            out.append((at, self.buffer.numel(), None, None))
+        return out
+
+    def __repr__(self) -> str:
+        return f"Partition({self.buffer.numel()} elements, {len(self.slices)} slices)"
+
+
+_PARTITIONS: dict = {}  # id(buffer) -> its Partition (which holds the buffer, so the id cannot be reused)
+
+
+def declared_partitions(tensors) -> list:
+    """``[(i, Partition)]`` for each entry of ``tensors`` that is a declared buffer or its ``.grad``."""
+    if not _PARTITIONS:
+        return []
+    targets = {}
+    for part in _PARTITIONS.values():
+        targets[id(part.buffer)] = part
+        if part.buffer.is_leaf and part.buffer.grad is not None:
+            targets[id(part.buffer.grad)] = part
+    get = targets.get
+    return [(i, p) for i, p in enumerate(map(get, map(id, tensors))) if p is not None]
+
+
+def narrow_partitions(found: list, reads: list, counts: list) -> tuple[list, list, int]:
+    """``(reads, counts, checksum)`` once the declared partitions among the tensors count each element once:
+    a buffer whose replicated slices this rank does not count (it is not their lowest rank) is read through a
+    copy of the elements it does count (not at all when none); ``checksum`` as :func:`narrow_copies`', per
+    replicated slice."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    reads, counts = list(reads), list(counts)
+    checksum = 0
+    for i, part in found:
+        t = reads[i]
+        if t.numel() != part.buffer.numel():
+            raise ValueError(f"Partition: the declared buffer has {part.buffer.numel()} elements, its gradient at "
+                             f"position {i} has {t.numel()}")
+        skip = []
+        for a, b, _, ranks in part.slices:
+            if ranks is None:
+                continue
+            low = min(ranks)
+            h = zlib.crc32(repr((sorted(ranks), a, b, str(t.dtype))).encode()) & 0xFFF
+            checksum += (len(ranks) - 1) * h if me == low else -h
+            if me != low:
+                skip.append((a, b))
+        if not skip:
+            continue
+        flat, keep, at = t.reshape(-1), [], 0
+        for a, b in skip:
+            if a > at:
+                keep.append(flat[at:a])
+            at = b
+        if at < flat.numel():
+            keep.append(flat[at:])
+        reads[i] = torch.cat(keep) if keep else flat[:0]
+        counts[i] = counts[i] and bool(keep)
+    return reads, counts, checksum
+
+
 def unwrap_group(process_group):
     """``(group, pieces, copies)``: the process group, whether plain lists are pieces of the same tensors, and
     the declared copies (a :class:`Copies`, or None)."""

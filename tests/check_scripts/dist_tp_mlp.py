@@ -7,6 +7,16 @@ its bias replicated), on tp=2 ranks, times dp = WORLD_SIZE / 2 data-parallel rep
   ROCm/TransformerEngine PR #715 and NVIDIA-NeMo/RL PR #3788).
 --norm local: torch.nn.utils.clip_grad_norm_ on this rank's parameters: the other tp rank's shards are missing.
 --norm right: the replicated tensors counted on tp rank 0 only (the correct hand-written norm).
+--norm bias-twice: as right, but the filter knows only the LayerNorm as replicated: the row-parallel bias is
+  counted on both tp ranks (a partial over-count: one tensor twice, every other one right).
+--norm ln-twice: as right, but the filter knows only the row-parallel bias as replicated: the LayerNorm's
+  weight and bias are counted on both tp ranks (with --sp, Megatron's sequence-parallel LayerNorm taken for a
+  tensor-parallel one).
+--sp: sequence parallelism: each tp rank applies the LayerNorm to its half of the tokens, the halves are
+  gathered before the column-parallel layer, and the LayerNorm's gradients (each rank's from its own tokens)
+  are all-reduced over tp before the norm.
+--norm shard-missed: as right, but fc1.weight is taken for a replicated tensor (its "model parallel" mark
+  lost): only tp rank 0's shard of it is counted (a partial under-count).
 
 Rank 0 writes the truth (FG_TRUTH): per step the norm the script clipped with and the float64 norm of the
 whole model's gradients, gathered onto rank 0 and rebuilt from the shards."""
@@ -20,7 +30,9 @@ import torch.nn.functional as F
 from _truth import Truth
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--norm", choices=["tp-sum", "local", "right"], default="tp-sum")
+ap.add_argument("--norm", choices=["tp-sum", "local", "right", "bias-twice", "ln-twice", "shard-missed"],
+                default="tp-sum")
+ap.add_argument("--sp", action="store_true")
 ap.add_argument("--max-norm", type=float, default=0.05)
 ap.add_argument("--steps", type=int, default=5)
 a = ap.parse_args()
@@ -46,6 +58,20 @@ class CopyToTP(torch.autograd.Function):  # identity forward; the input's gradie
         g = g.clone()
         dist.all_reduce(g, group=tp_group)
         return g
+
+
+class GatherFromSP(torch.autograd.Function):  # the tp ranks' token halves gathered; gradient: the sum's half
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(TP)]
+        dist.all_gather(parts, x.contiguous(), group=tp_group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=tp_group)
+        return g.chunk(TP)[tp_rank]
 
 
 class ReduceFromTP(torch.autograd.Function):  # partial outputs summed over the tp ranks; gradient as it is
@@ -88,7 +114,10 @@ class TPMLP(nn.Module):
         self.fc2 = Part(mine["fc2.weight"], mine["fc2.bias"])
 
     def forward(self, x):
-        h = CopyToTP.apply(self.ln(x))
+        if a.sp:  # this rank's half of the tokens through the LayerNorm, then every token
+            h = GatherFromSP.apply(self.ln(x.chunk(TP)[tp_rank]))
+        else:
+            h = CopyToTP.apply(self.ln(x))
         h = torch.tanh(F.linear(h, self.fc1.weight, self.fc1.bias))
         return ReduceFromTP.apply(F.linear(h, self.fc2.weight)) + self.fc2.bias
 
@@ -108,6 +137,7 @@ def true_norm() -> float:
     dist.gather_object(mine, got, dst=0)
     if rank:
         return float("nan")
+    assert all(torch.equal(got[0][n], got[1][n]) for n in REPLICATED)  # one tensor on both tp ranks
     whole = {n: (torch.cat([got[t][n] for t in range(TP)], SPLIT[n]) if n in SPLIT else got[0][n])
              for n in full}
     return float(torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in whole.values()])))
@@ -119,6 +149,9 @@ for step in range(a.steps):
     loss = F.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    if a.sp:  # the LayerNorm's gradients, each from this rank's tokens: summed over tp
+        for p in model.ln.parameters():
+            dist.all_reduce(p.grad, group=tp_group)
     if DP > 1:
         for p in model.parameters():
             dist.all_reduce(p.grad, group=dp_group)
@@ -129,9 +162,11 @@ for step in range(a.steps):
         total = torch.nn.utils.clip_grad_norm_(params, a.max_norm)
     else:
         names = dict((id(p), n) for n, p in model.named_parameters())
+        once = {"right": REPLICATED, "bias-twice": ["ln.weight", "ln.bias"], "ln-twice": ["fc2.bias"],
+                "shard-missed": REPLICATED + ["fc1.weight"]}.get(a.norm, [])  # counted on tp rank 0 only
         sq = torch.zeros((), dtype=torch.float32)
         for p in params:
-            if a.norm == "right" and names[id(p)] in REPLICATED and tp_rank != 0:
+            if names[id(p)] in once and tp_rank != 0:
                 continue
             sq = sq + p.grad.pow(2).sum()
         dist.all_reduce(sq, group=tp_group)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...distributed import is_dtensor, prepare
+from ...distributed import declared_partitions, is_dtensor, prepare
 from .optimizer_hooks import UPDATE_ALWAYS, UPDATE_EVERY
 
 __all__ = ["RankRecorder", "MAX_RECORDS", "fingerprint", "world"]
@@ -69,6 +69,7 @@ class RankRecorder:
         if self.watcher is not None:
             self._refresh_names()
         names = [self._names.get(p, f"parameter {i}") for i, p in enumerate(params)]
+        kinds = self._module_kinds(params)
         grads = [p.grad for p in params]
         dt_pos = [i for i, g in enumerate(grads) if is_dtensor(g)]
         counted: list = [None] * len(grads)
@@ -81,10 +82,58 @@ class RankRecorder:
             for j, i in enumerate(dt_pos):
                 counted[i] = bool(sh.counts[j])
                 reads[i] = sh.reads[j]
+        flat = [False] * len(reads)
+        parts = dict(declared_partitions(grads))
+        if parts or any(c is None and r.dim() == 1 and p not in self._names
+                        for c, r, p in zip(counted, reads, params)):
+            names, counted, reads, kinds, flat = self._rank_pieces(params, names, counted, reads, kinds, parts)
         sq = [torch.sum(torch.square(r.detach().to(torch.float64))).reshape(1) for r in reads]
-        keys = [None if c is not None else (tuple(g.shape), str(g.dtype)) for c, g in zip(counted, grads)]
+        keys = [None if c is not None else (tuple(r.shape), str(r.dtype)) for c, r in zip(counted, reads)]
         prints = [fingerprint(r) if c is None else None for c, r in zip(counted, reads)]
-        return step, names, counted, [r.numel() for r in reads], keys, sq, prints
+        return step, names, counted, [r.numel() for r in reads], keys, sq, prints, kinds, flat
+
+    def _rank_pieces(self, params, names, counted, reads, kinds, parts) -> tuple:
+        """The record's entries once flat buffers are looked into: a buffer with a declared layout
+        (``fastgrad.distributed.Partition``) becomes one entry per slice, named after the parameter it belongs to,
+        so that a replicated slice (the same bytes on the ranks that hold it) counts once; the stretches it
+        leaves undeclared, and a plain 1-D gradient that no module of the watched models holds (a flat buffer
+        whose layout nobody declared), are marked ``flat``: the rule cannot tell what they hold."""
+        out: tuple = ([], [], [], [], [])
+        for i, (p, name, c, r, kind) in enumerate(zip(params, names, counted, reads, kinds)):
+            part = parts.get(i)
+            if p not in self._names and c is None and r.dim() == 1:
+                name = self._var_name(p) or name  # a buffer is named after the script's variable
+            if part is None:
+                undeclared = c is None and r.dim() == 1 and p not in self._names
+                for lst, v in zip(out, (name, c, r, kind, undeclared)):
+                    lst.append(v)
+                continue
+            whole = r.reshape(-1)
+            for a, b, owner, _ in part.pieces():
+                if isinstance(owner, Tensor):
+                    label = self._names.get(owner, f"{name}[{a}:{b}]")
+                    what = self._module_kinds([owner])[0]
+                else:
+                    label, what = (owner, None) if owner is not None else (f"{name}[{a}:{b}]", None)
+                for lst, v in zip(out, (label, None, whole[a:b], what, owner is None)):
+                    lst.append(v)
+        return out
+
+    def _module_kinds(self, params) -> list:
+        """Per parameter, the type name of the module that holds it directly in the watched models (the
+        attribution's "tensors of one module type"), None where none does."""
+        want = {id(p): k for k, p in enumerate(params)}
+        out: list = [None] * len(params)
+        roots = [r() for r in self.watcher._roots] if self.watcher is not None else []
+        for root in roots:
+            if root is None:
+                continue
+            for m in root.modules():
+                for p in m.parameters(recurse=False):
+                    k = want.get(id(p))
+                    if k is not None and out[k] is None:
+                        out[k] = type(m).__name__
+        return out
 
     def _rank_keep(self, rec: tuple | None, norm, max_norm) -> None:
         """After the clip: keep ``rec`` with the norm the script clipped with (its device value)."""
@@ -104,11 +153,11 @@ class RankRecorder:
 
         mine = []
         try:
-            for (step, names, counted, numels, keys, sq, prints), norm, dtype, max_norm in self._rank_rows:
+            for (step, names, counted, numels, keys, sq, prints, kinds, flat), norm, dtype, max_norm in self._rank_rows:
                 sqv = torch.cat(sq).tolist() if sq else []
                 fp = [None if p is None else tuple(p.tolist()) for p in prints]
-                entries = [(n, c, s, k, None if key is None else key + f)
-                           for n, c, s, k, key, f in zip(names, counted, sqv, numels, keys, fp)]
+                entries = [(n, c, s, k, None if key is None else key + f, kind, fl)
+                           for n, c, s, k, key, f, kind, fl in zip(names, counted, sqv, numels, keys, fp, kinds, flat)]
                 mine.append({"step": step, "entries": entries, "norm": float(norm.to(torch.float64)),
                              "dtype": dtype, "max_norm": max_norm})
         except Exception as e:  # noqa: BLE001 - still join the gather, or the other ranks wait forever
