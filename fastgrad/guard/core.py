@@ -291,6 +291,7 @@ class StepGuard:
         if scaler is None and self._wrapper_scaler is not None:  # accelerate's fp16: its own scaler
             scaler = self._wrapper_scaler
         self._counters.check_consecutive(self.max_consecutive_skips)
+        self._last_pre_hook(opt)
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
         params = optimizer_params(opt)
@@ -351,6 +352,14 @@ class StepGuard:
         with torch.no_grad():
             sh = plan.place(grads) if sharded else None  # (the grads' types were checked above: no torch route)
             return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sh, use_scaler)
+
+    def _last_pre_hook(self, opt) -> None:
+        """The guard's step pre-hook runs after every other (a pre-hook registered later that writes a
+        gradient is then caught by the check, not stepped on): torch runs them in the order of its table."""
+        table = getattr(opt, "_optimizer_step_pre_hooks", None)
+        hid = self._hooks[0].id
+        if table is not None and hid in table and next(reversed(table)) != hid:
+            table.move_to_end(hid)
 
     def _decided(self, total, coef, inv, bad, spike, scale, grads) -> None:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
