@@ -31,6 +31,7 @@ from .. import route
 from .. import scaler_state
 from .._inputs import optimizer_params
 from . import read
+from .buffers import BufferKeeper
 from .counters import COUNTERS, Counters
 from .modes import DEFAULT
 from .options import MODES, check_options, make_mode, mode_options_doc
@@ -158,6 +159,10 @@ class StepGuard:
         exact: every decision taken from the correctly rounded norm (fastgrad.exact; p = 1, 2, inf; AdaGC's
             per-tensor norms too), one more read of the gradients; with a GradScaler they are unscaled in
             place first (zero_write does not apply there).
+        model: the ``torch.nn.Module`` the training step runs: a skipped step then also leaves its buffers
+            (BatchNorm running statistics, ``num_batches_tracked``, any buffer a forward updates) as they were
+            before the step's first forward, restored on the device by the skip flag (fastgrad.guard.buffers).
+            Without it only the parameters and the optimizer state are kept.
         **mode_options: the mode's options by name (None: the default), each checked here. Per mode, from
             its declaration (fastgrad/guard/modes/):
 {mode_options}
@@ -166,7 +171,7 @@ class StepGuard:
     def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = DEFAULT,
                  skip_factor: float | None = None, max_consecutive_skips: int | None = None,
                  non_fused: str = "sync", zero_write: bool = True, process_group=None, backend: str | None = None,
-                 exact: bool = False, **mode_options):
+                 exact: bool = False, model=None, **mode_options):
         optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
@@ -200,6 +205,9 @@ class StepGuard:
         self.backend = backend
         self.exact = exact
         self._exact = checked.exact  # the norms from fastgrad.exact (read.general's exact route)
+        # the buffers' keeper: ours to remove unless it was handed to us already saving
+        self._own_keeper = model is not None and not isinstance(model, BufferKeeper)
+        self._keeper = BufferKeeper(model) if self._own_keeper else model
         self._optimizer = optimizer
         self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
         self._counters = Counters(self.max_norm)
@@ -235,6 +243,8 @@ class StepGuard:
         if guard_for(opt) is self:
             del _GUARDS[opt]
         self._skip.clear()
+        if self._own_keeper:
+            self._keeper.remove()
 
     @property
     def optimizer(self):
@@ -365,6 +375,8 @@ class StepGuard:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
         self._counters.record(total, coef, inv, bad, spike)
         self._skip.pend(bad, scale, grads)
+        if self._keeper is not None:
+            self._keeper.restore(bad)
         if self.max_consecutive_skips is not None or not self._counters.warned:
             self._counters.copy_consecutive()  # read at the next clip_ (GuardError, the WARN_AFTER warning)
 
