@@ -12,7 +12,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from fastgrad.integrations.lightning import StepGuardCallback  # noqa: E402
 
-from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+from .integration_cases import BatchNormNet, batches, finite, model_bits, same, snapshot  # noqa: E402
 
 STEPS = 6
 
@@ -61,7 +61,7 @@ class MemoryLogger(pl.loggers.logger.Logger):
 
 
 def _fit(model, data, callbacks, **kw):
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, callbacks=callbacks, logger=kw.pop("logger", False),
+    trainer = pl.Trainer(accelerator="cpu", max_steps=kw.pop("max_steps", STEPS), callbacks=callbacks, logger=kw.pop("logger", False),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=2, **kw)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
@@ -95,6 +95,40 @@ def test_nan_batch_is_skipped_in_a_lightning_run(opt, bad):
     control = Tiny(OPTS[opt])
     _fit(control, data, [], gradient_clip_val=1.0)
     assert not finite(control.parameters())
+
+
+class WithBatchNorm(pl.LightningModule):
+    """Its training step calls the net inside, not the module itself (as Lightning modules usually do)."""
+
+    def __init__(self, make_opt):
+        super().__init__()
+        self.net = BatchNormNet()
+        self.make_opt = make_opt
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.make_opt(self.parameters())
+
+
+TWIN_OPTS = {**OPTS, "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)}
+
+
+@pytest.mark.parametrize("opt", list(TWIN_OPTS))
+def test_twin_run_a_nan_batch_leaves_the_model_buffers_included_as_if_never_seen(opt):
+    """The run with a NaN batch, guarded, against plain Lightning on the same batches without it: the
+    model (parameters, BatchNorm running statistics and num_batches_tracked) and the optimizer state are the
+    same bits."""
+    data = batches(STEPS, {2})
+    guarded, cb = WithBatchNorm(TWIN_OPTS[opt]), StepGuardCallback(max_norm=1e9)  # 1e9: no clip engages
+    _fit(guarded, data, [cb])
+    twin = WithBatchNorm(TWIN_OPTS[opt])
+    trainer = _fit(twin, data[:2] + data[3:], [], max_steps=STEPS - 1)
+    assert cb.guard.state()["skipped_steps"] == 1
+    assert same(model_bits(guarded, cb.guard.optimizer), model_bits(twin, trainer.optimizers[0]))
+    assert finite(guarded.buffers())
 
 
 @pytest.mark.parametrize("opt", list(OPTS))
@@ -133,6 +167,8 @@ def test_options_are_checked_when_the_callback_is_built():
         StepGuardCallback(max_norm=1.0, skip_factor=1.0)
     with pytest.raises(ValueError, match="needs max_norm"):
         StepGuardCallback()
+    with pytest.raises(TypeError, match="guards the model the trainer trains"):
+        StepGuardCallback(max_norm=1.0, model=torch.nn.Linear(1, 1))
 
 
 def test_missing_framework_names_the_package(monkeypatch):

@@ -23,6 +23,12 @@ def counters(guard, prefix: str) -> dict[str, float]:
     return {f"{prefix}{k}": float(st[k]) for k in keys if st.get(k) is not None}
 
 
+def check_no_model(options: dict) -> None:
+    if "model" in options:
+        raise TypeError("StepGuardCallback(model=...): the callback guards the model the trainer trains (its "
+                        "buffers are restored on a skipped step); do not pass one")
+
+
 def check_hold_schedule(hold_schedule) -> bool:
     if not isinstance(hold_schedule, bool):
         raise TypeError(f"hold_schedule must be True or False, got {hold_schedule!r}")

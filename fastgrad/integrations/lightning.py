@@ -2,8 +2,9 @@
 
     trainer = lightning.Trainer(callbacks=[StepGuardCallback(max_norm=1.0)])
 
-At fit start it guards the module's optimizer (``fastgrad.StepGuard(optimizer, max_norm, **options)``,
-exposed as ``.guard``). Lightning's automatic optimization calls ``optimizer.step(closure)``; the closure
+At fit start it guards the module's optimizer (``fastgrad.StepGuard(optimizer, max_norm, model=module,
+**options)``, exposed as ``.guard``): a skipped step leaves the parameters, the optimizer state and the
+module's buffers (BatchNorm running statistics) as they were. Lightning's automatic optimization calls ``optimizer.step(closure)``; the closure
 runs forward and backward and then ``on_before_optimizer_step``, where this callback calls ``guard.clip_()``,
 so the decision is applied inside the step, before the update (sync-free with a fused optimizer). Under
 "16-mixed" Lightning unscales the gradients before that hook; the guard then sees the unscaled ones. At
@@ -19,7 +20,7 @@ fit); per-epoch schedulers count epochs and are left alone.
 from __future__ import annotations
 
 from ..guard import StepGuard
-from ._common import check_hold_schedule, counters, require
+from ._common import check_hold_schedule, check_no_model, counters, require
 
 _pl = require("lightning.pytorch", "lightning", "fastgrad.integrations.lightning")
 
@@ -31,6 +32,7 @@ class StepGuardCallback(_pl.Callback):
     ``max_consecutive_skips``, ...), checked here, before the Trainer starts."""
 
     def __init__(self, max_norm: float | None = None, *, hold_schedule: bool = False, **options):
+        check_no_model(options)
         self.max_norm = max_norm
         self.options = options
         self.hold_schedule = check_hold_schedule(hold_schedule)
@@ -61,7 +63,7 @@ class StepGuardCallback(_pl.Callback):
         if self.guard is None or self.guard.optimizer is not trainer.optimizers[0]:
             if self.guard is not None:
                 self.guard.remove()
-            self.guard = StepGuard(trainer.optimizers[0], self.max_norm, **self.options)
+            self.guard = StepGuard(trainer.optimizers[0], self.max_norm, model=pl_module, **self.options)
         if self._loaded is not None:
             self.guard.load_state_dict(self._loaded)
             self._loaded = None
