@@ -217,22 +217,22 @@ class StepGuard:
         self._one = None
         self._flags = None
 
-        ref = weakref.ref(self)
+        skip = self._skip
 
+        # The hooks hold the guard's skipper (and the optimizer holds its hooks): a guard object that is not
+        # kept (built on a line of its own, or inside a set-up function) still guards every step, until
+        # remove(); guard_for(optimizer) finds it. Optimizer and guard are then collected together.
         @_make_eager
         def pre(opt, args, kwargs):
-            guard = ref()
-            if guard is not None:
-                return guard._skip.pre_step(opt, args, kwargs)
+            return skip.pre_step(opt, args, kwargs)
 
         @_make_eager
         def post(opt, args, kwargs):
-            guard = ref()
-            if guard is not None:
-                guard._skip.post_step(opt)
+            skip.post_step(opt)
 
+        pre.guard = self  # what keeps the guard object itself alive for guard_for
         self._hooks = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
-        _GUARDS[optimizer] = weakref.ref(self)  # the guard holds the optimizer, not the other way
+        _GUARDS[optimizer] = weakref.ref(self)
 
     # ------------------------------------------------------------------ public
     def remove(self) -> None:

@@ -1,0 +1,71 @@
+"""A guard lives as long as its optimizer, or until ``remove()`` (docs/guard-reference.md, "Lifetime"): a guard
+object that nobody keeps still guards every step and ``guard_for(optimizer)`` finds it; once removed it is
+gone; optimizer and guard do not keep each other alive after the user drops both."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fastgrad
+from fastgrad.guard import guard_for
+
+from .guard_cases import NAN, _same, _set_grads, _snapshot
+
+
+def _make():
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    return ps, torch.optim.AdamW(ps, lr=1e-2, fused=True)
+
+
+def _set_up(opt):
+    fastgrad.StepGuard(opt, max_norm=1.0)  # the result not kept: the loop below never names it
+
+
+@pytest.mark.parametrize("how", ["line-of-its-own", "set-up-function"])
+def test_a_guard_not_kept_still_guards(how):
+    ps, opt = _make()
+    if how == "line-of-its-own":
+        fastgrad.StepGuard(opt, max_norm=1.0)
+    else:
+        _set_up(opt)
+    gc.collect()
+    guard = guard_for(opt)
+    assert guard is not None
+    # a step with no decision is still refused
+    _set_grads(ps, 0, poison=NAN)
+    before = _snapshot(ps, opt)
+    with pytest.raises(RuntimeError, match="clip_"):
+        opt.step()
+    assert _same(_snapshot(ps, opt), before)
+    # and a NaN step still skipped
+    guard_for(opt).clip_()
+    del guard
+    gc.collect()
+    opt.step()
+    assert _same(_snapshot(ps, opt), before) and guard_for(opt).state()["skipped_steps"] == 1
+
+
+def test_removed_guard_is_gone_and_the_optimizer_steps_unguarded():
+    ps, opt = _make()
+    guard = fastgrad.StepGuard(opt, max_norm=1.0)
+    ref = weakref.ref(guard)
+    guard.remove()
+    del guard
+    gc.collect()
+    assert ref() is None and guard_for(opt) is None
+    _set_grads(ps, 0)
+    opt.step()  # no guard: torch's own step
+
+
+def test_optimizer_and_guard_are_collected_together():
+    ps, opt = _make()
+    model = torch.nn.BatchNorm1d(3)
+    guard = fastgrad.StepGuard(opt, max_norm=1.0, model=model)
+    refs = weakref.ref(opt), weakref.ref(guard)
+    del opt, guard
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
