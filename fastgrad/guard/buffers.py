@@ -15,6 +15,7 @@ host (one read of the flag), the only read here.
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -48,7 +49,8 @@ class BufferKeeper:
                     seen.add(id(buf))
                     self._slots.append((mod, name))
         self._armed = True  # the next forward takes a new snapshot
-        self._snap = None  # [(slots, shapes, dtype, device, flat copy)] per dtype and device
+        self._snap = None  # [(group, flat copy)] per dtype and device
+        self._layout = None  # (the buffers, their groups), reused while the buffers are the same tensors
         self._warned = False
         self._hooks = [mod.register_forward_pre_hook(self._before_forward) for mod in owners]
 
@@ -67,20 +69,35 @@ class BufferKeeper:
             self._armed = False
             self.save()
 
+    def _current(self) -> list:
+        return [mod._buffers.get(name) for mod, name in self._slots]
+
     def save(self) -> None:
-        """One flat copy of the buffers per dtype and device (device ops only)."""
-        groups: dict = {}
-        for mod, name in self._slots:
-            buf = mod._buffers.get(name)
-            if isinstance(buf, Tensor):
-                groups.setdefault((buf.dtype, buf.device), []).append((mod, name, buf))
-        snap = []
+        """One flat copy of the buffers per dtype and device (device ops only). The groups and the buffers'
+        flat views are made once and reused while the buffers are the same tensors (the usual case: BatchNorm
+        updates them in place), so a save is one ``torch.cat`` per group."""
+        now = self._current()
+        layout = self._layout
+        if layout is None or len(now) != len(layout[0]) or not all(map(operator.is_, now, layout[0])):
+            layout = self._layout = (now, self._group(now))
         with torch.no_grad():
-            for (dtype, device), entries in groups.items():
-                flat = torch.cat([b.detach().reshape(-1) for _, _, b in entries])
-                snap.append(([(m, n) for m, n, _ in entries], [b.shape for _, _, b in entries], dtype, device,
-                             flat))
-        self._snap = snap
+            self._snap = [(g, torch.cat(g["flat"] if g["viewed"] else
+                                        [b.detach().reshape(-1) for b in g["bufs"]])) for g in layout[1]]
+
+    def _group(self, now: list) -> list:
+        groups: dict = {}
+        for (mod, name), buf in zip(self._slots, now):
+            if isinstance(buf, Tensor):
+                g = groups.setdefault((buf.dtype, buf.device), {"slots": [], "bufs": [], "flat": []})
+                g["slots"].append((mod, name))
+                g["bufs"].append(buf)
+                # a flat view where the buffer allows one (contiguous), else a copy is joined at each save
+                g["flat"].append(buf.detach().view(-1) if buf.is_contiguous() else buf.detach().reshape(-1))
+        for (dtype, device), g in groups.items():
+            g["dtype"], g["device"] = dtype, device
+            g["numels"] = [b.numel() for b in g["bufs"]]
+            g["viewed"] = all(b.is_contiguous() for b in g["bufs"])
+        return list(groups.values())
 
     def restore(self, bad: Tensor) -> None:
         """Where ``bad`` (the step's 0-dim skip flag, on any device), put the snapshot back; the next forward
@@ -97,18 +114,24 @@ class BufferKeeper:
             return
         flags = {}
         with torch.no_grad():
-            for slots, shapes, dtype, device, flat in self._snap:
+            for g, flat in self._snap:
+                device = g["device"]
                 if device not in flags:
                     flags[device] = (bad > 0).to(device, non_blocking=True)
                 flag = flags[device]
-                now = [mod._buffers.get(name) for mod, name in slots]
-                if all(isinstance(b, Tensor) and b.shape == s and b.dtype == dtype and b.device == device
-                       for b, s in zip(now, shapes)):
+                now = [mod._buffers.get(name) for mod, name in g["slots"]]
+                if g["viewed"] and all(map(operator.is_, now, g["bufs"])):  # the same tensors: in place
+                    kept = torch.where(flag, flat, torch.cat(g["flat"])).split(g["numels"])
+                    torch._foreach_copy_(g["flat"], list(kept))
+                    continue
+                shapes = [b.shape for b in g["bufs"]]
+                if all(isinstance(b, Tensor) and b.shape == s and b.dtype == g["dtype"] and b.device == device
+                       for b, s in zip(now, shapes)):  # replaced by tensors of the same kind
                     cur = torch.cat([b.detach().reshape(-1) for b in now])
-                    kept = torch.where(flag, flat, cur).split([s.numel() for s in shapes])
+                    kept = torch.where(flag, flat, cur).split(g["numels"])
                     torch._foreach_copy_([b.detach() for b in now], [k.view(s) for k, s in zip(kept, shapes)])
                     continue
                 # a buffer replaced by another kind of tensor, or removed: decided on the host
                 if bool(flag):
-                    for (mod, name), s, piece in zip(slots, shapes, flat.split([s.numel() for s in shapes])):
+                    for (mod, name), s, piece in zip(g["slots"], shapes, flat.split(g["numels"])):
                         mod._buffers[name] = piece.clone().view(s)
