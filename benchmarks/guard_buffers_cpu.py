@@ -1,5 +1,5 @@
 """Host and CPU cost of ``StepGuard(model=...)``'s buffers' keeper on a ResNet-50-sized model (built from
-torch.nn: the bottleneck layout [3, 4, 6, 3], 53 BatchNorm layers, 161 buffers, ~25.6M parameters).
+torch.nn: the bottleneck layout [3, 4, 6, 3], 53 BatchNorm layers, 159 buffers, ~25.6M parameters).
 
 Measured, interleaved round by round, microseconds of thread time (``time.thread_time``) per call:
 
