@@ -69,3 +69,31 @@ def test_optimizer_and_guard_are_collected_together():
     del opt, guard
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+# ---------------------------------------------------------------- safe_to_checkpoint
+
+
+def test_safe_to_checkpoint_sees_weights_optimizer_state_and_buffers():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    guard = fastgrad.StepGuard(opt, 1.0, model=model)
+    model(torch.randn(5, 3)).sum().backward()
+    guard.clip_()
+    opt.step()
+    assert guard.safe_to_checkpoint() and guard.nonfinite_state() == []
+    for where, tensor in (("0.weight", model[0].weight), ("'exp_avg'", opt.state[model[0].bias]["exp_avg"]),
+                          ("buffer 1.running_var", model[1].running_var)):
+        saved = tensor.detach().clone()
+        with torch.no_grad():
+            tensor.view(-1)[1] = float("inf")
+        assert not guard.safe_to_checkpoint()
+        assert any(where in n for n in guard.nonfinite_state()), (where, guard.nonfinite_state())
+        with torch.no_grad():
+            tensor.copy_(saved)
+        assert guard.safe_to_checkpoint()
+    # without model= the buffers are not the guard's to see
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model[1].running_mean.fill_(float("nan"))
+    assert fastgrad.StepGuard(opt2, 1.0).safe_to_checkpoint()

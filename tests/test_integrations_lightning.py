@@ -62,7 +62,8 @@ class MemoryLogger(pl.loggers.logger.Logger):
 
 def _fit(model, data, callbacks, **kw):
     trainer = pl.Trainer(accelerator="cpu", max_steps=kw.pop("max_steps", STEPS), callbacks=callbacks, logger=kw.pop("logger", False),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=kw.pop("enable_checkpointing", False), enable_progress_bar=False,
+                         enable_model_summary=False,
                          log_every_n_steps=2, **kw)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
     return trainer
@@ -238,3 +239,33 @@ def test_hold_schedule_holds_a_per_step_scheduler_on_a_skip(hold):
     assert int(trainer.optimizers[0].state[module.net.weight]["step"]) == STEPS - 2
     assert sched.last_epoch == taken and sched.get_last_lr()[0] == pytest.approx(1e-2 / (1 + taken))
     assert "lr_scheduler_step" not in module.__dict__
+
+
+class PoisonAt(pl.Callback):
+    """A write outside the optimizer step (the guard cannot see it coming): NaN into a weight or a buffer."""
+
+    def __init__(self, step, tensor):
+        self.step, self.tensor = step, tensor
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.step:
+            with torch.no_grad():
+                self.tensor(pl_module).view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("what", ["weight", "buffer"])
+def test_a_checkpoint_that_is_not_finite_is_refused(tmp_path, what):
+    from fastgrad.guard import GuardError
+
+    module = WithBatchNorm(OPTS["adamw-fused"])
+    tensor = (lambda m: m.net.lin.weight) if what == "weight" else (lambda m: m.net.bn.running_mean)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with pytest.raises(GuardError, match="refusing to write this Lightning checkpoint: not finite: "
+                                         + ("net.lin.weight" if what == "weight" else "buffer net.bn.running_mean")):
+        _fit(module, batches(STEPS, set()), [StepGuardCallback(max_norm=1.0), PoisonAt(2, tensor), ckpt],
+             enable_checkpointing=True)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len(written) == 2, written  # steps 1 and 2: healthy; the third was refused
+    for p in tmp_path.iterdir():
+        state = torch.load(p, weights_only=False)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())

@@ -150,3 +150,26 @@ def test_hold_schedule_holds_the_lr_schedule_on_a_skip(tmp_path, hold):
 def test_hold_schedule_is_checked_when_built():
     with pytest.raises(TypeError, match="hold_schedule must be True or False"):
         StepGuardCallback(max_norm=1.0, hold_schedule="yes")
+
+
+class PoisonAt(transformers.TrainerCallback):
+    """A write outside the optimizer step: NaN into a buffer after the step's update."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step == self.step - 1:  # global_step counts the step once it is done
+            with torch.no_grad():
+                model.bn.running_mean.view(-1)[0] = float("nan")
+
+
+def test_a_checkpoint_that_is_not_finite_is_refused(tmp_path):
+    from fastgrad.guard import GuardError
+
+    with pytest.raises(GuardError, match="refusing to write this Hugging Face Trainer checkpoint: not finite: "
+                                         "buffer bn.running_mean"):
+        _train(tmp_path, set(), [StepGuardCallback(max_norm=1.0), PoisonAt(3)], model=BatchNormTiny(),
+               max_grad_norm=0, save_strategy="steps", save_steps=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-1", "checkpoint-2"]

@@ -36,8 +36,11 @@ class BufferKeeper:
             raise TypeError(f"StepGuard(model=...) takes the torch.nn.Module whose forward the steps run (its "
                             f"buffers are restored on a skipped step), got {type(model).__name__}")
         self.model_name = type(model).__name__
+        self.model = model
         # (module, name) of every buffer, each once (a buffer shared by two modules is one entry)
         self._slots: list[tuple[torch.nn.Module, str]] = []
+        names = {id(b): n for n, b in model.named_buffers()}
+        self.names: list[str] = []  # each slot's name in the model, for messages
         seen = set()
         owners = []
         for mod in model.modules():
@@ -48,6 +51,7 @@ class BufferKeeper:
                 if id(buf) not in seen:
                     seen.add(id(buf))
                     self._slots.append((mod, name))
+                    self.names.append(names.get(id(buf), name))
         self._armed = True  # the next forward takes a new snapshot
         self._snap = None  # [(group, flat copy)] per dtype and device
         self._layout = None  # (the buffers, their groups), reused while the buffers are the same tensors
@@ -68,6 +72,10 @@ class BufferKeeper:
         if self._armed:
             self._armed = False
             self.save()
+
+    def named(self) -> list:
+        """(name, the buffer now) for every buffer kept."""
+        return [(n, mod._buffers.get(name)) for n, (mod, name) in zip(self.names, self._slots)]
 
     def _current(self) -> list:
         return [mod._buffers.get(name) for mod, name in self._slots]

@@ -31,6 +31,7 @@ from .. import route
 from .. import scaler_state
 from .._inputs import optimizer_params
 from . import read
+from . import finite
 from .buffers import BufferKeeper
 from .counters import COUNTERS, Counters
 from .modes import DEFAULT
@@ -395,6 +396,36 @@ class StepGuard:
         self._device = dev
         c.start(dev)
         self._mode.init(total, n_params)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpointed(self) -> list:
+        """(name, tensor) of everything a checkpoint of this run holds that the guard can see."""
+        opt = self._optimizer
+        names = {}
+        if self._keeper is not None and self._keeper.model is not None:
+            names = {id(p): n for n, p in self._keeper.model.named_parameters()}
+        items = []
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                pname = names.get(id(p), f"parameter {i} of param group {g} (shape {list(p.shape)})")
+                items.append((pname, p))
+                for k, v in opt.state.get(p, {}).items():
+                    items.append((f"optimizer state {k!r} of {pname}", v))
+        if self._keeper is not None:
+            items += [(f"buffer {n}", b) for n, b in self._keeper.named()]
+        items += [(f"the guard's {k}", v) for k, v in self._mode.state.items()]
+        return items
+
+    def safe_to_checkpoint(self) -> bool:
+        """Whether the parameters, the optimizer state, the model's buffers (with ``model=``) and the guard's
+        statistics are all finite now: what a checkpoint written now would hold. SYNCS once (one batched
+        reduction per dtype and device, one read); call it when a checkpoint is about to be written."""
+        return finite.all_finite(self._checkpointed())
+
+    def nonfinite_state(self) -> list[str]:
+        """The names of the first few tensors that make :meth:`safe_to_checkpoint` False (empty when it is
+        True). Reads each tensor: for the message after a False."""
+        return finite.nonfinite(self._checkpointed())
 
     # ------------------------------------------------------------------ reading the guard
     def last_step_skipped(self) -> bool:

@@ -11,7 +11,8 @@ so the decision is applied inside the step, before the update (sync-free with a 
 the Trainer's logging steps (``log_every_n_steps``) the counters go to the module's loggers as
 ``guard/skipped_steps`` etc. (one device-to-host read per logging step). The guard's statistics and
 counters are saved in Lightning's checkpoints (the callback's ``state_dict``) and restored on
-``trainer.fit(ckpt_path=...)``. A skipped step still advances the learning-rate schedulers by default;
+``trainer.fit(ckpt_path=...)``. A checkpoint whose weights, buffers or optimizer state are not finite is
+refused before it is written (GuardError; one host read per checkpoint). A skipped step still advances the learning-rate schedulers by default;
 with ``hold_schedule=True`` the schedulers stepped per step (``interval="step"``) hold back on a skipped step
 (one device-to-host read of the flag per step; the callback wraps the module's ``lr_scheduler_step`` for the
 fit); per-epoch schedulers count epochs and are left alone.
@@ -20,7 +21,7 @@ fit); per-epoch schedulers count epochs and are left alone.
 from __future__ import annotations
 
 from ..guard import StepGuard
-from ._common import check_hold_schedule, check_no_model, counters, require
+from ._common import check_hold_schedule, check_no_model, counters, refuse_unsafe_checkpoint, require
 
 _pl = require("lightning.pytorch", "lightning", "fastgrad.integrations.lightning")
 
@@ -85,6 +86,11 @@ class StepGuardCallback(_pl.Callback):
 
         lr_scheduler_step._fastgrad_inner = inner
         pl_module.lr_scheduler_step = lr_scheduler_step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        """Before Lightning writes the file: a checkpoint whose weights, buffers or optimizer state hold a NaN
+        or an inf is refused (GuardError), so it never replaces a healthy one."""
+        refuse_unsafe_checkpoint(self.guard, "Lightning")
 
     def state_dict(self) -> dict:
         """Saved by Lightning in every checkpoint: the guard's statistics and counters (its state_dict)."""

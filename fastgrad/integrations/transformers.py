@@ -14,7 +14,9 @@ on a GradScaler overflow.
 At each training log the counters are added to the logged values (``guard_skipped_steps`` etc.; one
 device-to-host read per log): in ``trainer.state.log_history`` and in the ``logs`` that callbacks after this
 one receive. At each checkpoint the guard's statistics and counters are saved into the checkpoint folder
-(``fastgrad_guard.pt``) and loaded again when the Trainer resumes from ``output_dir/checkpoint-N``.
+(``fastgrad_guard.pt``) and loaded again when the Trainer resumes from ``output_dir/checkpoint-N``. A
+checkpoint whose weights, buffers or optimizer state are not finite is refused before it is written
+(GuardError; one host read per checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import os
 import warnings
 
 from ..guard import BufferKeeper, StepGuard
-from ._common import check_hold_schedule, check_no_model, counters, hold_accelerate_schedule, require
+from ._common import (check_hold_schedule, check_no_model, counters, hold_accelerate_schedule,
+                      refuse_unsafe_checkpoint, require)
 
 _tf = require("transformers", "transformers", "fastgrad.integrations.transformers")
 
@@ -86,6 +89,12 @@ class StepGuardCallback(_tf.TrainerCallback):
         # after optimizer.step(), before the Trainer asks accelerate whether the step was skipped
         if self.hold_schedule and self.guard is not None:
             hold_accelerate_schedule(optimizer, self.guard.last_step_skipped())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # the Trainer writes a checkpoint after this event when should_save is set (and calls on_save only
+        # once it is written): a checkpoint that is not finite is refused here, before it is written
+        if control.should_save:
+            refuse_unsafe_checkpoint(self.guard, "Hugging Face Trainer")
 
     def on_save(self, args, state, control, **kwargs):
         """Next to the Trainer's checkpoint (``output_dir/checkpoint-N``): the guard's statistics and counters,
