@@ -97,3 +97,36 @@ def test_safe_to_checkpoint_sees_weights_optimizer_state_and_buffers():
     with torch.no_grad():
         model[1].running_mean.fill_(float("nan"))
     assert fastgrad.StepGuard(opt2, 1.0).safe_to_checkpoint()
+
+
+# ---------------------------------------------------------------- the fastgrad.guard log record
+
+
+def test_a_read_that_finds_new_skips_logs_one_record(caplog):
+    ps, opt = _make()
+    guard = fastgrad.StepGuard(opt, 1.0)
+
+    def step(poison):
+        _set_grads(ps, 0, poison=poison)
+        guard.clip_()
+        opt.step()
+
+    caplog.set_level("INFO", logger="fastgrad.guard")
+    step(None)
+    guard.state()
+    assert not caplog.records  # no skip: nothing said
+    step(NAN)
+    step(NAN)
+    step(None)
+    guard.state()
+    assert len(caplog.records) == 1 and caplog.records[0].name == "fastgrad.guard"
+    assert caplog.records[0].levelname == "WARNING"
+    assert "2 step(s) skipped since the last read (2 in all of 4 steps: 2 non-finite" in caplog.text
+    guard.state()
+    assert len(caplog.records) == 1  # nothing new since
+    # a resumed guard does not report the loaded run's skips again
+    ps2, opt2 = _make()
+    resumed = fastgrad.StepGuard(opt2, 1.0)
+    resumed.load_state_dict(guard.state_dict())
+    resumed.state()
+    assert len(caplog.records) == 1

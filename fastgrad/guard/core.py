@@ -20,6 +20,7 @@ docs say so.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 
 import torch
@@ -41,6 +42,7 @@ from .skip import NO_GRADS, Skipper, is_fused
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOG = logging.getLogger("fastgrad.guard")
 
 # state()'s names: the last step's readings (Counters.last), then the counters (the slots of COUNTERS)
 _LAST = ("total_norm", "clipped_norm", "coef", "clipped", "skipped")
@@ -214,6 +216,7 @@ class StepGuard:
         self._counters = Counters(self.max_norm)
         self._skip = Skipper(non_fused)
         self.calls = 0
+        self._reported_skips = 0  # skipped_steps at the last state() read (the fastgrad.guard log record)
         self._device: torch.device | None = None
         self._one = None
         self._flags = None
@@ -275,6 +278,9 @@ class StepGuard:
         self._counters.clear(None if state["counts"] is None else state["counts"].clone(),
                              None if last is None else tuple(t.clone() for t in last))
         self._device = None if self._counters.counts is None else self._counters.counts.device
+        # the loaded run's skips were that run's news: only skips after the load are logged (one read, here)
+        counts = state["counts"]
+        self._reported_skips = 0 if counts is None else int(counts[COUNTERS.index("skipped")])
 
     @_eager
     def clip_(self, scaler=None) -> Tensor:
@@ -489,7 +495,18 @@ class StepGuard:
         for k in ("clipped", "skipped"):
             out[k] = None if out[k] is None else bool(out[k])
         out.update(zip(_COUNTED, (int(v) for v in vals)))
+        self._log_new_skips(out)
         return out
+
+    def _log_new_skips(self, st: dict) -> None:
+        """A record from the ``fastgrad.guard`` logger when this read finds skips the previous one did not
+        (no read of its own: a skip is not silent wherever the counters are read, e.g. by the callbacks)."""
+        new = st["skipped_steps"] - self._reported_skips
+        self._reported_skips = st["skipped_steps"]
+        if new > 0:
+            _LOG.warning("StepGuard: %d step(s) skipped since the last read (%d in all of %d steps: %d non-finite, "
+                         "%d spikes); %d in a row now", new, st["skipped_steps"], st["steps"],
+                         st["nonfinite_steps"], st["spike_steps"], st["consecutive_skipped"])
 
 
 StepGuard.__doc__ = StepGuard.__doc__.replace("{mode_options}", mode_options_doc())
