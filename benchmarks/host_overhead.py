@@ -16,6 +16,9 @@ the whole cost. Measured in the same run, interleaved round by round so machine 
   factor is 1 and nothing is written, as for ``fastgrad``;
 * ``guard`` (with ``--ops``): ``StepGuard(opt, max_norm).clip_()`` on a plain Adam over the same parameters (no
   step is taken).
+* ``guard_step`` (with ``--ops``): ``guard.clip_()`` then ``optimizer.step()`` on an SGD whose own step does
+  nothing, so what is timed is the clip plus the guard's step hooks (the check that the step's gradients are
+  the ones the decision saw, and the skip path) and torch's hook dispatch.
 
 ``--ops`` chooses the variants (default ``fastgrad,fastgrad_ops,torch,fastgrad_zw``).
 
@@ -65,6 +68,18 @@ def fresh_grads(ps, coef) -> None:
     torch.stack([(p * c).sum() for p, c in zip(ps, coef)]).sum().backward()
 
 
+class _Still(torch.optim.SGD):
+    """An SGD whose step does nothing: torch still runs the step hooks around it. Named as torch's own, so
+    the guard treats it as it treats torch's SGD (whose step does not write its gradients: the gradients'
+    versions are not read again after it)."""
+
+    def step(self, closure=None):
+        return None
+
+
+_Still.__module__ = "torch.optim.sgd"
+
+
 def main(argv=None) -> int:
     import fastgrad
     from fastgrad import _scan
@@ -79,7 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="wall time (perf_counter) or this thread's CPU time (thread_time)")
     ap.add_argument("--ops", default="fastgrad,fastgrad_ops,torch,fastgrad_zw",
-                    help="comma list of variants: fastgrad, fastgrad_ops, torch, fastgrad_zw, amp, guard")
+                    help="comma list of variants: fastgrad, fastgrad_ops, torch, fastgrad_zw, amp, guard, "
+                         "guard_step")
     args = ap.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
@@ -101,7 +117,7 @@ def main(argv=None) -> int:
           f"numel {args.numel}, {'fresh grads every call' if args.fresh else 'same grads every call'}; "
           f"per call, microseconds of {args.clock} time; load average {os.getloadavg()[0]:.2f} at start")
     ops = [x for x in args.ops.split(",") if x]
-    unknown = set(ops) - set(variants) - {"fastgrad_zw", "amp", "guard"}
+    unknown = set(ops) - set(variants) - {"fastgrad_zw", "amp", "guard", "guard_step"}
     if unknown:
         ap.error(f"unknown --ops {sorted(unknown)}")
     for n in [int(x) for x in args.tensors.split(",") if x]:
@@ -121,6 +137,14 @@ def main(argv=None) -> int:
         variants["amp"] = amp
         if "guard" in ops:
             variants["guard"] = lambda ps, g=fastgrad.StepGuard(torch.optim.Adam(ps), args.max_norm): g.clip_()
+        if "guard_step" in ops:
+            still = _Still(ps, lr=0.0)
+
+            def guard_step(ps, g=fastgrad.StepGuard(still, args.max_norm), opt=still):
+                g.clip_()
+                opt.step()
+
+            variants["guard_step"] = guard_step
         chosen = {k: variants[k] for k in ops}
         calls = args.calls or (5 if args.fresh else max(3, int(20_000 / (n * 0.15 + 10))))
         times = {k: [] for k in chosen}

@@ -47,3 +47,23 @@ def same(a, b) -> bool:
 
 def finite(params) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in params)
+
+
+class BatchNormNet(torch.nn.Module):
+    """A regression net with BatchNorm: a NaN input batch writes NaN into its running statistics in the
+    forward, before any decision (what the guard's ``model=`` keeps out)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+def model_bits(model, optimizer) -> list:
+    """Bits of the parameters, the buffers (running statistics, num_batches_tracked) and the optimizer state."""
+    return snapshot(list(model.parameters()), optimizer) + [bits(b).clone() for b in model.buffers()]

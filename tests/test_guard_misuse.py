@@ -46,7 +46,27 @@ MISUSE = {
     # decided before the last backward: one more micro-batch after the clip
     "backward-after-clip": ("changed after the clip", lambda ps, g, step: (
         _set_grads(ps, step), g.clip_(), _accumulate(ps, step + 100, poison=NAN))),
+    # a write into one gradient in the middle of the list after the decision (neither the first nor the last)
+    "nan-written-in-middle": ("gradient 1 of 4 .* was written in place", lambda ps, g, step: (
+        _set_grads(ps, step), g.clip_(), _write_nan(ps[1].grad))),
+    "middle-zeroed-under-no-grad": ("gradient 2 of 4 .* was written in place", lambda ps, g, step: (
+        _set_grads(ps, step, poison=NAN), g.clip_(), _under_no_grad(ps[2].grad.zero_))),
+    "middle-replaced": ("gradient 2 of 4 .* is another tensor", lambda ps, g, step: (
+        _set_grads(ps, step), g.clip_(), _replace_with_nan(ps[2]))),
 }
+
+
+def _write_nan(grad):
+    grad.view(-1)[0] = float("nan")
+
+
+def _under_no_grad(fn):
+    with torch.no_grad():
+        fn()
+
+
+def _replace_with_nan(p):
+    p.grad = torch.full_like(p.grad, float("nan"))  # same shape and values' kind: only its identity tells
 
 
 def _none(ps):
@@ -156,6 +176,110 @@ def test_a_new_backward_after_a_decided_step_is_refused(name, non_fused):
         else:
             _accumulate(ps, 2, poison=NAN)
         _refused(ps, opt, "not seen by a clip_", OPTS[name][1] or non_fused == "restore")
+
+
+@pytest.mark.parametrize("registered", ["after-the-guard", "before-the-guard"])
+@pytest.mark.parametrize("name,non_fused", PATHS)
+def test_a_step_pre_hook_that_writes_a_gradient_is_caught(name, non_fused, registered):
+    """Another step pre-hook puts a NaN into a middle gradient after the decision: torch runs the pre-hooks
+    in order, and the guard's check runs after every other (also one registered after the guard was built),
+    so the step is refused before anything is written, instead of stepping on a gradient no decision saw."""
+    ps, opt = _make(name)
+
+    def poison(opt, args, kwargs):
+        with torch.no_grad():
+            ps[1].grad.view(-1)[0] = float("nan")
+
+    handle = opt.register_step_pre_hook(poison) if registered == "before-the-guard" else None
+    guard = StepGuard(opt, 1.0, non_fused=non_fused)
+    if handle is None:
+        handle = opt.register_step_pre_hook(poison)
+    _set_grads(ps, 0)
+    guard.clip_()
+    before = _snapshot(ps, opt)
+    with pytest.raises(RuntimeError, match="gradient 1 of 4 .* was written in place"):
+        opt.step()
+    assert _same(_snapshot(ps, opt), before)
+    assert all(p.isfinite().all() for p in ps)
+    handle.remove()
+
+
+@pytest.mark.parametrize("name,non_fused", PATHS)
+def test_a_write_after_a_decided_step_is_refused_at_the_next_step(name, non_fused):
+    """The decision holds for a second step() only on the very gradients the first one used: a NaN written
+    into a middle gradient after the step is refused at the next step (no new clip_)."""
+    ps, opt = _make(name)
+    guard = StepGuard(opt, 1.0, non_fused=non_fused)
+    _healthy_steps(ps, opt, guard, 1)
+    _set_grads(ps, 1)
+    guard.clip_()
+    opt.step()
+    _write_nan(ps[2].grad)
+    _refused(ps, opt, "not seen by a clip_", OPTS[name][1] or non_fused == "restore")
+
+
+def test_torch_optimizers_leave_their_gradients_versions_alone():
+    """Why the seen versions are not read again after a torch optimizer's step (the step's host cost): no
+    implementation of theirs writes a gradient. Were one to, a second step() would be refused wrongly."""
+    kinds = [dict(foreach=False), dict(foreach=True), dict(fused=True)]
+    for cls in (O.SGD, O.Adam, O.AdamW, O.Adagrad, O.Adamax, O.NAdam, O.RAdam, O.RMSprop, O.Adadelta, O.ASGD,
+                O.Rprop):
+        for kw in kinds:
+            p = torch.nn.Parameter(torch.randn(5))
+            p.grad = torch.randn(5)
+            try:
+                opt = cls([p], lr=0.01, **kw) if cls is not O.SGD else cls([p], lr=0.01, momentum=0.9, **kw)
+            except (RuntimeError, TypeError, ValueError):
+                continue  # no such implementation (fused) for this class
+            v = p.grad._version
+            opt.step()
+            opt.step()
+            assert p.grad._version == v, (cls.__name__, kw)
+
+
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw-foreach"])
+def test_under_a_gradscaler_a_write_after_the_clip_is_refused(name):
+    ps, opt = _make(name)
+    guard = StepGuard(opt, 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    _scaled(ps, scaler, 0)
+    guard.clip_(scaler)
+    _write_nan(ps[2].grad)
+    before = _snapshot(ps, opt)
+    with pytest.raises(RuntimeError, match="gradient 2 of 4 .* was written in place"):
+        scaler.step(opt)
+    assert _same(_snapshot(ps, opt), before)
+
+
+class _DecayIntoGrad(torch.optim.Optimizer):
+    """SGD written as older code did: weight decay added into ``p.grad`` in place, inside the step."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1, "weight_decay": 0.01})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=group["weight_decay"])
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_step_that_writes_its_own_gradients_does_not_void_the_decision():
+    """The step's own write is not a write after the decision: the seen versions are read again after each
+    step, so a second step() on the same gradients obeys the decision as after any step, and a write after it
+    is still refused."""
+    ps, _ = _make("adamw-foreach")
+    opt = _DecayIntoGrad(ps)
+    guard = StepGuard(opt, 1.0)
+    _set_grads(ps, 0)
+    guard.clip_()
+    opt.step()
+    opt.step()  # the same gradients, the same decision: steps again, as it would unguarded
+    _write_nan(ps[1].grad)
+    with pytest.raises(RuntimeError, match="not seen by a clip_"):
+        opt.step()
 
 
 @pytest.mark.parametrize("name", ["adamw-fused", "adamw-foreach"])

@@ -12,7 +12,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from fastgrad.integrations.lightning import StepGuardCallback  # noqa: E402
 
-from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+from .integration_cases import BatchNormNet, batches, finite, model_bits, same, snapshot  # noqa: E402
 
 STEPS = 6
 
@@ -61,8 +61,9 @@ class MemoryLogger(pl.loggers.logger.Logger):
 
 
 def _fit(model, data, callbacks, **kw):
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, callbacks=callbacks, logger=kw.pop("logger", False),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator="cpu", max_steps=kw.pop("max_steps", STEPS), callbacks=callbacks, logger=kw.pop("logger", False),
+                         enable_checkpointing=kw.pop("enable_checkpointing", False), enable_progress_bar=False,
+                         enable_model_summary=False,
                          log_every_n_steps=2, **kw)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
     return trainer
@@ -95,6 +96,40 @@ def test_nan_batch_is_skipped_in_a_lightning_run(opt, bad):
     control = Tiny(OPTS[opt])
     _fit(control, data, [], gradient_clip_val=1.0)
     assert not finite(control.parameters())
+
+
+class WithBatchNorm(pl.LightningModule):
+    """Its training step calls the net inside, not the module itself (as Lightning modules usually do)."""
+
+    def __init__(self, make_opt):
+        super().__init__()
+        self.net = BatchNormNet()
+        self.make_opt = make_opt
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.make_opt(self.parameters())
+
+
+TWIN_OPTS = {**OPTS, "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)}
+
+
+@pytest.mark.parametrize("opt", list(TWIN_OPTS))
+def test_twin_run_a_nan_batch_leaves_the_model_buffers_included_as_if_never_seen(opt):
+    """The run with a NaN batch, guarded, against plain Lightning on the same batches without it: the
+    model (parameters, BatchNorm running statistics and num_batches_tracked) and the optimizer state are the
+    same bits."""
+    data = batches(STEPS, {2})
+    guarded, cb = WithBatchNorm(TWIN_OPTS[opt]), StepGuardCallback(max_norm=1e9)  # 1e9: no clip engages
+    _fit(guarded, data, [cb])
+    twin = WithBatchNorm(TWIN_OPTS[opt])
+    trainer = _fit(twin, data[:2] + data[3:], [], max_steps=STEPS - 1)
+    assert cb.guard.state()["skipped_steps"] == 1
+    assert same(model_bits(guarded, cb.guard.optimizer), model_bits(twin, trainer.optimizers[0]))
+    assert finite(guarded.buffers())
 
 
 @pytest.mark.parametrize("opt", list(OPTS))
@@ -133,6 +168,8 @@ def test_options_are_checked_when_the_callback_is_built():
         StepGuardCallback(max_norm=1.0, skip_factor=1.0)
     with pytest.raises(ValueError, match="needs max_norm"):
         StepGuardCallback()
+    with pytest.raises(TypeError, match="guards the model the trainer trains"):
+        StepGuardCallback(max_norm=1.0, model=torch.nn.Linear(1, 1))
 
 
 def test_missing_framework_names_the_package(monkeypatch):
@@ -202,3 +239,33 @@ def test_hold_schedule_holds_a_per_step_scheduler_on_a_skip(hold):
     assert int(trainer.optimizers[0].state[module.net.weight]["step"]) == STEPS - 2
     assert sched.last_epoch == taken and sched.get_last_lr()[0] == pytest.approx(1e-2 / (1 + taken))
     assert "lr_scheduler_step" not in module.__dict__
+
+
+class PoisonAt(pl.Callback):
+    """A write outside the optimizer step (the guard cannot see it coming): NaN into a weight or a buffer."""
+
+    def __init__(self, step, tensor):
+        self.step, self.tensor = step, tensor
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.step:
+            with torch.no_grad():
+                self.tensor(pl_module).view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("what", ["weight", "buffer"])
+def test_a_checkpoint_that_is_not_finite_is_refused(tmp_path, what):
+    from fastgrad.guard import GuardError
+
+    module = WithBatchNorm(OPTS["adamw-fused"])
+    tensor = (lambda m: m.net.lin.weight) if what == "weight" else (lambda m: m.net.bn.running_mean)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with pytest.raises(GuardError, match="refusing to write this Lightning checkpoint: not finite: "
+                                         + ("net.lin.weight" if what == "weight" else "buffer net.bn.running_mean")):
+        _fit(module, batches(STEPS, set()), [StepGuardCallback(max_norm=1.0), PoisonAt(2, tensor), ckpt],
+             enable_checkpointing=True)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len(written) == 2, written  # steps 1 and 2: healthy; the third was refused
+    for p in tmp_path.iterdir():
+        state = torch.load(p, weights_only=False)["state_dict"]
+        assert all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())

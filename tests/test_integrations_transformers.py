@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastgrad.integrations.transformers import StepGuardCallback  # noqa: E402
 
-from .integration_cases import batches, finite, same, snapshot  # noqa: E402
+from .integration_cases import BatchNormNet, batches, finite, model_bits, same, snapshot  # noqa: E402
 
 STEPS = 6
 
@@ -45,14 +45,14 @@ class Recorder(transformers.TrainerCallback):
         self.after.append(snapshot(list(model.parameters()), optimizer))
 
 
-def _train(tmp_path, bad, callbacks, accumulation=1, **kw):
-    data = [{"x": x, "labels": y} for x, y in batches(STEPS * accumulation, bad)]
+def _train(tmp_path, bad, callbacks, accumulation=1, model=None, drop=(), **kw):
+    data = [{"x": x, "labels": y} for i, (x, y) in enumerate(batches(STEPS * accumulation, bad)) if i not in drop]
     args = transformers.TrainingArguments(**{**dict(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=1,
+        output_dir=str(tmp_path), max_steps=len(data) // accumulation, per_device_train_batch_size=1,
         gradient_accumulation_steps=accumulation, learning_rate=1e-2, logging_steps=2, report_to="none",
         save_strategy="no", use_cpu=True, disable_tqdm=True, optim="adamw_torch_fused", lr_scheduler_type="constant",
     ), **kw})
-    model = Tiny()
+    model = Tiny() if model is None else model
     trainer = InOrder(model=model, args=args, train_dataset=data, callbacks=callbacks,
                       data_collator=lambda rows: {k: rows[0][k] for k in rows[0]})
     trainer.train()
@@ -76,11 +76,32 @@ def test_nan_batch_is_skipped_in_a_trainer_run(tmp_path, accumulation, bad, bad_
     assert not finite(control.parameters())
 
 
+class BatchNormTiny(BatchNormNet):
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(super().forward(x), labels)}
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch", "sgd"])
+def test_twin_run_a_nan_batch_leaves_the_model_buffers_included_as_if_never_seen(tmp_path, optim):
+    """The guarded run with a NaN batch against the plain Trainer on the same batches without it: parameters,
+    BatchNorm running statistics, num_batches_tracked and optimizer state are the same bits."""
+    cb = StepGuardCallback(max_norm=1e9)  # 1e9: no clip engages, so the plain Trainer is the twin
+    model, trainer = _train(tmp_path / "a", {2}, [cb], model=BatchNormTiny(), max_grad_norm=0, optim=optim)
+    twin, twin_trainer = _train(tmp_path / "b", {2}, [], model=BatchNormTiny(), drop={2}, max_grad_norm=0,
+                                optim=optim)
+    assert cb.guard.state()["skipped_steps"] == 1
+    assert same(model_bits(model, trainer.optimizer), model_bits(twin, twin_trainer.optimizer))
+    assert finite(model.buffers())
+    assert not model.bn._forward_pre_hooks  # the keeper leaves with the training
+
+
 def test_trainer_that_also_clips_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_grad_norm=1.0"):
         _train(tmp_path, set(), [StepGuardCallback(max_norm=1.0)], max_grad_norm=1.0)
     with pytest.raises(ValueError, match="skip_factor"):
         StepGuardCallback(max_norm=1.0, skip_factor=0.9)
+    with pytest.raises(TypeError, match="guards the model the trainer trains"):
+        StepGuardCallback(max_norm=1.0, model=torch.nn.Linear(1, 1))
 
 
 @pytest.mark.parametrize("mode,kw", [("zclip", dict(warmup_steps=2)), ("norm", dict(max_norm=1.0))])
@@ -129,3 +150,26 @@ def test_hold_schedule_holds_the_lr_schedule_on_a_skip(tmp_path, hold):
 def test_hold_schedule_is_checked_when_built():
     with pytest.raises(TypeError, match="hold_schedule must be True or False"):
         StepGuardCallback(max_norm=1.0, hold_schedule="yes")
+
+
+class PoisonAt(transformers.TrainerCallback):
+    """A write outside the optimizer step: NaN into a buffer after the step's update."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step == self.step - 1:  # global_step counts the step once it is done
+            with torch.no_grad():
+                model.bn.running_mean.view(-1)[0] = float("nan")
+
+
+def test_a_checkpoint_that_is_not_finite_is_refused(tmp_path):
+    from fastgrad.guard import GuardError
+
+    with pytest.raises(GuardError, match="refusing to write this Hugging Face Trainer checkpoint: not finite: "
+                                         "buffer bn.running_mean"):
+        _train(tmp_path, set(), [StepGuardCallback(max_norm=1.0), PoisonAt(3)], model=BatchNormTiny(),
+               max_grad_norm=0, save_strategy="steps", save_steps=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-1", "checkpoint-2"]

@@ -63,7 +63,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.guard.modes.base", "fastgrad.guard.counters", "fastgrad.guard.skip"],
     ["fastgrad.guard.modes.*"],
     ["fastgrad.guard.modes"],
-    ["fastgrad.guard.options", "fastgrad.guard.read"],
+    ["fastgrad.guard.options", "fastgrad.guard.read", "fastgrad.guard.buffers", "fastgrad.guard.finite"],
     ["fastgrad.guard.core"],
     ["fastgrad.guard"],
     # 8: diagnosis, above the ops it calls: collection below rules below advice below rendering, then the

@@ -20,6 +20,7 @@ docs say so.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 
 import torch
@@ -31,6 +32,8 @@ from .. import route
 from .. import scaler_state
 from .._inputs import optimizer_params
 from . import read
+from . import finite
+from .buffers import BufferKeeper
 from .counters import COUNTERS, Counters
 from .modes import DEFAULT
 from .options import MODES, check_options, make_mode, mode_options_doc
@@ -39,6 +42,7 @@ from .skip import NO_GRADS, Skipper, is_fused
 __all__ = ["StepGuard", "guard_for", "COUNTERS", "MODES"]
 
 _GUARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOG = logging.getLogger("fastgrad.guard")
 
 # state()'s names: the last step's readings (Counters.last), then the counters (the slots of COUNTERS)
 _LAST = ("total_norm", "clipped_norm", "coef", "clipped", "skipped")
@@ -158,6 +162,10 @@ class StepGuard:
         exact: every decision taken from the correctly rounded norm (fastgrad.exact; p = 1, 2, inf; AdaGC's
             per-tensor norms too), one more read of the gradients; with a GradScaler they are unscaled in
             place first (zero_write does not apply there).
+        model: the ``torch.nn.Module`` the training step runs: a skipped step then also leaves its buffers
+            (BatchNorm running statistics, ``num_batches_tracked``, any buffer a forward updates) as they were
+            before the step's first forward, restored on the device by the skip flag (fastgrad.guard.buffers).
+            Without it only the parameters and the optimizer state are kept.
         **mode_options: the mode's options by name (None: the default), each checked here. Per mode, from
             its declaration (fastgrad/guard/modes/):
 {mode_options}
@@ -166,7 +174,7 @@ class StepGuard:
     def __init__(self, optimizer, max_norm: float | None = None, norm_type: float = 2.0, *, mode: str = DEFAULT,
                  skip_factor: float | None = None, max_consecutive_skips: int | None = None,
                  non_fused: str = "sync", zero_write: bool = True, process_group=None, backend: str | None = None,
-                 exact: bool = False, **mode_options):
+                 exact: bool = False, model=None, **mode_options):
         optimizer, self._wrapper_scaler = unwrap_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             if hasattr(optimizer, "unscale_") and hasattr(optimizer, "get_scale"):
@@ -200,31 +208,35 @@ class StepGuard:
         self.backend = backend
         self.exact = exact
         self._exact = checked.exact  # the norms from fastgrad.exact (read.general's exact route)
+        # the buffers' keeper: ours to remove unless it was handed to us already saving
+        self._own_keeper = model is not None and not isinstance(model, BufferKeeper)
+        self._keeper = BufferKeeper(model) if self._own_keeper else model
         self._optimizer = optimizer
         self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
         self._counters = Counters(self.max_norm)
         self._skip = Skipper(non_fused)
         self.calls = 0
+        self._reported_skips = 0  # skipped_steps at the last state() read (the fastgrad.guard log record)
         self._device: torch.device | None = None
         self._one = None
         self._flags = None
 
-        ref = weakref.ref(self)
+        skip = self._skip
 
+        # The hooks hold the guard's skipper (and the optimizer holds its hooks): a guard object that is not
+        # kept (built on a line of its own, or inside a set-up function) still guards every step, until
+        # remove(); guard_for(optimizer) finds it. Optimizer and guard are then collected together.
         @_make_eager
         def pre(opt, args, kwargs):
-            guard = ref()
-            if guard is not None:
-                return guard._skip.pre_step(opt, args, kwargs)
+            return skip.pre_step(opt, args, kwargs)
 
         @_make_eager
         def post(opt, args, kwargs):
-            guard = ref()
-            if guard is not None:
-                guard._skip.post_step(opt)
+            skip.post_step(opt)
 
+        pre.guard = self  # what keeps the guard object itself alive for guard_for
         self._hooks = (optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post))
-        _GUARDS[optimizer] = weakref.ref(self)  # the guard holds the optimizer, not the other way
+        _GUARDS[optimizer] = weakref.ref(self)
 
     # ------------------------------------------------------------------ public
     def remove(self) -> None:
@@ -235,6 +247,8 @@ class StepGuard:
         if guard_for(opt) is self:
             del _GUARDS[opt]
         self._skip.clear()
+        if self._own_keeper:
+            self._keeper.remove()
 
     @property
     def optimizer(self):
@@ -264,6 +278,9 @@ class StepGuard:
         self._counters.clear(None if state["counts"] is None else state["counts"].clone(),
                              None if last is None else tuple(t.clone() for t in last))
         self._device = None if self._counters.counts is None else self._counters.counts.device
+        # the loaded run's skips were that run's news: only skips after the load are logged (one read, here)
+        counts = state["counts"]
+        self._reported_skips = 0 if counts is None else int(counts[COUNTERS.index("skipped")])
 
     @_eager
     def clip_(self, scaler=None) -> Tensor:
@@ -291,6 +308,7 @@ class StepGuard:
         if scaler is None and self._wrapper_scaler is not None:  # accelerate's fp16: its own scaler
             scaler = self._wrapper_scaler
         self._counters.check_consecutive(self.max_consecutive_skips)
+        self._last_pre_hook(opt)
         self.calls += 1  # host count of clip_ calls: how GradientMonitor(guard=) pairs flags with its steps
         self._skip.clear()  # a new clip_ replaces the previous decision, also when it finds no gradients
         params = optimizer_params(opt)
@@ -352,10 +370,20 @@ class StepGuard:
             sh = plan.place(grads) if sharded else None  # (the grads' types were checked above: no torch route)
             return read.general(self, params, grads, inv_scale, scaler, state, hand_over, sh, use_scaler)
 
+    def _last_pre_hook(self, opt) -> None:
+        """The guard's step pre-hook runs after every other (a pre-hook registered later that writes a
+        gradient is then caught by the check, not stepped on): torch runs them in the order of its table."""
+        table = getattr(opt, "_optimizer_step_pre_hooks", None)
+        hid = self._hooks[0].id
+        if table is not None and hid in table and next(reversed(table)) != hid:
+            table.move_to_end(hid)
+
     def _decided(self, total, coef, inv, bad, spike, scale, grads) -> None:
         """A read pass's outcome: record it for the counters and leave the flag for the next step."""
         self._counters.record(total, coef, inv, bad, spike)
         self._skip.pend(bad, scale, grads)
+        if self._keeper is not None:
+            self._keeper.restore(bad)
         if self.max_consecutive_skips is not None or not self._counters.warned:
             self._counters.copy_consecutive()  # read at the next clip_ (GuardError, the WARN_AFTER warning)
 
@@ -374,6 +402,36 @@ class StepGuard:
         self._device = dev
         c.start(dev)
         self._mode.init(total, n_params)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpointed(self) -> list:
+        """(name, tensor) of everything a checkpoint of this run holds that the guard can see."""
+        opt = self._optimizer
+        names = {}
+        if self._keeper is not None and self._keeper.model is not None:
+            names = {id(p): n for n, p in self._keeper.model.named_parameters()}
+        items = []
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                pname = names.get(id(p), f"parameter {i} of param group {g} (shape {list(p.shape)})")
+                items.append((pname, p))
+                for k, v in opt.state.get(p, {}).items():
+                    items.append((f"optimizer state {k!r} of {pname}", v))
+        if self._keeper is not None:
+            items += [(f"buffer {n}", b) for n, b in self._keeper.named()]
+        items += [(f"the guard's {k}", v) for k, v in self._mode.state.items()]
+        return items
+
+    def safe_to_checkpoint(self) -> bool:
+        """Whether the parameters, the optimizer state, the model's buffers (with ``model=``) and the guard's
+        statistics are all finite now: what a checkpoint written now would hold. SYNCS once (one batched
+        reduction per dtype and device, one read); call it when a checkpoint is about to be written."""
+        return finite.all_finite(self._checkpointed())
+
+    def nonfinite_state(self) -> list[str]:
+        """The names of the first few tensors that make :meth:`safe_to_checkpoint` False (empty when it is
+        True). Reads each tensor: for the message after a False."""
+        return finite.nonfinite(self._checkpointed())
 
     # ------------------------------------------------------------------ reading the guard
     def last_step_skipped(self) -> bool:
@@ -437,7 +495,18 @@ class StepGuard:
         for k in ("clipped", "skipped"):
             out[k] = None if out[k] is None else bool(out[k])
         out.update(zip(_COUNTED, (int(v) for v in vals)))
+        self._log_new_skips(out)
         return out
+
+    def _log_new_skips(self, st: dict) -> None:
+        """A record from the ``fastgrad.guard`` logger when this read finds skips the previous one did not
+        (no read of its own: a skip is not silent wherever the counters are read, e.g. by the callbacks)."""
+        new = st["skipped_steps"] - self._reported_skips
+        self._reported_skips = st["skipped_steps"]
+        if new > 0:
+            _LOG.warning("StepGuard: %d step(s) skipped since the last read (%d in all of %d steps: %d non-finite, "
+                         "%d spikes); %d in a row now", new, st["skipped_steps"], st["steps"],
+                         st["nonfinite_steps"], st["spike_steps"], st["consecutive_skipped"])
 
 
 StepGuard.__doc__ = StepGuard.__doc__.replace("{mode_options}", mode_options_doc())

@@ -21,11 +21,15 @@ decision its ``clip_`` makes is applied when it returns, still before the update
 next ``clip_``: a second ``step()`` on the same gradients obeys it again. A step on gradients that no decision
 covers (``clip_`` never called, a ``clip_`` that found no gradients, gradients changed since the decision)
 raises in the pre-hook, before anything is written, and keeps raising until the next ``clip_``; a step with no
-gradients at all passes (it changes nothing). The check is host work only: the gradients' list and optim_clip's
-fingerprint (identity and autograd version of the first and last gradient), no device read.
+gradients at all passes (it changes nothing). The check (:class:`Seen`) is host work only, no device read: the
+identity and the autograd version of every gradient, so a replaced ``.grad``, an in-place write into any one of
+them (a backward, ``zero_grad()``, a hook, a bug) is caught. The guard's pre-hook is moved to the end of the
+optimizer's pre-hooks at each ``clip_``, so a pre-hook registered later that writes a gradient is caught too.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import Tensor
@@ -33,7 +37,7 @@ from torch import Tensor
 from .. import _inputs as inputs
 from .. import distributed
 from .._inputs import optimizer_params
-from ..optim_clip import PendingScale as _Record, fused_torch_optimizer as _fused_torch_optimizer
+from ..optim_clip import fused_torch_optimizer as _fused_torch_optimizer
 
 _MISSING = object()
 
@@ -48,6 +52,42 @@ NO_GRADS = ("the last guard.clip_() found no gradients, so it decided nothing (i
             "between zero_grad() and backward())")
 RAISED = "the last guard.clip_() raised before it decided"
 CHANGED = "the gradients changed after the clip (a backward, zero_grad() or an in-place write)"
+_VERSION = operator.attrgetter("_version")
+
+
+class Seen:
+    """The gradients a decision saw: each one's identity and autograd version, read on the host.
+
+    A replaced ``.grad`` changes an identity; an in-place write into a gradient (autograd accumulating, a
+    hook's ``nan_to_num_``, ``zero_()``, ``mul_`` under ``no_grad``) bumps its version counter. Every gradient
+    is checked, not a sample: a write into the middle of the list is as unsafe as one at the ends. The list is
+    held, so no identity can be reused by a new tensor while the decision stands. Not seen: writes that bypass
+    autograd's version counter (through ``.data``, a NumPy view, or the storage)."""
+
+    __slots__ = ("grads", "versions")
+
+    def __init__(self, grads: list[Tensor]):
+        self.grads = grads
+        self.versions = list(map(_VERSION, grads))
+
+    def refresh(self) -> None:
+        """After a step that may write the gradients itself (a fused zero-write step divides them)."""
+        self.versions = list(map(_VERSION, self.grads))
+
+    def same(self, grads: list[Tensor]) -> bool:
+        return (len(grads) == len(self.grads) and all(map(operator.is_, grads, self.grads))
+                and list(map(_VERSION, grads)) == self.versions)
+
+    def which(self, grads: list[Tensor]) -> str:
+        """Where ``grads`` first differ from what was seen, for the refusal (the failure path only)."""
+        if len(grads) != len(self.grads):
+            return f"{len(self.grads)} gradients were decided on, the step has {len(grads)}"
+        for i, (g, s, v) in enumerate(zip(grads, self.grads, self.versions)):
+            if g is not s:
+                return f"gradient {i} of {len(grads)} (shape {list(g.shape)}) is another tensor"
+            if g._version != v:
+                return f"gradient {i} of {len(grads)} (shape {list(g.shape)}) was written in place"
+        return "the gradients are the same"
 UNSEEN = "this step's gradients were not seen by a clip_ (a new backward since the last clip_ and step)"
 
 
@@ -56,17 +96,15 @@ def _local(t: Tensor) -> Tensor:
 
 
 class Pending:
-    """A decision: the flag, the zero-write factor (or None, and consumed by the first step), the gradients'
-    fingerprint (optim_clip's, O(1) host work)."""
+    """A decision: the flag, the zero-write factor (or None, and consumed by the first step), the gradients
+    it saw (:class:`Seen`; None on a rank that owns no shard: nothing to check)."""
 
-    __slots__ = ("bad", "scale", "record", "grads")
+    __slots__ = ("bad", "scale", "seen")
 
     def __init__(self, bad: Tensor, scale: Tensor | None, grads: list[Tensor]):
         self.bad = bad
         self.scale = scale
-        self.record = _Record()
-        self.record.pend(scale, grads)
-        self.grads = None  # the gradients the step saw (to refresh the fingerprint after it)
+        self.seen = Seen(grads) if grads else None
 
 
 def _closure_of(opt, args, kwargs):
@@ -117,9 +155,7 @@ class Skipper:
 
     def pend(self, bad: Tensor, scale: Tensor | None, grads: list) -> None:
         self.sticky = None
-        self.pending = Pending(bad, scale, grads if grads else [bad])
-        if not grads:  # a rank owning no shard: nothing to fingerprint, nothing to check at the step
-            self.pending.record.fingerprint = None
+        self.pending = Pending(bad, scale, grads)
 
     def clear(self, why: str = RAISED) -> None:
         """Drop the decision (a new ``clip_`` starts, or it found no gradients: ``why`` a later step on
@@ -177,12 +213,12 @@ class Skipper:
         if pend is self.sticky and not grads:
             self._retire(UNSEEN)  # nothing to step on (zero_grad(set_to_none=True)): nothing to guard
             return
-        if pend.record.fingerprint is not None and not pend.record.unchanged(grads):
+        if pend.seen is not None and not pend.seen.same(grads):
             # a retried step() raises again, with the same reason, rather than step unguarded
-            self._retire(CHANGED if pend is self.pending else UNSEEN)
+            where = pend.seen.which(grads)
+            self._retire(f"{CHANGED}: {where}" if pend is self.pending else UNSEEN)
             raise RuntimeError(_STALE.format(why=self.undecided))
         self.pending = None
-        pend.grads = grads
         self.sticky = pend
         fused = _fused_torch_optimizer(opt)
         if self.creates_state(opt):
@@ -205,8 +241,8 @@ class Skipper:
     def post_step(self, opt) -> None:
         undo, self.undo = self.undo, None
         st = self.sticky
-        if st is not None and st.grads:  # the step may rewrite the gradients (fused zero-write): refresh
-            st.record.pend(None, st.grads)
+        if st is not None and st.seen is not None and writes_grads(opt):
+            st.seen.refresh()  # the step's own write is not one after the decision
         if undo is None:
             return
         kind, data = undo
@@ -313,6 +349,13 @@ class Skipper:
                 st[k] = v
             for st, k in added:
                 del st[k]
+
+
+def writes_grads(opt) -> bool:
+    """Whether ``opt.step()`` may write its gradients in place: torch's own optimizers never do (read-only
+    gradients in every implementation, fused, foreach and for-loop), so the seen versions stand after their
+    step; any other class's step (e.g. weight decay added into ``p.grad``) is read again after it."""
+    return not type(opt).__module__.startswith("torch.optim.")
 
 
 def is_fused(opt) -> bool:

@@ -23,6 +23,12 @@ def counters(guard, prefix: str) -> dict[str, float]:
     return {f"{prefix}{k}": float(st[k]) for k in keys if st.get(k) is not None}
 
 
+def check_no_model(options: dict) -> None:
+    if "model" in options:
+        raise TypeError("StepGuardCallback(model=...): the callback guards the model the trainer trains (its "
+                        "buffers are restored on a skipped step); do not pass one")
+
+
 def check_hold_schedule(hold_schedule) -> bool:
     if not isinstance(hold_schedule, bool):
         raise TypeError(f"hold_schedule must be True or False, got {hold_schedule!r}")
@@ -43,3 +49,17 @@ def hold_accelerate_schedule(wrapper, skipped: bool) -> None:
         wrapper._is_overflow = skipped
     elif skipped:
         wrapper._is_overflow = True
+
+
+def refuse_unsafe_checkpoint(guard, framework: str) -> None:
+    """Raise before a checkpoint that holds a NaN or an inf is written (one host read, at checkpoint time
+    only): a rotation that keeps the last few would otherwise delete the healthy ones for it."""
+    if guard is None or guard.safe_to_checkpoint():
+        return
+    from ..guard import GuardError
+
+    raise GuardError(
+        f"StepGuardCallback: refusing to write this {framework} checkpoint: not finite: "
+        f"{', '.join(guard.nonfinite_state())}. The guard keeps a skipped step out of the weights, so this came "
+        "in another way (a write outside the optimizer step, a load, a second optimizer); the checkpoints "
+        "already written are untouched")

@@ -2,15 +2,17 @@
 
     trainer = lightning.Trainer(callbacks=[StepGuardCallback(max_norm=1.0)])
 
-At fit start it guards the module's optimizer (``fastgrad.StepGuard(optimizer, max_norm, **options)``,
-exposed as ``.guard``). Lightning's automatic optimization calls ``optimizer.step(closure)``; the closure
+At fit start it guards the module's optimizer (``fastgrad.StepGuard(optimizer, max_norm, model=module,
+**options)``, exposed as ``.guard``): a skipped step leaves the parameters, the optimizer state and the
+module's buffers (BatchNorm running statistics) as they were. Lightning's automatic optimization calls ``optimizer.step(closure)``; the closure
 runs forward and backward and then ``on_before_optimizer_step``, where this callback calls ``guard.clip_()``,
 so the decision is applied inside the step, before the update (sync-free with a fused optimizer). Under
 "16-mixed" Lightning unscales the gradients before that hook; the guard then sees the unscaled ones. At
 the Trainer's logging steps (``log_every_n_steps``) the counters go to the module's loggers as
 ``guard/skipped_steps`` etc. (one device-to-host read per logging step). The guard's statistics and
 counters are saved in Lightning's checkpoints (the callback's ``state_dict``) and restored on
-``trainer.fit(ckpt_path=...)``. A skipped step still advances the learning-rate schedulers by default;
+``trainer.fit(ckpt_path=...)``. A checkpoint whose weights, buffers or optimizer state are not finite is
+refused before it is written (GuardError; one host read per checkpoint). A skipped step still advances the learning-rate schedulers by default;
 with ``hold_schedule=True`` the schedulers stepped per step (``interval="step"``) hold back on a skipped step
 (one device-to-host read of the flag per step; the callback wraps the module's ``lr_scheduler_step`` for the
 fit); per-epoch schedulers count epochs and are left alone.
@@ -19,7 +21,7 @@ fit); per-epoch schedulers count epochs and are left alone.
 from __future__ import annotations
 
 from ..guard import StepGuard
-from ._common import check_hold_schedule, counters, require
+from ._common import check_hold_schedule, check_no_model, counters, refuse_unsafe_checkpoint, require
 
 _pl = require("lightning.pytorch", "lightning", "fastgrad.integrations.lightning")
 
@@ -31,6 +33,7 @@ class StepGuardCallback(_pl.Callback):
     ``max_consecutive_skips``, ...), checked here, before the Trainer starts."""
 
     def __init__(self, max_norm: float | None = None, *, hold_schedule: bool = False, **options):
+        check_no_model(options)
         self.max_norm = max_norm
         self.options = options
         self.hold_schedule = check_hold_schedule(hold_schedule)
@@ -61,7 +64,7 @@ class StepGuardCallback(_pl.Callback):
         if self.guard is None or self.guard.optimizer is not trainer.optimizers[0]:
             if self.guard is not None:
                 self.guard.remove()
-            self.guard = StepGuard(trainer.optimizers[0], self.max_norm, **self.options)
+            self.guard = StepGuard(trainer.optimizers[0], self.max_norm, model=pl_module, **self.options)
         if self._loaded is not None:
             self.guard.load_state_dict(self._loaded)
             self._loaded = None
@@ -83,6 +86,11 @@ class StepGuardCallback(_pl.Callback):
 
         lr_scheduler_step._fastgrad_inner = inner
         pl_module.lr_scheduler_step = lr_scheduler_step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        """Before Lightning writes the file: a checkpoint whose weights, buffers or optimizer state hold a NaN
+        or an inf is refused (GuardError), so it never replaces a healthy one."""
+        refuse_unsafe_checkpoint(self.guard, "Lightning")
 
     def state_dict(self) -> dict:
         """Saved by Lightning in every checkpoint: the guard's statistics and counters (its state_dict)."""
