@@ -66,8 +66,10 @@ def not_checked_lines(res) -> list[str]:
 
 
 def to_markdown(res) -> str:
-    out = ["## Gradient Health Report", "", _header(res),
-           "", "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).",
+    numbering = ("Steps are the log's step numbers (a Lightning CSV's counted from 1, as a live check counts them); "
+                 "the norm is the one the log holds (the Trainer's is before its clip)." if res.source is not None else
+                 "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).")
+    out = ["## Gradient Health Report", "", _header(res), "", numbering,
            "", "### Summary", "", "| Metric | Value | Status |", "|---|---|---|"]
     out += [f"| {m} | {v} | {s} |" for m, v, s in res.summary]
     out += ["", "### Gradient Norm Trend", "", f"Trend: **{res.trend}**.", ""]
