@@ -88,4 +88,5 @@ CLIP_PARTIAL = ClipPartial("clip_partial", "warning", "where each clip ran",
 NO_ZERO_GRAD = NoZeroGrad("no_zero_grad", "critical", "the gradients left before each backward",
                           "gradients never zeroed between steps (they accumulate forever)", needs=("script",))
 NO_CLIPPING = NoClipping("no_clipping", "warning", "the clip calls and each step's norm",
-                         "no clip call at all while the norm exceeded 100 (a notice when exploding is one)", needs=("script",))
+                         "no clip call at all while the norm exceeded 100 (a notice when exploding is one)",
+                         needs=("script",))
