@@ -255,3 +255,11 @@ def test_live_run_reads_the_config_beside_its_script(tmp_path, capsys):
     assert "### Ignored" in out and "### Not Checked" in out
     assert code == 0
     assert os.path.exists(tmp_path / "o" / "log.csv")
+
+
+def test_rows_without_a_step_count_from_1_and_a_folder_with_two_logs_is_refused(tmp_path):
+    (tmp_path / "metrics.csv").write_text("loss\n3\n2\n1\n")
+    assert [r.step for r in read_log(str(tmp_path / "metrics.csv")).steps] == [1, 2, 3]
+    (tmp_path / "trainer_state.json").write_text('{"log_history": [{"loss": 1.0, "step": 1}]}')
+    with pytest.raises(LogError, match=r"several logs \(hf, lightning\)"):
+        read_log(str(tmp_path))
