@@ -4,7 +4,8 @@
 # Each installs only what it needs, and says what and why before installing (WHY_* below):
 #   make bench  fastgrad with its C++ extension and the `bench` extra (tqdm, matplotlib), plus triton only when
 #               torch is a CUDA build (triton runs on GPUs; on a CPU-only torch it would be ~1 GB of nothing)
-#   make test   also the test, diagnostics, frameworks (lightning, accelerate, transformers) and triton extras
+#   make test   also the test, diagnostics, frameworks (lightning, accelerate, transformers), logs (tensorboard)
+#               and triton extras
 #               (CI runs the Triton kernels in the interpreter on CPU)
 # Comments live out here, not in the recipes, so make does not echo them.
 PYTHON ?= python3
@@ -13,12 +14,13 @@ SHELL := /bin/bash
 # torch is pinned only when none is installed: a bare `pip install torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 BENCH_EXTRAS := bench
-TEST_EXTRAS := test,bench,triton,diagnostics,frameworks
+TEST_EXTRAS := test,bench,triton,diagnostics,frameworks,logs
 # What each extra is for, printed before an install (pyproject.toml lists the packages).
 WHY_bench := bench: tqdm, matplotlib - progress bar and plots of python -m fastgrad.bench
 WHY_triton := triton: the Triton backend - on a CPU-only torch the tests run its kernels in the interpreter (TRITON_INTERPRET=1)
 WHY_test := test: pytest, pytest-timeout - the test suite, a time limit per test
 WHY_diagnostics := diagnostics: rich, matplotlib - the rich report tables and the monitor/check plots, which tests/test_report.py, test_monitor.py, test_check.py exercise
+WHY_logs := logs: tensorboard - python -m fastgrad.check --log reads TensorBoard event files (tests/test_check_logs.py writes and reads them)
 WHY_frameworks := frameworks: lightning, accelerate, transformers - tests/test_frameworks.py runs patch_torch() under the real trainers (the large download)
 
 # An install is redone only when something it depends on changed: the build files and C++/CUDA sources

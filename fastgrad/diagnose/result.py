@@ -14,21 +14,24 @@ from .consistency import link_causes, reconcile
 from .finding import Finding, fmt, place_causes, steps_text
 from .render import plot as _plot, run_text
 from .report import GradientReport
+from .policy import Policy
 from .rules.base import RunView, median
 from .rules.nonfinite import trace_origin
-from .rules.registry import evaluate
+from .rules.registry import evaluate, not_checked
 from .rules.run_state import nothing_checked
 from .thresholds import RANK, Thresholds, rate_norm, worst
 
-__all__ = ["CheckResult", "build_result", "EXIT_CODES"]
+__all__ = ["CheckResult", "build_result", "build_log_result", "EXIT_CODES"]
 
 EXIT_CODES = {
     0: "no critical finding (warnings and notices may be present). A run whose every NaN/Inf step a StepGuard or "
        "GradScaler skipped is protected: its NaN findings are warnings, so it exits 0",
     1: "a critical finding (NaN/Inf gradients or loss, a norm > 1000 with harm the run shows or overflowed, a "
-       "diverging loss, no learning, a critical red flag)",
+       "diverging loss, no learning, a critical red flag); with --fail-on warning or notice, a finding of that "
+       "severity or worse",
     2: "usage error: a bad command line (an option out of range, an --out folder that cannot be written, a "
-       "missing script), found before the script runs",
+       "missing script, an unknown --ignore code, a log it cannot read or a column it cannot find), found before "
+       "the script runs or the log is judged",
     3: "the script raised an exception or exited with a non-zero status (the report covers what ran)",
     4: "nothing could be checked: no optimizer step and no scalar backward() (the report says why)",
 }
@@ -55,6 +58,13 @@ class CheckResult:
     #: where the run's first NaN/Inf was born (``rules.nonfinite.trace_origin``): where ("forward", "loss",
     #: "backward"), step, module, text; None when everything stayed finite
     born: dict | None = None
+    #: the rules that could not judge this run: {"rule", "codes", "reason"} (``rules.registry.not_checked``)
+    not_checked: list[dict] = field(default_factory=list)
+    #: findings left out by the policy (``--ignore``, fastgrad-check.toml): {"code", "severity", "title", "reason"}
+    ignored: list[dict] = field(default_factory=list)
+    fail_on: str = "critical"
+    #: a run read from its logs: {"kind", "path", "columns", "absent"}; None for a live run
+    source: dict | None = None
 
     @property
     def status(self) -> str:
@@ -94,7 +104,7 @@ def _order(findings: list[Finding]) -> list[Finding]:
 
 
 def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text: str | None, stopped: bool,
-                 max_steps: int | None) -> CheckResult:
+                 max_steps: int | None, policy: Policy | None = None) -> CheckResult:
     """Turn a finished :class:`~fastgrad.diagnose.collect.hooks.Checker` into findings, a summary and an exit
     code. Reads the device state left by the run (the watcher's key, the last statistics): a few syncs, once,
     at the end."""
@@ -126,9 +136,39 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
     run.forward_origin = chk.watcher.first_nonfinite() if chk.watcher is not None else None
     if chk._bad_steps is not None:
         run.bad_params = [n for n, c in zip(chk._bad_names, chk._bad_steps.tolist()) if c]
+    return _judge(run, script, args, crashed, crash_text, stopped, policy)
 
+
+def build_log_result(log, policy: Policy | None = None) -> CheckResult:
+    """Judge a finished run from its logs (``collect.logs.read_log``'s ``LogRun``) with the same rules as a
+    live run: those whose evidence the log lacks (per-tensor gradients, the script's own calls, a series it
+    did not log) are not evaluated and the report lists them under "Not checked"."""
+    run = RunView(steps=list(log.steps), lrs=[next((r.lr for r in reversed(log.steps) if r.lr is not None), None)],
+                  source=log.kind, ctx={"live": {}, "frozen": [], "modules": [], "classes": None, "ranks": None,
+                                        "scaler": False, "names": {"optimizer": [None], "model": None, "lr": None,
+                                                                   "manual": False}})
+    run.ctx["clip"] = None
+    run.ctx["updates"] = []
+    res = _judge(run, log.path, [], False, None, False, policy)
+    res.source = {"kind": log.kind, "path": log.path, "columns": dict(log.columns), "absent": sorted(log.absent)}
+    # a log records no script's calls: the rows about them would read as facts ("no clip call")
+    gone = ("NaN/Inf parameters", "Gradient clipping", "Gradient zeroing", "NaN/Inf born in")
+    res.summary = [row for row in res.summary if row[0] not in gone and not (
+        "grad_norm" in log.absent and ("norm" in row[0].lower()))]
+    if "grad_norm" in log.absent:
+        res.trend = "no gradient norm in the log"
+    return res
+
+
+def _judge(run: RunView, script: str, args: list[str], crashed: bool, crash_text: str | None, stopped: bool,
+           policy: Policy | None) -> CheckResult:
+    """The rules on ``run``, then the verdict, the trends and the summary (shared by live runs and logs)."""
+    policy = policy or Policy()
+    steps, names, manual, per = run.steps, run.names, run.manual, run.per
     last_losses = [r.loss for r in per.get(run.last_series, []) if r.loss is not None and math.isfinite(r.loss)]
-    findings = reconcile(evaluate(run), last_losses, run.th)
+    found = evaluate(run)
+    ignored = [f for f in found if f.code in policy.ignore]
+    findings = reconcile([f for f in found if f.code not in policy.ignore], last_losses, run.th)
     findings = place_causes(_order(link_causes(findings, list(run.ctx["live"]))))
     reword_notices(findings)
     trends = [_trend_label(recs, [f for f in findings if f.evidence.get("series", k) == k])
@@ -146,10 +186,16 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
         # a row's "notice" (a peak between 10 and 100 at some step) with no finding behind it would read as a
         # verdict the report does not give: the value stays, the row is healthy like the run
         summary = [(m, v, "healthy" if st == "notice" else st) for m, v, st in summary]
-    exit_code = 3 if crashed else (4 if nothing_checked(run) else (1 if status == "critical" else 0))
+    fails = status != "healthy" and RANK[status] >= RANK[policy.fail_on]
+    exit_code = 3 if crashed else (4 if nothing_checked(run) else (1 if fails else 0))
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
-    return CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
-                       stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+    res = CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
+                      stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
+    res.not_checked = not_checked(run)
+    res.ignored = [{"code": f.code, "severity": f.severity, "title": f.title, "reason": policy.ignore[f.code]}
+                   for f in ignored]
+    res.fail_on = policy.fail_on
+    return res
 
 
 def _script_names(chk, manual: bool) -> dict:

@@ -12,6 +12,7 @@ import traceback
 import warnings
 
 from .collect.hooks import Checker, StopCheck
+from .policy import Policy
 from .result import CheckResult, build_result
 
 __all__ = ["run_script"]
@@ -20,9 +21,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
-def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64) -> CheckResult:
+def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64,
+               policy: Policy | None = None) -> CheckResult:
     """Run ``script`` as ``__main__`` with ``args`` under a :class:`Checker` and return the result.
-    ``steps``: stop after that many optimizer steps; ``flush_every``: read the device rows every K steps."""
+    ``steps``: stop after that many optimizer steps; ``flush_every``: read the device rows every K steps;
+    ``policy``: the findings to ignore and the severity that fails the run (``fastgrad.diagnose.policy``)."""
     chk = Checker(steps, flush_every)
     chk.script_path = os.path.abspath(script)
     old_argv, old_path = sys.argv[:], sys.path[:]
@@ -57,4 +60,4 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
         sys.argv, sys.path[:] = old_argv, old_path
     chk.finish()
     return build_result(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text,
-                        stopped=stopped, max_steps=steps)
+                        stopped=stopped, max_steps=steps, policy=policy)

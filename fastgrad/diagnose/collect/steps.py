@@ -28,7 +28,7 @@ class StepRecord:
     leftover_checked: bool = False
     series: int = 0             # which optimizer (0, 1, ... in the order they first stepped)
     evals: int = 1              # closure evaluations of the step (LBFGS: several; the first one is read)
-    source: str = "optimizer"   # "optimizer", or "backward" for a hand-written loop (no torch.optim step)
+    source: str = "optimizer"   # "optimizer", "backward" for a hand-written loop (no torch.optim step), "log"
     clip_max: float | None = None  # the max_norm the script passed to a norm clip, when a number
     lr: float | None = None     # the optimizer's learning rate at the step (first param group)
     unread: bool = False        # the checker failed to read this step's gradients (see checker_error)
@@ -40,6 +40,7 @@ class StepRecord:
     loss: float | None = None   # the sum of the losses backpropagated over the step
     leftover: float | None = None
     clip_norm: float | None = None
+    norm_read: bool = True      # False: a log without a gradient norm (total_norm NaN says nothing then)
 
     @property
     def grad_norm(self) -> float:
@@ -51,12 +52,12 @@ class StepRecord:
     def overflow(self) -> bool:
         """The norm is infinite while no gradient value is: the sum of squares overflowed float32 (the true
         norm is above ~1.8e19). A clip then scales every gradient by 0: the update is zeroed."""
-        return (not self.skipped and not self.unread and not self.guard_skipped and self.nonfinite == 0
-                and math.isinf(self.grad_norm))
+        return (self.norm_read and not self.skipped and not self.unread and not self.guard_skipped
+                and self.nonfinite == 0 and math.isinf(self.grad_norm))
 
     @property
     def bad(self) -> bool:
         """The optimizer stepped on NaN/Inf gradients (not a skipped or unread step, not an overflowed norm
         of finite gradients)."""
         return not self.skipped and not self.guard_skipped and not self.unread and not self.overflow and \
-            (not math.isfinite(self.total_norm) or self.nonfinite > 0)
+            ((self.norm_read and not math.isfinite(self.total_norm)) or self.nonfinite > 0)

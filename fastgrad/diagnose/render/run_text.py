@@ -9,7 +9,7 @@ from dataclasses import asdict
 from ..advice import advise
 from ..finding import fmt
 
-__all__ = ["to_markdown", "to_dict", "sample"]
+__all__ = ["to_markdown", "to_dict", "sample", "not_checked_lines", "SCHEMA_VERSION"]
 
 
 def sample(steps: list, k: int, must=()) -> list:
@@ -28,15 +28,48 @@ def _affected(layers: list[str], limit: int = 8) -> str:
     return ", ".join(uniq[:limit]) + (f", ... (+{more})" if more > 0 else "")
 
 
-def to_markdown(res) -> str:
-    cmd = " ".join([res.script] + res.args)
+#: the JSON document's schema version: raised when a key is removed or changes meaning (docs/diagnostics-run.md)
+SCHEMA_VERSION = 1
+
+#: how each kind of log is named in a report
+LOG_KINDS = {"hf": "Hugging Face trainer_state.json", "lightning": "Lightning CSVLogger metrics.csv",
+             "tensorboard": "TensorBoard event files", "csv": "CSV"}
+
+
+def _header(res) -> str:
     n = len(res.steps)
+    if res.source is not None:
+        src = res.source
+        cols = ", ".join(f"{k} from `{v}`" for k, v in src["columns"].items())
+        return (f"Log: `{src['path']}` ({LOG_KINDS.get(src['kind'], src['kind'])}); {n} logged step(s) checked"
+                + (f" (steps {res.steps[0].step} to {res.steps[-1].step})" if n else "") + f"; {cols}. "
+                f"Overall status: **{res.status.upper()}**.")
+    cmd = " ".join([res.script] + res.args)
     how = " (stopped by --steps)" if res.stopped else (" (the script crashed)" if res.crashed else "")
     unit = ("training step(s) of a hand-written loop" if res.steps and res.steps[0].source == "backward"
             else "optimizer step(s)")
-    out = ["## Gradient Health Report", "",
-           f"Script: `{cmd}`; {n} {unit} checked{how}. Overall status: **{res.status.upper()}**.",
-           "", "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).",
+    return f"Script: `{cmd}`; {n} {unit} checked{how}. Overall status: **{res.status.upper()}**."
+
+
+def not_checked_lines(res) -> list[str]:
+    """The "Not checked" section: every rule that could not judge the run, grouped by why."""
+    out = ["", "### Not Checked", ""]
+    if not res.not_checked:
+        return out + ["Nothing left out: every rule judged this run."]
+    by: dict[str, list[str]] = {}
+    for item in res.not_checked:
+        by.setdefault(item["reason"], []).extend(item["codes"])
+    out.append("These rules could not judge this run, so a clean report says nothing about them:")
+    out.append("")
+    out += [f"- {', '.join(f'`{c}`' for c in codes)}: {why}." for why, codes in by.items()]
+    return out
+
+
+def to_markdown(res) -> str:
+    numbering = ("Steps are the log's step numbers (a Lightning CSV's counted from 1, as a live check counts them); "
+                 "the norm is the one the log holds (the Trainer's is before its clip)." if res.source is not None else
+                 "Steps are numbered from 1: step N is the N-th step (`step == N - 1` in a loop counted from 0).")
+    out = ["## Gradient Health Report", "", _header(res), "", numbering,
            "", "### Summary", "", "| Metric | Value | Status |", "|---|---|---|"]
     out += [f"| {m} | {v} | {s} |" for m, v, s in res.summary]
     out += ["", "### Gradient Norm Trend", "", f"Trend: **{res.trend}**.", ""]
@@ -61,6 +94,10 @@ def to_markdown(res) -> str:
     for i, f in enumerate(res.findings, 1):
         out.append(f"{i}. **{f.severity.upper()}** `{f.code}`: {f.title}. {f.detail}"
                    + (f" Affected: {_affected(f.layers)}." if f.layers else ""))
+    out += not_checked_lines(res)
+    if res.ignored:
+        out += ["", "### Ignored", "", "Left out of the verdict and the exit code by the check's policy:", ""]
+        out += [f"- `{g['code']}` ({g['severity']}): {g['title']} (ignored: {g['reason']})." for g in res.ignored]
     recs = advise(res.findings, res.context)
     out += ["", "### Recommendations", ""]
     if not recs:
@@ -69,7 +106,8 @@ def to_markdown(res) -> str:
     code = [f"# {code}\n{snippet}" for code, _, snippet in recs if snippet]
     out += ["", "### Code to Add", ""]
     out += ["```python", "\n\n".join(code), "```"] if code else ["Nothing to add."]
-    out += ["", f"Exit code: {res.exit_code}."]
+    out += ["", f"Exit code: {res.exit_code}" + ("" if res.fail_on == "critical" else
+                                                f" (fails on {res.fail_on} or worse)") + "."]
     return "\n".join(out) + "\n"
 
 
@@ -101,6 +139,8 @@ def _update_table(updates: list[dict], multi: bool, series: list[str], limit: in
 
 def to_dict(res) -> dict:
     return {
+        "schema_version": SCHEMA_VERSION, "log": res.source, "not_checked": res.not_checked,
+        "ignored": res.ignored, "fail_on": res.fail_on,
         "script": res.script, "args": res.args, "status": res.status, "exit_code": res.exit_code,
         "crashed": res.crashed, "crash": res.crash_text, "stopped_by_steps": res.stopped,
         "trend": res.trend, "updates": res.context.get("updates"), "rank_norms": res.context.get("rank_norms"), "first_nonfinite_output": res.origin, "nan_born": res.born, "red_flags": res.flags,

@@ -17,7 +17,7 @@ from ..collect.steps import StepRecord
 from ..finding import Finding
 from ..thresholds import RunLimits, Thresholds
 
-__all__ = ["RunView", "Rule", "NanOrigin", "median"]
+__all__ = ["RunView", "Rule", "NanOrigin", "NEEDS", "median"]
 
 
 @dataclass
@@ -65,6 +65,29 @@ class RunView:
     limits: RunLimits = field(default_factory=RunLimits)
     findings: list[Finding] = field(default_factory=list)  # those of the rules evaluated so far
     key_steps: set = field(default_factory=set)             # steps the trend table must show
+    #: where the run came from: "live" (a script check ran) or a log's format ("hf", "lightning", ...)
+    source: str = "live"
+
+    def has(self, what: str) -> bool:
+        """Whether the run holds the evidence ``what`` (one of ``NEEDS``) at all."""
+        if what == "loss":
+            return any(r.loss is not None for r in self.steps)
+        if what == "lr":
+            return any(r.lr is not None for r in self.steps)
+        if what == "grad_norm":
+            return any(r.norm_read for r in self.steps)
+        return self.source == "live"  # "tensors", "script": only a run check watched itself
+
+    def points(self, what: str) -> int:
+        """The most steps of one optimizer series that hold ``what`` (finite for a loss: what the loss rules
+        judge)."""
+        def holds(r: StepRecord) -> bool:
+            if what == "loss":
+                return r.loss is not None and math.isfinite(r.loss)
+            if what == "lr":
+                return r.lr is not None
+            return r.norm_read
+        return max((sum(1 for r in recs if holds(r)) for recs in self.per.values()), default=0)
 
     @property
     def used(self) -> list[StepRecord]:
@@ -96,18 +119,48 @@ class RunView:
         return {f.code for f in self.findings}
 
 
+#: the evidence a rule can need, and what a report says when a run lacks it ("Not checked")
+NEEDS = {
+    "loss": "no loss was recorded",
+    "grad_norm": "no gradient norm was recorded",
+    "lr": "no learning rate was recorded",
+    "tensors": "needs per-tensor gradients, which a log does not hold",
+    "script": "needs the script's own calls (optimizer steps, clip, zero_grad, AMP), which a log does not record",
+}
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One whole-run finding (see the module docstring). Subclasses implement :meth:`evaluate`."""
+    """One whole-run finding (see the module docstring). Subclasses implement :meth:`evaluate`.
+
+    ``needs``: the evidence it reads (keys of ``NEEDS``); ``min_steps``: the fewest steps of one optimizer
+    holding that evidence it judges (a number, or the name of a ``RunLimits`` field). A rule whose needs a run
+    does not meet is not evaluated and the report lists it under "Not checked" with :meth:`unmet`'s reason."""
 
     code: str
     severity: str
     reads: str
     fires: str
     suppresses: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ("tensors",)
+    min_steps: int | str = 1
 
     def evaluate(self, run: RunView) -> list[Finding]:  # pragma: no cover - every rule overrides it
         raise NotImplementedError
+
+    def unmet(self, run: RunView) -> str | None:
+        """Why this rule cannot judge ``run``, or None when it can."""
+        for what in self.needs:
+            if not run.has(what):
+                return NEEDS[what]
+        least = self.min_steps if isinstance(self.min_steps, int) else getattr(run.limits, self.min_steps)
+        series = [w for w in self.needs if w in ("loss", "grad_norm", "lr")]
+        if least > 1 and series:
+            got = min(run.points(w) for w in series)
+            if got < least:
+                what = "finite losses" if "loss" in series else "steps"
+                return f"too few steps: {got} {what} recorded, it needs {least}"
+        return None
 
 
 def median(xs: list[float]) -> float:

@@ -38,4 +38,4 @@ class ClipZeroes(Rule):
 CLIP_ZEROES = ClipZeroes(
     "clip_zeroes", "critical", "each step's clip bound, its return and the norm the update used",
     "a clip with max_norm 0 (or a finite nonzero norm clipped to a zero update) zeroed the gradients",
-    ("no_learning", "dead", "mostly_zero", "vanishing", "low", "clipped_to_zero", "depth_vanishing"))
+    ("no_learning", "dead", "mostly_zero", "vanishing", "low", "clipped_to_zero", "depth_vanishing"), needs=("script",))

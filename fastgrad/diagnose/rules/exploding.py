@@ -129,4 +129,4 @@ EXPLODING = Exploding(
     "the norm before clipping > 1000 (critical) or > 100 (warning) at some step, with harm the run shows at "
     "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, a norm 10x the run's own level; an update "
     "of 1x the weights: critical at either; without harm: a notice); an inf norm of finite gradients (float32 overflow) is the "
-    "largest explosion")
+    "largest explosion", needs=("grad_norm",))

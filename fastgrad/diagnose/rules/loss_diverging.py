@@ -148,4 +148,4 @@ LOSS_DIVERGING = LossDiverging(
     "loss_diverging", "critical", "each step's finite loss and norm, per optimizer",
     "the loss reaches 10x its start (critical; 3x: warning) and stays up to the end of the run (the last "
     "quarter's median, or every step from there to the end); climbing gradually with modest, stable norms (a "
-    "bootstrapped value/TD loss): a notice")
+    "bootstrapped value/TD loss): a notice", needs=("loss",), min_steps=3)

@@ -29,4 +29,5 @@ class LrZero(Rule):
 
 
 LR_ZERO = LrZero("lr_zero", "warning", "each step's learning rate (first param group), per optimizer",
-                 "an optimizer's learning rate was exactly 0 at every one of its steps (2 or more)")
+                 "an optimizer's learning rate was exactly 0 at every one of its steps (2 or more)",
+                 needs=("lr",), min_steps=2)

@@ -60,4 +60,4 @@ class NeverLearns(Rule):
 NEVER_LEARNS = NeverLearns(
     "never_learns", "warning", "per trainable tensor, at how many steps its gradient was present and nonzero",
     "a trainable tensor's gradient is exactly zero, or absent (the script never uses it), at every step read; "
-    "frozen parameters and unlooked-up embedding rows are not this")
+    "frozen parameters and unlooked-up embedding rows are not this", needs=("tensors",))

@@ -161,7 +161,7 @@ class NonfiniteHistory(Rule):
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
     "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
-    "when a StepGuard or GradScaler skipped every such step (the run is protected)")
+    "when a StepGuard or GradScaler skipped every such step (the run is protected)", needs=("loss",))
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
-    "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)")
+    "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)", needs=("grad_norm",))

@@ -506,4 +506,4 @@ NORM_MISCOUNTED = NormMiscounted(
     "fingerprints of plain tensors) and the norm the script clipped with",
     "the norm a multi-process script clipped with differs from the true norm of its gradients (each element "
     "counted once: DTensors by their placements, a plain tensor with the same bytes on several ranks once) by "
-    "more than float32 rounding; a warning when the clip coefficient differs because of it")
+    "more than float32 rounding; a warning when the clip coefficient differs because of it", needs=("script",))

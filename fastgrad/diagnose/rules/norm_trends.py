@@ -70,4 +70,4 @@ NORM_TRENDS = NormTrends(
     "spike: > 6 robust std and 3x above the recent median (a notice; a warning from 10x); increasing: four "
     "rising quarter medians, 2x overall (a warning with harm the run shows: NaN/Inf, a loss that jumps or rises "
     "beyond its noise, an update of 1x the weights; else a notice); decaying: four falling quarter medians "
-    "ending below 1e-3 (or 1000x down and below 0.1)")
+    "ending below 1e-3 (or 1000x down and below 0.1)", needs=("grad_norm",), min_steps=WARMUP + 1)

@@ -80,12 +80,13 @@ class NoClipping(Rule):
 
 
 CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the GradScaler interceptors)",
-                         "a clip between scaler.scale(loss).backward() and scaler.unscale_")
+                         "a clip between scaler.scale(loss).backward() and scaler.unscale_", needs=("script",))
 CLIP_AFTER_STEP = ClipAfterStep("clip_after_step", "warning", "where each clip ran",
-                                "a clip after optimizer.step() and before the next backward")
+                                "a clip after optimizer.step() and before the next backward", needs=("script",))
 CLIP_PARTIAL = ClipPartial("clip_partial", "warning", "where each clip ran",
-                           "a clip followed by more backward() calls before the step")
+                           "a clip followed by more backward() calls before the step", needs=("script",))
 NO_ZERO_GRAD = NoZeroGrad("no_zero_grad", "critical", "the gradients left before each backward",
-                          "gradients never zeroed between steps (they accumulate forever)")
+                          "gradients never zeroed between steps (they accumulate forever)", needs=("script",))
 NO_CLIPPING = NoClipping("no_clipping", "warning", "the clip calls and each step's norm",
-                         "no clip call at all while the norm exceeded 100 (a notice when exploding is one)")
+                         "no clip call at all while the norm exceeded 100 (a notice when exploding is one)",
+                         needs=("script",))

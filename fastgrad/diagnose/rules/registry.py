@@ -20,7 +20,7 @@ from .stall import STALL
 from .skips import AMP_SKIPPED, GUARD_SKIPPED
 from .zero_grads import ZERO_GRADS
 
-__all__ = ["RUN_RULES", "evaluate"]
+__all__ = ["RUN_RULES", "FINDING_CODES", "evaluate", "not_checked"]
 
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
@@ -31,11 +31,33 @@ RUN_RULES: tuple[Rule, ...] = (
 )
 
 
+#: the last step's own statuses (``rules.step``), which ``last_step`` passes on as run findings
+STEP_CODES = ("nonfinite", "no_learning", "dead", "mostly_zero", "depth_vanishing", "vanishing", "low", "elevated",
+              "small_but_learning", "clipped_to_zero")
+#: every code a run's finding can carry (what ``--ignore`` accepts)
+FINDING_CODES: tuple[str, ...] = tuple(dict.fromkeys(
+    [c for rule in RUN_RULES if rule is not LAST_STEP for c in rule.code.split("/")] + list(STEP_CODES)))
+
+
+def not_checked(run: RunView, rules=RUN_RULES) -> list[dict]:
+    """``{"rule", "codes", "reason"}`` of each rule that cannot judge ``run`` (``Rule.unmet``), in rule order."""
+    out = []
+    for rule in rules:
+        why = rule.unmet(run)
+        if why is not None:
+            codes = list(STEP_CODES) if rule is LAST_STEP else rule.code.split("/")
+            out.append({"rule": rule.code, "codes": codes, "reason": why})
+    return out
+
+
 def evaluate(run: RunView, rules=RUN_RULES) -> list[Finding]:
-    """Every rule's findings (``run.findings`` grows as they run), less those a fired rule suppresses."""
+    """Every rule's findings (``run.findings`` grows as they run), less those a fired rule suppresses. A rule
+    whose needs the run does not meet (``Rule.unmet``) is not evaluated: the report lists it as not checked."""
     run.findings = []
     drop: set[str] = set()
     for rule in rules:
+        if rule.unmet(run) is not None:
+            continue
         got = rule.evaluate(run)
         if got and rule.suppresses:
             drop |= set(rule.suppresses)

@@ -62,10 +62,11 @@ class ScriptCrashed(Rule):
 
 
 HAND_WRITTEN_LOOP = HandWrittenLoop("hand_written_loop", "notice", "whether any torch.optim optimizer stepped",
-                                    "no torch.optim step: steps read at the scalar backward() calls")
+                                    "no torch.optim step: steps read at the scalar backward() calls", needs=("script",))
 NOT_CHECKED = NotChecked("not_checked", "warning", "the steps read",
-                         "nothing could be read (exit code 4, status \"not checked\": never healthy)")
+                         "nothing could be read (exit code 4, status \"not checked\": never healthy)",
+                         needs=("script",))
 CHECKER_ERROR = CheckerError("checker_error", "notice", "the checker's own failures",
-                             "the checker failed to read some steps (the script ran on)")
+                             "the checker failed to read some steps (the script ran on)", needs=("script",))
 SCRIPT_CRASHED = ScriptCrashed("script_crashed", "critical", "how the script ended",
-                               "the script raised or exited non-zero (exit code 3)")
+                               "the script raised or exited non-zero (exit code 3)", needs=("script",))

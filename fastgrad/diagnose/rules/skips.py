@@ -38,6 +38,7 @@ class AmpSkipped(Rule):
 
 
 GUARD_SKIPPED = GuardSkipped("guard_skipped", "warning", "the StepGuard's device flag at each step",
-                             "steps a fastgrad.StepGuard kept out of the weights (warning: NaN/Inf or > 10%)")
+                             "steps a fastgrad.StepGuard kept out of the weights (warning: NaN/Inf or > 10%)",
+                             needs=("script",))
 AMP_SKIPPED = AmpSkipped("amp_skipped", "notice", "the GradScaler's step calls",
-                         "steps the GradScaler skipped (normal while its scale settles)")
+                         "steps the GradScaler skipped (normal while its scale settles)", needs=("script",))

@@ -101,4 +101,4 @@ STALL = Stall(
     "stall", "warning", "each step's finite loss, the learning rate and the cross-entropy's class count",
     "the loss did not improve over the run (last quarter vs first, beyond 3 standard errors of its noise and "
     "1% of its level; a rise short of a divergence included; at ln(classes) for a cross-entropy: at chance): a notice, a warning when flat or when the "
-    "updates are below 1e-6 of the weights")
+    "updates are below 1e-6 of the weights", needs=("loss",), min_steps="stall_min_steps")

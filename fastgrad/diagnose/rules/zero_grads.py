@@ -50,4 +50,4 @@ class ZeroGrads(Rule):
 ZERO_GRADS = ZeroGrads(
     "zero_grads", "critical", "each step's norm and NaN/Inf count, per optimizer",
     "an optimizer's gradients are all exactly zero (or absent) over its last 2+ steps (not a clip's zeros)",
-    ("no_learning",))
+    ("no_learning",), needs=("grad_norm",))
