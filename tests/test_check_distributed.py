@@ -143,6 +143,7 @@ RUNS = {
     "pipe_copies": ("nproc", 2, "dist_pipeline_tied.py", ["--norm", "copies"]),
     "ddp": ("torchrun", 2, "dist_ddp_clip.py", []),
     "fsdp2": ("nproc", 2, "dist_fsdp2_clip.py", []),
+    "vocab_embedding": ("nproc", 2, "dist_vocab_embedding.py", []),
 }
 
 
@@ -235,3 +236,27 @@ def test_correct_scripts_raise_no_alarm(runs, name):
         assert c["true_norm"] == pytest.approx(row["true"], rel=1e-12)
     row = next(x for x in r["json"]["summary"] if x["metric"].startswith("Clip norm vs true norm"))
     assert row["value"].startswith("5 of 5") and row["status"] == "healthy"
+
+
+def test_watching_a_vocab_parallel_embedding_changes_nothing(runs, tmp_path):
+    """``RowwiseParallel`` on ``nn.Embedding``: its output is a ``Partial`` DTensor until torch's own hook sums
+    it. The forward watcher reads this rank's piece, never the DTensor (whose reduction by amax asserted in
+    torch's placement code: the script crashed under check only). The run under check computes what it
+    computes without it: the same losses, and norms and update sizes equal to the truth rebuilt whole."""
+    r = runs["vocab_embedding"]
+    assert r["rc"] == 0 and r["json"] is not None and not r["json"]["crashed"], r["stderr"][-3000:]
+    assert "checker_error" not in [f["code"] for f in r["json"]["findings"]]
+    truth = tmp_path / "plain.json"  # the same script without check
+    env = dict(os.environ, FG_TRUTH=str(truth), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(SCRIPTS / "dist_vocab_embedding.py")], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain = json.loads(truth.read_text())["steps"]
+    assert [s["loss"] for s in plain] == [s["loss"] for s in r["truth"]["steps"]]  # bit for bit
+    steps, upd = r["json"]["steps"], {u["step"]: u["ratio"] for u in r["json"]["updates"]}
+    assert len(steps) == len(plain) == 8
+    for s, t in zip(steps, plain):
+        assert s["loss"] == pytest.approx(t["loss"], rel=1e-7)
+        assert s["grad_norm"] == pytest.approx(t["norm"], rel=1e-5)
+        assert upd[s["step"]] == pytest.approx(t["update"], rel=1e-4)
