@@ -265,6 +265,26 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for n, p in model.named_parameters():\n"
         "    print(n, p.requires_grad, None if p.grad is None else float(p.grad.abs().max()))",
     ),
+    "lr_schedule:negative": (
+        "The learning-rate schedule drove the learning rate below 0, so the optimizer climbs the loss. Fix the "
+        "schedule, not the learning rate: end a decay at its floor (clamp the factor at 0 or at a small minimum), "
+        "make its length the number of times the scheduler is stepped, and print the learning rate after each "
+        "scheduler.step() to see it.",
+        "# a LambdaLR factor that cannot go below 0 (T: the number of scheduler.step() calls of the run)\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: max(0.0, 1 - t / T))\n"
+        "print([g['lr'] for g in optimizer.param_groups])   # after each scheduler.step()",
+    ),
+    "lr_schedule:collapse": (
+        "The learning-rate schedule brought the learning rate to a vanishing share of its peak long before the "
+        "run ended. Fix the schedule, not the learning rate: a schedule counted in epochs is stepped once per "
+        "epoch (not per batch), and a decay factor per step is much closer to 1 than one per epoch. Print the "
+        "learning rate after each scheduler.step() to see it.",
+        "for epoch in range(epochs):\n"
+        "    for batch in loader:\n"
+        "        ...                                  # forward, backward, optimizer.step()\n"
+        "    scheduler.step()                         # once per epoch, as the schedule counts\n"
+        "print([g['lr'] for g in optimizer.param_groups])",
+    ),
     "lr_zero": (
         "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
         "after each scheduler.step()).",

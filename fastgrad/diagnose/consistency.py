@@ -68,6 +68,17 @@ _BLOW_UP = ({"exploding", "spike", "increasing", "no_clipping", "dead", "mostly_
             "the learning rate that drove the loss up also drove the gradients (and the units it pushed out of "
             "their range)")
 _NEVER = ({"dead", "mostly_zero"}, "the tensors that never learn are these zeros")
+#: what a learning-rate schedule gone wrong explains (``lr_schedule``'s variants), and why
+_SCHEDULE = {
+    "negative": ({"loss_diverging", "exploding", "spike", "increasing", "no_clipping", "nonfinite_loss", "nonfinite",
+                  "nonfinite_history", "dead", "mostly_zero", "stall", "elevated"},
+                 "a negative learning rate steps uphill, so the loss (and the gradients with it) is driven up"),
+    "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning"},
+                 "a learning rate that near 0 stops every update, so the loss stops moving"),
+}
+#: an effect names its cause, so its title drops the guess that blames (or would change) the learning rate
+_LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning rate (or the loss scale)",
+               ", lower the learning rate")
 
 
 def _learning_rate(f: Finding, effect: str) -> bool:
@@ -88,9 +99,14 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
     zero = set(never.evidence["zero"]) if never is not None else set()
     out = list(findings)
     accum = next((f for f in out if f.code == "no_zero_grad"), None)
+    sched = [f for f in out if f.code == "lr_schedule"]
     for f in out:
         cause, why = None, ""
-        if accum is not None and f.code in _ACCUMULATION[0]:
+        lr = next((g for g in sched if f.code in _SCHEDULE[g.evidence["variant"]][0] and
+                   f.evidence.get("series", g.evidence["series"]) == g.evidence["series"]), None)
+        if lr is not None:
+            cause, why = lr, _SCHEDULE[lr.evidence["variant"]][1]
+        elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)
@@ -107,6 +123,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         if cause is None or f.evidence.get("follows"):
             continue
         f.evidence["follows"] = cause.code
+        for guess in _LR_GUESSES:
+            f.title = f.title.replace(guess, "")
         for guess in GUESSES:  # the known cause replaces the guess
             f.detail = f.detail.replace(guess, "")
         f.detail += f" It follows from `{cause.code}` (above): {why}."

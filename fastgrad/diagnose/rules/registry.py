@@ -9,6 +9,7 @@ from .clip_zeroes import CLIP_ZEROES
 from .exploding import EXPLODING
 from .last_step import LAST_STEP
 from .loss_diverging import LOSS_DIVERGING
+from .lr_schedule import LR_SCHEDULE
 from .lr_zero import LR_ZERO
 from .never_learns import NEVER_LEARNS
 from .nonfinite import NONFINITE_HISTORY, NONFINITE_LOSS
@@ -25,7 +26,7 @@ __all__ = ["RUN_RULES", "evaluate"]
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
 RUN_RULES: tuple[Rule, ...] = (
-    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, LR_ZERO, LOSS_DIVERGING,
+    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, LR_ZERO, LR_SCHEDULE, LOSS_DIVERGING,
     NORM_TRENDS, STALL, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
     AMP_SKIPPED, HAND_WRITTEN_LOOP, NOT_CHECKED, CHECKER_ERROR, SCRIPT_CRASHED,
 )
