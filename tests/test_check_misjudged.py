@@ -99,3 +99,53 @@ def test_a_negative_lr_is_critical_and_the_divergence_names_the_lr_in_force(tmp_
     for code in ("loss_diverging", "exploding", "spike"):
         assert finding(r, code)["evidence"]["follows"] == "lr_schedule"
         no_lr_advice_on(r, code)
+
+
+# ---------------------------------------------------------------------------------------------- rewrites
+def _upd_view(ratios, lr=0.5):
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=1.0, total_norm=1.0, lr=lr) for i in range(len(ratios))]
+    ups = [{"step": i + 1, "series": 0, "lr": lr, "ratio": v, "layers": {}} for i, v in enumerate(ratios)]
+    return RunView(steps=steps, lrs=[lr], ctx={"updates": ups})
+
+
+def test_update_rewrote_sits_at_one_weights_size():
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+    lim = RunLimits()
+    assert not UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update * 0.999, 0.01]))
+    got = UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update, 0.01, float("nan")]))
+    assert [(f.severity, f.steps, f.evidence["lr"]) for f in got] == [("warning", [2], 0.5)]
+
+
+def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_factory):
+    r = run(tmp_path_factory, "update_rewrites.py")
+    truth = {t["step"]: t for t in r["truth"]["steps"]}
+    ups = r["json"]["updates"]
+    for u in ups:  # the measured ratios are the truth's, float64 from plain reads
+        assert u["ratio"] == pytest.approx(truth[u["step"]]["update"], rel=1e-5)
+    want = [u["step"] for u in ups if truth[u["step"]]["update"] >= 1]
+    assert want and max(t["loss"] for t in truth.values()) < 10  # the premise: it rewrote, and it did not blow up
+    f = finding(r, "update_rewrote")
+    assert f["severity"] == "warning" and f["steps"] == want and r["rc"] == 0
+    assert f["evidence"]["lr"] == truth[want[0]]["lr"] and f"learning rate of {truth[want[0]]['lr']:g}" in f["detail"]
+    assert row(r, "Update/weight ratio")["status"] == "warning"
+
+
+# ---------------------------------------------------------------------------------------------- effect, not cause
+@pytest.mark.parametrize("script, cause, effects", [
+    ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move
+    ("ho_never_zero.py", "no_zero_grad", ["stall"]),             # gradients summed over the run
+    ("no_zero_grad_growth.py", "no_zero_grad", ["exploding", "increasing"]),
+])
+def test_an_effect_is_never_advised_as_a_cause(script, cause, effects, tmp_path_factory):
+    r = run(tmp_path_factory, script)
+    t = r["truth"]["steps"]
+    if script == "dead_layer_stall.py":  # the premise: the same three tensors zero at every step
+        assert all(x["zero"] == ["0.weight", "0.bias", "2.weight"] for x in t)
+    got = codes(r)
+    assert got.index(cause) < min(got.index(e) for e in effects)
+    for e in effects:
+        assert finding(r, e)["evidence"]["follows"] == cause
+        no_lr_advice_on(r, e)
+    st = next((f for f in r["json"]["findings"] if f["code"] == "stall"), None)
+    if st is not None:
+        assert "the learning rate is too" not in st["detail"]

@@ -285,6 +285,13 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    scheduler.step()                         # once per epoch, as the schedule counts\n"
         "print([g['lr'] for g in optimizer.param_groups])",
     ),
+    "update_rewrote": (
+        "An update as large as the weights replaces them: lower the learning rate until the update/weight ratio "
+        "of the first steps stays well below 1 (about 1e-3 is typical), and warm it up over the first steps.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
+    ),
     "lr_zero": (
         "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
         "after each scheduler.step()).",

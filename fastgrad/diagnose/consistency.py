@@ -61,17 +61,20 @@ def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]
 
 
 #: the effects each cause explains, and why (in words)
-_ACCUMULATION = ({"exploding", "increasing", "spike", "no_clipping", "elevated", "loss_diverging"},
+_ACCUMULATION = ({"exploding", "increasing", "spike", "no_clipping", "elevated", "loss_diverging", "update_rewrote",
+                  "stall"},
                  "the optimizer stepped on the sum of every step's gradients so far, so their norm (and the update) "
                  "grows with the number of steps")
 _BLOW_UP = ({"exploding", "spike", "increasing", "no_clipping", "dead", "mostly_zero"},
             "the learning rate that drove the loss up also drove the gradients (and the units it pushed out of "
             "their range)")
 _NEVER = ({"dead", "mostly_zero"}, "the tensors that never learn are these zeros")
+#: ... and a loss that cannot improve while they do not
+_NEVER_STALL = "the loss cannot improve through tensors that never learn, whatever the learning rate"
 #: what a learning-rate schedule gone wrong explains (``lr_schedule``'s variants), and why
 _SCHEDULE = {
     "negative": ({"loss_diverging", "exploding", "spike", "increasing", "no_clipping", "nonfinite_loss", "nonfinite",
-                  "nonfinite_history", "dead", "mostly_zero", "stall", "elevated"},
+                  "nonfinite_history", "dead", "mostly_zero", "stall", "elevated", "update_rewrote"},
                  "a negative learning rate steps uphill, so the loss (and the gradients with it) is driven up"),
     "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning"},
                  "a learning rate that near 0 stops every update, so the loss stops moving"),
@@ -79,6 +82,9 @@ _SCHEDULE = {
 #: an effect names its cause, so its title drops the guess that blames (or would change) the learning rate
 _LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning rate (or the loss scale)",
                ", lower the learning rate")
+#: ... and its detail the sentence that blames the learning rate by the update size alone (``stall``'s)
+_LR_CLAIMS = ((": the learning rate is too small to move them.", "."),
+              (": steps that large without progress bounce across the minimum, the learning rate is too large.", "."))
 
 
 def _learning_rate(f: Finding, effect: str) -> bool:
@@ -117,6 +123,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         if cause is None and never is not None and f is not never:
             if f.code in _NEVER[0]:
                 cause, why = never, _NEVER[1] + ("" if set(f.layers) <= zero else " (and more)")
+            elif f.code == "stall":  # one optimizer only (the stall rule's)
+                cause, why = never, _NEVER_STALL
             elif f.code == "depth_vanishing" and _starves(f, zero, order):
                 cause, why = never, ("a layer that passes no gradient back starves the layers before it of "
                                      "theirs")
@@ -125,6 +133,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         f.evidence["follows"] = cause.code
         for guess in _LR_GUESSES:
             f.title = f.title.replace(guess, "")
+        for claim, plain in _LR_CLAIMS:
+            f.detail = f.detail.replace(claim, plain)
         for guess in GUESSES:  # the known cause replaces the guess
             f.detail = f.detail.replace(guess, "")
         f.detail += f" It follows from `{cause.code}` (above): {why}."

@@ -1,5 +1,5 @@
-"""SGD at lr=2 on a small regression: the first updates are larger than the weights themselves (update/weight
-ratio above 1), then the loss settles: no NaN. Expected: a finding of its own for the update that rewrote the
+"""SGD at lr=0.8 on a small regression from a small initialisation: some of the first updates are as large as
+the weights themselves (update/weight ratio at or above 1), then the loss settles: no NaN. Expected: a finding of its own for the update that rewrote the
 weights, with the learning rate of that step.
 
 The truth (FG_TRUTH): per step the loss, the float64 norm, the lr and the whole model's update/weight ratio."""
@@ -13,7 +13,7 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 with torch.no_grad():
     for p in model.parameters():
         p.mul_(0.05)
-opt = torch.optim.SGD(model.parameters(), lr=2.0)
+opt = torch.optim.SGD(model.parameters(), lr=0.8)
 w_true = torch.randn(8, 1)
 truth = Truth()
 for step in range(1, 31):
