@@ -367,6 +367,8 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
 }
 
 
+# every finding of the rule has a variant; the plain code (the reference's table) reads as the collapse
+RUN_ADVICE["lr_schedule"] = RUN_ADVICE["lr_schedule:collapse"]
 # same fix as a divergence: the same code
 RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecovered"][0],
                                             RUN_ADVICE["loss_diverging"][1])
