@@ -149,3 +149,24 @@ def test_an_effect_is_never_advised_as_a_cause(script, cause, effects, tmp_path_
     st = next((f for f in r["json"]["findings"] if f["code"] == "stall"), None)
     if st is not None:
         assert "the learning rate is too" not in st["detail"]
+
+
+# ---------------------------------------------------------------------------------------------- invariant tensors
+def test_a_bias_the_loss_is_invariant_to_is_not_a_dead_unit(tmp_path_factory):
+    r = run(tmp_path_factory, "wgan_critic_bias.py")
+    t = r["truth"]["steps"]
+    assert all("4.bias" in x["zero"] for x in t) and len(t) == 60  # the premise: zero by construction at every step
+    assert all(any(n not in x["zero"] for x in t) for n in ("0.bias", "2.bias"))  # ... the others are not
+    f = finding(r, "never_learns")
+    assert f["severity"] == "notice" and f["evidence"]["variant"] == "invariant" and r["rc"] == 0
+    assert [n.split(":")[-1] for n in f["layers"]] == ["4.bias"] and f["evidence"]["zero"] == []
+    assert "invariant" in f["detail"] and "ReLU" not in f["detail"]
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")
+    assert not any(w in rec["text"] + rec["code_to_add"] for w in ("initialis", "LeakyReLU", "ReLU"))
+    assert "dead" not in codes(r) and r["json"]["status"] == "notice"
+
+
+def test_a_dead_layers_bias_is_not_invariant(tmp_path_factory):
+    # its weight's gradient is zero too: a unit that never fires, a warning with the ReLU advice
+    f = finding(run(tmp_path_factory, "dead_layer_stall.py"), "never_learns")
+    assert f["severity"] == "warning" and f["evidence"]["invariant"] == [] and "0.bias" in f["evidence"]["zero"]

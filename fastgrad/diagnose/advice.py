@@ -292,6 +292,11 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)\n"
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
     ),
+    "never_learns:invariant": (
+        "Nothing to fix: the loss does not depend on these tensors, so their gradient is zero by construction. "
+        "Leave them, or drop them from the model (bias=False) to save the optimizer's state.",
+        "",
+    ),
     "lr_zero": (
         "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
         "after each scheduler.step()).",
@@ -428,7 +433,7 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         loose = f.evidence.get("variant") == "loose_clip"
         if run and f.severity == "notice" and f.evidence.get("harm") == [] and f"{f.code}:no_harm" in RUN_ADVICE:
             variant = f"{f.code}:no_harm"
-        elif run and f.code == "never_learns" and not f.evidence.get("zero"):
+        elif run and f.code == "never_learns" and not f.evidence.get("zero") and not f.evidence.get("invariant"):
             variant = "never_learns:unused"
         elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _RECURRENT and not (
                 set(ctx.get("modules", ())) & _RELU_FAMILY):
