@@ -37,7 +37,8 @@ class NeverLearns(Rule):
         # a bias whose own layer's weight learns receives the sum of the gradients at that layer's output: zero
         # at every step means they cancel by construction (the loss is invariant to a constant shift there), not
         # a unit that never fires (that zeroes the weight's gradient too)
-        learns = {n for n, (_, _, _, nonzero) in live.items() if nonzero}
+        # (a weight whose gradient went NaN/Inf is not evidence of anything learning)
+        learns = {n for n, (_, _, _, nonzero) in live.items() if nonzero} - set(run.bad_params)
         invariant = [n for n in zero if n.endswith("bias") and n[:-4] + "weight" in learns]
         zero = [n for n in zero if n not in invariant]
         if invariant and not zero and not unused:
