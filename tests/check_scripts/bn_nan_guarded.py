@@ -4,7 +4,9 @@ BatchNorm's running_mean and running_var, so the model evaluates to NaN from the
 the buffers that turned non-finite and never says the run is protected.
 
 The truth (FG_TRUTH): per step the loss and the float64 norm, and at the end the names of the non-finite
-buffers, read with plain calls."""
+buffers, read with plain calls.
+
+Not yet met by check (issue 55, item 2): a reproduction without a test of its own."""
 import torch
 import torch.nn as nn
 

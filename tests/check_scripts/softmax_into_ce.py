@@ -4,7 +4,9 @@ output) and the gradients shrink as the probabilities saturate. The data is sepa
 logits drives the loss towards 0 (``--logits``). Expected: a finding that names the probabilities fed to a
 cross-entropy, not "low, fine while the loss decreases", and no norm spike.
 
-The truth (FG_TRUTH): per step the loss, the float64 norm and the floor."""
+The truth (FG_TRUTH): per step the loss, the float64 norm and the floor.
+
+Not yet met by check (issue 55, item 2): a reproduction without a test of its own."""
 import math
 import sys
 

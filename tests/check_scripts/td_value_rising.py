@@ -4,7 +4,9 @@ returns, so the loss and its gradient norm rise steadily (about 30x and 5x) whil
 no jump, no update near the size of the weights. Expected: loss_diverging at most a notice, exit 0.
 
 The truth (FG_TRUTH), recorded with plain reads: per step the loss, the float64 norm, the update/weight ratio and
-the TD error of a fixed probe batch after the update against its own targets (the critic's fit)."""
+the TD error of a fixed probe batch after the update against its own targets (the critic's fit).
+
+Not yet met by check (issue 55, item 2): a reproduction without a test of its own."""
 import copy
 
 import torch
