@@ -114,6 +114,12 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             cause, why = lr, _SCHEDULE[lr.evidence["variant"]][1]
         elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
+        elif f.code == "update_rewrote":
+            # a divergence of the same optimizer that already quotes this rewrite as its learning rate's evidence
+            d = next((g for g in out if g.code == "loss_diverging" and g.evidence.get("rewrite") and
+                      _learning_rate(g, f.code) and g.evidence.get("series") == f.evidence.get("series")), None)
+            if d is not None:
+                cause, why = d, "the divergence quotes this update as its learning rate's evidence"
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)
             c = next((g for g in out if g is not f and _learning_rate(g, f.code) and
