@@ -157,6 +157,7 @@ RUNS = {
     "zero_deepspeed": ("nproc", 4, "dist_zero_tp.py", ["--norm", "deepspeed"]),
     "zero_declared": ("nproc", 4, "dist_zero_tp.py", ["--norm", "declared"]),
     "zero_declared_sum": ("nproc", 4, "dist_zero_tp.py", ["--norm", "declared-sum"]),
+    "vocab_embedding": ("nproc", 2, "dist_vocab_embedding.py", []),
 }
 
 
@@ -332,3 +333,27 @@ def test_fixed_partial_scripts_are_silent(runs, name):
         row = next(x for x in r["truth"]["steps"] if x["step"] == c["step"])
         assert c["true_norm"] == pytest.approx(row["true"], rel=1e-9)
         assert row["script"] == pytest.approx(row["true"], rel=1e-6)
+
+
+def test_watching_a_vocab_parallel_embedding_changes_nothing(runs, tmp_path):
+    """``RowwiseParallel`` on ``nn.Embedding``: its output is a ``Partial`` DTensor until torch's own hook sums
+    it. The forward watcher reads this rank's piece, never the DTensor (whose reduction by amax asserted in
+    torch's placement code: the script crashed under check only). The run under check computes what it
+    computes without it: the same losses, and norms and update sizes equal to the truth rebuilt whole."""
+    r = runs["vocab_embedding"]
+    assert r["rc"] == 0 and r["json"] is not None and not r["json"]["crashed"], r["stderr"][-3000:]
+    assert "checker_error" not in [f["code"] for f in r["json"]["findings"]]
+    truth = tmp_path / "plain.json"  # the same script without check
+    env = dict(os.environ, FG_TRUTH=str(truth), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(SCRIPTS / "dist_vocab_embedding.py")], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plain = json.loads(truth.read_text())["steps"]
+    assert [s["loss"] for s in plain] == [s["loss"] for s in r["truth"]["steps"]]  # bit for bit
+    steps, upd = r["json"]["steps"], {u["step"]: u["ratio"] for u in r["json"]["updates"]}
+    assert len(steps) == len(plain) == 8
+    for s, t in zip(steps, plain):
+        assert s["loss"] == pytest.approx(t["loss"], rel=1e-7)
+        assert s["grad_norm"] == pytest.approx(t["norm"], rel=1e-5)
+        assert upd[s["step"]] == pytest.approx(t["update"], rel=1e-4)

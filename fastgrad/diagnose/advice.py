@@ -265,6 +265,38 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for n, p in model.named_parameters():\n"
         "    print(n, p.requires_grad, None if p.grad is None else float(p.grad.abs().max()))",
     ),
+    "lr_schedule:negative": (
+        "The learning-rate schedule drove the learning rate below 0, so the optimizer climbs the loss. Fix the "
+        "schedule, not the learning rate: end a decay at its floor (clamp the factor at 0 or at a small minimum), "
+        "make its length the number of times the scheduler is stepped, and print the learning rate after each "
+        "scheduler.step() to see it.",
+        "# a LambdaLR factor that cannot go below 0 (T: the number of scheduler.step() calls of the run)\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: max(0.0, 1 - t / T))\n"
+        "print([g['lr'] for g in optimizer.param_groups])   # after each scheduler.step()",
+    ),
+    "lr_schedule:collapse": (
+        "The learning-rate schedule brought the learning rate to a vanishing share of its peak long before the "
+        "run ended. Fix the schedule, not the learning rate: a schedule counted in epochs is stepped once per "
+        "epoch (not per batch), and a decay factor per step is much closer to 1 than one per epoch. Print the "
+        "learning rate after each scheduler.step() to see it.",
+        "for epoch in range(epochs):\n"
+        "    for batch in loader:\n"
+        "        ...                                  # forward, backward, optimizer.step()\n"
+        "    scheduler.step()                         # once per epoch, as the schedule counts\n"
+        "print([g['lr'] for g in optimizer.param_groups])",
+    ),
+    "update_rewrote": (
+        "An update as large as the weights replaces them: lower the learning rate until the update/weight ratio "
+        "of the first steps stays well below 1 (about 1e-3 is typical), and warm it up over the first steps.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
+    ),
+    "never_learns:invariant": (
+        "Nothing to fix: the loss does not depend on these tensors, so their gradient is zero by construction. "
+        "Leave them, or drop them from the model (bias=False) to save the optimizer's state.",
+        "",
+    ),
     "lr_zero": (
         "Give the optimizer a nonzero learning rate (print optimizer.param_groups[0]['lr'] where it is built and "
         "after each scheduler.step()).",
@@ -340,6 +372,8 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
 }
 
 
+# every finding of the rule has a variant; the plain code (the reference's table) reads as the collapse
+RUN_ADVICE["lr_schedule"] = RUN_ADVICE["lr_schedule:collapse"]
 # same fix as a divergence: the same code
 RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecovered"][0],
                                             RUN_ADVICE["loss_diverging"][1])
@@ -399,7 +433,7 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         loose = f.evidence.get("variant") == "loose_clip"
         if run and f.severity == "notice" and f.evidence.get("harm") == [] and f"{f.code}:no_harm" in RUN_ADVICE:
             variant = f"{f.code}:no_harm"
-        elif run and f.code == "never_learns" and not f.evidence.get("zero"):
+        elif run and f.code == "never_learns" and not f.evidence.get("zero") and not f.evidence.get("invariant"):
             variant = "never_learns:unused"
         elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _RECURRENT and not (
                 set(ctx.get("modules", ())) & _RELU_FAMILY):

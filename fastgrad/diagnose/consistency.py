@@ -61,13 +61,30 @@ def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]
 
 
 #: the effects each cause explains, and why (in words)
-_ACCUMULATION = ({"exploding", "increasing", "spike", "no_clipping", "elevated", "loss_diverging"},
+_ACCUMULATION = ({"exploding", "increasing", "spike", "no_clipping", "elevated", "loss_diverging", "update_rewrote",
+                  "stall"},
                  "the optimizer stepped on the sum of every step's gradients so far, so their norm (and the update) "
                  "grows with the number of steps")
 _BLOW_UP = ({"exploding", "spike", "increasing", "no_clipping", "dead", "mostly_zero"},
             "the learning rate that drove the loss up also drove the gradients (and the units it pushed out of "
             "their range)")
 _NEVER = ({"dead", "mostly_zero"}, "the tensors that never learn are these zeros")
+#: ... and a loss that cannot improve while they do not
+_NEVER_STALL = "the loss cannot improve through tensors that never learn, whatever the learning rate"
+#: what a learning-rate schedule gone wrong explains (``lr_schedule``'s variants), and why
+_SCHEDULE = {
+    "negative": ({"loss_diverging", "exploding", "spike", "increasing", "no_clipping", "nonfinite_loss", "nonfinite",
+                  "nonfinite_history", "dead", "mostly_zero", "stall", "elevated", "update_rewrote"},
+                 "a negative learning rate steps uphill, so the loss (and the gradients with it) is driven up"),
+    "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning"},
+                 "a learning rate that near 0 stops every update, so the loss stops moving"),
+}
+#: an effect names its cause, so its title drops the guess that blames (or would change) the learning rate
+_LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning rate (or the loss scale)",
+               ", lower the learning rate")
+#: ... and its detail the sentence that blames the learning rate by the update size alone (``stall``'s)
+_LR_CLAIMS = ((": the learning rate is too small to move them.", "."),
+              (": steps that large without progress bounce across the minimum, the learning rate is too large.", "."))
 
 
 def _learning_rate(f: Finding, effect: str) -> bool:
@@ -88,10 +105,21 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
     zero = set(never.evidence["zero"]) if never is not None else set()
     out = list(findings)
     accum = next((f for f in out if f.code == "no_zero_grad"), None)
+    sched = [f for f in out if f.code == "lr_schedule"]
     for f in out:
         cause, why = None, ""
-        if accum is not None and f.code in _ACCUMULATION[0]:
+        lr = next((g for g in sched if f.code in _SCHEDULE[g.evidence["variant"]][0] and
+                   f.evidence.get("series", g.evidence["series"]) == g.evidence["series"]), None)
+        if lr is not None:
+            cause, why = lr, _SCHEDULE[lr.evidence["variant"]][1]
+        elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
+        elif f.code == "update_rewrote":
+            # a divergence of the same optimizer that already quotes this rewrite as its learning rate's evidence
+            d = next((g for g in out if g.code == "loss_diverging" and g.evidence.get("rewrite") and
+                      _learning_rate(g, f.code) and g.evidence.get("series") == f.evidence.get("series")), None)
+            if d is not None:
+                cause, why = d, "the divergence quotes this update as its learning rate's evidence"
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)
             c = next((g for g in out if g is not f and _learning_rate(g, f.code) and
@@ -101,12 +129,18 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         if cause is None and never is not None and f is not never:
             if f.code in _NEVER[0]:
                 cause, why = never, _NEVER[1] + ("" if set(f.layers) <= zero else " (and more)")
+            elif f.code == "stall":  # one optimizer only (the stall rule's)
+                cause, why = never, _NEVER_STALL
             elif f.code == "depth_vanishing" and _starves(f, zero, order):
                 cause, why = never, ("a layer that passes no gradient back starves the layers before it of "
                                      "theirs")
         if cause is None or f.evidence.get("follows"):
             continue
         f.evidence["follows"] = cause.code
+        for guess in _LR_GUESSES:
+            f.title = f.title.replace(guess, "")
+        for claim, plain in _LR_CLAIMS:
+            f.detail = f.detail.replace(claim, plain)
         for guess in GUESSES:  # the known cause replaces the guess
             f.detail = f.detail.replace(guess, "")
         f.detail += f" It follows from `{cause.code}` (above): {why}."

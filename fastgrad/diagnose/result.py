@@ -399,8 +399,11 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                          + ("; 1 or more: that step rewrote the weights" if rewrote else "") + ")", st))
         lrs = [r.lr for r in recs if r.lr is not None]
         if lrs:  # the evidence the rules that blame a learning rate quote
+            # a schedule gone wrong (negative, collapsed) is never "healthy": the finding's severity
+            bad = worst(*(f.severity for f in findings if f.code == "lr_schedule" and f.evidence.get("series") == k))
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
-                                                                 else ""), "healthy"))
+                                                                 else "") + (f" (min {min(lrs):g})" if min(lrs) < 0 <= lrs[-1]
+                                                                             else ""), bad))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             fl = [r for r in losses if math.isfinite(r.loss)]

@@ -93,6 +93,11 @@ class RunLimits:
     far_history: int = 1
     #: never_learns: reads of a tensor's optimizer at least, for "zero (or absent) at every step" to be judged
     never_learns_steps: int = 2
+    #: lr_schedule: a learning rate below this share of its own peak has collapsed ...
+    lr_collapse: float = 1e-3
+    #: ... when it stays there to the end over at least this share of the optimizer's steps (a cosine schedule
+    #: that reaches 0 at its last step spends about 2% of them there)
+    lr_collapse_share: float = 0.25
 
 
 def worst(*severities: str) -> str:

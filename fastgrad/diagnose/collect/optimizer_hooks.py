@@ -13,6 +13,7 @@ import torch
 
 from ...clip import multi_tensor_norm
 from ...distributed import to_local_norm
+from ...distributed.dtensor import has_dtensor, is_dtensor
 from ...stats import grad_stats
 from .steps import StopCheck
 
@@ -57,7 +58,10 @@ class OptimizerStepReader:
             return
         _, named, old = kept
         new = [p.detach() for _, p in named]
-        diff = torch._foreach_sub(new, old)
+        # one foreach call when the list is of one kind; DTensors beside plain tensors (a parallelized layer in
+        # a model otherwise replicated) cannot share one, so each difference is taken on its own
+        diff = (torch._foreach_sub(new, old) if not has_dtensor(new) or all(map(is_dtensor, new))
+                else [a - b for a, b in zip(new, old)])
         _, upd = multi_tensor_norm(diff, per_tensor=True)
         _, size = multi_tensor_norm(old, per_tensor=True)  # the weights the update was applied to
         # sharded parameters (FSDP2): the whole tensors' norms, replicated DTensors: the value every rank holds

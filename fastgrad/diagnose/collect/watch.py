@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...distributed.dtensor import is_dtensor
 from .identity import IdentityMap
 
 __all__ = ["ForwardWatcher", "NonFiniteOrigin"]
@@ -178,6 +179,11 @@ class ForwardWatcher:
                        | min(mid, (1 << _MOD_BITS) - 1))
                 if self._key is None:
                     self._key = torch.full((), _NONE, dtype=torch.int64, device=t.device)
+            if is_dtensor(t):
+                # this rank's piece, read before torch's own hooks redistribute it: a reduction of the DTensor
+                # itself would dispatch on its placements (a Partial sum cannot be reduced by amax) and
+                # communicate; watching must not change what the model computes
+                t = t._local_tensor
             # amax propagates NaN and abs keeps Inf: one reduction answers "non-finite anywhere".
             finite = torch.isfinite(t.detach().abs().amax())
             if finite.device != self._key.device:

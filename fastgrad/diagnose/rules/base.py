@@ -110,10 +110,23 @@ class RunView:
         """"NAME: " before a series' text when the run has several optimizers."""
         return f"{self.names[k]}: " if self.multi else ""
 
-    def lr_text(self, k: int) -> str:
-        lr = self.lrs[k] if k < len(self.lrs) else None
-        return (f" The learning rate was {lr:g}" + (f" ({self.names[k]})" if self.multi else "") + "."
-                if lr is not None else "")
+    def lr_at(self, k: int, step: int | None = None) -> float | None:
+        """The learning rate series ``k`` stepped with at ``step`` (first param group), as the run's schedule
+        set it; without a step (or where that step's is unknown) the last one read."""
+        if step is not None:
+            lr = next((r.lr for r in self.steps if r.step == step and r.series == k), None)
+            if lr is not None:
+                return lr
+        return self.lrs[k] if k < len(self.lrs) else None
+
+    def lr_text(self, k: int, step: int | None = None) -> str:
+        """" The learning rate was X." of series ``k``: the lr in force at ``step`` (where the harm began)."""
+        lr = self.lr_at(k, step)
+        if lr is None:
+            return ""
+        last = self.lrs[k] if k < len(self.lrs) else None
+        at = f" at step {step}" if step is not None and last is not None and last != lr else ""
+        return f" The learning rate was {lr:g}{at}" + (f" ({self.names[k]})" if self.multi else "") + "."
 
     def codes(self) -> set[str]:
         return {f.code for f in self.findings}

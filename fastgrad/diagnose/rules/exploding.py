@@ -63,7 +63,7 @@ class Exploding(Rule):
                              "update: nothing learnt there; the zeros are the clip's, not dead units)"
                              if zeroed else "") + ". "
                           f"In all, the norm exceeded {fmt(th.critical)} at {len(crit)} step(s), first at step "
-                          f"{crit[0].step}; step {start.step} had {fmt(start.grad_norm)}." + run.lr_text(k))
+                          f"{crit[0].step}; step {start.step} had {fmt(start.grad_norm)}." + run.lr_text(k, crit[0].step))
                 out.append(Finding(self.code, "critical",
                                    f"{label}gradient norm overflowed float32 (inf from finite gradients): the "
                                    "largest explosion; lower the learning rate (or the loss scale)",
@@ -88,7 +88,7 @@ class Exploding(Rule):
             if start.step != hit[0].step:
                 first += f"; step {start.step} had {fmt(start.grad_norm)}"
             detail = (f"{label}The gradient norm exceeded {fmt(limit)} at {len(hit)} step(s), {first}."
-                      + clip_text + (run.lr_text(k) if sev == "critical" else "") + _harm_text(harm, harm_of(run, k)))
+                      + clip_text + (run.lr_text(k, hit[0].step) if sev == "critical" else "") + _harm_text(harm, harm_of(run, k)))
             layers = largest_layers(run.last) if k == last_k else []
             # the script clips: "clip (max_norm=1.0)" would read as "add one"
             if not harm:

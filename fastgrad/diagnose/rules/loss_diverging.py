@@ -128,7 +128,7 @@ class LossDiverging(Rule):
                     f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
                     f"and still {fmt(end)} over the last quarter of the run ({end / v0:.3g}x its start; over the "
                     f"last half too): the run ends worse than it began. The gradient norm went {fmt(nrm.get(s0))} "
-                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k) + upd, steps=[s1, sp],
+                    f"-> {fmt(nrm.get(sp))} over the same steps." + run.lr_text(k, s1) + upd, steps=[s1, sp],
                     evidence=ev | {"variant": "unrecovered"}))
                 continue
             out.append(Finding(
@@ -140,7 +140,7 @@ class LossDiverging(Rule):
                 + (f"still {fmt(end)} at the last step (it stayed up from step {s1} to the end of the run)" if late
                    else f"still {fmt(end)} over the last quarter of the run (it stayed up)")
                 + f"; the gradient norm went {fmt(nrm.get(s0))} -> {fmt(nrm.get(sp))} over "
-                "the same steps." + run.lr_text(k) + upd, steps=[s1, sp], evidence=ev))
+                "the same steps." + run.lr_text(k, s1) + upd, steps=[s1, sp], evidence=ev))
         return out
 
 

@@ -34,6 +34,25 @@ class NeverLearns(Rule):
             (zero if present else unused).append(name)
         if not zero and not unused:
             return []
+        # a bias whose own layer's weight learns receives the sum of the gradients at that layer's output: zero
+        # at every step means they cancel by construction (the loss is invariant to a constant shift there), not
+        # a unit that never fires (that zeroes the weight's gradient too)
+        # (a weight whose gradient went NaN/Inf is not evidence of anything learning)
+        learns = {n for n, (_, _, _, nonzero) in live.items() if nonzero} - set(run.bad_params)
+        invariant = [n for n in zero if n.endswith("bias") and n[:-4] + "weight" in learns]
+        zero = [n for n in zero if n not in invariant]
+        if invariant and not zero and not unused:
+            return [Finding(
+                self.code, "notice", f"{len(invariant)} tensor(s) the loss does not depend on: their gradient is "
+                "zero by construction",
+                f"{', '.join(invariant)}: an exactly zero gradient at every one of the "
+                f"{max(live[n][1] for n in invariant)} step(s) read, while the weight of the same layer learns. "
+                "A bias receives the sum of the gradients arriving at its layer's output; here they cancel at every "
+                "step, so the loss is invariant to a constant shift of that output (a Wasserstein critic's "
+                "mean(D(fake)) - mean(D(real)), a bias right before a normalisation). Nothing is dead and nothing "
+                "needs initialising: the tensor simply never changes.", invariant, [],
+                {"zero": [], "unused": [], "invariant": invariant, "variant": "invariant",
+                 "steps": max(live[n][1] for n in invariant), "of": len(live)})]
         total = len(live)
         reads = max(live[n][1] for n in zero + unused)
         parts = []
@@ -53,8 +72,11 @@ class NeverLearns(Rule):
                  f"{len(unused)} tensor(s) never learn: the script never uses them in its graph")
         if zero and unused:
             title += f", and {len(unused)} are never used"
+        if invariant:
+            parts.append(f"Not counted: {', '.join(invariant)}, zero by construction (the loss is invariant to a "
+                         "constant shift of its layer's output; the weight of that layer learns).")
         return [Finding(self.code, "warning", title, " ".join(parts), zero + unused, [],
-                        {"zero": zero, "unused": unused, "steps": reads, "of": total})]
+                        {"zero": zero, "unused": unused, "invariant": invariant, "steps": reads, "of": total})]
 
 
 NEVER_LEARNS = NeverLearns(

@@ -9,12 +9,14 @@ from .clip_zeroes import CLIP_ZEROES
 from .exploding import EXPLODING
 from .last_step import LAST_STEP
 from .loss_diverging import LOSS_DIVERGING
+from .lr_schedule import LR_SCHEDULE
 from .lr_zero import LR_ZERO
 from .never_learns import NEVER_LEARNS
 from .nonfinite import NONFINITE_HISTORY, NONFINITE_LOSS
 from .norm_miscounted import NORM_MISCOUNTED
 from .norm_trends import NORM_TRENDS
 from .red_flags import CLIP_AFTER_STEP, CLIP_PARTIAL, CLIP_SCALED, NO_CLIPPING, NO_ZERO_GRAD
+from .rewrite import UPDATE_REWROTE
 from .run_state import CHECKER_ERROR, HAND_WRITTEN_LOOP, NOT_CHECKED, SCRIPT_CRASHED
 from .stall import STALL
 from .skips import AMP_SKIPPED, GUARD_SKIPPED
@@ -25,7 +27,8 @@ __all__ = ["RUN_RULES", "FINDING_CODES", "evaluate", "not_checked"]
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
 RUN_RULES: tuple[Rule, ...] = (
-    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, LR_ZERO, LOSS_DIVERGING,
+    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, LR_ZERO, LR_SCHEDULE, UPDATE_REWROTE,
+    LOSS_DIVERGING,
     NORM_TRENDS, STALL, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
     AMP_SKIPPED, HAND_WRITTEN_LOOP, NOT_CHECKED, CHECKER_ERROR, SCRIPT_CRASHED,
 )

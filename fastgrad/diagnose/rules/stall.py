@@ -58,7 +58,7 @@ class Stall(Rule):
             steps = [st for st, _ in pts[-s["n"]:]]
             level = abs(s["last"]) or 1.0
             flat = s["noise"] <= lim.stall_flat * level and abs(s["drop"]) <= lim.stall_flat * level
-            lr = run.lrs[k] if k < len(run.lrs) else None
+            lr = run.lr_at(k, steps[0])  # the lr in force when the window began, as the schedule set it
             ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k
                          and math.isfinite(u["ratio"]))
             upd = ups[len(ups) // 2] if ups else None
@@ -86,7 +86,7 @@ class Stall(Rule):
                 f"{label}the loss has not improved over {s['n']} steps" + (" (at chance level)" if at_chance else ""),
                 f"{label}{'mean' if label else 'Mean'} loss {fmt(s['first'])} over steps {steps[0]}-"
                 f"{steps[s['quarter'] - 1]} -> {fmt(s['last'])} over steps {steps[-s['quarter']]}-{steps[-1]}: "
-                f"{why}.{at}" + run.lr_text(k) + (
+                f"{why}.{at}" + run.lr_text(k, steps[0]) + (
                     "" if upd is None else f" Each update moved the weights by {fmt(upd)} of their size (the median "
                     f"over the measured steps; about 1e-3 is typical)" + (": the learning rate is too small to move "
                                                                          "them." if tiny else

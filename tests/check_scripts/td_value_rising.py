@@ -1,0 +1,35 @@
+"""Fitted value iteration on a squared TD error: V(s) regressed onto r + gamma * V_target(s'), the target network
+copied every 10 steps, the rewards growing as the (simulated) agent improves. The targets grow with the
+returns, so the loss and its gradient norm rise steadily (about 120x and 40x) while the critic tracks them: no NaN,
+no jump, no update near the size of the weights. Expected: loss_diverging at most a notice, exit 0.
+
+The truth (FG_TRUTH), recorded with plain reads: per step the loss, the float64 norm and the update/weight ratio.
+
+Not yet met by check (issue 55, item 2): a reproduction without a test of its own."""
+import copy
+
+import torch
+import torch.nn as nn
+
+from _truth import Truth, flat_params, grad_norm, update_ratio
+
+torch.manual_seed(0)
+v = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+target = copy.deepcopy(v)
+opt = torch.optim.Adam(v.parameters(), lr=3e-3)
+gamma = 0.95
+truth = Truth()
+for it in range(1, 121):
+    s, s2 = torch.randn(128, 8), torch.randn(128, 8)
+    r = (1.0 + it / 8) * (1.0 + 0.1 * torch.randn(128, 1))
+    with torch.no_grad():
+        tgt = r + gamma * target(s2)
+    loss = ((v(s) - tgt) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    n, before = grad_norm(v.parameters()), flat_params(v.parameters())
+    opt.step()
+    truth.add(step=it, loss=loss.item(), norm=n, update=update_ratio(before, flat_params(v.parameters())))
+    if it % 10 == 0:
+        target.load_state_dict(v.state_dict())
+print("done")

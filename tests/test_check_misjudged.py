@@ -1,0 +1,172 @@
+"""Classes of run that ``python -m fastgrad.check`` mis-judged on scripts nobody here had used: each as a small
+real script (tests/check_scripts/) that records its own float64 truth without fastgrad, and each rule tested
+against its nearest wrong variant on hand-built records."""
+
+import math
+
+import pytest
+
+from fastgrad.diagnose.collect.steps import StepRecord
+from fastgrad.diagnose.rules.base import RunView
+from fastgrad.diagnose.rules.lr_schedule import LR_SCHEDULE, lr_trouble
+from fastgrad.diagnose.thresholds import RunLimits
+
+from .check_runs import checked_run, codes, finding, row
+
+_cache: dict = {}
+
+
+def run(tmp_path_factory, name, *args):
+    key = (name, args)
+    if key not in _cache:
+        _cache[key] = checked_run(name, args, tmp_path_factory.mktemp("misjudged") / "truth.json")
+    return _cache[key]
+
+
+_LR_UP_DOWN = ("lr'] *= ", "lower the learning rate", "raise the learning rate", "raise it", "lower it")
+
+
+def no_lr_advice_on(r, code):
+    """The finding ``code`` follows a cause: neither its title nor its advice tells the user to move the lr."""
+    f = finding(r, code)
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == code)
+    for text in (f["title"], rec["text"], rec["code_to_add"]):
+        assert not any(p in text for p in _LR_UP_DOWN), (code, text)
+
+
+# ---------------------------------------------------------------------------------------------- lr schedules
+def test_lr_trouble_sits_between_its_rule_and_the_nearest_wrong_variants():
+    lim = RunLimits()
+    kw = dict(collapse=lim.lr_collapse, share=lim.lr_collapse_share)
+    n = 40
+    # a cosine annealed to 0 at its last step: below 1e-3 of its peak only at its last step or two: not a collapse
+    cos = [(i + 1, 0.1 * (1 + math.cos(math.pi * i / (n - 1))) / 2) for i in range(n)]
+    assert lr_trouble(cos, **kw) is None
+    # the tail below the bound: just a quarter of the steps is a collapse, one step fewer is not
+    q = int(lim.lr_collapse_share * n)
+    tail = lambda k: [(i + 1, 0.1) for i in range(n - k)] + [(n - k + i + 1, 0.1 * lim.lr_collapse * 0.9)  # noqa: E731
+                                                             for i in range(k)]
+    assert lr_trouble(tail(q), **kw)["variant"] == "collapse" and lr_trouble(tail(q), **kw)["step"] == n - q + 1
+    assert lr_trouble(tail(q - 1), **kw) is None
+    # ... and the bound itself: 1.1x the collapse share of the peak is not below it
+    up = [(i + 1, 0.1) for i in range(n - q)] + [(n - q + i + 1, 0.1 * lim.lr_collapse * 1.1) for i in range(q)]
+    assert lr_trouble(up, **kw) is None
+    # a warm-up from 0 has its small values before the peak: not a collapse
+    assert lr_trouble([(i + 1, 0.1 * min(1.0, i / 30)) for i in range(n)], **kw) is None
+    # negative: one step below 0 is enough, and 0 itself is not negative
+    neg = lr_trouble([(1, 0.1), (2, 0.05), (3, -1e-9), (4, 0.05)], **kw)
+    assert neg["variant"] == "negative" and neg["step"] == 3 and neg["count"] == 1
+    assert lr_trouble([(1, 0.1), (2, 0.05), (3, 0.0), (4, 0.05)], **kw) is None
+
+
+def _lr_view(lrs):
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=1.0, total_norm=1.0, lr=v) for i, v in enumerate(lrs)]
+    return RunView(steps=steps, lrs=[lrs[-1]])
+
+
+def test_lr_schedule_severities():
+    neg = LR_SCHEDULE.evaluate(_lr_view([0.1, 0.05, -0.05, -0.1]))
+    assert [(f.severity, f.evidence["variant"], f.steps) for f in neg] == [("critical", "negative", [3])]
+    col = LR_SCHEDULE.evaluate(_lr_view([0.1 * 0.1 ** i for i in range(12)]))
+    assert [(f.severity, f.evidence["variant"], f.steps) for f in col] == [("warning", "collapse", [5])]
+
+
+def test_a_schedule_that_collapses_the_lr_is_named_and_never_multiplied_up(tmp_path_factory):
+    r = run(tmp_path_factory, "lr_schedule_collapse.py")
+    truth = r["truth"]["steps"]
+    for s, t in zip(r["json"]["steps"], truth):  # the lr each step ran with, as the schedule set it
+        assert s["lr"] == pytest.approx(t["lr"], rel=1e-12)
+    f = r["json"]["findings"][0]
+    first = next(t for t in truth if t["lr"] < 1e-3 * truth[0]["lr"])
+    assert f["code"] == "lr_schedule" and f["severity"] == "warning" and f["evidence"]["variant"] == "collapse"
+    assert f["steps"] == [first["step"]] and f["evidence"]["lr"] == pytest.approx(first["lr"])
+    assert row(r, "Learning rate")["status"] == "warning" and r["rc"] == 0
+    assert finding(r, "stall")["evidence"]["follows"] == "lr_schedule"
+    no_lr_advice_on(r, "stall")
+    assert "*= 100" not in r["md"] and "raise it" not in r["md"]
+
+
+def test_a_negative_lr_is_critical_and_the_divergence_names_the_lr_in_force(tmp_path_factory):
+    r = run(tmp_path_factory, "lr_schedule_collapse.py", "--negative")
+    truth = {t["step"]: t for t in r["truth"]["steps"]}
+    f = r["json"]["findings"][0]
+    first = min(s for s, t in truth.items() if t["lr"] < 0)
+    assert f["code"] == "lr_schedule" and f["severity"] == "critical" and f["steps"] == [first]
+    assert r["rc"] == 1 and row(r, "Learning rate")["status"] == "critical"
+    d = finding(r, "loss_diverging")
+    s1 = d["steps"][0]
+    assert f"The learning rate was {truth[s1]['lr']:g} at step {s1}" in d["detail"]  # in force there, not the last
+    for code in ("loss_diverging", "exploding", "spike"):
+        assert finding(r, code)["evidence"]["follows"] == "lr_schedule"
+        no_lr_advice_on(r, code)
+
+
+# ---------------------------------------------------------------------------------------------- rewrites
+def _upd_view(ratios, lr=0.5):
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=1.0, total_norm=1.0, lr=lr) for i in range(len(ratios))]
+    ups = [{"step": i + 1, "series": 0, "lr": lr, "ratio": v, "layers": {}} for i, v in enumerate(ratios)]
+    return RunView(steps=steps, lrs=[lr], ctx={"updates": ups})
+
+
+def test_update_rewrote_sits_at_one_weights_size():
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+    lim = RunLimits()
+    assert not UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update * 0.999, 0.01]))
+    got = UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update, 0.01, float("nan")]))
+    assert [(f.severity, f.steps, f.evidence["lr"]) for f in got] == [("warning", [2], 0.5)]
+
+
+def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_factory):
+    r = run(tmp_path_factory, "update_rewrites.py")
+    truth = {t["step"]: t for t in r["truth"]["steps"]}
+    ups = r["json"]["updates"]
+    for u in ups:  # the measured ratios are the truth's, float64 from plain reads
+        assert u["ratio"] == pytest.approx(truth[u["step"]]["update"], rel=1e-5)
+    want = [u["step"] for u in ups if truth[u["step"]]["update"] >= 1]
+    assert want and max(t["loss"] for t in truth.values()) < 10  # the premise: it rewrote, and it did not blow up
+    f = finding(r, "update_rewrote")
+    assert f["severity"] == "warning" and f["steps"] == want and r["rc"] == 0
+    assert f["evidence"]["lr"] == truth[want[0]]["lr"] and f"learning rate of {truth[want[0]]['lr']:g}" in f["detail"]
+    assert row(r, "Update/weight ratio")["status"] == "warning"
+
+
+# ---------------------------------------------------------------------------------------------- effect, not cause
+@pytest.mark.parametrize("script, cause, effects", [
+    ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move
+    ("ho_never_zero.py", "no_zero_grad", ["stall"]),             # gradients summed over the run
+    ("no_zero_grad_growth.py", "no_zero_grad", ["exploding", "increasing"]),
+])
+def test_an_effect_is_never_advised_as_a_cause(script, cause, effects, tmp_path_factory):
+    r = run(tmp_path_factory, script)
+    t = r["truth"]["steps"]
+    if script == "dead_layer_stall.py":  # the premise: the same three tensors zero at every step
+        assert all(x["zero"] == ["0.weight", "0.bias", "2.weight"] for x in t)
+    got = codes(r)
+    assert got.index(cause) < min(got.index(e) for e in effects)
+    for e in effects:
+        assert finding(r, e)["evidence"]["follows"] == cause
+        no_lr_advice_on(r, e)
+    st = next((f for f in r["json"]["findings"] if f["code"] == "stall"), None)
+    if st is not None:
+        assert "the learning rate is too" not in st["detail"]
+
+
+# ---------------------------------------------------------------------------------------------- invariant tensors
+def test_a_bias_the_loss_is_invariant_to_is_not_a_dead_unit(tmp_path_factory):
+    r = run(tmp_path_factory, "wgan_critic_bias.py")
+    t = r["truth"]["steps"]
+    assert all("4.bias" in x["zero"] for x in t) and len(t) == 60  # the premise: zero by construction at every step
+    assert all(any(n not in x["zero"] for x in t) for n in ("0.bias", "2.bias"))  # ... the others are not
+    f = finding(r, "never_learns")
+    assert f["severity"] == "notice" and f["evidence"]["variant"] == "invariant" and r["rc"] == 0
+    assert [n.split(":")[-1] for n in f["layers"]] == ["4.bias"] and f["evidence"]["zero"] == []
+    assert "invariant" in f["detail"] and "ReLU" not in f["detail"]
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")
+    assert not any(w in rec["text"] + rec["code_to_add"] for w in ("initialis", "LeakyReLU", "ReLU"))
+    assert "dead" not in codes(r) and r["json"]["status"] == "notice"
+
+
+def test_a_dead_layers_bias_is_not_invariant(tmp_path_factory):
+    # its weight's gradient is zero too: a unit that never fires, a warning with the ReLU advice
+    f = finding(run(tmp_path_factory, "dead_layer_stall.py"), "never_learns")
+    assert f["severity"] == "warning" and f["evidence"]["invariant"] == [] and "0.bias" in f["evidence"]["zero"]
