@@ -391,7 +391,7 @@ def manifests(spec: Spec, t: dict, tw: dict | None) -> tuple[bool, str]:
         ok = math.isfinite(imp) and math.isfinite(imp_tw) and imp < 0.5 * imp_tw and imp_tw > 0.05
         return ok, f"improvement {imp:.3g} vs twin {imp_tw:.3g}"
     if d == "sign_flip":
-        real = [-x for x in ls]
+        real = [abs(x) for x in ls]   # the losses are >= 0: what the script means to minimise, whatever its sign
         ok = nonfinite or (len(real) >= 8 and _q(real)[1] > _q(real)[0] + 0.1 * abs(_q(real)[0]))
         return ok, f"true objective {_q(real) if real else None}"
     if d == "softmax_ce":
@@ -549,12 +549,17 @@ def run_check(script: Path, out: Path, timeout: int = 300) -> tuple[dict | None,
     return rep, rm.read_text() if rm.exists() else "", p.returncode
 
 
+# the defects whose manifestation is measured against the healthy twin (the same script without the defect)
+NEEDS_TWIN = {"loss_not_divided", "clip_before_unscale", "frozen_body", "softmax_ce", "exploding_init",
+              "random_labels"}
+
+
 def prepare(seed: int, defect="any") -> dict:
     """The script of ``seed``, its truth and whether its defect shows (no check run)."""
     spec = spec_of(seed, defect)
     torch.set_num_threads(1)
     t = run_truth(spec)
-    tw = run_truth(twin(spec)) if spec.defect else None
+    tw = run_truth(twin(spec)) if spec.defect in NEEDS_TWIN else None
     ok, why = manifests(spec, t, tw)
     return {"spec": spec, "truth": t, "twin": tw, "manifests": ok, "evidence": why}
 
@@ -562,32 +567,40 @@ def prepare(seed: int, defect="any") -> dict:
 def fuzz(seeds, work: Path, jobs: int = 2, log=print) -> list[dict]:
     """Truth for every seed here (one process), then check on the ones whose defect shows (``jobs`` at once)."""
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for seed in seeds:
-        p = prepare(seed)
-        p["script"] = work / f"{p['spec'].name}.py"
-        p["script"].write_text(script_of(p["spec"]))
-        rows.append(p)
 
     def one(p):
+        name = p["spec"].name
         if not p["manifests"]:
             p["verdict"] = None
-            return p
-        out = work / p["spec"].name
-        t0 = time.perf_counter()
-        try:
-            rep, md, rc = run_check(p["script"], out)
-        except subprocess.TimeoutExpired:
-            rep, md, rc = None, "", -1
-        p["check_s"] = time.perf_counter() - t0
-        p["verdict"] = judge(p["spec"], p["truth"], rep, md, p["script"].read_text())
-        v = p["verdict"]
-        log(f"{p['spec'].name}: {'right' if v['right'] else 'WRONG'} first={v['first']} "
-            f"{'; '.join(v['why'])[:300]}")
+        else:
+            out = work / name
+            t0 = time.perf_counter()
+            if (out / "report.json").exists():   # a report from an earlier, interrupted run of the same script
+                rep, md = json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+            else:
+                try:
+                    rep, md, _ = run_check(p["script"], out)
+                except subprocess.TimeoutExpired:
+                    rep, md = None, ""
+            p["check_s"] = time.perf_counter() - t0
+            p["verdict"] = judge(p["spec"], p["truth"], rep, md, p["script"].read_text())
+            v = p["verdict"]
+            log(f"{name}: {'right' if v['right'] else 'WRONG'} first={v['first']} {'; '.join(v['why'])[:300]}",
+                flush=True)
+        # one row per script on disk, so an interrupted run can still be tabulated (--tabulate)
+        (work / f"{name}.row.json").write_text(json.dumps(
+            {"seed": p["spec"].seed, "defect": p["spec"].defect, "manifests": p["manifests"],
+             "evidence": p["evidence"], "verdict": p["verdict"]}))
         return p
 
+    futs = []
     with ThreadPoolExecutor(max_workers=max(1, min(2, jobs))) as ex:
-        return list(ex.map(one, rows))
+        for seed in seeds:   # the next truth is recorded here while check runs the previous scripts
+            p = prepare(seed)
+            p["script"] = work / f"{p['spec'].name}.py"
+            p["script"].write_text(script_of(p["spec"]))
+            futs.append(ex.submit(one, p))
+        return [f.result() for f in futs]
 
 
 # ------------------------------------------------------------------------------------------------- the tables
@@ -695,14 +708,28 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, help="keep the scripts and reports here (default: a temporary folder)")
     ap.add_argument("--jobs", type=int, default=2, help="check runs at once (at most 2)")
     ap.add_argument("--show", action="store_true", help="print the scripts and their truth only")
+    ap.add_argument("--tabulate", action="store_true", help="only tabulate the rows already in --work")
     a = ap.parse_args(argv)
     seeds = _seeds(a.seeds)
+    if a.tabulate:
+        rows = []
+        for f in sorted(a.work.glob("*.row.json")):
+            r = json.loads(f.read_text())
+            if r["seed"] in seeds:
+                rows.append(dict(r, spec=spec_of(r["seed"], r["defect"])))
+        print(f"{len(rows)} scripts tabulated from {a.work}")
+        write_results(rows, a.out, "python -m tests.judgement_fuzz " + " ".join(argv or sys.argv[1:]))
+        return 0
     if a.show:
         for s in seeds:
             p = prepare(s)
             print(script_of(p["spec"]))
             print(f"# manifests: {p['manifests']} ({p['evidence']})")
         return 0
+    # the parts interleaved in proportion, so that a run cut short has figures for both
+    dev = [x for x in seeds if x < HELD_OUT_SEED0]
+    held = [x for x in seeds if x >= HELD_OUT_SEED0]
+    seeds = sorted(dev + held, key=lambda x: (dev.index(x) / len(dev)) if x in dev else (held.index(x) / len(held)))
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         t0 = time.perf_counter()
