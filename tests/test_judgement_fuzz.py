@@ -123,3 +123,9 @@ def test_dev_sample_is_judged_right(seed, tmp_path, request):
     rep, md, rc = jf.run_check(path, tmp_path / "out")
     v = jf.judge(p["spec"], p["truth"], rep, md, path.read_text())
     assert v["right"], v["why"]
+
+
+def test_the_class_map_takes_a_new_code_that_names_the_cause_and_no_effect():
+    assert jf.in_class("softmax_ce", "softmax_into_cross_entropy") and jf.in_class("sched_negative", "lr_negative")
+    assert not jf.in_class("sign_flip", "loss_diverging") and not jf.in_class("sched_collapse", "stall")
+    assert not jf.in_class("lr_low", "exploding") and jf.in_class("no_zero_grad", "no_zero_grad")
