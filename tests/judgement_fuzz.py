@@ -716,7 +716,9 @@ def main(argv=None) -> int:
         for f in sorted(a.work.glob("*.row.json")):
             r = json.loads(f.read_text())
             if r["seed"] in seeds:
-                rows.append(dict(r, spec=spec_of(r["seed"], r["defect"])))
+                spec = spec_of(r["seed"])   # the drawn script (forcing its defect would draw another)
+                assert spec.defect == r["defect"], (r["seed"], spec.defect, r["defect"])
+                rows.append(dict(r, spec=spec))
         print(f"{len(rows)} scripts tabulated from {a.work}")
         write_results(rows, a.out, "python -m tests.judgement_fuzz " + " ".join(argv or sys.argv[1:]))
         return 0
