@@ -98,7 +98,7 @@ define install
 	echo "== installing fastgrad[$$extras] for $(3), and compiling its C++ extension: a few minutes on 2 CPU cores"; \
 	for e in $$(echo $$extras | tr , ' '); do case $$e in \
 	  bench) echo "   $(WHY_bench)";; triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
-	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done; \
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; logs) echo "   $(WHY_logs)";; esac; done; \
 	echo "   (6 files, about 2.5 min of CPU time on a 2-core VM: 271 s of wall time at load 5-7; longer with CUDA"; \
 	echo "   kernels, built when torch has CUDA and nvcc is found; each compiled file is listed as it is done)"; \
 	start=$$(date +%s); \
@@ -131,7 +131,7 @@ add-test-extras:
 	@echo "== fastgrad is built and installed (make bench); adding the packages of the test extras, no recompile:"
 	@for e in $$(echo $(TEST_EXTRAS) | tr , ' '); do case $$e in \
 	  triton) echo "   $(WHY_triton)";; test) echo "   $(WHY_test)";; \
-	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; esac; done
+	  diagnostics) echo "   $(WHY_diagnostics)";; frameworks) echo "   $(WHY_frameworks)";; logs) echo "   $(WHY_logs)";; esac; done
 	@$(PYTHON) -c "$$EXTRA_REQS_PY" $(TEST_EXTRAS) > build/.make-test-requirements.txt
 	@$(PYTHON) -m pip install -r build/.make-test-requirements.txt
 	@$(ENV_ID_RUN) > $(TEST_STAMP)
