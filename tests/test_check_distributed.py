@@ -161,6 +161,20 @@ RUNS = {
 }
 
 
+#: What a gloo rank prints when a thread of its own outlives the process group at exit: the run's work is done
+#: and written, its teardown aborted. Seen once in CI on a loaded machine (a plain run, no fastgrad in it).
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _launch(cmd, **kw):
+    """Run a multi-process command; run it once more only when gloo's teardown aborted, never for any other
+    failure (a real failure fails the same way twice)."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, **kw)
+    if p.returncode != 0 and _TEARDOWN_ABORT in p.stderr:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, **kw)
+    return p
+
+
 class _Runs:
     def __init__(self, base: Path):
         self.base, self.done = base, {}
@@ -179,7 +193,7 @@ class _Runs:
         check = ["-m", "fastgrad.check", "--out", str(out), str(SCRIPTS / script), *args]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), *check]
                if how == "torchrun" else [sys.executable, check[0], check[1], "--nproc", str(n), *check[2:]])
-        p = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=400)
+        p = _launch(cmd, cwd=base, env=env)
         rep = out / "report.json"
         return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr,
                 "json": json.loads(rep.read_text()) if rep.exists() else None,
@@ -345,9 +359,8 @@ def test_watching_a_vocab_parallel_embedding_changes_nothing(runs, tmp_path):
     assert "checker_error" not in [f["code"] for f in r["json"]["findings"]]
     truth = tmp_path / "plain.json"  # the same script without check
     env = dict(os.environ, FG_TRUTH=str(truth), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(SCRIPTS / "dist_vocab_embedding.py")], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=400)
+    p = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 str(SCRIPTS / "dist_vocab_embedding.py")], cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     plain = json.loads(truth.read_text())["steps"]
     assert [s["loss"] for s in plain] == [s["loss"] for s in r["truth"]["steps"]]  # bit for bit

@@ -32,4 +32,5 @@ for step in range(5):
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     truth.add(step=step + 1, true=t, script=float(total))
     opt.step()
+dist.barrier()  # every rank done before any tears gloo down (a rank left alone aborted at exit)
 dist.destroy_process_group()

@@ -110,4 +110,5 @@ for step in range(a.steps):
         total = fastgrad.clip_grad_norm_(params, a.max_norm, process_group=copies)
     truth.add(step=step + 1, true=t, script=float(total), loss=float(loss))
     opt.step()
+dist.barrier()  # every rank done before any tears gloo down (a rank left alone aborted at exit)
 dist.destroy_process_group()

@@ -174,4 +174,5 @@ for step in range(a.steps):
         torch.nn.utils.clip_grads_with_norm_(params, a.max_norm, total)
     truth.add(step=step + 1, true=t, script=float(total), loss=float(loss))
     opt.step()
+dist.barrier()  # every rank done before any tears gloo down (a rank left alone aborted at exit)
 dist.destroy_process_group()

@@ -56,4 +56,5 @@ for step in range(1, 9):
     after = flat_weights()
     if truth is not None:
         truth.add(step=step, loss=loss.item(), norm=n, update=float((after - before).norm() / before.norm()))
+dist.barrier()  # every rank done before any tears gloo down (a rank left alone aborted at exit)
 dist.destroy_process_group()

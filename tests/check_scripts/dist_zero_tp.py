@@ -152,4 +152,5 @@ for step in range(a.steps):
         flat = torch.cat(halves)
         for (_, p), off, size in zip(named, offsets, sizes):
             p.copy_(flat[off:off + size].view_as(p))
+dist.barrier()  # every rank done before any tears gloo down (a rank left alone aborted at exit)
 dist.destroy_process_group()
