@@ -260,21 +260,36 @@ def test_the_ring_size_is_the_documented_one():
 
 
 # ---------------------------------------------------------------- max_consecutive_skips at the read
-def test_the_read_raises_once_the_window_saw_the_limit(monkeypatch):
-    """Checked at the read: a run of ``limit`` raises (not ``limit - 1``), also when a step taken has ended
-    it since (as on a GPU, where the next clip_'s check may not have seen the run yet)."""
+@pytest.mark.parametrize("fold", [3, 256])
+def test_the_read_raises_for_a_run_at_the_limit_that_a_step_ended(monkeypatch, fold):
+    """Checked at the read: a run of ``limit`` (not ``limit - 1``) that a step taken ended since the previous
+    read raises, as on a GPU where the next clip_'s check may not have seen that run (stood in for here by
+    switching that check off); also when the step that ends it is the first of a fold."""
     monkeypatch.setattr(counters_mod.Counters, "check_consecutive", lambda self, limit: None)
+    monkeypatch.setattr(counters_mod, "FOLD", fold)
     g = _guard(max_consecutive_skips=3)
     for n in (0.5, NAN, NAN, 0.5):
         _step(g, n)
     assert g.state()["window_longest_skipped"] == 2  # below the limit: no error
     for n in (NAN, NAN, NAN, 0.5):
         _step(g, n)
-    with pytest.raises(GuardError, match=r"skipped 3 steps in a row since the previous state\(\) read "
-                                         r"\(max_consecutive_skips=3\); 0 in a row now") as e:
+    with pytest.raises(GuardError, match=r"skipped 3 steps in a row since the previous state\(\) read, then "
+                                         r"took a step \(max_consecutive_skips=3\); 0 in a row now") as e:
         g.state()
     assert e.value.state["longest_consecutive_skipped"] == 3 and e.value.state["steps"] == 8
     assert g.state()["window_steps"] == 0  # that window was read: the next read does not raise again
+
+
+def test_a_run_still_going_is_the_next_clips_to_stop():
+    """At the read a run of ``limit`` still going does not raise (the guard stays readable); the next clip_
+    raises before it writes anything."""
+    g = _guard(max_consecutive_skips=3)
+    for n in (0.5, NAN, NAN, NAN):
+        _step(g, n)
+    st = g.state()
+    assert st["consecutive_skipped"] == 3 and st["window_longest_skipped"] == 3
+    with pytest.raises(GuardError, match="skipped 3 steps in a row"):
+        _step(g, 0.5)
 
 
 def test_without_the_option_the_read_never_raises():

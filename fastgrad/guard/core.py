@@ -51,7 +51,7 @@ _COUNTED = ("steps", "clipped_steps", "skipped_steps", "consecutive_skipped", "n
             "longest_consecutive_skipped", "engaged_steps")
 # then the read window's (ledger.Ledger.window): the norm's quantiles, how many norms they are over, the
 # longest run of skips in the window
-_WINDOW = tuple(k for k, _ in QUANTILES) + ("norm_count", "window_longest_skipped")
+_WINDOW = tuple(k for k, _ in QUANTILES) + ("norm_count", "window_longest_skipped", "ended")
 
 # Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
 # pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
@@ -496,8 +496,9 @@ class StepGuard:
         most; None without one) with ``norm_count`` (how many norms those are), and
         ``window_longest_skipped``. Syncs, once; readable at any time (new, loaded, mid-run).
 
-        Raises :class:`GuardError` (its ``state``: this dict) when ``max_consecutive_skips`` is set and the
-        window saw that many skips in a row, even a run that a step taken has ended since."""
+        Raises :class:`GuardError` (its ``state``: this dict) when ``max_consecutive_skips`` is set and a run
+        of that many skips in a row ended in the window: a run the next ``clip_``'s check would not see (on
+        CUDA it reads a copy only once landed); a run still going is stopped by that check."""
         last, vals = self._counters.read()
         out = dict(zip(_LAST, last if last is not None else [None] * len(_LAST)))
         for k in ("clipped", "skipped"):
@@ -515,8 +516,9 @@ class StepGuard:
         out["window_longest_skipped"] = int(window["window_longest_skipped"])
         self._log_new_skips(out)
         limit = self.max_consecutive_skips
-        if limit is not None and out["window_longest_skipped"] >= limit:
-            err = window_error(out, limit)
+        # a run still going is stopped by the next clip_ (its check); one a step taken ended, only here
+        if limit is not None and int(window["ended"]) >= limit:
+            err = window_error(out, int(window["ended"]), limit)
             raise err
         return out
 

@@ -126,7 +126,7 @@ class Counters:
         engaged = (clip_engaged(T, self.engage_at) if self.engage_at is not None
                    else torch.isfinite(T) & (coef < 1))
         runs = torch.stack([r[5] for r in recs]).to(dev, dt)
-        self.ledger.add(T, runs)
+        self.ledger.add(T, runs, c[_RUN])
         top = runs.max()
         inc = torch.stack([c.new_full((), n), clipped.sum().to(dt), B.sum().to(dt), c.new_zeros(()),
                            (~torch.isfinite(T)).sum().to(dt), spikes.to(dt), c.new_zeros(()),
@@ -144,7 +144,7 @@ class Counters:
         self.fold()
         last = self.last
         if self.counts is None:
-            vals, last = [0] * len(COUNTERS) + [float("nan")] * len(QUANTILES) + [0, 0], None
+            vals, last = [0] * len(COUNTERS) + [float("nan")] * len(QUANTILES) + [0, 0, 0], None
         else:
             dt, dev = self.counts.dtype, self.counts.device
             parts = [self.counts, self.ledger.window(self.counts)]
@@ -225,10 +225,11 @@ class Counters:
                 "guard (category fastgrad.guard.GuardWarning).")
 
 
-def window_error(st: dict, limit: int) -> GuardError:
-    """``state()``'s abort: the window of ``st`` (a state() dict) saw ``limit`` or more skips in a row."""
+def window_error(st: dict, ended: int, limit: int) -> GuardError:
+    """``state()``'s abort: since the read before ``st`` (a state() dict) a run of ``ended`` >= ``limit`` skips
+    in a row was ended by a step taken."""
     err = GuardError(
-        f"StepGuard skipped {st['window_longest_skipped']} steps in a row since the previous state() read "
+        f"StepGuard skipped {ended} steps in a row since the previous state() read, then took a step "
         f"(max_consecutive_skips={limit}); {st['consecutive_skipped']} in a row now, {st['skipped_steps']} of "
         f"{st['steps']} steps in all ({st['nonfinite_steps']} with a non-finite norm, {st['spike_steps']} "
         f"spikes). Training is not progressing; {_TRY}. This error's .state holds the guard's readings.")

@@ -6,7 +6,8 @@ two ``state()`` reads):
 * the total norms of the last :data:`RING` steps, kept in a fixed-size device ring; the window's median, p90
   and p99 are taken at the read over the finite norms the ring holds from that window (with their count);
 * the longest run of skips in a row seen in the window (a run that started before the read counts with its
-  full length), which ``max_consecutive_skips`` is checked against at the read.
+  full length), and the longest of those that a step taken ended, which ``max_consecutive_skips`` is checked
+  against at the read (a run still going is the next ``clip_``'s to stop).
 
 The ring is written when the per-step records are folded (every ``FOLD`` steps, or at a read): one slice copy
 per fold, nothing per step, no host read. The window's statistics are reduced on the device and read in the
@@ -45,17 +46,20 @@ def quantiles(values: Tensor, qs) -> tuple[Tensor, Tensor]:
 class Ledger:
     """The ring of norms and the read window's bookkeeping. ``written``: norms written into the ring so far
     (host count, exact: one per recorded step); ``since``: ``written`` at the previous read; ``wmax``: the
-    longest run of skips recorded since the previous read (device scalar, None when no step since)."""
+    longest run of skips recorded since the previous read (device scalar, None when no step since); ``ended``:
+    the longest of those that a step taken has ended."""
 
     def __init__(self):
         self.ring: Tensor | None = None
         self.written = 0
         self.since = 0
         self.wmax: Tensor | None = None
+        self.ended: Tensor | None = None
 
-    def add(self, totals: Tensor, streaks: Tensor) -> None:
+    def add(self, totals: Tensor, streaks: Tensor, before: Tensor) -> None:
         """A fold's records: their total norms into the ring, their runs of skips into the window's longest.
-        ``totals`` and ``streaks``: one entry per step, already on the counters' device and dtype."""
+        ``totals`` and ``streaks``: one entry per step, already on the counters' device and dtype; ``before``:
+        the run of skips before the fold's first step."""
         n = totals.numel()
         ring = self.ring
         if ring is None or ring.device != totals.device or ring.dtype != totals.dtype:
@@ -68,15 +72,17 @@ class Ledger:
             ring.narrow(0, 0, keep.numel() - head).copy_(keep[head:])
         self.ring = ring
         self.written += n
-        top = streaks.max()
-        self.wmax = top if self.wmax is None else torch.maximum(self.wmax, top.to(self.wmax.device))
+        self.wmax = _larger(self.wmax, streaks.max())
+        # a step taken (run 0) ends the run before it: the run as of the step before
+        prev = torch.cat([before.reshape(1), streaks[:-1]])
+        self.ended = _larger(self.ended, torch.where(streaks == 0, prev, torch.zeros_like(prev)).max())
 
     @staticmethod
     def _fresh(like: Tensor) -> Tensor:
         return torch.full((RING,), float("nan"), dtype=like.dtype, device=like.device)
 
     def window(self, like: Tensor) -> Tensor:
-        """The window's ``(p50, p90, p99, count, longest run)`` as one device vector on ``like``'s device and
+        """The window's ``(p50, p90, p99, count, longest run, longest ended run)`` as one device vector on ``like``'s device and
         dtype (NaN quantiles for a window without a finite norm; 0 for a window without a step)."""
         k = min(self.written - self.since, RING)
         if self.ring is None or k == 0:
@@ -88,24 +94,29 @@ class Ledger:
             ring = self.ring
             win = ring[start:end] if end <= RING else torch.cat([ring[start:], ring[:end - RING]])
             vals, n = quantiles(win, [q for _, q in QUANTILES])
-        run = like.new_zeros(()) if self.wmax is None else self.wmax
-        return torch.cat([vals.to(like.device, like.dtype),
-                          torch.stack([n.to(like.device, like.dtype), run.to(like.device, like.dtype)])])
+        extra = [n] + [like.new_zeros(()) if r is None else r for r in (self.wmax, self.ended)]
+        return torch.cat([vals.to(like.device, like.dtype), torch.stack([x.to(like.device, like.dtype) for x in extra])])
 
     def read(self) -> None:
         """A read took the window: the next one starts here."""
         self.since = self.written
-        self.wmax = None
+        self.wmax = self.ended = None
 
     def state_dict(self) -> dict:
         return {"ring": None if self.ring is None else self.ring.clone(), "written": self.written,
-                "since": self.since, "wmax": None if self.wmax is None else self.wmax.clone()}
+                "since": self.since, "wmax": None if self.wmax is None else self.wmax.clone(),
+                "ended": None if self.ended is None else self.ended.clone()}
 
     def load_state_dict(self, sd: dict | None) -> None:
         """``sd`` from :meth:`state_dict`; None (a checkpoint of an older fastgrad): an empty window."""
         sd = sd or {}
-        ring, wmax = sd.get("ring"), sd.get("wmax")
+        ring, wmax, ended = sd.get("ring"), sd.get("wmax"), sd.get("ended")
         self.ring = None if ring is None else ring.clone()
         self.written = int(sd.get("written", 0))
         self.since = int(sd.get("since", 0))
         self.wmax = None if wmax is None else wmax.clone()
+        self.ended = None if ended is None else ended.clone()
+
+
+def _larger(old: Tensor | None, new: Tensor) -> Tensor:
+    return new if old is None else torch.maximum(old, new.to(old.device))
