@@ -371,3 +371,19 @@ def test_a_spike_skip_above_max_norm_engaged_the_clip():
     st = g.state()
     assert st["spike_steps"] == 1 and st["skipped_steps"] == 1 and st["engaged_steps"] == 1
     assert st["clip_share"] == 0.2 and st["norm_count"] == 5
+
+
+def test_the_callbacks_log_the_ledger():
+    """What both framework callbacks log at each logging step (one state() read): the ledger's window with
+    the counters; a value that has none yet (no finite norm in the window) is left out."""
+    from fastgrad.integrations._common import counters
+
+    g = _guard(max_norm=1.0)
+    for n in (0.5, 2.0, NAN, 3.0):
+        _step(g, n)
+    logged = counters(g, "guard/")
+    assert logged["guard/clip_share"] == 0.5 and logged["guard/norm_p50"] == 2.0
+    assert logged["guard/longest_consecutive_skipped"] == 1 and logged["guard/steps"] == 4
+    _step(g, NAN)
+    logged = counters(g, "guard/")
+    assert "guard/norm_p50" not in logged and logged["guard/clip_share"] == 0.0
