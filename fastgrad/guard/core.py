@@ -157,7 +157,7 @@ class StepGuard:
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
             clipped by the mode's rule.
         max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
-            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None (default): never;
+            at the next ``clip_``, see :meth:`clip_`; a run already ended, at :meth:`state`). None: never;
             either way the guard warns once (:class:`GuardWarning`) after ``WARN_AFTER`` (25) in a row.
         non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
         zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
