@@ -12,6 +12,7 @@ device, with torch ops and no host sync:
 * :func:`nonfinite`: the verdict on a norm (NaN, or inf: an overflowed norm is as bad as a NaN one);
 * :func:`spike`: a finite norm above ``k`` times a reference, once the reference is ready;
 * :func:`bad_step`: the step verdict, ``nonfinite | found_inf | spike``, as the guard's 0/1 float32 flag;
+* :func:`clip_engaged`: whether a clip at a fixed threshold engaged (the guard's ledger counts it);
 * :func:`agc_limit` and :func:`agc_factor`: adaptive clipping's per-unit threshold and factor.
 
 The fused kernels (``csrc/``, ``fastgrad/triton_kernels/``) compute the coefficient and the factors on the
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CLIP_EPS", "AGC_NORM_FLOOR", "clip_coef", "clip_coef_above", "per_tensor_coef", "with_unscale", "amp_factor", "grad_scale", "nonfinite", "spike",
-           "bad_step", "agc_limit", "agc_factor"]
+           "bad_step", "clip_engaged", "agc_limit", "agc_factor"]
 
 #: torch.nn.utils.clip_grad_norm_'s epsilon, added to the total norm before dividing.
 CLIP_EPS = 1e-6
@@ -102,6 +103,13 @@ def bad_step(nonfinite_flag: Tensor, found_inf: Tensor | None = None, spike_flag
     if spike_flag is not None:
         bad = torch.maximum(bad, spike_flag.to(torch.float32))
     return bad
+
+
+def clip_engaged(total: Tensor, max_norm: float) -> Tensor:
+    """Whether a clip at ``max_norm`` engaged on this norm: finite and strictly above it (bool, same shape). At
+    ``max_norm`` exactly clip_grad_norm_'s coefficient is ``max_norm / (max_norm + 1e-6)``, a change of 1e-6
+    relative that no one would call clipping; a non-finite norm is a skip, not a clip."""
+    return torch.isfinite(total) & (total > max_norm)
 
 
 def agc_limit(w_norm: Tensor, clip_factor: float, eps: float) -> Tensor:

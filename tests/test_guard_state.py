@@ -16,7 +16,9 @@ from fastgrad.guard import COUNTERS
 from .guard_cases import NAN, _params, _set_grads
 
 NAMES = ["total_norm", "clipped_norm", "coef", "clipped", "skipped", "steps", "clipped_steps", "skipped_steps",
-         "consecutive_skipped", "nonfinite_steps", "spike_steps"]
+         "consecutive_skipped", "nonfinite_steps", "spike_steps", "longest_consecutive_skipped", "engaged_steps"]
+# the ledger of the steps since the previous read (tests/test_guard_ledger.py)
+WINDOW = ["window_steps", "clip_share", "norm_p50", "norm_p90", "norm_p99", "norm_count", "window_longest_skipped"]
 MODES = {
     "norm": dict(max_norm=1.0),
     "norm-spikes": dict(max_norm=1.0, skip_factor=3.0, warmup_steps=2),
@@ -60,8 +62,9 @@ def _saved_and_loaded(guard, kw):
 def test_a_new_guard_reads_zero_counters_and_no_last_step(mode):
     _, guard = _guard(MODES[mode])
     st = guard.state()
-    assert list(st) == NAMES
+    assert list(st) == NAMES + WINDOW
     assert all(st[k] == 0 and type(st[k]) is int for k in NAMES[5:])
+    assert st["clip_share"] is None and st["norm_p50"] is None and st["norm_count"] == 0
     assert all(st[k] is None for k in NAMES[:5])
     c = guard.counters()
     assert c.shape == (len(COUNTERS),) and not c.any()

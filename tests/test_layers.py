@@ -60,6 +60,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.optim_clip"],
     # the step guard: its parts, each mode one file (every module of fastgrad/guard/modes/ but its base and
     # package: MODE_FILES), then the core and the package
+    ["fastgrad.guard.ledger"],
     ["fastgrad.guard.modes.base", "fastgrad.guard.counters", "fastgrad.guard.skip"],
     ["fastgrad.guard.modes.*"],
     ["fastgrad.guard.modes"],

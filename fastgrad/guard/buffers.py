@@ -26,6 +26,21 @@ from .counters import GuardWarning
 __all__ = ["BufferKeeper"]
 
 
+def _outside_graph(fn):
+    """``fn`` run eagerly under ``torch.compile(model)`` (a graph break): traced, the snapshot's flat views of
+    the buffers would enter the graph as inputs aliasing the buffers the forward updates, which torch's
+    autograd tracing refuses. Called directly when not compiling (the disable wrapper costs ~2 us a call, and
+    a model has tens of buffer owners); the disabled twin is made here, when a keeper is built, since making
+    it imports torch._dynamo."""
+    off = torch.compiler.disable(fn)
+
+    def run(module, args):
+        if torch.compiler.is_compiling():
+            return off(module, args)
+        return fn(module, args)
+    return run
+
+
 class BufferKeeper:
     """Keeps ``model``'s buffers as they were before the forward of a step the guard skips. Built by
     ``StepGuard(optimizer, model=model)``; build one yourself only to start saving before the guard exists
@@ -56,7 +71,8 @@ class BufferKeeper:
         self._snap = None  # [(group, flat copy)] per dtype and device
         self._layout = None  # (the buffers, their groups), reused while the buffers are the same tensors
         self._warned = False
-        self._hooks = [mod.register_forward_pre_hook(self._before_forward) for mod in owners]
+        hook = _outside_graph(self._before_forward)
+        self._hooks = [mod.register_forward_pre_hook(hook) for mod in owners]
 
     @property
     def empty(self) -> bool:

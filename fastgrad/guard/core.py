@@ -34,7 +34,8 @@ from .._inputs import optimizer_params
 from . import read
 from . import finite
 from .buffers import BufferKeeper
-from .counters import COUNTERS, Counters
+from .counters import COUNTERS, Counters, window_error
+from .ledger import QUANTILES
 from .modes import DEFAULT
 from .options import MODES, check_options, make_mode, mode_options_doc
 from .skip import NO_GRADS, Skipper, is_fused
@@ -46,7 +47,11 @@ _LOG = logging.getLogger("fastgrad.guard")
 
 # state()'s names: the last step's readings (Counters.last), then the counters (the slots of COUNTERS)
 _LAST = ("total_norm", "clipped_norm", "coef", "clipped", "skipped")
-_COUNTED = ("steps", "clipped_steps", "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps")
+_COUNTED = ("steps", "clipped_steps", "skipped_steps", "consecutive_skipped", "nonfinite_steps", "spike_steps",
+            "longest_consecutive_skipped", "engaged_steps")
+# then the read window's (ledger.Ledger.window): the norm's quantiles, how many norms they are over, the
+# longest run of skips in the window
+_WINDOW = tuple(k for k, _ in QUANTILES) + ("norm_count", "window_longest_skipped", "ended")
 
 # Under torch.compile the guard's clip_ and its step hooks run eagerly, as graph breaks. A traced step
 # pre-hook's setattr of found_inf / grad_scale never reaches the fused kernel (the compiled step would run
@@ -152,7 +157,7 @@ class StepGuard:
             threshold; adagc: any tensor's EMA). None (default): only non-finite steps are skipped; spikes are
             clipped by the mode's rule.
         max_consecutive_skips: raise :class:`GuardError` once this many steps in a row were skipped (checked
-            at the next ``clip_``; see :meth:`clip_` for when it reads the counter). None (default): never;
+            at the next ``clip_``, see :meth:`clip_`; a run already ended, at :meth:`state`). None: never;
             either way the guard warns once (:class:`GuardWarning`) after ``WARN_AFTER`` (25) in a row.
         non_fused: "sync" or "restore", how optimizers other than torch's fused ones skip (fastgrad.guard.skip).
         zero_write: hand the clip coefficient to a fused optimizer's step instead of writing the gradients,
@@ -213,10 +218,12 @@ class StepGuard:
         self._keeper = BufferKeeper(model) if self._own_keeper else model
         self._optimizer = optimizer
         self._mode = make_mode(mode, self.max_norm, self.skip_factor, self.options)
-        self._counters = Counters(self.max_norm)
+        # a clip at a fixed threshold engages above max_norm; an adaptive mode's where its coefficient is < 1
+        self._counters = Counters(self.max_norm, self.max_norm if self._mode.kernel_clip else None)
         self._skip = Skipper(non_fused)
         self.calls = 0
         self._reported_skips = 0  # skipped_steps at the last state() read (the fastgrad.guard log record)
+        self._read_at = (0, 0)  # (steps, engaged_steps) at the last state() read: clip_share's window
         self._device: torch.device | None = None
         self._one = None
         self._flags = None
@@ -262,7 +269,8 @@ class StepGuard:
         return {"mode": self.mode, "options": dict(self.options),
                 "stats": {k: v.clone() for k, v in self._mode.state.items()},
                 "counts": None if c.counts is None else c.counts.clone(),
-                "last": None if c.last is None else tuple(t.clone() for t in c.last)}
+                "last": None if c.last is None else tuple(t.clone() for t in c.last),
+                "ledger": c.ledger.state_dict(), "read_at": self._read_at}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (tensors moved to the device of the next step's gradients): every
@@ -276,7 +284,10 @@ class StepGuard:
         self._mode.state = {k: v.clone() for k, v in state["stats"].items()}
         last = state.get("last")
         self._counters.clear(None if state["counts"] is None else state["counts"].clone(),
-                             None if last is None else tuple(t.clone() for t in last))
+                             None if last is None else tuple(t.clone() for t in last), state.get("ledger"))
+        self._read_at = tuple(state.get("read_at", (0, 0)))
+        if "read_at" not in state and state["counts"] is not None:  # an older checkpoint: the window starts here
+            self._read_at = (int(state["counts"][0]), 0)
         self._device = None if self._counters.counts is None else self._counters.counts.device
         # the loaded run's skips were that run's news: only skips after the load are logged (one read, here)
         counts = state["counts"]
@@ -476,26 +487,39 @@ class StepGuard:
 
     def state(self) -> dict:
         """Everything the guard knows, read in ONE device-to-host transfer: the last step's ``total_norm``
-        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped`` (None before any step),
-        and the counters (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``,
-        ``nonfinite_steps``, ``spike_steps``; 0 before any step). Syncs, once; readable at any time (new,
-        loaded, mid-run)."""
-        c = self._counters
-        c.fold()
-        last = c.last
-        if c.counts is None:
-            vals = [0] * len(COUNTERS)
-        elif last is None:
-            vals = c.counts.tolist()
-        else:
-            dt = c.counts.dtype
-            vals = torch.cat([torch.stack([x.to(c.counts.device, dt) for x in last]), c.counts]).tolist()
-            last, vals = vals[:len(_LAST)], vals[len(_LAST):]
+        (pre-clip), ``clipped_norm`` (post-clip), ``coef``, ``clipped``, ``skipped`` (None before any step);
+        the counters over the run (``steps``, ``clipped_steps``, ``skipped_steps``, ``consecutive_skipped``,
+        ``nonfinite_steps``, ``spike_steps``, ``longest_consecutive_skipped``, ``engaged_steps``; 0 before any
+        step); and the ledger of the steps since the previous ``state()`` (the window): ``window_steps``,
+        ``clip_share`` (the share of them on which the clip engaged; None for an empty window),
+        ``norm_p50``, ``norm_p90``, ``norm_p99`` (of their finite total norms, the last ``RING`` = 1024 at
+        most; None without one) with ``norm_count`` (how many norms those are), and
+        ``window_longest_skipped``. Syncs, once; readable at any time (new, loaded, mid-run).
+
+        Raises :class:`GuardError` (its ``state``: this dict) when ``max_consecutive_skips`` is set and a run
+        of that many skips in a row ended in the window: a run the next ``clip_``'s check would not see (on
+        CUDA it reads a copy only once landed); a run still going is stopped by that check."""
+        last, vals = self._counters.read()
         out = dict(zip(_LAST, last if last is not None else [None] * len(_LAST)))
         for k in ("clipped", "skipped"):
             out[k] = None if out[k] is None else bool(out[k])
-        out.update(zip(_COUNTED, (int(v) for v in vals)))
+        out.update(zip(_COUNTED, (int(v) for v in vals[:len(COUNTERS)])))
+        window = dict(zip(_WINDOW, vals[len(COUNTERS):]))
+        steps0, engaged0 = self._read_at
+        self._read_at = (out["steps"], out["engaged_steps"])
+        n = out["steps"] - steps0
+        out["window_steps"] = n
+        out["clip_share"] = (out["engaged_steps"] - engaged0) / n if n else None
+        for k, _ in QUANTILES:
+            out[k] = None if window[k] != window[k] else window[k]  # NaN: no finite norm in the window
+        out["norm_count"] = int(window["norm_count"])
+        out["window_longest_skipped"] = int(window["window_longest_skipped"])
         self._log_new_skips(out)
+        limit = self.max_consecutive_skips
+        # a run still going is stopped by the next clip_ (its check); one a step taken ended, only here
+        if limit is not None and int(window["ended"]) >= limit:
+            err = window_error(out, int(window["ended"]), limit)
+            raise err
         return out
 
     def _log_new_skips(self, st: dict) -> None:

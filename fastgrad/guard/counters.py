@@ -2,7 +2,8 @@
 
 Per step a list append (the step's 0-dim device tensors) and the run of skips in a row, kept on the device
 (two small ops); the other counters are folded from the records with a few device ops every ``FOLD`` steps
-or when read. Nothing here reads device data on the host except :meth:`Counters.check_consecutive`."""
+or when read, and the norms and runs of skips go to the read window's ledger (``ledger.py``) at the same
+fold. Nothing here reads device data on the host except :meth:`Counters.check_consecutive`."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..decide import clip_coef
+from ..decide import clip_coef, clip_engaged
+from .ledger import QUANTILES, Ledger
 
 #: Slots of ``StepGuard.counters()`` (one device tensor, float64 where the device has it).
-COUNTERS = ("steps", "clipped", "skipped", "consecutive_skipped", "nonfinite", "spikes")
+COUNTERS = ("steps", "clipped", "skipped", "consecutive_skipped", "nonfinite", "spikes", "longest_skipped",
+            "engaged")
+_RUN, _LONGEST = COUNTERS.index("consecutive_skipped"), COUNTERS.index("longest_skipped")
 
 FOLD = 256  # steps between two folds of the per-step records into the counters (a fold is ~15 small ops,
 #             ~0.3 ms on a CPU: amortised over 256 steps it is ~1 us per step)
@@ -40,17 +44,21 @@ _TRY = ("check the data, the learning rate, the loss scale and any state carried
 
 class Counters:
     """``counts``: the COUNTERS vector; ``last``: the last folded step's (total, post-clip norm, coef,
-    clipped, skipped); ``records``: per step since the last fold, (total, factor, inv_scale, bad, spike)."""
+    clipped, skipped); ``records``: per step since the last fold, (total, factor, inv_scale, bad, spike, run
+    of skips after it). ``engage_at``: the fixed threshold a clip engages above (mode "norm": max_norm), or
+    None for an adaptive mode, whose clip engages where its coefficient is below 1."""
 
-    def __init__(self, max_norm: float | None):
+    def __init__(self, max_norm: float | None, engage_at: float | None = None):
         self.max_norm = max_norm
+        self.engage_at = engage_at
+        self.ledger = Ledger()
         self.counts: Tensor | None = None
         self.records: list = []
         self.last = None
         self.host = None  # (host copy of consecutive_skipped, cuda event) for the lazy consecutive check
         self.streak: Tensor | None = None  # skips in a row so far, on the device: slot 3's one rule
         self.warned = False  # the WARN_AFTER warning was given (once per guard)
-        self._mask: Tensor | None = None  # slot 3 of the counters, as a device bool mask
+        self._mask: Tensor | None = None  # the slots of the counters, as a device index vector
 
     @staticmethod
     def zeros(device: torch.device) -> Tensor:
@@ -61,12 +69,17 @@ class Counters:
     def start(self, device: torch.device) -> None:
         self.counts = self.zeros(device)
 
-    def clear(self, counts: Tensor | None, last: tuple | None = None) -> None:
-        """Start again from ``counts`` and ``last`` (a loaded checkpoint's), no records."""
+    def clear(self, counts: Tensor | None, last: tuple | None = None, ledger: dict | None = None) -> None:
+        """Start again from ``counts``, ``last`` and ``ledger`` (a loaded checkpoint's), no records. Counts
+        saved before the longest run and the engaged count existed: the longest run starts at the current one,
+        the engaged count at 0."""
+        if counts is not None and counts.numel() < len(COUNTERS):
+            counts = torch.cat([counts, counts[_RUN:_RUN + 1], counts.new_zeros(len(COUNTERS) - counts.numel() - 1)])
         self.records, self.last = [], last
         self.counts = counts
-        self.streak = None if counts is None else counts[3].clone()
+        self.streak = None if counts is None else counts[_RUN].clone()
         self.host = None
+        self.ledger.load_state_dict(ledger)
 
     def record(self, total, factor, inv, bad, spike) -> None:
         self.records.append((total, factor, inv, bad, spike))
@@ -78,6 +91,7 @@ class Counters:
         # a skip extends the run, a step taken ends it: bad * (run + 1), one op (~10 us less per step on a
         # CPU than three); every read pass hands over ``bad`` as a 0/1 float flag
         self.streak = torch.addcmul(bad, run, bad)
+        self.records[-1] += (self.streak,)  # (a fresh tensor each step: the run as of this step)
         if len(self.records) >= FOLD:
             self.fold()
 
@@ -108,17 +122,44 @@ class Counters:
         else:
             spikes = c.new_zeros(())
         clipped = (coef < 1) & ~B
-        cons = self.streak.to(dev, dt)
+        # the clip engaged (skipped steps too: whether the clip engages does not depend on the skip)
+        engaged = (clip_engaged(T, self.engage_at) if self.engage_at is not None
+                   else torch.isfinite(T) & (coef < 1))
+        runs = torch.stack([r[5] for r in recs]).to(dev, dt)
+        self.ledger.add(T, runs, c[_RUN])
+        top = runs.max()
         inc = torch.stack([c.new_full((), n), clipped.sum().to(dt), B.sum().to(dt), c.new_zeros(()),
-                           (~torch.isfinite(T)).sum().to(dt), spikes.to(dt)])
-        # (slot 3 replaced by a device select, not by indexed assignment: no host value enters a device tensor)
-        self.counts = torch.where(self._slot3(dev), cons, c + inc)
+                           (~torch.isfinite(T)).sum().to(dt), spikes.to(dt), c.new_zeros(()),
+                           engaged.sum().to(dt)])
+        # (the two runs replaced by device selects, not by indexed assignment: no host value enters a device
+        # tensor): the current run is the last record's, the longest the larger of the old and this fold's
+        slot = self._slots(dev)
+        self.counts = torch.where(slot == _RUN, runs[-1],
+                                  torch.where(slot == _LONGEST, torch.maximum(c, top), c + inc))
         self.last = (T[-1], T[-1] * coef[-1], coef[-1], clipped[-1], B[-1])
 
-    def _slot3(self, dev) -> Tensor:
+    def read(self) -> tuple[list | None, list]:
+        """The batched read (ONE transfer): the last step's readings (None before a step), then the counters
+        and the ledger's window (``Ledger.window``); the window then starts again."""
+        self.fold()
+        last = self.last
+        if self.counts is None:
+            vals, last = [0] * len(COUNTERS) + [float("nan")] * len(QUANTILES) + [0, 0, 0], None
+        else:
+            dt, dev = self.counts.dtype, self.counts.device
+            parts = [self.counts, self.ledger.window(self.counts)]
+            if last is not None:
+                parts.insert(0, torch.stack([x.to(dev, dt) for x in last]))
+            vals = torch.cat(parts).tolist()
+            if last is not None:
+                last, vals = vals[:len(last)], vals[len(last):]
+        self.ledger.read()
+        return last, vals
+
+    def _slots(self, dev) -> Tensor:
         m = self._mask
         if m is None or m.device != dev:
-            m = self._mask = torch.arange(len(COUNTERS), device=dev) == 3
+            m = self._mask = torch.arange(len(COUNTERS), device=dev)
         return m
 
     # ---------------------------------------------------------------- the last step (device tensors)
@@ -172,7 +213,8 @@ class Counters:
 
     def _stuck(self, n: int) -> str:
         self.fold()
-        steps, _, skipped, _, nonfinite, spikes = (int(v) for v in self.counts.tolist())
+        got = dict(zip(COUNTERS, (int(v) for v in self.counts.tolist())))
+        steps, skipped, nonfinite, spikes = (got[k] for k in ("steps", "skipped", "nonfinite", "spikes"))
         first = steps - n + 1
         causes = [f"{nonfinite} with a non-finite gradient norm (NaN/Inf)" if nonfinite else "",
                   f"{spikes} as spikes (skip_factor)" if spikes else ""]
@@ -181,6 +223,18 @@ class Counters:
                 f"were skipped: {', '.join(c for c in causes if c)}. Training is not progressing; {_TRY}. "
                 "max_consecutive_skips=N raises fastgrad.GuardError instead; this warning is given once per "
                 "guard (category fastgrad.guard.GuardWarning).")
+
+
+def window_error(st: dict, ended: int, limit: int) -> GuardError:
+    """``state()``'s abort: since the read before ``st`` (a state() dict) a run of ``ended`` >= ``limit`` skips
+    in a row was ended by a step taken."""
+    err = GuardError(
+        f"StepGuard skipped {ended} steps in a row since the previous state() read, then took a step "
+        f"(max_consecutive_skips={limit}); {st['consecutive_skipped']} in a row now, {st['skipped_steps']} of "
+        f"{st['steps']} steps in all ({st['nonfinite_steps']} with a non-finite norm, {st['spike_steps']} "
+        f"spikes). Training is not progressing; {_TRY}. This error's .state holds the guard's readings.")
+    err.state = st
+    return err
 
 
 def _one_like(t: Tensor) -> Tensor:

@@ -15,11 +15,13 @@ def require(module: str, package: str, what: str):
 
 
 def counters(guard, prefix: str) -> dict[str, float]:
-    """The guard's counters and last norms as plain numbers (ONE device-to-host transfer), named for a
-    logger; the last norms only once there was a step."""
+    """The guard's counters, last norms and the ledger of the steps since the previous log as plain numbers
+    (ONE device-to-host transfer), named for a logger; a value only once there is one (a step, a finite norm
+    in the window)."""
     st = guard.state()
     keys = ("steps", "skipped_steps", "nonfinite_steps", "spike_steps", "clipped_steps", "consecutive_skipped",
-            "total_norm", "clipped_norm")
+            "longest_consecutive_skipped", "total_norm", "clipped_norm", "clip_share", "norm_p50", "norm_p90",
+            "norm_p99")
     return {f"{prefix}{k}": float(st[k]) for k in keys if st.get(k) is not None}
 
 
