@@ -21,8 +21,11 @@ must raise a finding (any level) of a class the case names (``BROKEN``, from the
 Findings map to classes by ``CODE_CLASSES``. Cases whose manifest allows either (at most a notice, or a warning)
 are listed but not scored.
 
-    python benchmarks/peers.py --out benchmarks/results/peers/DATE       # run all (tools on PYTHONPATH)
-    python benchmarks/peers.py --judge benchmarks/results/peers/DATE/runs.json   # re-judge recorded runs
+    PEERS_PATH=DIR python benchmarks/peers.py --out benchmarks/results/peers/DATE     # run all
+    python benchmarks/peers.py --judge benchmarks/results/peers/DATE/runs.json       # re-judge recorded runs
+
+torch-audit 0.3.0's autopatch breaks an LR scheduler built after it (the script crashes); ``--late`` attaches it
+at the first optimizer step instead, and ``--merge`` joins such a rerun with the first run.
 
 The other tools are not dependencies of fastgrad: install them apart (``pip install --target DIR``) and put DIR
 on ``PEERS_PATH`` for their runs only."""
