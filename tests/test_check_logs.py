@@ -73,6 +73,11 @@ def test_lightning_metrics_csv_gives_the_live_verdict(tmp_path, lr, status):
     _same_verdict(live, res)
     # Lightning logs step N under N - 1: read back as the live run's numbering
     _same_steps(live, res)
+    # its validation loss is counted and said not judged; the live run says it read none
+    why = {i["rule"]: i["reason"] for i in res.not_checked}
+    assert log.validation[0] == "val_loss" and log.validation[1] >= 2
+    assert why["overfitting"].startswith(f"the log's {log.validation[1]} validation losses (`val_loss`)")
+    assert {i["rule"]: i["reason"] for i in live.not_checked}["overfitting"].startswith("no validation loss: a live")
 
 
 @pytest.fixture(scope="module")

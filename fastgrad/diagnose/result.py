@@ -19,6 +19,7 @@ from .rules.base import RunView, median
 from .rules.nonfinite import trace_origin
 from .rules.registry import evaluate, not_checked
 from .rules.run_state import nothing_checked
+from .rules.validation import validation_item
 from .thresholds import RANK, Thresholds, rate_norm, worst
 
 __all__ = ["CheckResult", "build_result", "build_log_result", "EXIT_CODES"]
@@ -124,7 +125,9 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "names": _script_names(chk, manual),
                        # a multi-process run, on rank 0: every rank's record of each recorded clip
-                       "ranks": getattr(chk, "rank_calls", None)})
+                       "ranks": getattr(chk, "rank_calls", None),
+                       # ranks that sent rank 0 no records: {rank: why}
+                       "ranks_silent": dict(getattr(chk, "ranks_silent", {}))})
     used = run.used
     per = run.per
     run.ctx["clip"] = _clip_setup(used)
@@ -149,6 +152,7 @@ def build_log_result(log, policy: Policy | None = None) -> CheckResult:
                                                                    "manual": False}})
     run.ctx["clip"] = None
     run.ctx["updates"] = []
+    run.ctx["validation"] = log.validation
     res = _judge(run, log.path, [], False, None, False, policy)
     res.source = {"kind": log.kind, "path": log.path, "columns": dict(log.columns), "absent": sorted(log.absent)}
     # a log records no script's calls: the rows about them would read as facts ("no clip call")
@@ -191,7 +195,7 @@ def _judge(run: RunView, script: str, args: list[str], crashed: bool, crash_text
     born = None if o is None else {"where": o.where, "step": o.step, "module": o.module, "text": o.text}
     res = CheckResult(script, args, steps, findings, summary, trend, first_output, run.last, crashed, crash_text,
                       stopped, exit_code, run.flags, names if steps else [], sorted(run.key_steps), run.ctx, born)
-    res.not_checked = not_checked(run)
+    res.not_checked = not_checked(run) + [validation_item(run.ctx.get("validation"), run.source == "live")]
     res.ignored = [{"code": f.code, "severity": f.severity, "title": f.title, "reason": policy.ignore[f.code]}
                    for f in ignored]
     res.fail_on = policy.fail_on

@@ -9,7 +9,9 @@ A column is recognised by its name, lower-cased, after the usual prefixes (``tra
 ``training/``, ``trainer/``) and Lightning's ``_step`` suffix are taken off: ``loss``; ``grad_norm`` (also
 ``gradient_norm``, ``total_grad_norm``, Lightning's ``grad_2.0_norm_total``); ``learning_rate`` or ``lr`` (also
 ``lr-<Optimizer>`` from Lightning's ``LearningRateMonitor``); ``step`` or ``global_step`` (also W&B's ``_step``).
-``columns`` names them where the log calls them something else. Every problem (a file it cannot read, a
+``columns`` names them where the log calls them something else. A validation loss (``eval_loss``, ``val_loss``,
+``valid_loss``, ``validation_loss``, under the same prefixes and ``/loss`` forms) is counted, not judged: the
+report says that no rule judged it (``LogRun.validation``). Every problem (a file it cannot read, a
 column it cannot find, two columns that both look like the loss, a value that is not a number) is a
 ``LogError`` raised before anything is judged."""
 
@@ -34,6 +36,9 @@ ROLES = {
     "step": ("step", "global_step", "_step"),
 }
 _PREFIXES = ("train/", "training/", "trainer/", "train_", "training_")
+#: a validation loss's names (after ``_normal``; Lightning's epoch aggregate too)
+VALIDATION = ("eval_loss", "val_loss", "valid_loss", "validation_loss", "eval/loss", "val/loss", "valid/loss",
+              "validation/loss", "val_loss_epoch")
 
 
 class LogError(ValueError):
@@ -44,13 +49,14 @@ class LogError(ValueError):
 class LogRun:
     """A run read from its logs: ``steps`` (one per logged training step, oldest first), the log's ``kind``
     ("hf", "lightning", "tensorboard", "csv"), the column each role was read from (``columns``) and the
-    roles the log does not hold (``absent``)."""
+    roles the log does not hold (``absent``), and its validation loss: ``(column, values)``, None without one."""
 
     path: str
     kind: str
     steps: list[StepRecord]
     columns: dict[str, str] = field(default_factory=dict)
     absent: frozenset = frozenset()
+    validation: tuple[str, int] | None = None
 
 
 def parse_columns(text: str | None) -> dict[str, str]:
@@ -102,6 +108,15 @@ def _pick(names: list[str], given: dict[str, str], where: str) -> dict[str, str]
         raise LogError(f"{where}: no loss or gradient norm column found among: {', '.join(names) or 'none'}; name "
                        "them with --columns loss=NAME,grad_norm=NAME")
     return out
+
+
+def _validation(names: list[str], values) -> tuple[str, int] | None:
+    """The log's validation-loss column and how many values it holds (``values(column)``), None without one."""
+    col = next((n for n in names if _normal(n) in VALIDATION), None)
+    if col is None:
+        return None
+    n = values(col)
+    return (col, n) if n else None
 
 
 def _number(value, col: str, where: str) -> float | None:
@@ -162,7 +177,8 @@ def _hf(path: str, given: dict[str, str]) -> LogRun:
     names = [n for n in names if n not in ("train_loss", "train_runtime")]
     cols = _pick(names, given, path)
     rows = [(_number(r.get(cols["step"]), cols["step"], path) if "step" in cols else None, r) for r in rows_in]
-    return LogRun(path, "hf", _records(rows, cols, path), cols, frozenset(ROLES) - set(cols))
+    val = _validation(names, lambda c: sum(1 for r in rows_in if r.get(c) is not None))
+    return LogRun(path, "hf", _records(rows, cols, path), cols, frozenset(ROLES) - set(cols), val)
 
 
 def _csv(path: str, given: dict[str, str], kind: str) -> LogRun:
@@ -179,7 +195,8 @@ def _csv(path: str, given: dict[str, str], kind: str) -> LogRun:
     rows = [(_number(r.get(cols["step"]), cols["step"], path) if "step" in cols else None, r) for r in data]
     # Lightning logs a training step under the count of steps taken before it (step 0 is the first)
     offset = 1 if kind == "lightning" and "step" in cols and "step" not in given else 0
-    return LogRun(path, kind, _records(rows, cols, path, offset), cols, frozenset(ROLES) - set(cols))
+    val = _validation(names, lambda c: sum(1 for r in data if (r.get(c) or "").strip()))
+    return LogRun(path, kind, _records(rows, cols, path, offset), cols, frozenset(ROLES) - set(cols), val)
 
 
 def _tensorboard(files: list[str], given: dict[str, str], where: str) -> LogRun:
@@ -211,7 +228,8 @@ def _tensorboard(files: list[str], given: dict[str, str], where: str) -> LogRun:
     steps = sorted({s for c in cols.values() for s in series[c]})
     rows = [(float(s), {c: series[c].get(s) for c in cols.values()}) for s in steps]
     cols["step"] = "(event step)"
-    return LogRun(where, "tensorboard", _records(rows, cols, where), cols, frozenset(ROLES) - set(cols))
+    val = _validation(names, lambda c: len(series[c]))
+    return LogRun(where, "tensorboard", _records(rows, cols, where), cols, frozenset(ROLES) - set(cols), val)
 
 
 def _event_files(path: str) -> list[str]:

@@ -53,6 +53,8 @@ class RankRecorder:
         self._rank_rows: list = []   # per recorded clip: (step, meta, names, device values), until the end
         self.rank_calls: list | None = None  # rank 0, after the gather: per clip, every rank's record
         self._rank_gathered = False
+        #: rank 0, after the gather: {rank: why} of each rank that sent no records (its records unreadable)
+        self.ranks_silent: dict[int, str] = {}
 
     def _rank_record(self, params) -> tuple | None:
         """Before a clip writes: this rank's record of ``params``' gradients (device values), or None when this
@@ -152,6 +154,7 @@ class RankRecorder:
         import torch.distributed as dist
 
         mine = []
+        failed = None
         try:
             for (step, names, counted, numels, keys, sq, prints, kinds, flat), norm, dtype, max_norm in self._rank_rows:
                 sqv = torch.cat(sq).tolist() if sq else []
@@ -161,13 +164,16 @@ class RankRecorder:
                 mine.append({"step": step, "entries": entries, "norm": float(norm.to(torch.float64)),
                              "dtype": dtype, "max_norm": max_norm})
         except Exception as e:  # noqa: BLE001 - still join the gather, or the other ranks wait forever
-            self.errors.append(f"rank {rank}: could not read the norm records: {e}")
+            failed = f"could not read its norm records: {e}"
+            self.errors.append(f"rank {rank}: {failed}")
             mine = []
         self._rank_rows = []
         out = [None] * size if rank == 0 else None
-        dist.gather_object({"calls": mine, "groups": _groups(rank)}, out, dst=0)
+        dist.gather_object({"calls": mine, "groups": _groups(rank), "failed": failed}, out, dst=0)
         if rank != 0:
             return
+        # a rank without records leaves every clip unjudged: flagged, so the report names it under Not checked
+        self.ranks_silent = {r: o["failed"] for r, o in enumerate(out) if o.get("failed")}
         n = min(len(o["calls"]) for o in out)
         calls = []
         for k in range(n):

@@ -54,14 +54,20 @@ def _header(res) -> str:
 def not_checked_lines(res) -> list[str]:
     """The "Not checked" section: every rule that could not judge the run, grouped by why."""
     out = ["", "### Not Checked", ""]
-    if not res.not_checked:
-        return out + ["Nothing left out: every rule judged this run."]
-    by: dict[str, list[str]] = {}
-    for item in res.not_checked:
-        by.setdefault(item["reason"], []).extend(item["codes"])
-    out.append("These rules could not judge this run, so a clean report says nothing about them:")
-    out.append("")
-    out += [f"- {', '.join(f'`{c}`' for c in codes)}: {why}." for why, codes in by.items()]
+    # an item without codes is a question no rule judges (a validation loss): listed apart from the rules
+    rules = [i for i in res.not_checked if i["codes"]]
+    beyond = [i for i in res.not_checked if not i["codes"]]
+    if rules:
+        by: dict[str, list[str]] = {}
+        for item in rules:
+            by.setdefault(item["reason"], []).extend(item["codes"])
+        out.append("These rules could not judge this run, so a clean report says nothing about them:")
+        out.append("")
+        out += [f"- {', '.join(f'`{c}`' for c in codes)}: {why}." for why, codes in by.items()]
+    else:
+        out.append("Every rule judged this run.")
+    if beyond:
+        out += ["", "No rule judges these:", ""] + [f"- {i['rule']}: {i['reason']}." for i in beyond]
     return out
 
 

@@ -365,6 +365,15 @@ def _named(x: dict) -> str:
 
 
 class NormMiscounted(Rule):
+    def unmet(self, run: RunView) -> str | None:
+        """Besides the evidence every rule needs: every rank's records. A rank that sent none (``ranks_silent``)
+        leaves each clip without its counterpart, so the norm cannot be judged: the reason names the rank."""
+        why = super().unmet(run)
+        silent = run.ctx.get("ranks_silent") or {}
+        if why is None and silent:
+            why = "; ".join(f"rank {r} did not report ({w})" for r, w in sorted(silent.items()))
+        return why
+
     def evaluate(self, run: RunView) -> list[Finding]:
         calls = run.ctx.get("ranks") or []
         judged = [_judge(call) for call in calls]
