@@ -292,6 +292,30 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)\n"
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
     ),
+    "nonfinite_buffers": (
+        "Keep a bad batch out of the buffers as well as the weights: a fastgrad.StepGuard given the model puts "
+        "every buffer the forward updated back on a step it skips (a GradScaler skips only the optimizer's step). "
+        "Fix the batch itself too (the NaN/Inf finding says where it came from). The buffers are NaN now: reset "
+        "them and let a few clean batches in training mode re-estimate them, or reload a checkpoint from before.",
+        "guard = fastgrad.StepGuard(optimizer, max_norm=1.0, model=model)   # built once, after the optimizer\n"
+        "# each step, between backward() and optimizer.step() (under a GradScaler: guard.clip_(scaler)):\n"
+        "guard.clip_()\n"
+        "# a model whose running statistics are already NaN: start them again\n"
+        "for m in model.modules():\n"
+        "    if hasattr(m, 'reset_running_stats'):\n"
+        "        m.reset_running_stats()",
+    ),
+    "nonfinite_buffers:guard": (
+        "Give the step guard the model: with model=, a step it skips also leaves every buffer as it was (a "
+        "snapshot before the forward, restored on the device by the skip flag, no host sync). The buffers are NaN "
+        "now: reset them and let a few clean batches in training mode re-estimate them, or reload a checkpoint "
+        "from before.",
+        "guard = fastgrad.StepGuard(optimizer, max_norm=1.0, model=model)   # the script's guard, with model= added\n"
+        "# a model whose running statistics are already NaN: start them again\n"
+        "for m in model.modules():\n"
+        "    if hasattr(m, 'reset_running_stats'):\n"
+        "        m.reset_running_stats()",
+    ),
     "never_learns:invariant": (
         "Nothing to fix: the loss does not depend on these tensors, so their gradient is zero by construction. "
         "Leave them, or drop them from the model (bias=False) to save the optimizer's state.",

@@ -123,6 +123,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "classes": getattr(chk, "ce_classes", None),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "names": _script_names(chk, manual),
+                       # the models' floating buffers that were NaN/Inf at some read (collect.buffers)
+                       "buffers": list(getattr(chk, "buffers", [])),
                        # a multi-process run, on rank 0: every rank's record of each recorded clip
                        "ranks": getattr(chk, "rank_calls", None)})
     used = run.used
@@ -332,6 +334,19 @@ def _protected(findings: list[Finding]) -> bool:
     return bool(nf) and all(f.evidence.get("protected") for f in nf)
 
 
+#: the findings about NaN/Inf values: a summary row showing one is rated no milder than they are
+_NONFINITE_CODES = ("nonfinite", "nonfinite_history", "nonfinite_loss", "nonfinite_buffers", "guard_skipped",
+                    "amp_skipped")
+
+
+def _not_healthy_if_nonfinite(value: float | None, status: str, findings: list[Finding]) -> str:
+    """A row's status, never "healthy" for a NaN/Inf value: at least the severity of the run's NaN/Inf
+    findings (a notice when none names it)."""
+    if value is None or math.isfinite(value):
+        return status
+    return worst(status, _sev(findings, *_NONFINITE_CODES), "notice")
+
+
 def _summary(run: RunView, findings: list[Finding], trends: list[str], born, stopped: bool):
     th = Thresholds()
     rows = []
@@ -364,12 +379,14 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             own = rep if (lastn.total_norm < th.vanishing or lastn.total_norm == 0) else worst(own, rep)
         else:
             own = worst(own, _sev(findings, "zero_grads", series=k)) if lastn.total_norm == 0 else own
-        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm), _cap(own, limit)))
+        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm),
+                     _not_healthy_if_nonfinite(lastn.total_norm, _cap(own, limit), findings)))
         if lastn.clip_norm is not None:
             rows.append((f"Norm before clipping (last step){sfx}",
                          fmt(lastn.clip_norm) + (" (overflowed float32)" if lastn.overflow else ""),
-                         worst(_cap(rate_norm(lastn.clip_norm, th), limit) if lastn.clip_norm > 0 else "healthy",
-                               _sev(findings, "clip_scaled"))))
+                         _not_healthy_if_nonfinite(lastn.clip_norm, worst(
+                             _cap(rate_norm(lastn.clip_norm, th), limit) if lastn.clip_norm > 0 else "healthy",
+                             _sev(findings, "clip_scaled")), findings)))
         fin = [r for r in recs if math.isfinite(r.grad_norm)]
         over = [r for r in recs if r.overflow]
         if over:
@@ -403,7 +420,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             bad = worst(*(f.severity for f in findings if f.code == "lr_schedule" and f.evidence.get("series") == k))
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
                                                                  else "") + (f" (min {min(lrs):g})" if min(lrs) < 0 <= lrs[-1]
-                                                                             else ""), bad))
+                                                                             else ""),
+                         _not_healthy_if_nonfinite(
+                             next((x for x in lrs if not math.isfinite(x)), lrs[0]), bad, findings)))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             fl = [r for r in losses if math.isfinite(r.loss)]
