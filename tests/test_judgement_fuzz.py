@@ -110,6 +110,24 @@ def test_the_judge_rejects_wrong_reports(healthy_truth):
     assert not jf.judge(d, buf, _report([("clip_scaled", "critical")]), "the run is protected", script)["right"]
 
 
+def test_script_crashed_is_right_exactly_when_the_truth_run_crashed_the_same_way(healthy_truth):
+    d = spec_of(56, "log_zero")
+    script = script_of(d)
+    crashed = dict(healthy_truth["truth"], error="IndexError: list index out of range")
+    rep = _report([("script_crashed", "critical"), ("not_checked", "warning")], rc=3)
+    rep["findings"][0]["detail"] = "IndexError: list index out of range"
+    assert jf.judge(d, crashed, rep, "", script)["first_right"]
+    # the same report where the script runs clean without fastgrad: check made the crash
+    assert not jf.judge(d, healthy_truth["truth"], rep, "", script)["first_right"]
+    # a crash of another kind than the script's own
+    other = dict(crashed, error="ValueError: Expected parameter logits")
+    assert not jf.judge(d, other, rep, "", script)["first_right"]
+    # and script_crashed not first: the class map decides as before
+    late = _report([("exploding", "critical"), ("script_crashed", "critical")], rc=3)
+    late["findings"][1]["detail"] = "IndexError: list index out of range"
+    assert not jf.judge(d, crashed, late, "", script)["first_right"]
+
+
 def test_a_contradiction_of_lr_advice_is_seen():
     rep = _report([("stall", "warning")])
     rep["recommendations"] = [{"code": "a", "text": "lower the learning rate", "code_to_add": ""},
