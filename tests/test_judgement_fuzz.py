@@ -19,9 +19,9 @@ MANIFEST_SEED = {d: 0 for d in DEFECTS} | {"exploding_init": 6, "unused_param": 
 DEV_SAMPLE: dict[int, str | None] = {
     2: None,                         # cnn_bn, Adam: lr far too low -> stall
     7: None,                         # GAN: no zero_grad
-    18: "wgan_invariant_bias",       # healthy WGAN critic: its output bias (the loss is invariant to it) is never_learns
+    18: None,                        # healthy WGAN critic: its output bias (the loss is invariant to it), a notice
     6: "sched_collapse",             # a schedule dividing the lr by 10 every step: never_learns first, the lr "healthy"
-    19: "bn_nan_batch",              # NaN batch through BatchNorm under a GradScaler: "protected", buffers NaN
+    19: None,                        # NaN batch through BatchNorm under a GradScaler: the buffers named, not "protected"
     0: "sign_flip",                  # gradient ascent: a spike, not the sign
 }
 

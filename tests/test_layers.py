@@ -86,7 +86,7 @@ LAYERS: list[list[str]] = [
      "fastgrad.diagnose.rules.run_state", "fastgrad.diagnose.rules.skips", "fastgrad.diagnose.rules.norm_trends",
      "fastgrad.diagnose.rules.lr_zero", "fastgrad.diagnose.rules.lr_schedule", "fastgrad.diagnose.rules.rewrite",
      "fastgrad.diagnose.rules.stall", "fastgrad.diagnose.rules.never_learns",
-     "fastgrad.diagnose.rules.norm_miscounted"],
+     "fastgrad.diagnose.rules.norm_miscounted", "fastgrad.diagnose.rules.frozen"],
     ["fastgrad.diagnose.rules.zero_grads", "fastgrad.diagnose.rules.last_step", "fastgrad.diagnose.rules.red_flags"],
     ["fastgrad.diagnose.rules.registry"],
     ["fastgrad.diagnose.advice", "fastgrad.diagnose.consistency", "fastgrad.diagnose.policy"],

@@ -122,6 +122,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "modules": sorted(getattr(chk, "module_types", ())),
                        "classes": getattr(chk, "ce_classes", None),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
+                       "frozen_held": dict(getattr(chk, "frozen_held", {})),
                        "names": _script_names(chk, manual),
                        # the models' floating buffers that were NaN/Inf at some read (collect.buffers)
                        "buffers": list(getattr(chk, "buffers", [])),
@@ -206,7 +207,7 @@ def _script_names(chk, manual: bool) -> dict:
     v = getattr(chk, "script_vars", {})
     opts = [n.split(" (", 1)[1].rstrip(")") if " (" in n else None for n in getattr(chk, "series_names", [])]
     return {"optimizer": None if manual else opts, "model": v.get("model"), "lr": v.get("lr") if manual else None,
-            "manual": manual}
+            "manual": manual, "models": dict(v.get("models") or {})}
 
 
 def _ratio(sq_update: float, sq_weight: float) -> float:
@@ -326,6 +327,18 @@ def _cap(status: str, limit: str) -> str:
 def _names_text(names: list[str], limit: int = 6) -> str:
     more = len(names) - limit
     return ", ".join(names[:limit]) + (f", ... (+{more})" if more > 0 else "")
+
+
+def _never_text(never: Finding | None) -> str:
+    """The never_learns part of the zero-gradient row, as its finding tells it: tensors that never learn, and
+    apart from them the tensors the loss does not depend on (zero by construction, nothing wrong)."""
+    if never is None:
+        return ""
+    invariant = never.evidence.get("invariant") or []
+    stuck = [n for n in never.layers if n not in invariant]
+    return ((f"; never learning: {_names_text(stuck)} (never_learns)" if stuck else "")
+            + (f"; zero by construction (the loss does not depend on them): {_names_text(invariant)}"
+               if invariant else ""))
 
 
 def _protected(findings: list[Finding]) -> bool:
@@ -462,13 +475,13 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         rows.append(("Zero-gradient parameters",
                      f"{dead} of {nparams} tensors mostly zero ({last.zero / last.numel:.1%} of values)"
                      + (" (made by the clip, not by the model)" if by_clip else "")
-                     + (f"; never learning: {_names_text(never.layers)} (never_learns)" if never else ""),
+                     + _never_text(never),
                      worst(_sev(findings, "dead", "no_learning", "clip_zeroes", "mostly_zero", "never_learns"),
                            _sev(findings, "zero_grads", series=run.last_series))))
     frozen = run.ctx.get("frozen") or []
     if frozen:  # not a finding: the script chose it, and the report says so
         rows.append(("Frozen parameters", f"{len(frozen)} tensor(s) with requires_grad=False, not trained: "
-                     + _names_text(frozen), "healthy"))
+                     + _names_text(frozen), _sev(findings, "frozen_in_optimizer")))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
                  + (f": {born.module}" if born.module else ""),
                  "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")

@@ -103,8 +103,9 @@ class StepBookkeeping:
         if sampled(step):
             try:
                 self._sample_buffers(step)
+                self._sample_frozen(opt, series)
             except Exception as e:  # noqa: BLE001 - a buffer check never costs the step's row
-                self.errors.append(f"step {step}: could not read the buffers: {e}")
+                self.errors.append(f"step {step}: could not read the buffers or the frozen parameters: {e}")
         if self.watcher is not None:
             self.watcher.step()
         if len(self._pending) >= self.flush_every:

@@ -64,6 +64,17 @@ class RunReadout:
         if kept is None or kept[0] != id(named):
             self._series_params[series] = (id(named), [(n, p.requires_grad) for n, p in named])
 
+    def _sample_frozen(self, opt, series: int) -> None:
+        """At a sampled step: which of the optimizer's parameters are frozen (requires_grad False) now. A name
+        frozen at every sampled step of its optimizer ends in ``frozen_held`` (a GAN that freezes its critic
+        while the generator steps, or a fine-tune that unfreezes later, is not). Host attributes only."""
+        now = {n for n, p in self._named(opt) if not p.requires_grad}
+        held = getattr(self, "_frozen_reads", None)
+        if held is None:
+            held = self._frozen_reads = {}
+        held[series] = now if series not in held else held[series] & now
+        self.frozen_held = {n: k for k, names in held.items() for n in sorted(names)}
+
     def _read_live(self) -> None:
         """After the run: per parameter, (series, steps read, steps with a gradient, steps with a nonzero one),
         for the optimizers' parameters (or the hand-written loop's, when no optimizer stepped). One sync."""
