@@ -109,3 +109,24 @@ def test_the_rule_judges_the_buffers_as_the_run_leaves_them():
 @pytest.mark.parametrize("step,read", [(1, True), (8, True), (9, False), (15, False), (16, True), (17, False)])
 def test_the_buffers_are_read_at_the_steps_whose_update_is_measured(step, read):
     assert sampled(step) is read
+
+
+def test_the_read_flags_nan_and_inf_in_every_floating_dtype_and_nothing_else():
+    import torch
+
+    from fastgrad.diagnose.collect.hooks import Checker
+    from fastgrad.diagnose.collect.watch import ForwardWatcher
+
+    m = torch.nn.Module()
+    m.register_buffer("big", torch.tensor([1e300], dtype=torch.float64))   # finite: not Inf once cast down
+    m.register_buffer("h", torch.tensor([1.0, float("nan")], dtype=torch.float16))
+    m.register_buffer("b", torch.tensor([float("-inf")], dtype=torch.bfloat16))
+    m.register_buffer("ok", torch.zeros(3))
+    m.register_buffer("count", torch.tensor(7))
+    chk = Checker()
+    chk.watcher = ForwardWatcher(m)
+    chk._sample_buffers(3)
+    m.ok[1] = float("nan")          # turns bad after the sampled read: only the end sees it
+    chk.buffers_at_end()
+    got = {b["name"]: (b["first_step"], b["at_end"]) for b in chk.buffer_report()}
+    assert got == {"h": (3, True), "b": (3, True), "ok": (None, True)}

@@ -84,7 +84,7 @@ class BufferReader:
             for dev, items in groups.items():
                 # the inf-norm is NaN where a value is NaN and Inf where one is Inf: one number per buffer
                 norms = torch._foreach_norm([b for _, _, b in items], float("inf"))
-                bad = ~torch.isfinite(torch.stack([n.to(torch.float32) for n in norms]))
+                bad = ~torch.isfinite(torch.stack([n.to(torch.float64) for n in norms]))   # float64: no overflow
                 key = (k, tuple(n for n, _, _ in items), tuple(t for _, t, _ in items))
                 row = self._buf_rows.get(key)
                 first = torch.full_like(bad, _NEVER, dtype=torch.int64) if row is None else row[0]
