@@ -37,12 +37,13 @@ def test_a_guard_without_the_model_is_not_protection_for_the_buffers(tmp_path_fa
     t = r["truth"]
     # the premise, by plain reads: the guard skipped the NaN step, the buffers are NaN, eval output too
     assert t["skipped"] == 1 and t["bad_buffers"] == ["1.running_mean", "1.running_var"] and not t["eval_finite"]
-    f = r["json"]["findings"][0]
-    assert f["code"] == "nonfinite_buffers" and f["severity"] == "critical" and r["rc"] == 1
+    # the NaN batch first (the cause), then what it left in the model; both critical: the model is damaged
+    assert [f["code"] for f in r["json"]["findings"][:2]] == ["nonfinite_loss", "nonfinite_buffers"]
+    f = finding(r, "nonfinite_buffers")
+    assert f["severity"] == "critical" and r["rc"] == 1 and finding(r, "nonfinite_loss")["severity"] == "critical"
     assert _buffer_names(f) == t["bad_buffers"] and f["evidence"]["written_at"] == 6 and f["steps"] == [6]
-    assert "protected" not in r["md"].lower()
+    assert "protected" not in r["md"].lower() and "the buffers did" in finding(r, "nonfinite_loss")["title"]
     assert "the buffers are not" in finding(r, "guard_skipped")["detail"]
-    assert finding(r, "nonfinite_loss")["severity"] == "warning"   # the weights never saw it: not the critical
     rec = next(x for x in r["json"]["recommendations"] if x["code"] == "nonfinite_buffers")
     # the advice in the script's own names: its optimizer is `opt`, its model `model`
     assert "fastgrad.StepGuard(opt, max_norm=1.0, model=model)" in rec["code_to_add"]

@@ -127,8 +127,9 @@ class NonfiniteLoss(Rule):
             who = "the step guard" if any(r.guard_skipped for r in run.steps if r.step in bad) else "the GradScaler"
             title = (f"NaN/Inf loss at step(s) {who} skipped: the run is protected" if protected else
                      f"NaN/Inf loss at step(s) {who} skipped: the weights never saw it, the buffers did")
+            # not protected: the model keeps the NaN in its buffers, and the loss is its cause (so it leads)
             return [Finding(
-                self.code, "warning", title,
+                self.code, "warning" if protected else "critical", title,
                 f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw it"
                 + ("." if protected else ", but the forward had already written NaN/Inf into the model's buffers "
                    "(nonfinite_buffers).") + text, layers, bad, ev)]
@@ -167,7 +168,7 @@ class NonfiniteHistory(Rule):
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
     "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
-    "when a StepGuard or GradScaler skipped every such step (the run is protected unless a buffer turned NaN/Inf)",
+    "when a StepGuard or GradScaler skipped every such step and no buffer turned NaN/Inf (the run is protected)",
     needs=("loss",))
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
