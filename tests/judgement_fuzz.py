@@ -12,7 +12,8 @@ the generator wrote into the script.
   script without the defect, where it needs one). A defect that does not show is not scored.
 - ``CLASS_MAP`` (written with the generator, before any check result was read) lists the finding codes that name
   each defect's cause; :func:`judge` reads check's ``report.json``: a healthy script has no finding above notice
-  and exit 0; a defective one's first finding is in its class; the code to add calls only the script's own
+  and exit 0; a defective one's first finding is in its class (or, where the script crashes without fastgrad
+  too, ``script_crashed`` naming that crash); the code to add calls only the script's own
   objects; no two statements contradict; no summary row rates a non-finite or harmful value "healthy".
 
 Replay one script: ``python -m tests.judgement_fuzz --seeds 17 --show``. The full run:
@@ -509,6 +510,16 @@ def summary_lies(rep: dict, md: str, t: dict) -> list[str]:
     return out
 
 
+def crash_of_the_script(t: dict, rep: dict) -> bool:
+    """The script crashes without fastgrad too (its truth run raised) and check's first finding is
+    ``script_crashed`` naming that exception: then the crash is the right first finding, whatever the class.
+    A crash only under check is never right."""
+    f = rep["findings"][0] if rep["findings"] else None
+    if t.get("error") is None or f is None or f["code"] != "script_crashed":
+        return False
+    return t["error"].split(":", 1)[0] in f.get("title", "") + " " + f.get("detail", "")
+
+
 def judge(spec: Spec, t: dict, rep: dict | None, md: str, script: str) -> dict:
     """The verdict on one report (``rep``: report.json; None when check wrote none)."""
     if rep is None:
@@ -525,7 +536,7 @@ def judge(spec: Spec, t: dict, rep: dict | None, md: str, script: str) -> dict:
         else:
             first = "healthy"
     else:
-        first_right = bool(findings) and in_class(spec.defect, first)
+        first_right = bool(findings) and (in_class(spec.defect, first) or crash_of_the_script(t, rep))
         if not first_right:
             why.append(f"first finding {first} does not name {spec.defect}")
     for r in rep["recommendations"]:

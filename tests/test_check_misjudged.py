@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from fastgrad.diagnose.advice import advise
 from fastgrad.diagnose.collect.steps import StepRecord
+from fastgrad.diagnose.finding import Finding
 from fastgrad.diagnose.rules.base import RunView
 from fastgrad.diagnose.rules.lr_schedule import LR_SCHEDULE, lr_trouble
 from fastgrad.diagnose.thresholds import RunLimits
@@ -166,7 +168,43 @@ def test_a_bias_the_loss_is_invariant_to_is_not_a_dead_unit(tmp_path_factory):
     assert "dead" not in codes(r) and r["json"]["status"] == "notice"
 
 
+def test_the_summary_and_the_advice_tell_the_invariant_bias_and_its_model_as_the_finding_does(tmp_path_factory):
+    r = run(tmp_path_factory, "wgan_critic_bias.py")
+    # the summary lists the bias as zero by construction, not as never learning
+    v = row(r, "Zero-gradient parameters")["value"]
+    assert "zero by construction" in v and "4.bias" in v and "never learning" not in v
+    # advice about a model's tensors names that model: the critic, not the generator that ran first
+    names = r["res"].context["names"]
+    assert names["models"] == {"": "gen", "Sequential:": "critic"}
+    dead = Finding("never_learns", "warning", "t", layers=["Sequential:0.weight"],
+                   evidence={"zero": ["Sequential:0.weight"], "unused": [], "invariant": []})
+    (_, _, snippet), = advise([dead], {"names": names, "modules": ["Linear"]})
+    assert "critic.named_parameters()" in snippet and "gen" not in snippet
+    first = Finding("never_learns", "warning", "t", layers=["0.weight"],
+                    evidence={"zero": ["0.weight"], "unused": [], "invariant": []})
+    assert "gen.named_parameters()" in advise([first], {"names": names, "modules": ["Linear"]})[0][2]
+
+
 def test_a_dead_layers_bias_is_not_invariant(tmp_path_factory):
     # its weight's gradient is zero too: a unit that never fires, a warning with the ReLU advice
     f = finding(run(tmp_path_factory, "dead_layer_stall.py"), "never_learns")
     assert f["severity"] == "warning" and f["evidence"]["invariant"] == [] and "0.bias" in f["evidence"]["zero"]
+
+
+# ---------------------------------------------------------------------------------------------- frozen tensors
+@pytest.mark.parametrize("args,held", [((), False), (("--all-params",), True),
+                                       (("--all-params", "--unfreeze", "20"), False)])
+def test_frozen_tensors_handed_to_the_optimizer_are_a_notice(args, held, tmp_path_factory):
+    r = run(tmp_path_factory, "frozen_first_layer.py", *args)
+    t = r["truth"]["steps"]
+    frozen_always = all({"0.weight", "0.bias"} <= set(x["no_grad"]) for x in t)   # the premise, by plain reads
+    assert frozen_always == (not args or held)
+    if held:
+        f = finding(r, "frozen_in_optimizer")
+        assert f["severity"] == "notice" and sorted(f["layers"]) == ["0.bias", "0.weight"] and r["rc"] == 0
+        assert row(r, "Frozen parameters")["status"] == "notice"
+        rec = next(x for x in r["json"]["recommendations"] if x["code"] == "frozen_in_optimizer")
+        assert "net.named_parameters()" in rec["code_to_add"]
+    else:
+        # left out of the optimizer (a deliberate freeze), or trained later: not a finding
+        assert "frozen_in_optimizer" not in codes(r)

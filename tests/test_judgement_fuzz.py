@@ -19,9 +19,9 @@ MANIFEST_SEED = {d: 0 for d in DEFECTS} | {"exploding_init": 6, "unused_param": 
 DEV_SAMPLE: dict[int, str | None] = {
     2: None,                         # cnn_bn, Adam: lr far too low -> stall
     7: None,                         # GAN: no zero_grad
-    18: "wgan_invariant_bias",       # healthy WGAN critic: its output bias (the loss is invariant to it) is never_learns
+    18: None,                        # healthy WGAN critic: its output bias (the loss is invariant to it), a notice
     6: "sched_collapse",             # a schedule dividing the lr by 10 every step: never_learns first, the lr "healthy"
-    19: "bn_nan_batch",              # NaN batch through BatchNorm under a GradScaler: "protected", buffers NaN
+    19: None,                        # NaN batch through BatchNorm under a GradScaler: the buffers named, not "protected"
     0: "sign_flip",                  # gradient ascent: a spike, not the sign
 }
 
@@ -108,6 +108,24 @@ def test_the_judge_rejects_wrong_reports(healthy_truth):
     assert jf.judge(d, t, _report([("clip_scaled", "critical")], summary=lr_row), "", script)["right"]
     buf = dict(t, buffers_nonfinite=["model.body.1.running_mean"])
     assert not jf.judge(d, buf, _report([("clip_scaled", "critical")]), "the run is protected", script)["right"]
+
+
+def test_script_crashed_is_right_exactly_when_the_truth_run_crashed_the_same_way(healthy_truth):
+    d = spec_of(56, "log_zero")
+    script = script_of(d)
+    crashed = dict(healthy_truth["truth"], error="IndexError: list index out of range")
+    rep = _report([("script_crashed", "critical"), ("not_checked", "warning")], rc=3)
+    rep["findings"][0]["detail"] = "IndexError: list index out of range"
+    assert jf.judge(d, crashed, rep, "", script)["first_right"]
+    # the same report where the script runs clean without fastgrad: check made the crash
+    assert not jf.judge(d, healthy_truth["truth"], rep, "", script)["first_right"]
+    # a crash of another kind than the script's own
+    other = dict(crashed, error="ValueError: Expected parameter logits")
+    assert not jf.judge(d, other, rep, "", script)["first_right"]
+    # and script_crashed not first: the class map decides as before
+    late = _report([("exploding", "critical"), ("script_crashed", "critical")], rc=3)
+    late["findings"][1]["detail"] = "IndexError: list index out of range"
+    assert not jf.judge(d, crashed, late, "", script)["first_right"]
 
 
 def test_a_contradiction_of_lr_advice_is_seen():

@@ -292,6 +292,38 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    group['lr'] *= 0.1                      # then watch the update/weight ratio (~1e-3)\n"
         "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))",
     ),
+    "nonfinite_buffers": (
+        "Keep a bad batch out of the buffers as well as the weights: a fastgrad.StepGuard given the model puts "
+        "every buffer the forward updated back on a step it skips (a GradScaler skips only the optimizer's step). "
+        "Fix the batch itself too (the NaN/Inf finding says where it came from). The buffers are NaN now: reset "
+        "them and let a few clean batches in training mode re-estimate them, or reload a checkpoint from before.",
+        "guard = fastgrad.StepGuard(optimizer, max_norm=1.0, model=model)   # built once, after the optimizer\n"
+        "# each step, between backward() and optimizer.step() (under a GradScaler: guard.clip_(scaler)):\n"
+        "guard.clip_()\n"
+        "# a model whose running statistics are already NaN: start them again\n"
+        "for m in model.modules():\n"
+        "    if hasattr(m, 'reset_running_stats'):\n"
+        "        m.reset_running_stats()",
+    ),
+    "nonfinite_buffers:guard": (
+        "Give the step guard the model: with model=, a step it skips also leaves every buffer as it was (a "
+        "snapshot before the forward, restored on the device by the skip flag, no host sync). The buffers are NaN "
+        "now: reset them and let a few clean batches in training mode re-estimate them, or reload a checkpoint "
+        "from before.",
+        "guard = fastgrad.StepGuard(optimizer, max_norm=1.0, model=model)   # the script's guard, with model= added\n"
+        "# a model whose running statistics are already NaN: start them again\n"
+        "for m in model.modules():\n"
+        "    if hasattr(m, 'reset_running_stats'):\n"
+        "        m.reset_running_stats()",
+    ),
+    "frozen_in_optimizer": (
+        "Decide whether these tensors should learn. If the freeze is deliberate, give the optimizer only the "
+        "trainable parameters (it then holds no state for the frozen ones); if not, remove the "
+        "requires_grad_(False).",
+        "print([n for n, p in model.named_parameters() if not p.requires_grad])   # the frozen tensors\n"
+        "trainable = [p for p in model.parameters() if p.requires_grad]   # a deliberate freeze: only these\n"
+        "# go where the optimizer is built (its other arguments as before)",
+    ),
     "never_learns:invariant": (
         "Nothing to fix: the loss does not depend on these tensors, so their gradient is zero by construction. "
         "Leave them, or drop them from the model (bias=False) to save the optimizer's state.",
@@ -480,7 +512,8 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = _indent_replace(snippet)
             snippet = snippet.replace("optimizer.step()", "scaler.step(optimizer); scaler.update()")
         if text:
-            out.append((f.code, text, fit_names(snippet, ctx.get("names") or {}, f.evidence.get("series"))))
+            out.append((f.code, text, fit_names(snippet, _owner_names(ctx.get("names") or {}, f),
+                                                f.evidence.get("series"))))
     return out
 
 
@@ -502,6 +535,18 @@ def _depth_snippet(units: dict, layers: list[str], manual: bool) -> str:
 # ---------------------------------------------------------------------------------------------- the script's names
 _PARAM_GROUPS_LR = re.compile(r"for group in optimizer\.param_groups:([^\n]*)\n(\s*)group\['lr'\] \*= ([0-9.e+-]+)"
                               r"([^\n]*)")
+
+
+def _owner_names(names: dict, f: Finding) -> dict:
+    """``names`` with ``model`` the script's variable for the model whose tensors the finding names (their
+    names' prefix: the first model bare, a later one "Class:"), where the run knows it."""
+    models = names.get("models") or {}
+    if not f.layers or not models:
+        return names
+    layer = f.layers[0]
+    pre = layer.split(":", 1)[0] + ":" if ":" in layer else ""
+    var = models.get(pre)
+    return dict(names, model=var) if var else names
 
 
 def fit_names(snippet: str, names: dict, series: int | None = None) -> str:

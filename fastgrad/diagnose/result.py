@@ -123,7 +123,10 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "modules": sorted(getattr(chk, "module_types", ())),
                        "classes": getattr(chk, "ce_classes", None),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
+                       "frozen_held": dict(getattr(chk, "frozen_held", {})),
                        "names": _script_names(chk, manual),
+                       # the models' floating buffers that were NaN/Inf at some read (collect.buffers)
+                       "buffers": list(getattr(chk, "buffers", [])),
                        # a multi-process run, on rank 0: every rank's record of each recorded clip
                        "ranks": getattr(chk, "rank_calls", None),
                        # ranks that sent rank 0 no records: {rank: why}
@@ -208,7 +211,7 @@ def _script_names(chk, manual: bool) -> dict:
     v = getattr(chk, "script_vars", {})
     opts = [n.split(" (", 1)[1].rstrip(")") if " (" in n else None for n in getattr(chk, "series_names", [])]
     return {"optimizer": None if manual else opts, "model": v.get("model"), "lr": v.get("lr") if manual else None,
-            "manual": manual}
+            "manual": manual, "models": dict(v.get("models") or {})}
 
 
 def _ratio(sq_update: float, sq_weight: float) -> float:
@@ -330,10 +333,35 @@ def _names_text(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f", ... (+{more})" if more > 0 else "")
 
 
+def _never_text(never: Finding | None) -> str:
+    """The never_learns part of the zero-gradient row, as its finding tells it: tensors that never learn, and
+    apart from them the tensors the loss does not depend on (zero by construction, nothing wrong)."""
+    if never is None:
+        return ""
+    invariant = never.evidence.get("invariant") or []
+    stuck = [n for n in never.layers if n not in invariant]
+    return ((f"; never learning: {_names_text(stuck)} (never_learns)" if stuck else "")
+            + (f"; zero by construction (the loss does not depend on them): {_names_text(invariant)}"
+               if invariant else ""))
+
+
 def _protected(findings: list[Finding]) -> bool:
     """Every NaN/Inf the run met was kept out of the weights (a StepGuard or GradScaler skipped its steps)."""
     nf = [f for f in findings if f.code in ("nonfinite", "nonfinite_history", "nonfinite_loss")]
     return bool(nf) and all(f.evidence.get("protected") for f in nf)
+
+
+#: the findings about NaN/Inf values: a summary row showing one is rated no milder than they are
+_NONFINITE_CODES = ("nonfinite", "nonfinite_history", "nonfinite_loss", "nonfinite_buffers", "guard_skipped",
+                    "amp_skipped")
+
+
+def _not_healthy_if_nonfinite(value: float | None, status: str, findings: list[Finding]) -> str:
+    """A row's status, never "healthy" for a NaN/Inf value: at least the severity of the run's NaN/Inf
+    findings (a notice when none names it)."""
+    if value is None or math.isfinite(value):
+        return status
+    return worst(status, _sev(findings, *_NONFINITE_CODES), "notice")
 
 
 def _summary(run: RunView, findings: list[Finding], trends: list[str], born, stopped: bool):
@@ -368,12 +396,14 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             own = rep if (lastn.total_norm < th.vanishing or lastn.total_norm == 0) else worst(own, rep)
         else:
             own = worst(own, _sev(findings, "zero_grads", series=k)) if lastn.total_norm == 0 else own
-        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm), _cap(own, limit)))
+        rows.append((f"Total grad norm (last step){sfx}", fmt(lastn.total_norm),
+                     _not_healthy_if_nonfinite(lastn.total_norm, _cap(own, limit), findings)))
         if lastn.clip_norm is not None:
             rows.append((f"Norm before clipping (last step){sfx}",
                          fmt(lastn.clip_norm) + (" (overflowed float32)" if lastn.overflow else ""),
-                         worst(_cap(rate_norm(lastn.clip_norm, th), limit) if lastn.clip_norm > 0 else "healthy",
-                               _sev(findings, "clip_scaled"))))
+                         _not_healthy_if_nonfinite(lastn.clip_norm, worst(
+                             _cap(rate_norm(lastn.clip_norm, th), limit) if lastn.clip_norm > 0 else "healthy",
+                             _sev(findings, "clip_scaled")), findings)))
         fin = [r for r in recs if math.isfinite(r.grad_norm)]
         over = [r for r in recs if r.overflow]
         if over:
@@ -407,7 +437,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             bad = worst(*(f.severity for f in findings if f.code == "lr_schedule" and f.evidence.get("series") == k))
             rows.append((f"Learning rate{sfx}", f"{lrs[0]:g}" + (f" -> {lrs[-1]:g} (last step)" if lrs[-1] != lrs[0]
                                                                  else "") + (f" (min {min(lrs):g})" if min(lrs) < 0 <= lrs[-1]
-                                                                             else ""), bad))
+                                                                             else ""),
+                         _not_healthy_if_nonfinite(
+                             next((x for x in lrs if not math.isfinite(x)), lrs[0]), bad, findings)))
         losses = [r for r in recs if r.loss is not None]
         if losses:
             fl = [r for r in losses if math.isfinite(r.loss)]
@@ -447,13 +479,13 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         rows.append(("Zero-gradient parameters",
                      f"{dead} of {nparams} tensors mostly zero ({last.zero / last.numel:.1%} of values)"
                      + (" (made by the clip, not by the model)" if by_clip else "")
-                     + (f"; never learning: {_names_text(never.layers)} (never_learns)" if never else ""),
+                     + _never_text(never),
                      worst(_sev(findings, "dead", "no_learning", "clip_zeroes", "mostly_zero", "never_learns"),
                            _sev(findings, "zero_grads", series=run.last_series))))
     frozen = run.ctx.get("frozen") or []
     if frozen:  # not a finding: the script chose it, and the report says so
         rows.append(("Frozen parameters", f"{len(frozen)} tensor(s) with requires_grad=False, not trained: "
-                     + _names_text(frozen), "healthy"))
+                     + _names_text(frozen), _sev(findings, "frozen_in_optimizer")))
     rows.append(("NaN/Inf born in", "nowhere" if born is None else f"{born.where} at step {born.step}"
                  + (f": {born.module}" if born.module else ""),
                  "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")

@@ -21,6 +21,18 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
+def _run_then_read_buffers(script: str, chk: Checker) -> dict:
+    """Run the script, then read its models' buffers while its objects still live: in the ``finally`` the
+    returned globals, or the frames of the exception in flight, still hold them."""
+    try:
+        return runpy.run_path(script, run_name="__main__")
+    finally:
+        try:
+            chk.buffers_at_end()
+        except Exception as e:  # noqa: BLE001 - never change how the script ended
+            chk.errors.append(f"could not read the buffers at the end: {e}")
+
+
 def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64,
                policy: Policy | None = None) -> CheckResult:
     """Run ``script`` as ``__main__`` with ``args`` under a :class:`Checker` and return the result.
@@ -38,7 +50,7 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
             # torch warns on calls of a torch.compile'd module while global module hooks exist: here those are
             # check's own (the forward watcher), not the script's, and the warning would repeat in its output
             warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
-            runpy.run_path(script, run_name="__main__")
+            _run_then_read_buffers(script, chk)
     except StopCheck:
         stopped = True
     except SystemExit as e:

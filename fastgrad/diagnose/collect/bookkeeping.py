@@ -14,6 +14,7 @@ from torch import Tensor
 from ...clip import multi_tensor_norm
 from ...distributed import to_local_norm
 from ...guard import guard_for
+from .buffers import sampled
 from .steps import StepRecord
 
 __all__ = ["StepBookkeeping"]
@@ -99,6 +100,12 @@ class StepBookkeeping:
         self._clip_norm = self._leftover = None
         self._clip_max = None
         self._clips = 0
+        if sampled(step):
+            try:
+                self._sample_buffers(step)
+                self._sample_frozen(opt, series)
+            except Exception as e:  # noqa: BLE001 - a buffer check never costs the step's row
+                self.errors.append(f"step {step}: could not read the buffers or the frozen parameters: {e}")
         if self.watcher is not None:
             self.watcher.step()
         if len(self._pending) >= self.flush_every:

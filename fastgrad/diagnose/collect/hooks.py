@@ -14,6 +14,8 @@ device until a flush (one sync per ``flush_every`` steps and one at the end).
 - a :class:`~fastgrad.diagnose.collect.watch.ForwardWatcher` on every module remembers the first non-finite
   module output;
 - the red-flag interceptors (``interceptors``) watch the clip, ``zero_grad`` and the GradScaler;
+- the watched models' floating buffers are read for NaN/Inf at the sampled steps and when the script ends
+  (``buffers``);
 - each step's row is closed and flushed by ``bookkeeping``, and the run read to the host at its end by
   ``readout``.
 
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from ...guard import StepGuard
 from .bookkeeping import StepBookkeeping
+from .buffers import BufferReader
 from .identity import IdentityMap
 from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
 from .manual import ManualLoopReader
@@ -45,7 +48,7 @@ __all__ = ["Checker", "StopCheck"]
 
 
 class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, RedFlagInterceptors,
-              ManualLoopReader, RankRecorder):
+              ManualLoopReader, RankRecorder, BufferReader):
     """The hooks and interceptors of one checked run (its state, what it installs, the backward interceptor).
     ``install()``/``remove()`` bracket the script; each step is closed by ``StepBookkeeping`` and the run read
     by ``RunReadout.finish()``."""
@@ -130,6 +133,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self.frozen: dict = {}       # names of the parameters the script froze (requires_grad False), in order
         self.script_vars: dict = {}  # the script's own names: "model", "lr" (a hand-written loop's)
         self._rank_init()  # a multi-process run's records of the clips (collect.ranks)
+        self._buf_init()   # the models' buffers that turn NaN/Inf (collect.buffers)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:

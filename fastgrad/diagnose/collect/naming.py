@@ -49,6 +49,15 @@ class ParameterNames:
                     self.frozen.pop(self._names.get(p), None)
                 else:
                     self.frozen[self._names.get(p)] = True
+            # the script's variable for this model, by the prefix its names carry: advice about its tensors
+            # names it (a GAN's critic, not the generator that ran first)
+            first = next(iter(root.named_parameters()), None)
+            if first is not None:
+                name = self._names.get(first[1], "")
+                pre = name[:len(name) - len(first[0])] if name.endswith(first[0]) else None
+                models = self.script_vars.setdefault("models", {})
+                if pre is not None and pre not in models:
+                    models[pre] = self._var_name(root)
             # embeddings: only the rows a batch looked up get gradient, which the depth rule must know
             for m in root.modules():
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):

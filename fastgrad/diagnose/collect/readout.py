@@ -1,6 +1,6 @@
 """The end of a checked run: what ``python -m fastgrad.check`` reads to the host once the script has returned
 (a hand-written loop's open step, the pending step rows, the sampled updates, the per-parameter counts of
-nonzero gradients, each optimizer's final learning rate). A mixin of
+nonzero gradients, the buffers found NaN/Inf, each optimizer's final learning rate). A mixin of
 :class:`~fastgrad.diagnose.collect.hooks.Checker`; ``_note_live`` is the device-side count that the step hooks
 feed during the run (no sync), ``finish`` the reads after it."""
 
@@ -37,6 +37,10 @@ class RunReadout:
             self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
             self.update_rows = []
         self._read_live()
+        try:
+            self.buffers = self.buffer_report()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"could not read the buffers: {e}")
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:
@@ -59,6 +63,17 @@ class RunReadout:
         # dropped model alive; a series is one optimizer, so a freed list's id never comes back for it)
         if kept is None or kept[0] != id(named):
             self._series_params[series] = (id(named), [(n, p.requires_grad) for n, p in named])
+
+    def _sample_frozen(self, opt, series: int) -> None:
+        """At a sampled step: which of the optimizer's parameters are frozen (requires_grad False) now. A name
+        frozen at every sampled step of its optimizer ends in ``frozen_held`` (a GAN that freezes its critic
+        while the generator steps, or a fine-tune that unfreezes later, is not). Host attributes only."""
+        now = {n for n, p in self._named(opt) if not p.requires_grad}
+        held = getattr(self, "_frozen_reads", None)
+        if held is None:
+            held = self._frozen_reads = {}
+        held[series] = now if series not in held else held[series] & now
+        self.frozen_held = {n: k for k, names in held.items() for n in sorted(names)}
 
     def _read_live(self) -> None:
         """After the run: per parameter, (series, steps read, steps with a gradient, steps with a nonzero one),

@@ -94,6 +94,7 @@ class ForwardWatcher:
         self._root_inputs = IdentityMap()  # root module -> the mid of its input
         self._inputs: set[int] = set()  # ids (mid) that stand for a root's input
         if model is not None:
+            self._roots.append(weakref.ref(model))
             for name, m in model.named_modules():
                 mid = self._register(m, name or type(m).__name__)
                 self._handles.append(m.register_forward_hook(self._make_hook(mid)))
@@ -196,6 +197,11 @@ class ForwardWatcher:
         self.step_index += 1
         self._call = 0
         self._depth = 0
+
+    def roots(self) -> list[torch.nn.Module]:
+        """The models seen so far that are still alive: without a model, the modules called outside any other
+        module, in the order first called; with one, that model."""
+        return [m for m in (r() for r in self._roots) if m is not None]
 
     def reset(self) -> None:
         """Forget what was seen (the step counter keeps running)."""

@@ -7,6 +7,7 @@ import math
 
 from ..finding import Finding, fmt, steps_text
 from .base import NanOrigin, Rule, RunView
+from .buffers import buffers_bad
 
 __all__ = ["trace_origin", "NonfiniteLoss", "NonfiniteHistory"]
 
@@ -115,17 +116,23 @@ class NonfiniteLoss(Rule):
         run.key_steps.add(bad[0])
         # steps a StepGuard or a GradScaler kept out of the weights: the loss was bad, the update never happened
         kept_out = {r.step for r in run.steps if r.guard_skipped or r.skipped}
-        protected = all(s in kept_out for s in bad)
+        skipped_all = all(s in kept_out for s in bad)
+        # a skip keeps the weights and the optimizer state, not the buffers the forward already wrote
+        protected = skipped_all and not buffers_bad(run)
         finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
         text, layers, ev = _origin_text(run)
         ev = ev | {"first_step": bad[0], "count": len(bad), "protected": protected}
         head = f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
-        if protected:
+        if skipped_all:
             who = "the step guard" if any(r.guard_skipped for r in run.steps if r.step in bad) else "the GradScaler"
+            title = (f"NaN/Inf loss at step(s) {who} skipped: the run is protected" if protected else
+                     f"NaN/Inf loss at step(s) {who} skipped: the weights never saw it, the buffers did")
+            # not protected: the model keeps the NaN in its buffers, and the loss is its cause (so it leads)
             return [Finding(
-                self.code, "warning", f"NaN/Inf loss at step(s) {who} skipped: the run is protected",
-                f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw it."
-                + text, layers, bad, ev)]
+                self.code, "warning" if protected else "critical", title,
+                f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw it"
+                + ("." if protected else ", but the forward had already written NaN/Inf into the model's buffers "
+                   "(nonfinite_buffers).") + text, layers, bad, ev)]
         return [Finding(
             self.code, "critical", "NaN/Inf loss; check the loss before backward()",
             head + (", while every gradient stayed finite (the optimizer kept stepping on garbage)." if finite_grads
@@ -161,7 +168,8 @@ class NonfiniteHistory(Rule):
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
     "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
-    "when a StepGuard or GradScaler skipped every such step (the run is protected)", needs=("loss",))
+    "when a StepGuard or GradScaler skipped every such step and no buffer turned NaN/Inf (the run is protected)",
+    needs=("loss",))
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",
     "the optimizer stepped on NaN/Inf gradients (not a step a GradScaler or StepGuard skipped)", needs=("grad_norm",))

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from ..finding import Finding
 from .base import Rule, RunView
+from .buffers import NONFINITE_BUFFERS
 from .clip_zeroes import CLIP_ZEROES
 from .exploding import EXPLODING
+from .frozen import FROZEN_IN_OPTIMIZER
 from .last_step import LAST_STEP
 from .loss_diverging import LOSS_DIVERGING
 from .lr_schedule import LR_SCHEDULE
@@ -27,7 +29,7 @@ __all__ = ["RUN_RULES", "FINDING_CODES", "evaluate", "not_checked"]
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
 RUN_RULES: tuple[Rule, ...] = (
-    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, LR_ZERO, LR_SCHEDULE, UPDATE_REWROTE,
+    NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NONFINITE_BUFFERS, NORM_MISCOUNTED, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, FROZEN_IN_OPTIMIZER, LR_ZERO, LR_SCHEDULE, UPDATE_REWROTE,
     LOSS_DIVERGING,
     NORM_TRENDS, STALL, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
     AMP_SKIPPED, HAND_WRITTEN_LOOP, NOT_CHECKED, CHECKER_ERROR, SCRIPT_CRASHED,

@@ -7,6 +7,7 @@ import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView
+from .buffers import buffers_bad
 
 __all__ = ["GuardSkipped", "AmpSkipped"]
 
@@ -23,8 +24,11 @@ class GuardSkipped(Rule):
             self.code, sev, "steps skipped by the step guard",
             f"fastgrad.StepGuard kept {len(guarded)} of {len(run.steps)} step(s) out of the weights and the "
             f"optimizer state ({len(gbad)} with NaN/Inf gradients, {len(guarded) - len(gbad)} spikes); step (norm "
-            f"before clipping): {ev}. The run is protected; if skips keep coming, find their source (the data at "
-            "those steps, the loss, the learning rate).", steps=[r.step for r in guarded],
+            f"before clipping): {ev}. " + ("The run is protected" if not buffers_bad(run) else
+                                          "The weights and the optimizer state are safe, the buffers are not "
+                                          "(nonfinite_buffers)")
+            + "; if skips keep coming, find their source (the data at those steps, the loss, the learning rate).",
+            steps=[r.step for r in guarded],
             evidence={"count": len(guarded), "nonfinite": len(gbad)})]
 
 
