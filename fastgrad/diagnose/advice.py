@@ -285,6 +285,29 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    scheduler.step()                         # once per epoch, as the schedule counts\n"
         "print([g['lr'] for g in optimizer.param_groups])",
     ),
+    "probabilities_into_ce": (
+        "F.cross_entropy and nn.CrossEntropyLoss apply log_softmax to their input themselves: hand them the "
+        "model's logits (its output before any softmax) and keep the softmax for predictions. A model that must "
+        "output probabilities trains with F.nll_loss on their log instead.",
+        "logits = model(x)                          # no softmax before the loss (drop a final nn.Softmax)\n"
+        "loss = F.cross_entropy(logits, y)          # it applies log_softmax itself\n"
+        "probs = torch.softmax(logits, dim=1)       # for predictions only\n"
+        "# or, where the model outputs probabilities:\n"
+        "# loss = F.nll_loss(torch.log(probs.clamp_min(1e-12)), y)",
+    ),
+    "accum_not_divided": (
+        "Divide each micro-batch's loss by the number of backward calls per optimizer step, so that the step's "
+        "gradient is the window's mean (what one large batch gives) and the learning rate means the same "
+        "whatever the window. Keep the sum only if the learning rate was tuned for it.",
+        "loss = loss / WINDOW                       # the backward calls per optimizer.step()\n"
+        "loss.backward()",
+    ),
+    "weight_decay_drag": (
+        "Lower the weight decay until lr x weight_decay is about 1e-4 a step or less (AdamW: weight_decay 0.01 to "
+        "0.1 at lr 1e-3; SGD: 1e-4 to 5e-4 at lr 0.1), so that the gradient, not the decay, sets the weights.",
+        "for group in optimizer.param_groups:\n"
+        "    group['weight_decay'] = DECAY             # lr x weight_decay about 1e-4 a step",
+    ),
     "update_rewrote": (
         "An update as large as the weights replaces them: lower the learning rate until the update/weight ratio "
         "of the first steps stays well below 1 (about 1e-3 is typical), and warm it up over the first steps.",
@@ -475,6 +498,10 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if loose and variant == "exploding:no_harm" and f.evidence.get("max_norm") is not None:
             text += (f" The script's clip (max_norm={f.evidence['max_norm']:g}) is above every norm of the run: it "
                      "never acts.")
+        if f.code == "accum_not_divided":  # the run's own window, in the line to add
+            snippet = snippet.replace("WINDOW", str(f.evidence.get("window", "accum_steps")))
+        if f.code == "weight_decay_drag" and f.evidence.get("pull"):  # 1e-4 a step at the run's own lr
+            snippet = snippet.replace("DECAY", f"{1e-4 * f.evidence['weight_decay'] / f.evidence['pull']:.3g}")
         if f.code == "depth_vanishing" and f.evidence.get("units") and variant != "depth_vanishing:recurrent":
             snippet = _depth_snippet(f.evidence["units"], f.layers, (ctx.get("names") or {}).get("manual"))
         if f.evidence.get("follows"):

@@ -122,6 +122,10 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   ctx={"scaler": getattr(chk, "scaler_used", False),
                        "modules": sorted(getattr(chk, "module_types", ())),
                        "classes": getattr(chk, "ce_classes", None),
+                       "ce_inputs": {"calls": getattr(chk, "ce_calls", 0), "softmax": getattr(chk, "ce_softmax", 0),
+                                     "probabilities": getattr(chk, "ce_probs", 0)},
+                       "windows": list(getattr(chk, "windows", [])),
+                       "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),
                        "names": _script_names(chk, manual),
@@ -237,6 +241,7 @@ def update_sizes(rows, by_step: dict) -> list[dict]:
         r = by_step.get(step)
         out.append({"step": step, "series": r.series if r else 0, "lr": r.lr if r else None,
                     "ratio": _ratio(sum(u * u for u in upd), sum(w * w for w in size)),
+                    "weight_norm": math.sqrt(sum(w * w for w in size)),
                     "layers": {k: _ratio(a, b) for k, (a, b) in layers.items()}})
     return out
 

@@ -98,6 +98,20 @@ class RunLimits:
     #: ... when it stays there to the end over at least this share of the optimizer's steps (a cosine schedule
     #: that reaches 0 at its last step spends about 2% of them there)
     lr_collapse_share: float = 0.25
+    #: probabilities_into_ce: a cross-entropy input whose values lie in [0, 1] and whose rows sum to 1 within this
+    #: (bfloat16 softmax rows are off by a few 1e-3) is a row of probabilities, not logits ...
+    prob_row_tol: float = 1e-2
+    #: ... and the finding needs this share of the run's cross-entropy calls to have been handed probabilities
+    #: (an evaluation pass on a softmax, next to a training loss on logits, is not the loss being trained)
+    prob_share: float = 0.5
+    #: accum_not_divided: this share of an optimizer's steps, at least, ran k >= 2 scalar backward calls each of
+    #: a loss function's output as it returned it (a window of micro-batches summed, not averaged)
+    accum_share: float = 0.9
+    #: weight_decay_drag: lr x weight_decay of a step at least this (100x the usual 1e-4 or less: AdamW at lr 1e-3
+    #: and weight_decay 0.1): the decay alone shrinks the weights by this share each step ...
+    decay_pull: float = 0.01
+    #: ... and the measured weights' norm fell to this share of its first measured value, or below
+    decay_fall: float = 0.5
 
 
 def worst(*severities: str) -> str:

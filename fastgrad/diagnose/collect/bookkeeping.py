@@ -82,6 +82,14 @@ class StepBookkeeping:
         row = torch.stack([norm, nonfin, zero, val(loss), val(self._leftover), val(self._clip_norm),
                            val(gflag) if gflag is not None else torch.zeros((), dtype=torch.float64, device=dev)])
         lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        # the pull towards zero each step adds (lr x weight decay, the largest of the groups; host numbers)
+        pull = max((g.get("lr", 0) * g.get("weight_decay", 0) for g in opt.param_groups
+                    if isinstance(g.get("lr"), (int, float)) and isinstance(g.get("weight_decay"), (int, float))),
+                   default=0.0)
+        if pull > 0:
+            wd = max(g.get("weight_decay", 0) for g in opt.param_groups
+                     if isinstance(g.get("weight_decay"), (int, float)))
+            self.decay[series] = (max(pull, self.decay.get(series, (0.0,))[0]), wd, type(opt).__name__)
         rec = StepRecord(step=step, skipped=skipped, numel=numel, has_loss=loss is not None,
                          clipped=self._clips > 0, zeroed=self._zeroed,
                          leftover_checked=self._leftover is not None, series=series,
@@ -90,8 +98,12 @@ class StepBookkeeping:
                          lr=lr if isinstance(lr, (int, float)) else None, unread=unread)
         self._read_failed = False
         self._pending.append((rec, row))
+        # a closure's evaluations are not a window of micro-batches
+        self.windows.append((step, 0 if self._evals else self._bw_scalar, self._bw_straight, self._bw_node))
         # reset the per-step state
         self._bw = 0
+        self._bw_scalar = self._bw_straight = 0
+        self._bw_node = None
         self._clip_after_bw = self._bw_after_clip = False
         self._zeroed = False
         self._grads_scaled = False

@@ -32,10 +32,12 @@ import torch
 from torch import Tensor
 
 from ...guard import StepGuard
+from ..thresholds import RunLimits
 from .bookkeeping import StepBookkeeping
 from .buffers import BufferReader
 from .identity import IdentityMap
 from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
+from .loss_inputs import loss_node, probability_rows, softmax_made
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
@@ -124,6 +126,20 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self.update_rows: list = []  # (step, names, device [2, n]: update norm, weight norm per parameter)
         self.updates: list = []      # the same on the host, read once after the run
         self.ce_classes: int | None = None  # classes of the last cross-entropy the script computed (its chance level)
+        # cross-entropy calls checked, those handed a softmax's output (host) and those whose input rows were
+        # probabilities (a device count, read once at the end: ``ce_probs``)
+        self.ce_calls = 0
+        self.ce_softmax = 0
+        self._ce_probs: Tensor | None = None
+        self.ce_probs = 0
+        # per optimizer step: (step, scalar backward calls, how many of them backpropagated a loss function's
+        # output as it returned it, that node's name); host only
+        self.windows: list[tuple[int, int, int, str | None]] = []
+        self._bw_scalar = self._bw_straight = 0
+        self._bw_node: str | None = None
+        self._scaled_node: str | None = None
+        # per series: (the largest lr x weight_decay of a step, its weight_decay, the optimizer's class); host only
+        self.decay: dict[int, tuple[float, float, str]] = {}
         # per parameter, at how many read steps its gradient was present and nonzero: device counters per
         # (series, names) until the end (``_note_live``); a manual loop's apart, dropped if an optimizer steps
         self._live: dict = {}
@@ -241,12 +257,30 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
     def _wrap_class_loss(self, orig):
         chk = self
 
+        ce = orig.__name__ == "cross_entropy"
+
         def loss(input, *args, **kwargs):
             # the class count is a shape, read on the host: a uniform guess scores ln(classes)
             if isinstance(input, Tensor) and input.dim() >= 1:
                 chk.ce_classes = int(input.shape[1] if input.dim() >= 2 else input.shape[0])
+                if ce and not torch.compiler.is_compiling():
+                    try:
+                        chk._note_ce_input(input)
+                    except Exception as e:  # noqa: BLE001 - the note is evidence, never a reason to fail the loss
+                        chk.errors.append(f"cross_entropy: could not read its input: {e}")
             return orig(input, *args, **kwargs)
         return loss
+
+    def _note_ce_input(self, input: Tensor) -> None:
+        """Count a cross-entropy call whose input is a softmax's output (host) or whose rows are
+        probabilities (device, no sync): cross_entropy applies its own log-softmax to what it gets."""
+        self.ce_calls += 1
+        if softmax_made(input):
+            self.ce_softmax += 1
+        flag = probability_rows(input, RunLimits.prob_row_tol)
+        if flag is not None:
+            flag = flag.to(torch.int64)
+            self._ce_probs = flag if self._ce_probs is None else self._ce_probs + flag.to(self._ce_probs.device)
 
     def _on_backward(self, tensor) -> bool:
         """Host bookkeeping before a backward(); returns whether to read the gradients after it (a scalar
@@ -258,12 +292,19 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
             self._leftover = self._grad_norm_now()
         scalar = False
         if isinstance(tensor, Tensor):
+            node = loss_node(tensor)
             if self._scaled is not None and self._scaled[0]() is tensor:
                 self._grads_scaled = True
                 tensor = self._scaled[1]
+                node = self._scaled_node  # what the scaler was handed
             if tensor.numel() == 1 and tensor.is_floating_point():
                 scalar = True
                 self.scalar_backward_calls += 1
+                self._bw_scalar += 1
+                if node is not None:
+                    self._bw_straight += 1
+                    # one loss function each time: several different losses are not a window of micro-batches
+                    self._bw_node = node if self._bw_node in (None, node) else "mixed"
                 loss = tensor.detach().reshape(()).to(torch.float64)
                 self._losses.append(loss)
         self._bw += 1

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ...distributed import to_local_norm
 from ...stats import grad_stats
+from .loss_inputs import loss_node
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
 
@@ -99,6 +100,7 @@ class RedFlagInterceptors:
             if scaler.is_enabled() and isinstance(out, Tensor) and isinstance(outputs, Tensor):
                 # lets backward find the unscaled loss and know that the grads it makes are scaled
                 chk._scaled = (weakref.ref(out), outputs.detach())
+                chk._scaled_node = loss_node(outputs)
                 chk.scaler_used = True
             return out
         return scale

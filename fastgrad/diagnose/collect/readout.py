@@ -41,6 +41,9 @@ class RunReadout:
             self.buffers = self.buffer_report()
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"could not read the buffers: {e}")
+        if self._ce_probs is not None:
+            self.ce_probs = int(self._ce_probs)  # the one read of the cross-entropy inputs' count
+            self._ce_probs = None
         for i, ref in enumerate(self._opt_refs):
             opt = ref()
             if opt is not None and opt.param_groups:

@@ -8,7 +8,8 @@ successive differences about their mean over sqrt(2), which a steady trend does 
 not improved either: a stall, unless ``loss_diverging`` judges the rise. A cross-entropy's chance level is ln(classes): a loss that ends
 within ``stall_chance`` of it learned nothing a uniform guess does not know; one whose last quarter is not below its
 first loss by the change that counts has not improved, even when a blow-up in between made its first quarter's
-mean higher. A notice, or a warning when the
+mean higher; nor has one that fell from above chance only to it, not below it by that change (it learnt the
+uniform guess, not the input). A notice, or a warning when the
 loss is flat to ``stall_flat`` of its level (it does not even wiggle: the updates do not reach it) or when the
 measured updates are below ``stall_tiny_update`` of the weights (the learning rate cannot move them); never
 critical, the run may still be right (a loss that cannot fall: labels without signal)."""
@@ -34,7 +35,10 @@ def loss_stall(losses: list[float], *, window: int, z: float, rel: float, chance
     c["at_chance"] = chance is not None and abs(c["last"] - chance) <= chance_share * chance
     # a blow-up and its recovery make the first quarter's mean high: a "fall" back to chance learned nothing
     c["back"] = c["at_chance"] and c["improved"] and losses[-c["n"]] - c["last"] <= c["need"]
-    return None if c["improved"] and not c["back"] else c
+    # a fall from above chance that ends at it, no lower by the change that counts: the model learnt the uniform
+    # guess (a freshly initialised head scores above ln(classes)) and nothing about the input
+    c["to_chance"] = c["at_chance"] and c["improved"] and chance - c["last"] <= c["need"]
+    return None if c["improved"] and not (c["back"] or c["to_chance"]) else c
 
 
 class Stall(Rule):
@@ -66,13 +70,15 @@ class Stall(Rule):
             large = upd is not None and upd > lim.stall_large_update
             ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
                   "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
-                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "back": back, "flat": flat,
+                  "lr": lr, "classes": classes, "chance": chance, "at_chance": at_chance, "back": back, "to_chance": s["to_chance"], "flat": flat,
                   "update_ratio": upd, "tiny_update": tiny}
             if tiny or large:  # the advice follows the update size: raise the learning rate, or lower it
                 ev["variant"] = "tiny_update" if tiny else "large_update"
             label = run.label(k)
             moved = f"fell {fmt(s['drop'])}" if s["drop"] > 0 else f"rose {fmt(-s['drop'])}"
             why = (f"it {moved}, but only back to where it began: its first loss was {fmt(v0)}" if back else
+                   f"it {moved}, but only down to chance and no lower: a uniform guess scores as well" if
+                   s["to_chance"] else
                    f"flat: it {moved} and its step-to-step noise is {fmt(s['noise'])}" if flat else
                    f"it {moved}, beyond its step-to-step noise ({fmt(s['noise'])}) but short of the 3x rise that "
                    "would be a divergence" if s["rose"] else
