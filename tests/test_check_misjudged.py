@@ -86,6 +86,9 @@ def test_a_schedule_that_collapses_the_lr_is_named_and_never_multiplied_up(tmp_p
     assert finding(r, "stall")["evidence"]["follows"] == "lr_schedule"
     no_lr_advice_on(r, "stall")
     assert "*= 100" not in r["md"] and "raise it" not in r["md"]
+    # the advice steps the script's own scheduler (``sched``), not a ``scheduler`` the script does not have
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "lr_schedule")
+    assert "sched.step()" in rec["code_to_add"] and "scheduler.step()" not in rec["code_to_add"]
 
 
 def test_a_negative_lr_is_critical_and_the_divergence_names_the_lr_in_force(tmp_path_factory):

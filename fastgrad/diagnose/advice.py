@@ -577,10 +577,11 @@ def _owner_names(names: dict, f: Finding) -> dict:
 
 
 def fit_names(snippet: str, names: dict, series: int | None = None) -> str:
-    """``snippet`` in the script's own names (``names``: ``optimizer``, a list of each series' variable or None,
-    ``model``, ``lr`` and ``manual``, from the run): its optimizer variable for ``optimizer``, its model's for
-    ``model``; in a loop without torch.optim (``manual``), its own learning-rate variable instead of the
-    optimizer's param groups, and its own update instead of ``optimizer.step()``."""
+    """``snippet`` in the script's own names (``names``: ``optimizer`` and ``scheduler``, lists of each series'
+    variable or None, ``model``, ``lr`` and ``manual``, from the run): its optimizer variable for ``optimizer``,
+    its scheduler's for ``scheduler``, its model's for ``model``; in a loop without torch.optim (``manual``), its
+    own learning-rate variable instead of the optimizer's param groups, and its own update instead of
+    ``optimizer.step()``."""
     if not snippet or not names:
         return snippet
     if names.get("manual"):
@@ -591,6 +592,11 @@ def fit_names(snippet: str, names: dict, series: int | None = None) -> str:
             (v for v in opts if v), None)
         if var and var != "optimizer":
             snippet = re.sub(r"\boptimizer\b", var, snippet)
+        scheds = names.get("scheduler") or []
+        sched = scheds[series] if series is not None and series < len(scheds) else next(
+            (v for v in scheds if v), None)
+        if sched and sched != "scheduler":  # ``lr_scheduler`` (the torch module) is not a match
+            snippet = re.sub(r"(?<![.\w])scheduler\b", sched, snippet)
     model = names.get("model")
     if model and model != "model":
         snippet = re.sub(r"(?<![.\w])model\b(?!')", model, snippet)

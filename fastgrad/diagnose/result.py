@@ -211,11 +211,13 @@ def _judge(run: RunView, script: str, args: list[str], crashed: bool, crash_text
 
 def _script_names(chk, manual: bool) -> dict:
     """The script's own names the code to add may use: its optimizer variable per series, its model's, and (a
-    loop without torch.optim) its learning-rate variable; None where the script has none."""
+    loop without torch.optim) its learning-rate variable, its scheduler variable per series; None where the
+    script has none."""
     v = getattr(chk, "script_vars", {})
     opts = [n.split(" (", 1)[1].rstrip(")") if " (" in n else None for n in getattr(chk, "series_names", [])]
     return {"optimizer": None if manual else opts, "model": v.get("model"), "lr": v.get("lr") if manual else None,
-            "manual": manual, "models": dict(v.get("models") or {})}
+            "manual": manual, "models": dict(v.get("models") or {}),
+            "scheduler": list(getattr(chk, "series_sched", []))}
 
 
 def _ratio(sq_update: float, sq_weight: float) -> float:

@@ -77,6 +77,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self.series_names: list[str] = []
         self._opt_refs: list = []
         self.series_lr: list[float | None] = []
+        self.series_sched: list[str | None] = []  # the script's scheduler variable per series
         self.optimizers_made = 0
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0

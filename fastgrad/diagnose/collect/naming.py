@@ -74,7 +74,22 @@ class ParameterNames:
             self._script_names()
             lr = opt.param_groups[0].get("lr") if opt.param_groups else None
             self.series_lr.append(lr if isinstance(lr, (int, float)) else None)
+            self.series_sched.append(self._scheduler_var(opt))
         return k
+
+    def _scheduler_var(self, opt) -> str | None:
+        """The script's variable for the learning-rate scheduler that drives ``opt`` (advice about its schedule
+        names it), or None where the script keeps none."""
+        f = sys._getframe(1)
+        while f is not None:
+            if os.path.abspath(f.f_code.co_filename) == self.script_path:
+                for scope in (f.f_locals, f.f_globals):
+                    for n, v in scope.items():
+                        if (getattr(v, "optimizer", None) is opt and hasattr(v, "step")
+                                and not n.startswith("_") and n != "self"):
+                            return n
+            f = f.f_back
+        return None
 
     def _script_names(self) -> None:
         """The script's variables for its first model and, for a hand-written loop, its learning rate (a number
