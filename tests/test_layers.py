@@ -90,7 +90,7 @@ LAYERS: list[list[str]] = [
      "fastgrad.diagnose.rules.stall", "fastgrad.diagnose.rules.never_learns",
      "fastgrad.diagnose.rules.norm_miscounted", "fastgrad.diagnose.rules.validation", "fastgrad.diagnose.rules.frozen",
      "fastgrad.diagnose.rules.probabilities_ce", "fastgrad.diagnose.rules.accum_not_divided",
-     "fastgrad.diagnose.rules.weight_decay"],
+     "fastgrad.diagnose.rules.weight_decay", "fastgrad.diagnose.rules.ascent"],
     ["fastgrad.diagnose.rules.zero_grads", "fastgrad.diagnose.rules.last_step", "fastgrad.diagnose.rules.red_flags"],
     ["fastgrad.diagnose.rules.registry"],
     ["fastgrad.diagnose.advice", "fastgrad.diagnose.consistency", "fastgrad.diagnose.policy"],

@@ -285,6 +285,20 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    scheduler.step()                         # once per epoch, as the schedule counts\n"
         "print([g['lr'] for g in optimizer.param_groups])",
     ),
+    "gradient_ascent:negated": (
+        "The tensor handed to backward() is the loss function's value with its sign flipped, so each step climbs "
+        "the loss. Backpropagate the loss as the loss function returns it (drop the minus sign, the negative "
+        "factor or the 1 - loss); a quantity to maximise (a reward, a log-likelihood written by hand) is "
+        "negated once, not a loss function's output.",
+        "loss = criterion(model(x), y)              # as returned: no minus sign, no negative factor\n"
+        "loss.backward()\n"
+        "optimizer.step()",
+    ),
+    "gradient_ascent:maximize": (
+        "The optimizer was built with maximize=True, which steps up the gradient, on a loss function's output, "
+        "which is made to be minimised. Build it without maximize (the default is False).",
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # maximize=False: descend the loss",
+    ),
     "probabilities_into_ce": (
         "F.cross_entropy and nn.CrossEntropyLoss apply log_softmax to their input themselves: hand them the "
         "model's logits (its output before any softmax) and keep the softmax for predictions. A model that must "
@@ -429,6 +443,7 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
 
 # every finding of the rule has a variant; the plain code (the reference's table) reads as the collapse
 RUN_ADVICE["lr_schedule"] = RUN_ADVICE["lr_schedule:collapse"]
+RUN_ADVICE["gradient_ascent"] = RUN_ADVICE["gradient_ascent:negated"]
 # same fix as a divergence: the same code
 RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecovered"][0],
                                             RUN_ADVICE["loss_diverging"][1])

@@ -11,7 +11,7 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go;
 - cause before effect (``link_causes``): where one finding explains another, the effect says that it follows
   from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
-  gradients never zeroed -> the norm's growth; a learning rate that blows the run up -> the explosion and the
+  gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; a learning rate that blows the run up -> the explosion and the
   units it kills; tensors that never learn -> the zeros and the vanishing of the layers before them.
 
 Per-rule facts (a NaN loss at steps a StepGuard skipped is reported as protected) are decided by the rules
@@ -79,6 +79,10 @@ _SCHEDULE = {
     "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning"},
                  "a learning rate that near 0 stops every update, so the loss stops moving"),
 }
+#: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
+_ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
+            "nonfinite", "nonfinite_history", "dead", "mostly_zero", "stall"},
+           "an optimizer that climbs the loss drives the loss function, and the gradients with it, up")
 #: an effect names its cause, so its title drops the guess that blames (or would change) the learning rate
 _LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning rate (or the loss scale)",
                ", lower the learning rate")
@@ -106,12 +110,15 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
     out = list(findings)
     accum = next((f for f in out if f.code == "no_zero_grad"), None)
     sched = [f for f in out if f.code == "lr_schedule"]
+    ascent = next((f for f in out if f.code == "gradient_ascent" and f.severity != "notice"), None)
     for f in out:
         cause, why = None, ""
         lr = next((g for g in sched if f.code in _SCHEDULE[g.evidence["variant"]][0] and
                    f.evidence.get("series", g.evidence["series"]) == g.evidence["series"]), None)
         if lr is not None:
             cause, why = lr, _SCHEDULE[lr.evidence["variant"]][1]
+        elif ascent is not None and f.code in _ASCENT[0]:
+            cause, why = ascent, _ASCENT[1]
         elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
         elif f.code == "update_rewrote":

@@ -125,6 +125,8 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "ce_inputs": {"calls": getattr(chk, "ce_calls", 0), "softmax": getattr(chk, "ce_softmax", 0),
                                      "probabilities": getattr(chk, "ce_probs", 0)},
                        "windows": list(getattr(chk, "windows", [])),
+                       "loss_signs": dict(getattr(chk, "loss_signs", {})),
+                       "maximize": list(getattr(chk, "series_maximize", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),

@@ -107,6 +107,9 @@ class RunLimits:
     #: accum_not_divided: this share of an optimizer's steps, at least, ran k >= 2 scalar backward calls each of
     #: a loss function's output as it returned it (a window of micro-batches summed, not averaged)
     accum_share: float = 0.9
+    #: gradient_ascent: this share of the run's scalar backward calls, at least, reached a loss function with its
+    #: sign flipped (and none with it kept), or, under maximize=True, with it kept
+    ascent_share: float = 0.9
     #: weight_decay_drag: lr x weight_decay of a step at least this (100x the usual 1e-4 or less: AdamW at lr 1e-3
     #: and weight_decay 0.1): the decay alone shrinks the weights by this share each step ...
     decay_pull: float = 0.01

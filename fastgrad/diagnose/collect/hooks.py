@@ -37,7 +37,7 @@ from .bookkeeping import StepBookkeeping
 from .buffers import BufferReader
 from .identity import IdentityMap
 from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
-from .loss_inputs import loss_node, probability_rows, softmax_made
+from .loss_inputs import criterion_sign, loss_node, probability_rows, softmax_made
 from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
@@ -78,6 +78,9 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._opt_refs: list = []
         self.series_lr: list[float | None] = []
         self.series_sched: list[str | None] = []  # the script's scheduler variable per series
+        self.series_maximize: list[bool] = []     # an optimizer built with maximize=True, per series
+        # scalar backward calls, and of them those reaching a loss function negated / as returned (host)
+        self.loss_signs = {"calls": 0, "negated": 0, "kept": 0, "node": None}
         self.optimizers_made = 0
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0
@@ -139,6 +142,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._bw_scalar = self._bw_straight = 0
         self._bw_node: str | None = None
         self._scaled_node: str | None = None
+        self._scaled_sign: tuple | None = None  # criterion_sign of the loss handed to GradScaler.scale
         # per series: (the largest lr x weight_decay of a step, its weight_decay, the optimizer's class); host only
         self.decay: dict[int, tuple[float, float, str]] = {}
         # per parameter, at how many read steps its gradient was present and nonzero: device counters per
@@ -294,10 +298,12 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         scalar = False
         if isinstance(tensor, Tensor):
             node = loss_node(tensor)
+            sign = None
             if self._scaled is not None and self._scaled[0]() is tensor:
                 self._grads_scaled = True
                 tensor = self._scaled[1]
                 node = self._scaled_node  # what the scaler was handed
+                sign = self._scaled_sign
             if tensor.numel() == 1 and tensor.is_floating_point():
                 scalar = True
                 self.scalar_backward_calls += 1
@@ -308,6 +314,12 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
                     self._bw_node = node if self._bw_node in (None, node) else "mixed"
                 loss = tensor.detach().reshape(()).to(torch.float64)
                 self._losses.append(loss)
+                neg, kept, crit = sign or criterion_sign(tensor)
+                signs = self.loss_signs
+                signs["calls"] += 1
+                signs["negated"] += neg > 0 and not kept
+                signs["kept"] += kept > 0
+                signs["node"] = signs["node"] or crit
         self._bw += 1
         if self._clip_after_bw:
             self._bw_after_clip = True

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ...distributed import to_local_norm
 from ...stats import grad_stats
-from .loss_inputs import loss_node
+from .loss_inputs import criterion_sign, loss_node
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
 
@@ -101,6 +101,7 @@ class RedFlagInterceptors:
                 # lets backward find the unscaled loss and know that the grads it makes are scaled
                 chk._scaled = (weakref.ref(out), outputs.detach())
                 chk._scaled_node = loss_node(outputs)
+                chk._scaled_sign = criterion_sign(outputs)  # the loss's graph (the scaled one's is a device factor)
                 chk.scaler_used = True
             return out
         return scale

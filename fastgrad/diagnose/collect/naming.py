@@ -75,6 +75,7 @@ class ParameterNames:
             lr = opt.param_groups[0].get("lr") if opt.param_groups else None
             self.series_lr.append(lr if isinstance(lr, (int, float)) else None)
             self.series_sched.append(self._scheduler_var(opt))
+            self.series_maximize.append(any(g.get("maximize") is True for g in opt.param_groups))
         return k
 
     def _scheduler_var(self, opt) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..finding import Finding
 from .base import Rule, RunView
 from .accum_not_divided import ACCUM_NOT_DIVIDED
+from .ascent import GRADIENT_ASCENT
 from .buffers import NONFINITE_BUFFERS
 from .clip_zeroes import CLIP_ZEROES
 from .exploding import EXPLODING
@@ -31,11 +32,11 @@ __all__ = ["RUN_RULES", "FINDING_CODES", "evaluate", "not_checked"]
 
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
-# A loss wrongly formed (probabilities into a cross-entropy, a window summed) and a decay that erases the
-# weights before the norm rules: at the same step, the cause leads its effects.
+# A loss wrongly formed (probabilities into a cross-entropy, a loss negated, a window summed) and a decay that
+# erases the weights before the norm rules: at the same step, the cause leads its effects.
 RUN_RULES: tuple[Rule, ...] = (
     NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NONFINITE_BUFFERS, NORM_MISCOUNTED, PROBABILITIES_INTO_CE,
-    ACCUM_NOT_DIVIDED, WEIGHT_DECAY_DRAG, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, FROZEN_IN_OPTIMIZER, LR_ZERO,
+    GRADIENT_ASCENT, ACCUM_NOT_DIVIDED, WEIGHT_DECAY_DRAG, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, FROZEN_IN_OPTIMIZER, LR_ZERO,
     LR_SCHEDULE, UPDATE_REWROTE,
     LOSS_DIVERGING,
     NORM_TRENDS, STALL, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
