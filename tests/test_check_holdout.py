@@ -356,6 +356,34 @@ def test_an_early_jump_that_keeps_climbing_is_not_a_bootstrapped_loss():
     assert g.severity == "notice" and g.evidence["variant"] == "bootstrapped"
 
 
+def _td_rise(cross: int, n: int = 40) -> list[float]:
+    """A TD critic's loss (recorded shape): tiny while its targets are 0, 10x its start at step ``cross``
+    (its peak), then back down to about 1.8x its start, where it stays."""
+    start, peak, end = 0.0064, 0.064, 0.0115
+    return [start * (peak / start) ** (i / (cross - 1)) if i < cross else
+            peak + (end - peak) * min(1.0, (i - cross + 1) / 8) for i in range(n)]
+
+
+def test_a_rise_that_came_back_down_with_no_other_harm_is_the_bootstrapped_notice():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    norms = [0.2 + 0.002 * (i % 5) for i in range(40)]
+    loss = _td_rise(17)   # 10x only after the first quarter (step 17 of 40), its peak in the first half
+    f, = LOSS_DIVERGING.evaluate(_view(list(zip(norms, loss))))
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    # nearest wrong variants: 10x within the first quarter (a jump), norms that grew 3x, an update that rewrote
+    # the weights: the unrecovered warning
+    f, = LOSS_DIVERGING.evaluate(_view(list(zip(norms, _td_rise(5)))))
+    assert f.severity == "warning" and f.evidence["variant"] == "unrecovered"
+    grown = norms[:20] + [3 * v for v in norms[20:]]
+    f, = LOSS_DIVERGING.evaluate(_view(list(zip(grown, loss))))
+    assert f.severity == "warning" and f.evidence["variant"] == "unrecovered"
+    rw = _view(list(zip(norms, loss)))
+    rw.ctx["updates"] = [{"step": 17, "series": 0, "lr": 0.01, "ratio": 1.2, "layers": {}}]
+    f, = LOSS_DIVERGING.evaluate(rw)
+    assert f.severity == "warning" and f.evidence["variant"] == "unrecovered" and f.evidence["rewrite"][0] == 17
+
+
 def test_a_learning_rate_of_zero_is_named(tmp):
     r = run("lr0", tmp)
     losses = [t["loss"] for t in r["truth"]["steps"]]

@@ -8,9 +8,10 @@ rise that comes back down is not a divergence. 3x under the same conditions is "
 the loss never gets back down (the medians of the last half and the last quarter of the run still 1.5x the
 start) is a warning too: the run ends worse than it began.
 
-A loss that climbs gradually (its peak in the second half of the run, the ratio passed only after the run's
-first quarter) while the gradient norms stay modest (every norm below 100) and stable (the last quarter's
-median norm within 2x of the first quarter's) is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+A loss that climbs gradually (the ratio passed only after the run's first quarter; its peak in the second
+half of the run, unless it came back down from it and only stays above its start) while the gradient norms
+stay modest (every norm below 100) and stable (the last quarter's median norm within 2x of the first
+quarter's), and no update rewrote the weights, is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
 (actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
 model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
 modest norms.
@@ -108,7 +109,9 @@ class LossDiverging(Rule):
             # ... and it took a while to get there: a loss that passes the ratio within the first quarter of the
             # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets
             gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
-            if modest and stable and late_peak and gradual and not late:
+            # a loss that came back down from its peak (unrecovered) is not "still climbing": its late peak is
+            # not asked for; an update that rewrote the weights is harm beyond the rise, so never the exemption
+            if modest and stable and gradual and not late and rw is None and (late_peak or unrecovered):
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
