@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fastgrad.diagnose.thresholds import RANK
+from fastgrad.diagnose.thresholds import RANK, RunLimits
 
 from .check_runs import cached_run, codes, finding, row
 
@@ -375,9 +375,15 @@ def test_a_rise_that_came_back_down_with_no_other_harm_is_the_bootstrapped_notic
     # the weights: the unrecovered warning
     f, = LOSS_DIVERGING.evaluate(_view(list(zip(norms, _td_rise(5)))))
     assert f.severity == "warning" and f.evidence["variant"] == "unrecovered"
-    grown = norms[:20] + [3 * v for v in norms[20:]]
+    grown = norms[:20] + [3 * v for v in norms[20:]]   # a 3x rise of the norm's level with the loss's: its scale
     f, = LOSS_DIVERGING.evaluate(_view(list(zip(grown, loss))))
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    far = list(norms)
+    far[25] = RunLimits.far_ratio * 1.01 * norms[24]     # one norm far above its own level
+    f, = LOSS_DIVERGING.evaluate(_view(list(zip(far, loss))))
     assert f.severity == "warning" and f.evidence["variant"] == "unrecovered"
+    far[25] = RunLimits.far_ratio * 0.95 * norms[24]
+    assert LOSS_DIVERGING.evaluate(_view(list(zip(far, loss))))[0].severity == "notice"
     rw = _view(list(zip(norms, loss)))
     rw.ctx["updates"] = [{"step": 17, "series": 0, "lr": 0.01, "ratio": 1.2, "layers": {}}]
     f, = LOSS_DIVERGING.evaluate(rw)

@@ -11,7 +11,8 @@ start) is a warning too: the run ends worse than it began.
 A loss that climbs gradually (the ratio passed only after the run's first quarter; its peak in the second
 half of the run, unless it came back down from it and only stays above its start) while the gradient norms
 stay modest (every norm below 100) and stable (the last quarter's median norm within 2x of the first
-quarter's), and no update rewrote the weights, is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
+quarter's; for a loss that came back down, no norm far above its own level), and no update rewrote the
+weights, is at most a notice: that is how a bootstrapped value or TD loss behaves when its targets grow with the returns
 (actor-critic critics, DQN), not a learning rate too high. A loss that jumps early and stays up (a language
 model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
 modest norms.
@@ -110,8 +111,12 @@ class LossDiverging(Rule):
             # run jumped (an LSTM at lr=2000: 20x at its second step), it did not follow growing targets
             gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
             # a loss that came back down from its peak (unrecovered) is not "still climbing": its late peak is
-            # not asked for; an update that rewrote the weights is harm beyond the rise, so never the exemption
-            if modest and stable and gradual and not late and rw is None and (late_peak or unrecovered):
+            # not asked for, and its norms may follow the loss's own scale (a TD error grows with the returns) as
+            # long as no step's norm is far above its own level; an update that rewrote the weights is harm
+            # beyond the rise, so never the exemption
+            h = harm_of(run, k)
+            calm = stable if not unrecovered else not any(h.far(s) for s in h.steps)
+            if modest and calm and gradual and not late and rw is None and (late_peak or unrecovered):
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
