@@ -10,6 +10,7 @@ from fastgrad.diagnose.advice import advise
 from fastgrad.diagnose.collect.steps import StepRecord
 from fastgrad.diagnose.finding import Finding
 from fastgrad.diagnose.rules.base import RunView
+from fastgrad.diagnose.rules.evidence import own_level
 from fastgrad.diagnose.rules.lr_schedule import LR_SCHEDULE, lr_trouble
 from fastgrad.diagnose.thresholds import RunLimits
 
@@ -211,3 +212,114 @@ def test_frozen_tensors_handed_to_the_optimizer_are_a_notice(args, held, tmp_pat
     else:
         # left out of the optimizer (a deliberate freeze), or trained later: not a finding
         assert "frozen_in_optimizer" not in codes(r)
+
+
+# ---------------------------------------------------------------------------------------------- bootstrapped losses
+class _Roots:
+    """The watcher's side of ``MovingTargets``: the root modules it found, in order."""
+
+    def __init__(self, *mods):
+        import weakref
+        self._roots = [weakref.ref(m) for m in mods]
+
+
+def _targets(*mods, opts=()):
+    import weakref
+
+    from fastgrad.diagnose.collect.targets import MovingTargets
+    t = MovingTargets()
+    t.watcher, t._targets_seen, t._target_versions, t.targets_moved = _Roots(*mods), 0, [], []
+    t._opt_refs = [weakref.ref(o) for o in opts]
+    return t
+
+
+def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains():
+    import copy
+
+    import torch
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    polyak, copied, frozen, by_hand = (copy.deepcopy(critic) for _ in range(4))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    t = _targets(critic, polyak, copied, frozen, by_hand, opts=[opt])
+    x = torch.randn(16, 4)
+    for step in range(3):
+        t._note_targets()
+        opt.zero_grad()
+        critic(x).pow(2).mean().backward()
+        opt.step()                                              # held by an optimizer: trained, not a target
+        by_hand(x).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in by_hand.parameters():
+                p -= 0.1 * p.grad                               # trained by hand: it has gradients
+            for pt, pc in zip(polyak.parameters(), critic.parameters()):
+                pt.mul_(0.9).add_(pc, alpha=0.1)                # a Polyak-averaged target network
+        if step == 1:
+            copied.load_state_dict(critic.state_dict())         # a target network copied now and then
+        frozen(x)                                               # a frozen teacher: forwarded, never rewritten
+    t._note_targets()
+    assert t.moving_targets() == ["Sequential", "Sequential"]
+    moved = [e for e in t._target_versions if e[1] is None]
+    assert [e[0]() for e in moved] == [critic, polyak, copied, by_hand]   # judged once each, in order
+    # the nearest wrong variant: a copy made before the first step is the starting point, not a move
+    late = copy.deepcopy(critic)
+    t2 = _targets(late)
+    late.load_state_dict(critic.state_dict())
+    t2._note_targets()
+    t2._note_targets()
+    assert t2.moving_targets() == []
+
+
+def _rise_view(targets=(), far_at=None, rewrite=False):
+    from fastgrad.diagnose.collect.steps import StepRecord
+    # a TD loss that starts near 0 and passes 10x its start at its second step, its norm growing 40x with it
+    loss = [6e-4, 9e-3] + [0.01 * (1 + i / 4) for i in range(38)]
+    norm = [3.0 * (1 + i) for i in range(40)]   # up to 120: above the modest bound
+    if far_at is not None:   # just past the far rule's bound
+        norm[far_at] = RunLimits.far_ratio * 1.01 * own_level(norm, far_at, RunLimits.far_history)
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
+    ups = [{"step": 20, "series": 0, "lr": 0.01, "ratio": 1.5, "layers": {}}] if rewrite else []
+    return RunView(steps=steps, ctx={"moving_targets": list(targets), "updates": ups})
+
+
+def test_a_rise_against_moving_targets_with_no_other_harm_is_a_notice():
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+    f, = LOSS_DIVERGING.evaluate(_rise_view(["Sequential"]))
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    assert f.evidence["targets"] == ["Sequential"] and "grew with it" in f.detail
+    # nearest wrong variants: no target the run moves (an early jump: a divergence), a norm far above its own
+    # level, an update that rewrote the weights
+    assert LOSS_DIVERGING.evaluate(_rise_view())[0].severity == "critical"
+    assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], far_at=30))[0].severity == "critical"
+    near = _rise_view(["Sequential"], far_at=30)
+    near.steps[30].total_norm *= 0.97 / 1.01                            # just under the bound: no harm
+    assert LOSS_DIVERGING.evaluate(near)[0].severity == "notice"
+    assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], rewrite=True))[0].severity == "critical"
+
+
+def test_a_bootstrapped_rise_is_not_harm_to_the_findings_beside_it():
+    from fastgrad.diagnose.consistency import reconcile
+    from fastgrad.diagnose.thresholds import Thresholds
+
+    def judged(harm, series=0):
+        boot = Finding("loss_diverging", "notice", "rose", evidence={"series": 0, "variant": "bootstrapped"})
+        inc = Finding("increasing", "warning", "gradient norm steadily increasing, with harm", "d",
+                      evidence={"series": series, "harm": list(harm)})
+        return reconcile([boot, inc], [], Thresholds())[1]
+    f = judged(["loss_rose", "loss_jump"])
+    assert f.severity == "notice" and f.evidence["harm"] == [] and "with harm" not in f.title
+    assert judged(["loss_rose"], series=None).severity == "notice"      # a run-wide finding
+    assert judged(["loss_rose", "far"]).severity == "warning"            # harm beyond the rise
+    assert judged(["rewrite"]).severity == "warning"
+    assert judged(["loss_rose"], series=1).severity == "warning"        # another optimizer's loss
+
+
+def test_a_value_loss_rising_with_its_target_network_is_not_a_divergence(tmp_path_factory):
+    r = run(tmp_path_factory, "td_value_rising.py")
+    truth = r["truth"]["steps"]
+    assert truth[-1]["loss"] > 50 * truth[0]["loss"]                   # the premise: the loss rose 120x
+    assert max(t["update"] for t in truth) < 1.0 and all(math.isfinite(t["loss"]) for t in truth)
+    f = finding(r, "loss_diverging")
+    assert f["severity"] == "notice" and f["evidence"]["variant"] == "bootstrapped"
+    assert f["evidence"]["targets"] == ["Sequential"]
+    assert codes(r, "warning") == [] and codes(r, "critical") == [] and r["rc"] == 0

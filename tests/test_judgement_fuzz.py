@@ -20,9 +20,10 @@ DEV_SAMPLE: dict[int, str | None] = {
     2: None,                         # cnn_bn, Adam: lr far too low -> stall
     7: None,                         # GAN: no zero_grad
     18: None,                        # healthy WGAN critic: its output bias (the loss is invariant to it), a notice
-    6: "sched_collapse",             # a schedule dividing the lr by 10 every step: never_learns first, the lr "healthy"
+    6: None,                         # a schedule dividing the lr by 10 every step: lr_schedule, its advice in the
+                                     # script's own scheduler names
     19: None,                        # NaN batch through BatchNorm under a GradScaler: the buffers named, not "protected"
-    0: "sign_flip",                  # gradient ascent: a spike, not the sign
+    0: None,                         # a negated loss: gradient_ascent, not a spike
 }
 
 

@@ -5,6 +5,8 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   (``small_but_learning``) or not (``decaying``'s "without the loss improving") agree. With a stall,
   ``small_but_learning`` is the ``vanishing`` it was downgraded from; without one, while the loss improves,
   ``decaying`` is likely convergence (a notice that says so), never "training has stalled";
+- a bootstrapped loss's rise (``loss_diverging``'s notice: targets that grow with the returns) is not harm:
+  a warning of the same optimizer whose only harm is that rise is a notice;
 - a norm below the guide's 1e-3 (``vanishing``) is a warning beside a ``stall`` (the loss has not improved against
   its noise: the harm), else a notice: the guide's number alone asks a question;
 - a clip applied to still-scaled AMP gradients (``clip_scaled``) makes the update tiny: the small-gradient
@@ -27,6 +29,8 @@ from .rules.trends import loss_progress
 
 __all__ = ["reconcile", "link_causes"]
 
+#: the harm kinds that are the loss's own rise (``rules.evidence.Harm.at``)
+_LOSS_HARM = {"loss_rose", "loss_jump"}
 #: what a clip of still-scaled gradients explains
 _SCALED_CLIP_EXPLAINS = {"vanishing", "low", "small_but_learning"}
 
@@ -34,11 +38,23 @@ _SCALED_CLIP_EXPLAINS = {"vanishing", "low", "small_but_learning"}
 def reconcile(findings: list[Finding], losses: list[float], th) -> list[Finding]:
     """``findings`` made consistent (see the module docstring); ``losses``: the last series' finite losses."""
     codes = {f.code for f in findings}
+    # a bootstrapped loss's rise (``loss_diverging``'s notice) is not harm: a warning of the same optimizer (or
+    # of the whole run) whose only harm is that rise (the loss rose or jumped) is a notice
+    boot = {f.evidence.get("series") for f in findings
+            if f.code == "loss_diverging" and f.evidence.get("variant") == "bootstrapped"}
     out = []
     improving = "stall" not in codes and bool(loss_progress(losses, th.loss_progress)) if losses else False
     for f in findings:
         if "clip_scaled" in codes and f.code in _SCALED_CLIP_EXPLAINS:
             continue
+        harm = f.evidence.get("harm")
+        series = f.evidence.get("series")
+        if (f.severity == "warning" and (series in boot or (series is None and boot)) and harm
+                and set(harm) <= _LOSS_HARM):   # (no series: a run-wide finding, judged on the run's loss)
+            f.severity, f.evidence["harm"] = "notice", []
+            f.title = f.title.replace("with harm", "with no harm beyond a bootstrapped loss's rise")
+            f.detail += (" That rise is a bootstrapped loss's (see `loss_diverging`): the loss's own rise is not "
+                         "harm here.")
         if f.code == "small_but_learning" and "stall" in codes:
             f.code, f.severity, f.title = "vanishing", "warning", "vanishing, and the loss is not improving"
             f.detail = f.detail.split(";")[0] + "; the loss has not improved (see stall)."

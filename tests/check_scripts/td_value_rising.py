@@ -4,8 +4,7 @@ returns, so the loss and its gradient norm rise steadily (about 120x and 40x) wh
 no jump, no update near the size of the weights. Expected: loss_diverging at most a notice, exit 0.
 
 The truth (FG_TRUTH), recorded with plain reads: per step the loss, the float64 norm and the update/weight ratio.
-
-Not yet met by check (issue 55, item 2): a reproduction without a test of its own."""
+Tested in tests/test_check_misjudged.py (the target network is what tells the rise from a divergence)."""
 import copy
 
 import torch

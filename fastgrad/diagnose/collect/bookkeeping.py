@@ -39,6 +39,7 @@ class StepBookkeeping:
         """End of one training step (an optimizer step, or a step the GradScaler skipped)."""
         series = self._series_of(opt)
         self.steps_done += 1
+        self._note_targets()
         step = self.steps_done
         if self._clip_after_bw and self._bw_after_clip:
             self.flags["clip_partial"].append(step)

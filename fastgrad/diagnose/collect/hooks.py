@@ -44,13 +44,14 @@ from .optimizer_hooks import OptimizerStepReader
 from .ranks import RankRecorder
 from .readout import RunReadout
 from .steps import StepRecord, StopCheck
+from .targets import MovingTargets
 from .watch import ForwardWatcher
 
 __all__ = ["Checker", "StopCheck"]
 
 
 class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, RedFlagInterceptors,
-              ManualLoopReader, RankRecorder, BufferReader):
+              ManualLoopReader, RankRecorder, BufferReader, MovingTargets):
     """The hooks and interceptors of one checked run (its state, what it installs, the backward interceptor).
     ``install()``/``remove()`` bracket the script; each step is closed by ``StepBookkeeping`` and the run read
     by ``RunReadout.finish()``."""
@@ -76,6 +77,9 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._series = IdentityMap()  # optimizer -> its series number
         self.series_names: list[str] = []
         self._opt_refs: list = []
+        self._target_versions: list = []  # (root module, its parameters' version counters) per root (targets.py)
+        self._targets_seen = 0
+        self.targets_moved: list[str] = []  # roots the script rewrote in place, trained by no optimizer
         self.series_lr: list[float | None] = []
         self.series_sched: list[str | None] = []  # the script's scheduler variable per series
         self.series_maximize: list[bool] = []     # an optimizer built with maximize=True, per series

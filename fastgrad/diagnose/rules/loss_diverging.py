@@ -17,6 +17,12 @@ weights, is at most a notice: that is how a bootstrapped value or TD loss behave
 model at a learning rate far too high: its peak within the first steps) is judged as a divergence even with
 modest norms.
 
+In a run that moves its own targets (a model it forwards, trains through no optimizer and rewrites in place:
+a DQN or actor-critic target network, an EMA teacher; ``collect.targets``), a rise with no harm beyond it (no
+norm far above its own level, no rewrite, no NaN) is that notice however early it began and however far its
+norms grew with it: such a loss starts near 0, while the targets are the model's own untrained outputs, and its
+gradients scale with the targets.
+
 A series whose loss ever goes negative (a policy gradient's signed objective) is not judged: a ratio means
 nothing there."""
 
@@ -72,6 +78,7 @@ def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None =
 class LossDiverging(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
         lim, out = run.limits, []
+        targets = list(run.ctx.get("moving_targets") or ())  # target networks the script moves itself
         for k, recs in run.per.items():
             sev, ratio = "critical", lim.diverge_ratio
             d = loss_divergence(recs, ratio)
@@ -112,21 +119,32 @@ class LossDiverging(Rule):
             gradual = (order.index(s1) if s1 in order else 0) >= len(recs) // 4
             # a loss that came back down from its peak (unrecovered) is not "still climbing": its late peak is
             # not asked for, and its norms may follow the loss's own scale (a TD error grows with the returns) as
-            # long as no step's norm is far above its own level; an update that rewrote the weights is harm
-            # beyond the rise, so never the exemption
+            # long as no step's norm is far above its own level; a run that moves its own targets (a target
+            # network) bootstraps, whenever its rise began and however large its norms grew with it. Harm beyond
+            # the rise (an update that rewrote the weights, a NaN, a norm far above its own level; without moving
+            # targets, a norm above the modest bound) never gets the exemption.
             h = harm_of(run, k)
-            calm = stable if not unrecovered else not any(h.far(s) for s in h.steps)
-            if modest and calm and gradual and not late and rw is None and (late_peak or unrecovered):
+            far = any(h.far(s) for s in h.steps)
+            clean = rw is None and not h.nonfinite and not late
+            boot = (modest and gradual and ((stable and late_peak) or (unrecovered and not far))) or \
+                (targets and not far)
+            if clean and boot:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
-                    "modest, stable gradient norms",
+                    "no other harm" + (" against targets the run moves itself" if targets else ""),
                     f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
-                    f"{fmt(end)} over the last quarter of the run, while every gradient norm stayed below "
-                    f"{fmt(lim.modest_norm)} (max {fmt(max(norms))}) and the norm's level held within 2x. That "
+                    f"{fmt(end)} over the last quarter of the run, while "
+                    + (f"every gradient norm stayed below {fmt(lim.modest_norm)} (max {fmt(max(norms))})"
+                       if modest else f"the gradient norm (max {fmt(max(norms))}) grew with it")
+                    + (" and the norm's level held within 2x" if stable else ", none far above its own level")
+                    + ", and no update rewrote the weights. That "
                     "is how a bootstrapped value or TD loss behaves when its targets grow with the returns; not "
-                    "a divergence by itself. Watch the returns, not this loss.", steps=[sp],
-                    evidence=ev | {"variant": "bootstrapped"}))
+                    "a divergence by itself." + (f" The run moves its own targets: {', '.join(targets)} is "
+                                                 "forwarded, trained by no optimizer and rewritten in place "
+                                                 "(a target network)." if targets else "")
+                    + " Watch the returns, not this loss.", steps=[sp],
+                    evidence=ev | {"variant": "bootstrapped", "targets": targets}))
                 continue
             run.key_steps |= {s1, sp}
             if unrecovered:
