@@ -99,6 +99,10 @@ def test_a_negative_lr_is_critical_and_the_divergence_names_the_lr_in_force(tmp_
     first = min(s for s, t in truth.items() if t["lr"] < 0)
     assert f["code"] == "lr_schedule" and f["severity"] == "critical" and f["steps"] == [first]
     assert r["rc"] == 1 and row(r, "Learning rate")["status"] == "critical"
+    # the updates that made the weights NaN are not measured as a ratio: the row says so and is not "healthy"
+    bad = min(int(s) for s, t in truth.items() if not math.isfinite(float(t["loss"])))
+    up = row(r, "Update/weight ratio")
+    assert up["status"] == "critical" and f"not finite from step {bad}" in up["value"]
     d = finding(r, "loss_diverging")
     s1 = d["steps"][0]
     assert f"The learning rate was {truth[s1]['lr']:g} at step {s1}" in d["detail"]  # in force there, not the last

@@ -428,6 +428,10 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         broken = any(r.bad or (r.loss is not None and not math.isfinite(r.loss)) for r in recs)
         rows.append((f"Norm trend{sfx}", trends[k] if k < len(trends) else "-", "critical" if broken else trend_sev))
         ups = [u for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"])]
+        # the step the series stepped on a NaN/Inf loss or gradient (not one a GradScaler or guard skipped): the
+        # updates from there on made or carried NaN weights, a size no finite ratio describes, measured or not
+        gone = next((r.step for r in recs if (r.bad or (r.loss is not None and not math.isfinite(r.loss)))
+                     and not (r.skipped or r.guard_skipped)), None)
         if ups:
             top = max(ups, key=lambda u: u["ratio"])
             rewrote = top["ratio"] >= run.limits.blowup_update
@@ -438,9 +442,13 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
             # an update that rewrote the weights is never "healthy" (a notice at least, as far as the findings go)
             run_worst = worst(*(f.severity for f in findings))
             st = worst(blame, _cap("notice", run_worst)) if rewrote else blame
+            if gone is not None:   # never "healthy" beside weights an update made non-finite
+                st = worst(st, "critical")
             rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median([u['ratio'] for u in ups]))} over {len(ups)} "
                          f"measured step(s), largest {fmt(top['ratio'])} at step {top['step']} (about 1e-3 is typical"
-                         + ("; 1 or more: that step rewrote the weights" if rewrote else "") + ")", st))
+                         + ("; 1 or more: that step rewrote the weights" if rewrote else "")
+                         + (f"; not finite from step {gone}: the run went NaN/Inf there" if gone is not None else "")
+                         + ")", st))
         lrs = [r.lr for r in recs if r.lr is not None]
         if lrs:  # the evidence the rules that blame a learning rate quote
             # a schedule gone wrong (negative, collapsed) is never "healthy": the finding's severity
