@@ -327,3 +327,45 @@ def test_a_value_loss_rising_with_its_target_network_is_not_a_divergence(tmp_pat
     assert f["severity"] == "notice" and f["evidence"]["variant"] == "bootstrapped"
     assert f["evidence"]["targets"] == ["Sequential"]
     assert codes(r, "warning") == [] and codes(r, "critical") == [] and r["rc"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- tiny updates
+def _tiny_view(ratios, losses=None, series=2):
+    from fastgrad.diagnose.collect.steps import StepRecord
+    n = len(ratios)
+    losses = losses or [1.0 + 0.001 * (-1) ** i for i in range(n)]
+    steps = [StepRecord(step=2 * i + s + 1, series=s, has_loss=True, loss=losses[i], total_norm=1.0, lr=1e-9)
+             for i in range(n) for s in range(series)]
+    ups = [{"step": 2 * i + 2, "series": series - 1, "lr": 1e-9, "ratio": v, "layers": {}}
+           for i, v in enumerate(ratios)]
+    return RunView(steps=steps, names=[f"opt{s}" for s in range(series)], ctx={"updates": ups})
+
+
+def test_update_tiny_sits_between_its_rule_and_the_nearest_wrong_variants():
+    from fastgrad.diagnose.rules.rewrite import UPDATE_TINY
+    lim = RunLimits()
+    below, at = 0.99 * lim.stall_tiny_update, lim.stall_tiny_update
+    f, = UPDATE_TINY.evaluate(_tiny_view([below] * 8))
+    assert f.severity == "warning" and f.evidence["series"] == 1 and f.evidence["stuck"]
+    assert UPDATE_TINY.evaluate(_tiny_view([at] * 8)) == []
+    assert UPDATE_TINY.evaluate(_tiny_view([below] * 8, series=1)) == []          # one optimizer: stall's
+    n = lim.tiny_update_steps
+    assert len(UPDATE_TINY.evaluate(_tiny_view([below] * n))) == 1
+    assert UPDATE_TINY.evaluate(_tiny_view([below] * (n - 1))) == []
+    falling = [2.0 - 0.05 * i for i in range(20)]                                 # the loss improves anyway
+    assert UPDATE_TINY.evaluate(_tiny_view([below] * 20, losses=falling))[0].severity == "notice"
+
+
+def test_an_optimizer_whose_updates_cannot_move_its_weights_is_named_among_several(tmp_path_factory):
+    r = run(tmp_path_factory, "two_opts_tiny_lr.py", "--tiny")
+    t = r["truth"]["steps"]
+    ups = sorted(x["update2"] for x in t)
+    assert ups[len(ups) // 2] < 1e-6 and sorted(x["update1"] for x in t)[len(t) // 2] > 1e-4   # the premise
+    f = r["json"]["findings"][0]
+    assert f["code"] == "update_tiny" and f["severity"] == "warning" and f["evidence"]["series"] == 1
+    assert f["evidence"]["update_ratio"] == pytest.approx(ups[len(ups) // 2], rel=0.5)
+    assert codes(r).count("update_tiny") == 1
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "update_tiny")
+    assert "opt_second.param_groups" in rec["code_to_add"]
+    clean = run(tmp_path_factory, "two_opts_tiny_lr.py")
+    assert "update_tiny" not in codes(clean) and clean["rc"] == 0

@@ -386,6 +386,12 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "# can the model overfit one fixed batch? Repeat the script's own step on one batch ~200 times: if the\n"
         "# loss does not fall, the setup (labels, loss, what reaches the loss) is wrong",
     ),
+    "update_tiny": (
+        "This optimizer's updates are a vanishing share of its weights (see the update/weight ratio): its learning "
+        "rate is too small to move them. Raise it until the ratio approaches ~1e-3.",
+        "for group in optimizer.param_groups:\n"
+        "    group['lr'] *= 100                      # then watch the update/weight ratio (~1e-3)",
+    ),
     "stall:tiny_update": (
         "The updates are a vanishing share of the weights (see the update/weight ratio): the learning rate is too "
         "small to move them. Raise it until the ratio approaches ~1e-3.",

@@ -92,7 +92,7 @@ _SCHEDULE = {
     "negative": ({"loss_diverging", "exploding", "spike", "increasing", "no_clipping", "nonfinite_loss", "nonfinite",
                   "nonfinite_history", "dead", "mostly_zero", "stall", "elevated", "update_rewrote"},
                  "a negative learning rate steps uphill, so the loss (and the gradients with it) is driven up"),
-    "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning"},
+    "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning", "update_tiny"},
                  "a learning rate that near 0 stops every update, so the loss stops moving"),
 }
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why

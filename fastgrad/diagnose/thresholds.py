@@ -77,6 +77,8 @@ class RunLimits:
     #: ... or whose measured updates are below this share of the weights (median update/weight ratio; about
     #: 1e-3 is typical): the learning rate does not move the weights, a warning
     stall_tiny_update: float = 1e-6
+    #: update_tiny: the fewest measured updates of one optimizer whose median it judges
+    tiny_update_steps: int = 3
     #: ... and above this share, updates that large without progress: the optimizer bounces across the valley
     #: (the advice is then to lower the learning rate, not to raise it)
     stall_large_update: float = 0.1

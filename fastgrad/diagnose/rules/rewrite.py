@@ -2,15 +2,24 @@
 their own size or more (``||after - before|| / ||before||`` over the whole model, at the steps the checker
 measures: every one of the first 8, then every 16th). Such a step replaces the weights instead of adjusting
 them (about 1e-3 is typical); it is the learning rate's gravest harm whether or not the loss recovers after it.
-The same list of steps is the ``rewrite`` harm other findings quote (``rules.evidence.harm_of``)."""
+The same list of steps is the ``rewrite`` harm other findings quote (``rules.evidence.harm_of``).
+
+``update_tiny``, the other end of the same measurement: in a run of several optimizers (adversarial,
+actor-critic: ``stall`` judges one optimizer's loss only, and names tiny updates there), an optimizer whose
+median measured update moved its weights by less than ``RunLimits.stall_tiny_update`` (1e-6) of their size,
+over ``RunLimits.tiny_update_steps`` measured steps at least: its learning rate cannot move them. A warning
+when its own loss did not improve against its noise over the run (``rules.evidence.loss_change``), else a
+notice."""
 
 from __future__ import annotations
+
+import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView
 from .evidence import harm_of
 
-__all__ = ["UpdateRewrote", "UPDATE_REWROTE"]
+__all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY"]
 
 
 class UpdateRewrote(Rule):
@@ -43,3 +52,40 @@ class UpdateRewrote(Rule):
 UPDATE_REWROTE = UpdateRewrote(
     "update_rewrote", "warning", "the measured update/weight ratios and each step's learning rate, per optimizer",
     "a measured update moved an optimizer's weights by 1x their own size or more")
+
+
+class UpdateTiny(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        if not run.multi:
+            return []   # one optimizer: stall's tiny_update variant says it, with the loss
+        lim, out = run.limits, []
+        for k in run.per:
+            ups = sorted(u["ratio"] for u in run.ctx.get("updates") or ()
+                         if u["series"] == k and math.isfinite(u["ratio"]))
+            if len(ups) < lim.tiny_update_steps:
+                continue
+            med = ups[len(ups) // 2]
+            if med >= lim.stall_tiny_update:
+                continue
+            ch = harm_of(run, k).change
+            stuck = ch is not None and not ch["improved"]
+            first = run.per[k][0].step
+            lr = run.lr_at(k, first)
+            at = "" if lr is None else f" (learning rate {lr:g})"
+            out.append(Finding(
+                self.code, "warning" if stuck else "notice",
+                f"{run.label(k)}updates too small to move the weights: {fmt(med)} of their size",
+                f"{run.label(k)}the median of {len(ups)} measured updates moved the weights by {fmt(med)} of their "
+                f"own size, below {fmt(lim.stall_tiny_update)} (about 1e-3 is typical){at}: at that rate the run "
+                "ends with the weights where they began, whatever the gradients say. "
+                + ("Its loss did not improve against its own noise over the run." if stuck else
+                   "Its loss moved anyway (the other optimizers' doing, or noise)."),
+                steps=[first], evidence={"series": k, "update_ratio": med, "measured": len(ups), "lr": lr,
+                                         "stuck": stuck}))
+        return out
+
+
+UPDATE_TINY = UpdateTiny(
+    "update_tiny", "warning", "the measured update/weight ratios of each optimizer, in a run of several, and its "
+    "loss", "an optimizer's median measured update below 1e-6 of its weights (several optimizers; stall says it "
+    "for one): a warning when its loss did not improve, else a notice", needs=("loss",))
