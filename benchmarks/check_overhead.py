@@ -6,9 +6,10 @@ plainly (``runpy``) and under the checker (``fastgrad.diagnose.run.run_script``)
 The script is a classifier (8 Linear layers of 256, GELU, AdamW, ``F.cross_entropy``; a scalar loss, one
 backward and one step per iteration): per step, the checker's hooks on every module's forward, the backward
 interceptor (the loss's graph read on the host), the optimizer-step reads and the device rows it flushes every
-64 steps. Per-step time is the run's wall time over its steps; the table gives the minimum and median over the
-rounds of each side and their difference (on a shared machine the minimum is the better estimate). The final
-reads and the report, once per run, are counted apart (``report``).
+64 steps. Per-step time is the loop's time over its steps, as wall time and as the thread's CPU time (torch on
+one thread computes in the calling thread, and the checker's work is host work there: on a shared machine the
+thread time is the one that other jobs do not inflate); the table gives the minimum and median over the rounds
+of each side and their difference. The final reads and the report, once per run, are counted apart.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ for _ in range(8):
 model = nn.Sequential(*layers, nn.Linear(256, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.thread_time()
 for step in range({steps}):
     opt.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
-TIMES.append(time.perf_counter() - t0)
+TIMES.append((time.perf_counter() - t0, time.thread_time() - c0))
 '''
 
 
@@ -65,20 +66,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "train.py"
         path.write_text(SCRIPT.format(steps=a.steps))
-        plain, checked, report = [], [], []
+        plain, checked, plain_cpu, checked_cpu, report = [], [], [], [], []
         import builtins
         for _ in range(a.rounds + 1):   # the first round of each side warms up, not counted
             builtins.TIMES = []
             runpy.run_path(str(path), init_globals={"TIMES": builtins.TIMES}, run_name="__main__")
-            plain.append(builtins.TIMES[0] / a.steps)
+            plain.append(builtins.TIMES[0][0] / a.steps)
+            plain_cpu.append(builtins.TIMES[0][1] / a.steps)
             builtins.TIMES = []
             t0 = time.perf_counter()
             run_script(str(path), [])
             total = time.perf_counter() - t0
-            loop = builtins.TIMES[0] if builtins.TIMES else float("nan")
+            loop, cpu = builtins.TIMES[0] if builtins.TIMES else (float("nan"), float("nan"))
             checked.append(loop / a.steps)
+            checked_cpu.append(cpu / a.steps)
             report.append(total - loop)
         plain, checked, report = plain[1:], checked[1:], report[1:]
+        plain_cpu, checked_cpu = plain_cpu[1:], checked_cpu[1:]
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
@@ -86,6 +90,7 @@ def main(argv=None) -> int:
         commit = "?"
     row = {"commit": commit, "steps": a.steps, "rounds": a.rounds, "threads": a.threads,
            "plain_ms": [1e3 * v for v in plain], "checked_ms": [1e3 * v for v in checked],
+           "plain_cpu_ms": [1e3 * v for v in plain_cpu], "checked_cpu_ms": [1e3 * v for v in checked_cpu],
            "report_ms": [1e3 * v for v in report], "torch": torch.__version__, "machine": platform.node()}
     mn = lambda v: 1e3 * min(v)  # noqa: E731
     md = lambda v: 1e3 * statistics.median(v)  # noqa: E731
@@ -94,6 +99,10 @@ def main(argv=None) -> int:
     print(f"| plain | {mn(plain):.3f} | {md(plain):.3f} |")
     print(f"| under check | {mn(checked):.3f} | {md(checked):.3f} |")
     print(f"| added by check | {mn(checked) - mn(plain):.3f} | {md(checked) - md(plain):.3f} |")
+    print(f"| plain, thread CPU time | {mn(plain_cpu):.3f} | {md(plain_cpu):.3f} |")
+    print(f"| under check, thread CPU time | {mn(checked_cpu):.3f} | {md(checked_cpu):.3f} |")
+    print(f"| added by check, thread CPU time | {mn(checked_cpu) - mn(plain_cpu):.3f} | "
+          f"{md(checked_cpu) - md(plain_cpu):.3f} |")
     print(f"| the end of the run (reads, report), once | {mn(report):.1f} | {md(report):.1f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(row, indent=1))
