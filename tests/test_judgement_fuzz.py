@@ -107,6 +107,16 @@ def test_the_judge_rejects_wrong_reports(healthy_truth):
     lr_row = [{"metric": "Learning rate", "value": "0.05", "status": "healthy"}]
     assert not jf.judge(d, neg, _report([("clip_scaled", "critical")], summary=lr_row), "", script)["right"]
     assert jf.judge(d, t, _report([("clip_scaled", "critical")], summary=lr_row), "", script)["right"]
+    # two optimizers, one collapsed: its row must say so; the other's healthy row is no lie
+    two = copy.deepcopy(neg)
+    for s in two["steps"]:
+        s["opt"] = 0
+    two["steps"].append(dict(two["steps"][0], opt=1, lr=[0.003]))
+    rows = [{"metric": "Learning rate [Adam #1 (opt_c)]", "value": "0.05 -> -0.01", "status": "critical"},
+            {"metric": "Learning rate [Adam #2 (opt_a)]", "value": "0.003", "status": "healthy"}]
+    assert jf.judge(d, two, _report([("clip_scaled", "critical")], summary=rows), "", script)["right"]
+    rows[0]["status"] = "healthy"
+    assert not jf.judge(d, two, _report([("clip_scaled", "critical")], summary=rows), "", script)["right"]
     buf = dict(t, buffers_nonfinite=["model.body.1.running_mean"])
     assert not jf.judge(d, buf, _report([("clip_scaled", "critical")]), "the run is protected", script)["right"]
 
