@@ -464,6 +464,8 @@ def test_lbfgs_nan_only_in_a_later_evaluation_is_counted(runs):
     f = _finding(r, "nonfinite_history")
     assert f["severity"] == "critical" and f["steps"] == [6] and "later evaluation" in f["detail"]
     assert steps[-1]["nonfinite"] > 0
+    # LBFGS is first read before its closure ever ran the model: the parameters still carry the model's names
+    assert f["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 def test_lightning_trainer(runs):

@@ -31,6 +31,8 @@ class ParameterNames:
         named = self._named_cache.get(opt)
         if named is None or len(named) != len(params) or not all(map(operator.is_, params, map(_SECOND, named))):
             self._refresh_names()
+            if not all(p in self._names for p in params):
+                self._names_from_script(params)
             named = [(self._names.get(p, f"param_groups.{gi}.{i}"), p)
                      for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
             self._named_cache[opt] = named
@@ -63,6 +65,36 @@ class ParameterNames:
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
                     self._row_sparse_ids.add(m.weight)
             self.module_types.update(type(m).__name__ for m in root.modules())
+
+    def _names_from_script(self, params) -> None:
+        """Names for parameters no forward has shown yet (an optimizer whose closure runs the model inside
+        ``step()``, as LBFGS's does, is first read before the model's first call): the script's module that holds
+        most of them, found in the script's frames, named as the watcher names a root (bare for the first model,
+        ``Class:`` for a later one). Host only, and only while some of an optimizer's parameters have no name."""
+        want = {id(p) for p in params if p not in self._names}
+        found = []
+        f = sys._getframe(1)
+        while f is not None:
+            if os.path.abspath(f.f_code.co_filename) == self.script_path:
+                for scope in (f.f_locals, f.f_globals):
+                    for v in list(scope.values()):
+                        if isinstance(v, torch.nn.Module) and all(v is not m for m in found):
+                            found.append(v)
+            f = f.f_back
+        # the whole model before a part of it the script also keeps in a variable (``encoder = model.encoder``)
+        held = sorted(((sum(id(p) in want for p in m.parameters()), i, m) for i, m in enumerate(found)),
+                      key=lambda t: (-t[0], t[1]))
+        for n, _, m in held:
+            if not n or not want:
+                break
+            if not any(id(p) in want for p in m.parameters()):
+                continue
+            prefix = "" if not self._names_given else type(m).__name__ + ":"
+            for name, p in m.named_parameters():
+                if id(p) in want:
+                    self._names[p] = prefix + name
+                    want.discard(id(p))
+            self._names_given = True
 
     def _series_of(self, opt) -> int:
         k = self._series.get(opt)
