@@ -58,6 +58,13 @@ def test_criterion_sign_reads_the_sign_a_loss_function_enters_with():
     assert criterion_sign(-(-(x.log_softmax(1)[:, 0]).mean()))[:2] == (0, 0)
     assert criterion_sign(x.sum() * ce())[:2] == (0, 0)
     assert criterion_sign(torch.tensor(1.0))[:2] == (0, 0)
+    # a graph it cannot read (its saved tensors freed by an earlier backward) is unknown, never an error: the
+    # read runs inside the script's own backward() and GradScaler.scale
+    freed = F.cross_entropy(x, y) * torch.tensor(-3.0)
+    freed.backward()
+    with pytest.raises(RuntimeError):
+        freed.grad_fn._saved_other
+    assert criterion_sign(freed) == (0, 0, None)
 
 
 # ---------------------------------------------------------------------------------------------- the rule's bounds

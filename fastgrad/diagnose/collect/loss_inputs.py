@@ -73,6 +73,15 @@ def _constant_sign(fn) -> int | None:
 
 
 def criterion_sign(t, limit: int = 32) -> tuple[int, int, str | None]:
+    """See :func:`_criterion_sign`; never raises (it runs inside the script's ``backward()`` and
+    ``GradScaler.scale``: a graph it cannot read, such as one whose saved tensors were freed, is unknown)."""
+    try:
+        return _criterion_sign(t, limit)
+    except Exception:  # noqa: BLE001 - watching never changes what the script computes
+        return 0, 0, None
+
+
+def _criterion_sign(t, limit: int) -> tuple[int, int, str | None]:
     """Host: ``(negated, kept, node)``: how many loss-function nodes (``LOSS_NODE``) the scalar ``t`` reaches
     with its sign flipped (a ``-loss``, ``loss * -1``, the second operand of a subtraction) and with it kept,
     following only the nodes whose effect on the sign is known without a device read (negation, scaling by a
