@@ -272,6 +272,14 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     t2._note_targets()
     t2._note_targets()
     assert t2.moving_targets() == []
+    # a failure to read a module never reaches the script's step: a checker error, and no judgement from it
+    class Unreadable(torch.nn.Linear):
+        def parameters(self, recurse=True):
+            raise RuntimeError("sharded away")
+    t3 = _targets(Unreadable(2, 2))
+    t3.errors, t3.steps_done = [], 1
+    t3._note_targets()
+    assert t3.moving_targets() == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
 
 
 def _rise_view(targets=(), far_at=None, rewrite=False):

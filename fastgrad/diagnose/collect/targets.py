@@ -22,7 +22,15 @@ SAMPLE = 64
 class MovingTargets:
     def _note_targets(self) -> None:
         """At an optimizer step: snapshot the roots the watcher found since the last, and look for in-place
-        rewrites of those snapshotted before (stopping at the first for each)."""
+        rewrites of those snapshotted before (stopping at the first for each). Never raises: it runs at every
+        step boundary, including a GradScaler's skipped step; a failure is a checker error, the run goes on."""
+        try:
+            self._note_targets_now()
+        except Exception as e:  # noqa: BLE001 - the checker never breaks the user's step
+            self.errors.append(f"step {self.steps_done}: target networks: {e}")
+            self._target_versions = []   # judged no further: a partial record would misjudge
+
+    def _note_targets_now(self) -> None:
         roots = self.watcher._roots if self.watcher is not None else ()
         while self._targets_seen < len(roots):
             root = roots[self._targets_seen]()
