@@ -276,7 +276,8 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     class Unreadable(torch.nn.Linear):
         def parameters(self, recurse=True):
             raise RuntimeError("sharded away")
-    t3 = _targets(Unreadable(2, 2))
+    odd = Unreadable(2, 2)   # held here: the note keeps only a weak reference
+    t3 = _targets(odd)
     t3.errors, t3.steps_done = [], 1
     t3._note_targets()
     assert t3.moving_targets() == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
