@@ -31,6 +31,15 @@ def cached_run(cache: dict, runs: dict, name: str, tmp: Path) -> dict:
     return cache[name]
 
 
+def checked_once(cache: dict, tmp_path_factory, script: str, *args) -> dict:
+    """``checked_run`` of ``script`` with ``args``, made once per ``cache`` (one module's tests share a run), its
+    truth written in a fresh temporary folder."""
+    key = (script, args)
+    if key not in cache:
+        cache[key] = checked_run(script, args, tmp_path_factory.mktemp(Path(script).stem) / "truth.json")
+    return cache[key]
+
+
 def codes(run: dict, severity=None) -> list[str]:
     return [f["code"] for f in run["json"]["findings"] if severity is None or f["severity"] == severity]
 

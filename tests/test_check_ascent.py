@@ -16,15 +16,13 @@ from fastgrad.diagnose.rules.ascent import GRADIENT_ASCENT, ascent_variant
 from fastgrad.diagnose.rules.base import RunView
 from fastgrad.diagnose.thresholds import RunLimits
 
-from .check_runs import checked_run, codes, finding
+from .check_runs import checked_once, codes
 
 _cache: dict = {}
 
 
 def run(tmp_path_factory, *args):
-    if args not in _cache:
-        _cache[args] = checked_run("sign_flipped_loss.py", args, tmp_path_factory.mktemp("ascent") / "truth.json")
-    return _cache[args]
+    return checked_once(_cache, tmp_path_factory, "sign_flipped_loss.py", *args)
 
 
 # ---------------------------------------------------------------------------------------------- the graph's sign

@@ -13,15 +13,13 @@ from fastgrad.diagnose.collect.steps import StepRecord
 from fastgrad.diagnose.rules.base import RunView
 from fastgrad.diagnose.rules.buffers import NONFINITE_BUFFERS, buffers_bad
 
-from .check_runs import checked_run, codes, finding, row
+from .check_runs import checked_once, codes, finding, row
 
 _cache: dict = {}
 
 
 def run(tmp_path_factory, *args):
-    if args not in _cache:
-        _cache[args] = checked_run("bn_nan_guarded.py", args, tmp_path_factory.mktemp("buffers") / "truth.json")
-    return _cache[args]
+    return checked_once(_cache, tmp_path_factory, "bn_nan_guarded.py", *args)
 
 
 def _nonfinite_text(v: str) -> bool:

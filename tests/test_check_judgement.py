@@ -19,16 +19,13 @@ from fastgrad.diagnose.rules.clip_zeroes import CLIP_ZEROES, zeroed_by_clip
 from fastgrad.diagnose.rules.stall import STALL, loss_stall
 from fastgrad.diagnose.thresholds import RunLimits, Thresholds
 
-from .check_runs import checked_run, codes, finding, row
+from .check_runs import checked_once, codes, finding, row
 
 _cache: dict = {}
 
 
 def run(name, tmp_path_factory, *args):
-    key = (name, args)
-    if key not in _cache:
-        _cache[key] = checked_run(name, args, tmp_path_factory.mktemp("judge") / "truth.json")
-    return _cache[key]
+    return checked_once(_cache, tmp_path_factory, name, *args)
 
 
 def same_losses(r):

@@ -14,16 +14,13 @@ from fastgrad.diagnose.rules.evidence import own_level
 from fastgrad.diagnose.rules.lr_schedule import LR_SCHEDULE, lr_trouble
 from fastgrad.diagnose.thresholds import RunLimits
 
-from .check_runs import checked_run, codes, finding, row
+from .check_runs import checked_once, codes, finding, row
 
 _cache: dict = {}
 
 
 def run(tmp_path_factory, name, *args):
-    key = (name, args)
-    if key not in _cache:
-        _cache[key] = checked_run(name, args, tmp_path_factory.mktemp("misjudged") / "truth.json")
-    return _cache[key]
+    return checked_once(_cache, tmp_path_factory, name, *args)
 
 
 _LR_UP_DOWN = ("lr'] *= ", "lower the learning rate", "raise the learning rate", "raise it", "lower it")
@@ -262,7 +259,7 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
             copied.load_state_dict(critic.state_dict())         # a target network copied now and then
         frozen(x)                                               # a frozen teacher: forwarded, never rewritten
     t._note_targets()
-    assert t.moving_targets() == ["Sequential", "Sequential"]
+    assert t.targets_moved == ["Sequential", "Sequential"]
     moved = [e for e in t._target_versions if e[1] is None]
     assert [e[0]() for e in moved] == [critic, polyak, copied, by_hand]   # judged once each, in order
     # the nearest wrong variant: a copy made before the first step is the starting point, not a move
@@ -271,7 +268,7 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     late.load_state_dict(critic.state_dict())
     t2._note_targets()
     t2._note_targets()
-    assert t2.moving_targets() == []
+    assert t2.targets_moved == []
     # a failure to read a module never reaches the script's step: a checker error, and no judgement from it
     class Unreadable(torch.nn.Linear):
         def parameters(self, recurse=True):
@@ -280,7 +277,7 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     t3 = _targets(odd)
     t3.errors, t3.steps_done = [], 1
     t3._note_targets()
-    assert t3.moving_targets() == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
+    assert t3.targets_moved == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
 
 
 def _rise_view(targets=(), far_at=None, rewrite=False):

@@ -18,16 +18,13 @@ from fastgrad.diagnose.rules.stall import loss_stall
 from fastgrad.diagnose.rules.weight_decay import decay_drag
 from fastgrad.diagnose.thresholds import RunLimits, Thresholds
 
-from .check_runs import checked_run, codes, finding
+from .check_runs import checked_once, codes, finding
 
 _cache: dict = {}
 
 
 def run(tmp_path_factory, name, *args):
-    key = (name, args)
-    if key not in _cache:
-        _cache[key] = checked_run(name, args, tmp_path_factory.mktemp("stuck") / "truth.json")
-    return _cache[key]
+    return checked_once(_cache, tmp_path_factory, name, *args)
 
 
 # ------------------------------------------------------------------------------ probabilities into a cross-entropy

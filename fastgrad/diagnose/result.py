@@ -127,7 +127,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "windows": list(getattr(chk, "windows", [])),
                        "loss_signs": dict(getattr(chk, "loss_signs", {})),
                        "maximize": list(getattr(chk, "series_maximize", [])),
-                       "moving_targets": chk.moving_targets() if hasattr(chk, "moving_targets") else [],
+                       "moving_targets": list(getattr(chk, "targets_moved", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),

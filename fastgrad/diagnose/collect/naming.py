@@ -73,14 +73,10 @@ class ParameterNames:
         ``Class:`` for a later one). Host only, and only while some of an optimizer's parameters have no name."""
         want = {id(p) for p in params if p not in self._names}
         found = []
-        f = sys._getframe(1)
-        while f is not None:
-            if os.path.abspath(f.f_code.co_filename) == self.script_path:
-                for scope in (f.f_locals, f.f_globals):
-                    for v in list(scope.values()):
-                        if isinstance(v, torch.nn.Module) and all(v is not m for m in found):
-                            found.append(v)
-            f = f.f_back
+        for scope in self._script_scopes():
+            for v in list(scope.values()):
+                if isinstance(v, torch.nn.Module) and all(v is not m for m in found):
+                    found.append(v)
         # the whole model before a part of it the script also keeps in a variable (``encoder = model.encoder``)
         held = sorted(((sum(id(p) in want for p in m.parameters()), i, m) for i, m in enumerate(found)),
                       key=lambda t: (-t[0], t[1]))
@@ -113,15 +109,11 @@ class ParameterNames:
     def _scheduler_var(self, opt) -> str | None:
         """The script's variable for the learning-rate scheduler that drives ``opt`` (advice about its schedule
         names it), or None where the script keeps none."""
-        f = sys._getframe(1)
-        while f is not None:
-            if os.path.abspath(f.f_code.co_filename) == self.script_path:
-                for scope in (f.f_locals, f.f_globals):
-                    for n, v in scope.items():
-                        if (getattr(v, "optimizer", None) is opt and hasattr(v, "step")
-                                and not n.startswith("_") and n != "self"):
-                            return n
-            f = f.f_back
+        for scope in self._script_scopes():
+            for n, v in scope.items():
+                if (getattr(v, "optimizer", None) is opt and hasattr(v, "step")
+                        and not n.startswith("_") and n != "self"):
+                    return n
         return None
 
     def _script_names(self) -> None:
@@ -134,25 +126,27 @@ class ParameterNames:
         if "lr" in self.script_vars:
             return
         self.script_vars["lr"] = None
-        f = sys._getframe(1)
-        while f is not None:
-            if os.path.abspath(f.f_code.co_filename) == self.script_path:
-                for scope in (f.f_locals, f.f_globals):
-                    found = sorted((n for n, v in scope.items() if _LR_NAME.match(n) and
-                                    isinstance(v, (int, float)) and not isinstance(v, bool)), key=_lr_rank)
-                    if found:
-                        self.script_vars["lr"] = found[0]
-                        return
-            f = f.f_back
+        for scope in self._script_scopes():
+            found = sorted((n for n, v in scope.items() if _LR_NAME.match(n) and
+                            isinstance(v, (int, float)) and not isinstance(v, bool)), key=_lr_rank)
+            if found:
+                self.script_vars["lr"] = found[0]
+                return
 
     def _var_name(self, obj) -> str | None:
         """The name the script gave ``obj`` (a variable in one of the script's frames on the stack)."""
+        for scope in self._script_scopes():
+            for n, v in scope.items():
+                if v is obj and not n.startswith("_") and n != "self":
+                    return n
+        return None
+
+    def _script_scopes(self):
+        """The locals, then the globals, of each of the script's frames on the stack, innermost first (the
+        frames of fastgrad and torch in between are skipped: only the script's names are its own)."""
         f = sys._getframe(1)
         while f is not None:
             if os.path.abspath(f.f_code.co_filename) == self.script_path:
-                for scope in (f.f_locals, f.f_globals):
-                    for n, v in scope.items():
-                        if v is obj and not n.startswith("_") and n != "self":
-                            return n
+                yield f.f_locals
+                yield f.f_globals
             f = f.f_back
-        return None

@@ -6,7 +6,8 @@ its targets grow with the returns. A mixin of :class:`~fastgrad.diagnose.collect
 Host only: the version counters (``Tensor._version``, bumped by every in-place write: ``copy_`` in
 ``load_state_dict``, ``mul_``/``add_``/``lerp_`` of an average) of each root module's first ``SAMPLE``
 parameters, taken at the first optimizer step after the watcher saw it and compared at each later step until
-they move (a model's namespace may be gone by the end of the run, so it is judged while the run is on)."""
+they move (a model's namespace may be gone by the end of the run, so it is judged while the run is on).
+``targets_moved``: the class names of the roots so judged to be targets the run moves."""
 
 from __future__ import annotations
 
@@ -50,9 +51,4 @@ class MovingTargets:
             entry[1] = None   # judged: a target the run moves, or a model it trains
             held = {id(p) for r in self._opt_refs if r() is not None for g in r().param_groups for p in g["params"]}
             if not any(id(p) in held or p.grad is not None for p in ps):
-                self.targets_moved.append(type(root).__name__)
-
-    def moving_targets(self) -> list[str]:
-        """The class names of the root modules no optimizer holds and no backward reached, whose parameters the
-        script rewrote in place after they were first seen (see the module docstring)."""
-        return list(self.targets_moved)
+                self.targets_moved.append(type(root).__name__)   # trained by no optimizer, by no backward

@@ -25,7 +25,8 @@ from ..thresholds import RunLimits
 from .base import RunView, median
 from .trends import LOSS_JUMP, robust_jumps
 
-__all__ = ["loss_change", "own_level", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION", "RISE_REASON", "GUESSES"]
+__all__ = ["loss_change", "own_level", "update_size", "tiny_update", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION",
+           "RISE_REASON", "GUESSES"]
 
 #: what a norm above the guide's limits with no harm most often is, and a rising one: guesses that a finding which
 #: follows from a known cause drops (``consistency.link_causes``)
@@ -67,6 +68,18 @@ def own_level(norms: list[float], i: int, min_history: int) -> float | None:
         return None
     lev = median(base)
     return lev if lev > 0 else None
+
+
+def update_size(run: RunView, k: int) -> tuple[float | None, int]:
+    """``(median, count)`` of series ``k``'s finite measured update/weight ratios (median None: none measured):
+    the size of its updates that ``stall`` and ``update_tiny`` judge."""
+    ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k and math.isfinite(u["ratio"]))
+    return (ups[len(ups) // 2] if ups else None), len(ups)
+
+
+def tiny_update(ratio: float | None, limits: RunLimits) -> bool:
+    """Updates below ``RunLimits.stall_tiny_update`` of the weights: the learning rate cannot move them."""
+    return ratio is not None and ratio < limits.stall_tiny_update
 
 
 @dataclass

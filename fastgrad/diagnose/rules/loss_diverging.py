@@ -106,7 +106,8 @@ class LossDiverging(Rule):
             ev = {"series": k, "start_step": s0, "start": v0, "first_step": s1, "peak_step": sp, "peak": vp,
                   "end_level": end, "ratio": vp / v0}
             # the learning rate's evidence: an update that rewrote the weights
-            rw = max(harm_of(run, k).rewrites, key=lambda t: t[1], default=None)
+            h = harm_of(run, k)
+            rw = max(h.rewrites, key=lambda t: t[1], default=None)
             upd = "" if rw is None else (f" An update moved the weights by {fmt(rw[1])}x their own size (step "
                                          f"{rw[0]}): one step rewrote them.")
             if rw is not None:
@@ -123,7 +124,6 @@ class LossDiverging(Rule):
             # network) bootstraps, whenever its rise began and however large its norms grew with it. Harm beyond
             # the rise (an update that rewrote the weights, a NaN, a norm far above its own level; without moving
             # targets, a norm above the modest bound) never gets the exemption.
-            h = harm_of(run, k)
             far = any(h.far(s) for s in h.steps)
             clean = rw is None and not h.nonfinite and not late
             boot = (modest and gradual and ((stable and late_peak) or (unrecovered and not far))) or \

@@ -13,11 +13,9 @@ notice."""
 
 from __future__ import annotations
 
-import math
-
 from ..finding import Finding, fmt
 from .base import Rule, RunView
-from .evidence import harm_of
+from .evidence import harm_of, tiny_update, update_size
 
 __all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY"]
 
@@ -60,12 +58,8 @@ class UpdateTiny(Rule):
             return []   # one optimizer: stall's tiny_update variant says it, with the loss
         lim, out = run.limits, []
         for k in run.per:
-            ups = sorted(u["ratio"] for u in run.ctx.get("updates") or ()
-                         if u["series"] == k and math.isfinite(u["ratio"]))
-            if len(ups) < lim.tiny_update_steps:
-                continue
-            med = ups[len(ups) // 2]
-            if med >= lim.stall_tiny_update:
+            med, n = update_size(run, k)
+            if n < lim.tiny_update_steps or not tiny_update(med, lim):
                 continue
             ch = harm_of(run, k).change
             stuck = ch is not None and not ch["improved"]
@@ -75,12 +69,12 @@ class UpdateTiny(Rule):
             out.append(Finding(
                 self.code, "warning" if stuck else "notice",
                 f"{run.label(k)}updates too small to move the weights: {fmt(med)} of their size",
-                f"{run.label(k)}the median of {len(ups)} measured updates moved the weights by {fmt(med)} of their "
+                f"{run.label(k)}the median of {n} measured updates moved the weights by {fmt(med)} of their "
                 f"own size, below {fmt(lim.stall_tiny_update)} (about 1e-3 is typical){at}: at that rate the run "
                 "ends with the weights where they began, whatever the gradients say. "
                 + ("Its loss did not improve against its own noise over the run." if stuck else
                    "Its loss moved anyway (the other optimizers' doing, or noise)."),
-                steps=[first], evidence={"series": k, "update_ratio": med, "measured": len(ups), "lr": lr,
+                steps=[first], evidence={"series": k, "update_ratio": med, "measured": n, "lr": lr,
                                          "stuck": stuck}))
         return out
 

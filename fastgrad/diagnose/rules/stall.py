@@ -20,7 +20,7 @@ import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView
-from .evidence import loss_change
+from .evidence import loss_change, tiny_update, update_size
 
 __all__ = ["Stall", "loss_stall"]
 
@@ -63,10 +63,8 @@ class Stall(Rule):
             level = abs(s["last"]) or 1.0
             flat = s["noise"] <= lim.stall_flat * level and abs(s["drop"]) <= lim.stall_flat * level
             lr = run.lr_at(k, steps[0])  # the lr in force when the window began, as the schedule set it
-            ups = sorted(u["ratio"] for u in run.ctx.get("updates") or () if u["series"] == k
-                         and math.isfinite(u["ratio"]))
-            upd = ups[len(ups) // 2] if ups else None
-            tiny = upd is not None and upd < lim.stall_tiny_update
+            upd, _ = update_size(run, k)
+            tiny = tiny_update(upd, lim)
             large = upd is not None and upd > lim.stall_large_update
             ev = {"series": k, "first_step": steps[0], "last_step": steps[-1], "window": s["n"],
                   "first_mean": s["first"], "last_mean": s["last"], "noise": s["noise"], "se": s["se"],
