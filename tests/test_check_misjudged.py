@@ -137,6 +137,18 @@ def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_fa
     assert row(r, "Update/weight ratio")["status"] == "warning"
 
 
+# ---------------------------------------------------------------------------------------------- hand-written loops
+def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zeroes_them(tmp_path_factory):
+    """A loop that clips, updates and then sets ``p.grad = None`` itself leaves no gradient to read after its
+    last step: that is not a clip that zeroed them. The same loop clipping at 0 still is."""
+    r = run(tmp_path_factory, "manual_sgd.py", "--drop-grads")
+    t = r["truth"]["steps"]
+    assert any(x["raw"] > 2.0 for x in t) and all(x["norm"] > 0 for x in t)   # the clip acted; nothing was zero
+    assert "clip_zeroes" not in codes(r) and r["rc"] == 0, codes(r)
+    bad = run(tmp_path_factory, "manual_sgd.py", "--drop-grads", "--max-norm", "0")
+    assert finding(bad, "clip_zeroes")["severity"] == "critical" and bad["rc"] == 1
+
+
 # ---------------------------------------------------------------------------------------------- effect, not cause
 @pytest.mark.parametrize("script, cause, effects", [
     ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move

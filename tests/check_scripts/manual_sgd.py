@@ -1,19 +1,32 @@
 """A hand-written update (no torch.optim), word_language_model style: model.zero_grad(), backward, clip,
-p.data.add_(p.grad, alpha=-lr)."""
+p.data.add_(p.grad, alpha=-lr).
+
+``--drop-grads``: no zero_grad() at all; the update drops each gradient itself once used (``p.grad = None``), as
+hand-written momentum loops do, so nothing is left to read after the last step. ``--max-norm``: the clip's bound
+(0: a clip that zeroes every gradient)."""
+import argparse
+
 import torch
 from _truth import Truth, grad_norm
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--drop-grads", action="store_true")
+ap.add_argument("--max-norm", type=float, default=2.0)
+a = ap.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 lr, truth = 0.05, Truth()
 w = torch.randn(8, 1)
 for step in range(1, 26):
     x = torch.randn(32, 8)
-    model.zero_grad()
+    if not a.drop_grads:
+        model.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), x @ w)
     loss.backward()
-    raw = torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+    raw = torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
     truth.add(step=step, raw=float(raw), norm=grad_norm(model.parameters()), loss=loss.item())
     for p in model.parameters():
         p.data.add_(p.grad, alpha=-lr)
+        if a.drop_grads:
+            p.grad = None
 print("done")

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from ...distributed import to_local_norm
-from ...stats import grad_stats
 from .loss_inputs import criterion_sign, loss_node
 
 __all__ = ["RedFlagInterceptors", "scaler_classes"]
@@ -85,7 +84,7 @@ class RedFlagInterceptors:
             if chk._m_row is not None and not chk._opt_started:
                 if chk._m_clip and not chk._m_zeroed:
                     try:  # the gradients the hand-written update consumed: clipped since the backward
-                        chk._m_used = chk._stats_row(grad_stats(chk._m_named))
+                        chk._m_used = chk._consumed_row()
                     except Exception as e:  # noqa: BLE001
                         chk.errors.append(f"zero_grad: could not read the gradients: {e}")
                 chk._m_zeroed = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...stats import grad_stats
 from .steps import StepRecord
 
 __all__ = ["ManualLoopReader"]
@@ -56,6 +57,13 @@ class ManualLoopReader:
         self._m_clip = False
         self._m_zeroed = False
 
+
+    def _consumed_row(self) -> Tensor | None:
+        """The gradients a hand-written update consumed, re-read after a clip (at ``zero_grad()``, or at the end
+        of the run): None where the script already dropped them itself (``p.grad = None`` in its update), so
+        the backward's own read stands; no gradient left is not a clip that zeroed them. No sync."""
+        stats = grad_stats(self._m_named)
+        return self._stats_row(stats) if len(stats) else None
 
     def _stats_row(self, stats) -> Tensor:
         """(norm, NaN+Inf count, zero count) of one statistics pass, float64 on its device; no sync."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ...stats import grad_stats
 
 __all__ = ["RunReadout"]
 
@@ -21,7 +20,7 @@ class RunReadout:
         if not self._opt_started and self._m_row is not None:
             try:
                 if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
-                    self._m_used = self._stats_row(grad_stats(self._m_named))
+                    self._m_used = self._consumed_row()
                 self._manual_close()
             except Exception as e:  # noqa: BLE001
                 self.errors.append(f"last backward: {e}")
