@@ -322,6 +322,15 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for group in optimizer.param_groups:\n"
         "    group['weight_decay'] = DECAY             # lr x weight_decay about 1e-4 a step",
     ),
+    "saturated_at_init": (
+        "Initialise each layer for the activation after it, so that its outputs start in range: Xavier/Glorot "
+        "with the activation's gain (std about 1/sqrt(fan_in) for tanh), and normalise the inputs (zero mean, unit "
+        "variance); a LayerNorm before the activation keeps it in range as the weights grow.",
+        "for m in model.modules():\n"
+        "    if isinstance(m, nn.Linear):\n"
+        "        nn.init.xavier_uniform_(m.weight, gain=nn.init.calculate_gain('tanh'))\n"
+        "        nn.init.zeros_(m.bias)",
+    ),
     "update_rewrote": (
         "An update as large as the weights replaces them: lower the learning rate until the update/weight ratio "
         "of the first steps stays well below 1 (about 1e-3 is typical), and warm it up over the first steps.",

@@ -13,8 +13,9 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go;
 - cause before effect (``link_causes``): where one finding explains another, the effect says that it follows
   from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
-  gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; a learning rate that blows the run up -> the explosion and the
-  units it kills; tensors that never learn -> the zeros and the vanishing of the layers before them.
+  gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; a learning rate
+  that blows the run up -> the explosion and the units it kills; activations saturated by the initialisation ->
+  the stall and the vanishing across depth; tensors that never learn -> the zeros and the vanishing of the layers before them.
 
 Per-rule facts (a NaN loss at steps a StepGuard skipped is reported as protected) are decided by the rules
 themselves; this pass only reconciles findings with each other."""
@@ -95,6 +96,10 @@ _SCHEDULE = {
     "collapse": ({"stall", "decaying", "vanishing", "low", "small_but_learning", "update_tiny"},
                  "a learning rate that near 0 stops every update, so the loss stops moving"),
 }
+#: what activations saturated by the initialisation explain (``saturated_at_init``), and why
+_SATURATED = ({"stall", "depth_vanishing"},
+              "units on their flat tails pass back almost none of their gradient, so the layers before them (and "
+              "the loss) barely move, whatever the learning rate")
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
 _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
             "nonfinite", "nonfinite_history", "dead", "mostly_zero", "stall"},
@@ -127,6 +132,7 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
     accum = next((f for f in out if f.code == "no_zero_grad"), None)
     sched = [f for f in out if f.code == "lr_schedule"]
     ascent = next((f for f in out if f.code == "gradient_ascent" and f.severity != "notice"), None)
+    saturated = next((f for f in out if f.code == "saturated_at_init"), None)
     for f in out:
         cause, why = None, ""
         lr = next((g for g in sched if f.code in _SCHEDULE[g.evidence["variant"]][0] and
@@ -157,6 +163,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             elif f.code == "depth_vanishing" and _starves(f, zero, order):
                 cause, why = never, ("a layer that passes no gradient back starves the layers before it of "
                                      "theirs")
+        if cause is None and saturated is not None and f.code in _SATURATED[0]:
+            cause, why = saturated, _SATURATED[1]
         if cause is None or f.evidence.get("follows"):
             continue
         f.evidence["follows"] = cause.code

@@ -128,6 +128,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "loss_signs": dict(getattr(chk, "loss_signs", {})),
                        "maximize": list(getattr(chk, "series_maximize", [])),
                        "moving_targets": list(getattr(chk, "targets_moved", [])),
+                       "saturation": list(getattr(chk, "saturation", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),

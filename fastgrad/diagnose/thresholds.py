@@ -117,6 +117,12 @@ class RunLimits:
     decay_pull: float = 0.01
     #: ... and the measured weights' norm fell to this share of its first measured value, or below
     decay_fall: float = 0.5
+    #: saturated_at_init: an activation output whose slope is below this share of the activation's largest
+    #: (tanh: |y| above 0.99) sits on a flat tail: it passes back under 2% of the gradient that reaches it ...
+    saturated_slope: float = 0.02
+    #: ... and a tanh or sigmoid layer with at least this share of its outputs there, at the first forward,
+    #: before any update, is saturated by the initialisation's scale (or the input's)
+    saturated_share: float = 0.5
 
 
 def worst(*severities: str) -> str:

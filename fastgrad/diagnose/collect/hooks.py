@@ -42,6 +42,7 @@ from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
 from .ranks import RankRecorder
+from .saturation import SaturationReader
 from .readout import RunReadout
 from .steps import StepRecord, StopCheck
 from .targets import MovingTargets
@@ -51,7 +52,7 @@ __all__ = ["Checker", "StopCheck"]
 
 
 class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, RedFlagInterceptors,
-              ManualLoopReader, RankRecorder, BufferReader, MovingTargets):
+              ManualLoopReader, RankRecorder, BufferReader, MovingTargets, SaturationReader):
     """The hooks and interceptors of one checked run (its state, what it installs, the backward interceptor).
     ``install()``/``remove()`` bracket the script; each step is closed by ``StepBookkeeping`` and the run read
     by ``RunReadout.finish()``."""
@@ -159,12 +160,14 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self.script_vars: dict = {}  # the script's own names: "model", "lr" (a hand-written loop's)
         self._rank_init()  # a multi-process run's records of the clips (collect.ranks)
         self._buf_init()   # the models' buffers that turn NaN/Inf (collect.buffers)
+        self._sat_init()   # activations saturated before the first backward (collect.saturation)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
         from torch.optim import optimizer as O
 
         self.watcher = ForwardWatcher()  # global hooks; advanced by our step boundary
+        self._sat_install()              # after the watcher: its hooks name a module first
         self._handles += [O.register_optimizer_step_pre_hook(self._pre_step),
                           O.register_optimizer_step_post_hook(self._post_step)]
         self._patch(torch.Tensor, "backward", self._wrap_backward)
@@ -220,6 +223,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._handles.clear()
         if self.watcher is not None:
             self.watcher.remove()
+        self._sat_close()
 
     # ---------------------------------------------------------------- interceptors (host logic, no syncs)
     def _wrap_backward(self, orig):
@@ -241,6 +245,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
             finally:
                 if outer:
                     chk._in_bw = False
+                    chk._sat_close()   # the weights the script built are read; an update may follow
             if manual:
                 try:
                     chk._manual_read(tensor)

@@ -1,6 +1,7 @@
 """The end of a checked run: what ``python -m fastgrad.check`` reads to the host once the script has returned
 (a hand-written loop's open step, the pending step rows, the sampled updates, the per-parameter counts of
-nonzero gradients, the buffers found NaN/Inf, each optimizer's final learning rate). A mixin of
+nonzero gradients, the buffers found NaN/Inf, the activations saturated at the first forward, each optimizer's
+final learning rate). A mixin of
 :class:`~fastgrad.diagnose.collect.hooks.Checker`; ``_note_live`` is the device-side count that the step hooks
 feed during the run (no sync), ``finish`` the reads after it."""
 
@@ -36,6 +37,10 @@ class RunReadout:
             self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
             self.update_rows = []
         self._read_live()
+        try:
+            self.saturation = self.saturation_report()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"could not read the activations' saturation: {e}")
         try:
             self.buffers = self.buffer_report()
         except Exception as e:  # noqa: BLE001

@@ -22,6 +22,7 @@ from .norm_trends import NORM_TRENDS
 from .probabilities_ce import PROBABILITIES_INTO_CE
 from .red_flags import CLIP_AFTER_STEP, CLIP_PARTIAL, CLIP_SCALED, NO_CLIPPING, NO_ZERO_GRAD
 from .rewrite import UPDATE_REWROTE, UPDATE_TINY
+from .saturation import SATURATED_AT_INIT
 from .run_state import CHECKER_ERROR, HAND_WRITTEN_LOOP, NOT_CHECKED, SCRIPT_CRASHED
 from .stall import STALL
 from .skips import AMP_SKIPPED, GUARD_SKIPPED
@@ -33,13 +34,14 @@ __all__ = ["RUN_RULES", "FINDING_CODES", "evaluate", "not_checked"]
 # A non-finite loss first: when both fire at the same step, the loss is the earlier cause (the gradients are
 # computed from it). The last step's statuses before the history rule, which extends their nonfinite finding.
 # A loss wrongly formed (probabilities into a cross-entropy, a loss negated, a window summed) and a decay that
-# erases the weights before the norm rules: at the same step, the cause leads its effects.
+# erases the weights before the norm rules: at the same step, the cause leads its effects. An initialisation that
+# saturates the activations after the stall it explains (the stall is its harm; the report puts it first).
 RUN_RULES: tuple[Rule, ...] = (
     NONFINITE_LOSS, LAST_STEP, NONFINITE_HISTORY, NONFINITE_BUFFERS, NORM_MISCOUNTED, PROBABILITIES_INTO_CE,
     GRADIENT_ASCENT, ACCUM_NOT_DIVIDED, WEIGHT_DECAY_DRAG, EXPLODING, CLIP_ZEROES, ZERO_GRADS, NEVER_LEARNS, FROZEN_IN_OPTIMIZER, LR_ZERO,
     LR_SCHEDULE, UPDATE_REWROTE, UPDATE_TINY,
     LOSS_DIVERGING,
-    NORM_TRENDS, STALL, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
+    NORM_TRENDS, STALL, SATURATED_AT_INIT, CLIP_SCALED, CLIP_AFTER_STEP, CLIP_PARTIAL, NO_ZERO_GRAD, NO_CLIPPING, GUARD_SKIPPED,
     AMP_SKIPPED, HAND_WRITTEN_LOOP, NOT_CHECKED, CHECKER_ERROR, SCRIPT_CRASHED,
 )
 
