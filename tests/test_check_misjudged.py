@@ -109,8 +109,9 @@ def test_a_negative_lr_is_critical_and_the_divergence_names_the_lr_in_force(tmp_
 
 
 # ---------------------------------------------------------------------------------------------- rewrites
-def _upd_view(ratios, lr=0.5):
-    steps = [StepRecord(step=i + 1, has_loss=True, loss=1.0, total_norm=1.0, lr=lr) for i in range(len(ratios))]
+def _upd_view(ratios, lr=0.5, losses=None):
+    losses = losses or [1.0] * len(ratios)
+    steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=1.0, lr=lr) for i, v in enumerate(losses)]
     ups = [{"step": i + 1, "series": 0, "lr": lr, "ratio": v, "layers": {}} for i, v in enumerate(ratios)]
     return RunView(steps=steps, lrs=[lr], ctx={"updates": ups})
 
@@ -121,6 +122,52 @@ def test_update_rewrote_sits_at_one_weights_size():
     assert not UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update * 0.999, 0.01]))
     got = UPDATE_REWROTE.evaluate(_upd_view([0.01, lim.blowup_update, 0.01, float("nan")]))
     assert [(f.severity, f.steps, f.evidence["lr"]) for f in got] == [("warning", [2], 0.5)]
+    assert got[0].evidence["harm"] == ["no_progress"]   # a flat loss: the run did not learn past it
+
+
+def test_update_rewrote_is_a_warning_when_it_recurs_or_harms_and_a_notice_for_one_step_the_run_learnt_past():
+    """Adam's first step on small weights moves each by about the learning rate (a ratio near 1 once), and the
+    run learns on: a notice. A second rewrite, or harm from it on, makes it a warning."""
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+    n = 24
+    falls = [2.0 * 0.93 ** i for i in range(n)]
+    once = [1.2] + [0.01] * (n - 1)
+    twice = [1.2, 0.01, 1.1] + [0.01] * (n - 3)
+    sev = lambda ratios, losses: [f.severity for f in UPDATE_REWROTE.evaluate(_upd_view(ratios, losses=losses))]  # noqa: E731
+    assert sev(once, falls) == ["notice"]
+    assert sev(twice, falls) == ["warning"]
+    assert sev(once, [1.0] * n) == ["warning"]                       # the loss did not improve
+    rises = [1.0 + 0.1 * i for i in range(n)]
+    assert sev(once, rises) == ["warning"]                           # the loss rose over the run
+    nan_after = falls[:5] + [float("nan")] + falls[6:]
+    assert sev(once, nan_after) == ["warning"]                       # a NaN from the rewrite on
+    # a loss that falls from the blow-up the rewrite began (its quarter means improve) but ends above its value
+    # at the rewrite: harm; ending just under the margin (1% of that value: the loss's progress rule) is not
+    for end, want in ((1.0 * 1.015, "warning"), (1.0 * 1.005, "notice")):
+        up = [1.0, 6.0, 5.0, 4.0, 3.0, 2.5, 2.0] + [end] * (n - 7)
+        got = UPDATE_REWROTE.evaluate(_upd_view(once, losses=up))
+        assert [f.severity for f in got] == [want], (end, got)
+        assert ("not_recovered" in got[0].evidence["harm"]) == (want == "warning")
+
+
+def test_one_adam_step_that_rewrote_small_weights_is_a_notice_the_run_learnt_past(tmp_path_factory):
+    """Adam's first step moves each weight by about the learning rate: on weights a tenth of torch's default
+    that is several times their size. The run learns past it (a notice, exit 0); at 10x the learning rate the
+    loss blows up from that step and never comes back to its first value (a warning that says so)."""
+    r = run(tmp_path_factory, "adam_first_step.py", "--lr", "0.05")
+    t = r["truth"]["steps"]
+    assert [x["step"] for x in t if x["update"] >= 1] == [1]                      # once, at step 1
+    assert sum(x["loss"] for x in t[-15:]) / 15 < 0.5 * t[0]["loss"]              # and it learnt
+    f = finding(r, "update_rewrote")
+    assert f["severity"] == "notice" and f["evidence"]["harm"] == [] and r["rc"] == 0
+    assert not codes(r, "warning") and not codes(r, "critical")
+    hi = run(tmp_path_factory, "adam_first_step.py", "--lr", "0.5")
+    t = hi["truth"]["steps"]
+    assert [x["step"] for x in t if x["update"] >= 1] == [1]
+    assert sum(x["loss"] for x in t[-15:]) / 15 > 1.5 * t[0]["loss"]              # ended above its start
+    f = finding(hi, "update_rewrote")
+    assert f["severity"] == "warning" and "not_recovered" in f["evidence"]["harm"]
+    assert row(hi, "Loss (first -> last step)")["status"] != "healthy"
 
 
 def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_factory):

@@ -478,7 +478,7 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                         + (", at chance" if st.evidence["at_chance"] else "") + ")")
             # the findings that rest on the loss: its divergence, its stall, a jump or rise as a norm's harm
             on_loss = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k
-                              and set(f.evidence.get("harm", ())) & {"loss_jump", "loss_rose"}))
+                              and set(f.evidence.get("harm", ())) & {"loss_jump", "loss_rose", "not_recovered"}))
             rows.append((f"Loss (first -> last step){sfx}", val,
                          "critical" if bl else worst(_sev(findings, "loss_diverging", "stall", series=k), on_loss)))
         else:

@@ -1,8 +1,13 @@
 """``update_rewrote``: a measured update moved an optimizer's weights by ``RunLimits.blowup_update`` (1x) of
 their own size or more (``||after - before|| / ||before||`` over the whole model, at the steps the checker
 measures: every one of the first 8, then every 16th). Such a step replaces the weights instead of adjusting
-them (about 1e-3 is typical); it is the learning rate's gravest harm whether or not the loss recovers after it.
-The same list of steps is the ``rewrite`` harm other findings quote (``rules.evidence.harm_of``).
+them (about 1e-3 is typical), whether or not the loss recovers after it. A warning when it recurs (two measured
+steps or more: the learning rate keeps overwriting the weights) or when the run shows harm from it on (a NaN, a
+loss jump, a norm far above its own level, a loss that rose or did not improve over the run, or that fell from
+the blow-up yet never came back to its value before the rewrite: ``rules.evidence``);
+a notice for one such step the run then learnt past (Adam's first step on small weights moves each of them by
+about the learning rate). The same list of steps is the ``rewrite`` harm other findings quote
+(``rules.evidence.harm_of``).
 
 ``update_tiny``, the other end of the same measurement: in a run of several optimizers (adversarial,
 actor-critic: ``stall`` judges one optimizer's loss only, and names tiny updates there), an optimizer whose
@@ -12,6 +17,8 @@ when its own loss did not improve against its noise over the run (``rules.eviden
 notice."""
 
 from __future__ import annotations
+
+import math
 
 from ..finding import Finding, fmt
 from .base import Rule, RunView
@@ -24,7 +31,8 @@ class UpdateRewrote(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
         out = []
         for k in run.per:
-            rw = harm_of(run, k).rewrites
+            h = harm_of(run, k)
+            rw = h.rewrites
             if not rw:
                 continue
             s, ratio = max(rw, key=lambda t: t[1])
@@ -33,17 +41,37 @@ class UpdateRewrote(Rule):
             measured = sum(1 for u in run.ctx.get("updates") or () if u["series"] == k)
             run.key_steps.add(first)
             at = "" if lr is None else f" with a learning rate of {lr:g}"
+            harm = [(kind, text) for kind, text in h.at([st for st, _ in rw]) if kind != "rewrite"]
+            c = h.change
+            if c is not None and not c["improved"] and not c["rose"]:
+                harm.append(("no_progress", "the loss did not improve over the run"))
+            # a loss that fell from the blow-up the rewrite began, yet ended above its value before the rewrite
+            before = next((r.loss for r in run.per[k] if r.step == first and r.loss is not None
+                           and math.isfinite(r.loss)), None)
+            if c is not None and c["improved"] and before is not None and \
+                    c["last"] - before > max(run.limits.stall_z * c["se"], run.th.loss_progress * abs(before)):
+                harm.append(("not_recovered", f"the loss never came back to {fmt(before)}, its value at step "
+                                              f"{first}: {fmt(c['last'])} over the last quarter of the run"))
+            grave = len(rw) > 1 or bool(harm)
+            if harm:
+                after = " Harm the run shows from it on: " + "; ".join(t for _, t in harm) + "."
+            elif grave:
+                after = " It recurred: the learning rate keeps overwriting the weights."
+            else:
+                fell = h.loss_fell()
+                after = (f" The run learnt past it (the loss went {fell}): one such step, at notice." if fell else
+                         " One such step, and no harm the run shows after it: at notice.")
             out.append(Finding(
-                self.code, "warning",
+                self.code, "warning" if grave else "notice",
                 f"{run.label(k)}an update rewrote the weights: {fmt(ratio)}x their own size at step {s}",
                 f"{run.label(k)}{len(rw)} of the {measured} measured update(s) moved the weights by "
                 f"{fmt(run.limits.blowup_update)}x their own size or more, first at step {first}{at} (steps "
                 + ", ".join(f"{st}: {fmt(v)}x" for st, v in rw[:6]) + (", ..." if len(rw) > 6 else "")
                 + "; about 1e-3 is typical). A step that size replaces what the weights had learnt instead of "
-                "adjusting it: the learning rate is too high for this model at those steps, whether or not the "
-                "loss recovers after them.",
+                "adjusting it: the learning rate is too high for this model at those steps." + after,
                 steps=[st for st, _ in rw], evidence={"series": k, "rewrite": [s, ratio], "first_step": first,
-                                                      "lr": lr, "count": len(rw), "measured": measured}))
+                                                      "lr": lr, "count": len(rw), "measured": measured,
+                                                      "harm": [kind for kind, _ in harm]}))
         return out
 
 
