@@ -9,7 +9,8 @@ import copy
 import pytest
 
 from tests import judgement_fuzz as jf
-from tests.judgement_fuzz_gen import DEFECTS, DEV_FAMILIES, HELD_OUT_FAMILIES, HELD_OUT_SEED0, script_of, spec_of
+from tests.judgement_fuzz_gen import (DEFECTS, DEV_FAMILIES, DEV_HAND_WRITTEN, HELD_OUT_FAMILIES, HELD_OUT_SEED0,
+                                      script_of, spec_of)
 
 # a dev seed whose script shows each defect (found once by searching seeds 0-11; the truth decides, not this list)
 MANIFEST_SEED = {d: 0 for d in DEFECTS} | {"exploding_init": 6, "unused_param": 1}
@@ -39,6 +40,17 @@ def test_the_split_is_disjoint():
         assert spec_of(seed).family in DEV_FAMILIES and spec_of(seed).part == "dev"
     for seed in range(HELD_OUT_SEED0, HELD_OUT_SEED0 + 100, 7):
         assert spec_of(seed).family in HELD_OUT_FAMILIES and spec_of(seed).part == "held_out"
+    # the development part's own hand-written updates: drawn there, never in the held-out part
+    dev_opts = {spec_of(seed).opt for seed in range(200)}
+    assert set(DEV_HAND_WRITTEN) <= dev_opts
+    assert not {spec_of(seed).opt for seed in range(HELD_OUT_SEED0, HELD_OUT_SEED0 + 100)} & set(DEV_HAND_WRITTEN)
+
+
+def test_the_hand_written_updates_run_and_learn():
+    for opt in DEV_HAND_WRITTEN:
+        seed = next(s for s in range(200, 2000) if spec_of(s).opt == opt and spec_of(s).defect is None)
+        p = jf.prepare(seed, None)
+        assert p["spec"].opt == opt and p["manifests"], (opt, p["evidence"])   # healthy: it learns, all finite
 
 
 def test_every_defect_has_a_class_and_scripts_compile():
