@@ -72,13 +72,33 @@ def test_an_initialisation_that_saturates_a_tanh_stack_is_named_with_the_shares_
     assert f["code"] == "saturated_at_init" and f["steps"] == [1]
     assert f["evidence"]["layers"] == pytest.approx(truth, abs=1e-6)
     losses = [s["loss"] for s in r["truth"]["steps"]]
-    assert losses[-1] > 0.9 * losses[0]                     # it barely learns: the harm behind its warning
-    assert f["severity"] == "warning" and r["rc"] == 0
-    # the stall that follows is not advised as a cause (no learning-rate change for it)
-    st = finding(r, "stall")
-    assert st["evidence"]["follows"] == "saturated_at_init"
+    assert losses[-1] > 0.9 * losses[0]                     # it barely learns
+    # its tier is the stall rule's verdict on the same run (whether the loss improved against its noise: on a
+    # network this saturated, training is chaotic enough that the thread count can tip it either way)
+    stalled = "stall" in codes(r)
+    assert f["severity"] == ("warning" if stalled else "notice") and f["evidence"]["stuck"] == stalled
+    assert r["rc"] == 0
     rec = {x["code"]: x for x in r["json"]["recommendations"]}
-    assert "raise" not in rec["stall"]["text"] and "xavier_uniform_" in rec["saturated_at_init"]["code_to_add"]
+    assert "xavier_uniform_" in rec["saturated_at_init"]["code_to_add"]
+    if stalled:   # the stall that follows is not advised as a cause (no learning-rate change for it)
+        assert finding(r, "stall")["evidence"]["follows"] == "saturated_at_init"
+        assert "raise" not in rec["stall"]["text"]
+
+
+def test_the_stall_that_saturated_units_explain_follows_from_them():
+    """The link on its own (the real run above may or may not stall): a stall and a vanishing across depth
+    follow from ``saturated_at_init``; a spike does not."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import Finding, place_causes
+    sat = Finding("saturated_at_init", "warning", "saturated", "", steps=[1])
+    stall = Finding("stall", "notice", "stalled: the learning rate is the first suspect", "", steps=[1, 30],
+                    evidence={"series": 0})
+    depth = Finding("depth_vanishing", "warning", "vanishing across depth", "")
+    spike = Finding("spike", "notice", "spike", "", steps=[9], evidence={"series": 0})
+    order = place_causes(link_causes([stall, depth, spike, sat]))
+    assert order[0] is sat
+    assert stall.evidence["follows"] == depth.evidence["follows"] == "saturated_at_init"
+    assert "follows" not in spike.evidence
 
 
 @pytest.mark.parametrize("args", [("--scale", "1"), ("--scale", "1", "--grow-at", "5"),
