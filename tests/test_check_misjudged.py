@@ -344,8 +344,9 @@ def _rise_view(targets=(), far_at=None, rewrite=False):
     # a TD loss that starts near 0 and passes 10x its start at its second step, its norm growing 40x with it
     loss = [6e-4, 9e-3] + [0.01 * (1 + i / 4) for i in range(38)]
     norm = [3.0 * (1 + i) for i in range(40)]   # up to 120: above the modest bound
-    if far_at is not None:   # just past the far rule's bound
-        norm[far_at] = RunLimits.far_ratio * 1.01 * own_level(norm, far_at, RunLimits.far_history)
+    if far_at is not None:   # just past the far rule's bound, beyond what the loss's own rise there explains
+        rise = loss[far_at] / own_level(loss, far_at, RunLimits.far_history)
+        norm[far_at] = RunLimits.far_ratio * 1.01 * rise ** 0.5 * own_level(norm, far_at, RunLimits.far_history)
     steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
     ups = [{"step": 20, "series": 0, "lr": 0.01, "ratio": 1.5, "layers": {}}] if rewrite else []
     return RunView(steps=steps, ctx={"moving_targets": list(targets), "updates": ups})
@@ -364,6 +365,28 @@ def test_a_rise_against_moving_targets_with_no_other_harm_is_a_notice():
     near.steps[30].total_norm *= 0.97 / 1.01                            # just under the bound: no harm
     assert LOSS_DIVERGING.evaluate(near)[0].severity == "notice"
     assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], rewrite=True))[0].severity == "critical"
+
+
+def test_a_critic_whose_first_td_error_was_near_zero_grows_its_norm_with_its_loss():
+    """A norm 10x its level at the step its loss rose 74x (a critic whose first TD error was near 0: a squared
+    error's gradient grows with the loss's square root) is the loss's own scale, not harm beside a rise against
+    moving targets; the same norm where the loss did not rise is."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.evidence import harm_of
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    def view(second_loss):
+        loss = [2.6e-4, second_loss] + [0.005 + 0.01 * (i % 3) for i in range(38)]
+        norm = [0.047, 0.48] + [0.03 + 0.01 * (i % 4) for i in range(38)]
+        steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
+        return RunView(steps=steps, ctx={"moving_targets": ["Sequential"], "updates": []})
+    rose = view(0.0193)
+    h = harm_of(rose, 0)
+    assert h.far(2) is not None and not h.far_for_its_loss(2)   # 10x its level, 8.6x of it the loss's rise
+    f, = LOSS_DIVERGING.evaluate(rose)
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
+    flat = view(2.7e-4)   # the loss did not rise at that step: the norm's jump is its own
+    assert harm_of(flat, 0).far_for_its_loss(2)
 
 
 def test_a_bootstrapped_rise_is_not_harm_to_the_findings_beside_it():

@@ -93,6 +93,7 @@ class Harm:
     jumps: dict = field(default_factory=dict)            # step -> (loss, ratio to its recent median)
     change: dict | None = None                           # loss_change of the series' finite losses
     rewrites: list[tuple[int, float]] = field(default_factory=list)  # (step, update/weight ratio >= 1)
+    losses: list[float] = field(default_factory=list)     # the loss at each of ``steps`` (NaN: none)
     far_ratio: float = RunLimits.far_ratio
     far_history: int = RunLimits.far_history
 
@@ -106,6 +107,21 @@ class Harm:
         if lev is None or not math.isfinite(v) or v < self.far_ratio * lev:
             return None
         return v / lev, lev
+
+    def far_for_its_loss(self, step: int) -> bool:
+        """``far`` at ``step`` by more than the loss's own rise there explains. A squared error's gradient grows
+        with the square root of the loss (a TD error that grows with the returns: its norm follows): a norm ``r``
+        times its own level beside a loss ``l`` times its own is far when ``r / sqrt(l)`` is at least
+        ``far_ratio``. Where the loss did not rise, or has no positive level, that is ``far`` itself."""
+        f = self.far(step)
+        if f is None:
+            return False
+        i = self.steps.index(step)
+        v = self.losses[i] if i < len(self.losses) else math.nan
+        lev = own_level(self.losses, i, self.far_history)
+        if lev is None or not math.isfinite(v) or v <= lev:
+            return True
+        return f[0] / math.sqrt(v / lev) >= self.far_ratio
 
     def at(self, steps: list[int], *, far: bool = True) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none."""
@@ -154,6 +170,7 @@ def harm_of(run: RunView, k: int) -> Harm:
     steps = [r.step for r in recs]
     h = Harm(k, steps, [r.grad_norm for r in recs], far_ratio=lim.far_ratio, far_history=lim.far_history)
     h.nonfinite = [r.step for r in recs if r.bad or (r.loss is not None and not math.isfinite(r.loss))]
+    h.losses = [r.loss if r.loss is not None else math.nan for r in recs]
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)

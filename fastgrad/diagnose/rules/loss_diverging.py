@@ -19,7 +19,8 @@ modest norms.
 
 In a run that moves its own targets (a model it forwards, trains through no optimizer and rewrites in place:
 a DQN or actor-critic target network, an EMA teacher; ``collect.targets``), a rise with no harm beyond it (no
-norm far above its own level, no rewrite, no NaN) is that notice however early it began and however far its
+norm far above its own level by more than the loss's own rise explains, ``Harm.far_for_its_loss``; no rewrite,
+no NaN) is that notice however early it began and however far its
 norms grew with it: such a loss starts near 0, while the targets are the model's own untrained outputs, and its
 gradients scale with the targets.
 
@@ -126,8 +127,10 @@ class LossDiverging(Rule):
             # targets, a norm above the modest bound) never gets the exemption.
             far = any(h.far(s) for s in h.steps)
             clean = rw is None and not h.nonfinite and not late
+            # against moving targets, a norm that grew with its loss (a critic whose first TD error was near 0)
+            # is the loss's own scale: only a norm far beyond what the loss's rise explains is harm
             boot = (modest and gradual and ((stable and late_peak) or (unrecovered and not far))) or \
-                (targets and not far)
+                (targets and not any(h.far_for_its_loss(s) for s in h.steps))
             if clean and boot:
                 run.key_steps.add(sp)
                 out.append(Finding(
