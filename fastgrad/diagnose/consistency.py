@@ -15,7 +15,8 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
   gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; a learning rate
   that blows the run up -> the explosion and the units it kills; activations saturated by the initialisation ->
-  the stall and the vanishing across depth; tensors that never learn -> the zeros and the vanishing of the layers before them.
+  the stall and the vanishing across depth; tensors that never learn -> the zeros and the vanishing of the
+  layers before them.
 
 Per-rule facts (a NaN loss at steps a StepGuard skipped is reported as protected) are decided by the rules
 themselves; this pass only reconciles findings with each other."""

@@ -42,8 +42,8 @@ from .manual import ManualLoopReader
 from .naming import ParameterNames
 from .optimizer_hooks import OptimizerStepReader
 from .ranks import RankRecorder
-from .saturation import SaturationReader
 from .readout import RunReadout
+from .saturation import SaturationReader
 from .steps import StepRecord, StopCheck
 from .targets import MovingTargets
 from .watch import ForwardWatcher

@@ -56,8 +56,7 @@ class SaturationReader:
             return
         try:   # never raises into the script's forward
             y = output._local_tensor if is_dtensor(output) else output
-            mid = self.watcher._ids.get(module) if self.watcher is not None else None
-            name = self.watcher._mods[mid][1] if mid is not None else f"<unnamed {kind}>"
+            name = (self.watcher.name_of(module) if self.watcher is not None else None) or f"<unnamed {kind}>"
             self._sat.append((name, kind, slope_share(y, kind, RunLimits.saturated_slope)))
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"saturation of {type(module).__name__}: {e}")

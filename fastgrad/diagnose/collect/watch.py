@@ -138,8 +138,7 @@ class ForwardWatcher:
                 self._name_root(module)
             mid = self._root_inputs.get(module)
             if mid is None:
-                name = self._mods[self._ids.get(module)][1]
-                mid = self._root_inputs[module] = self._register_input(module, name)
+                mid = self._root_inputs[module] = self._register_input(module, self.name_of(module))
             self._observe_input(mid, args)
         self._depth += 1
 
@@ -197,6 +196,12 @@ class ForwardWatcher:
         self.step_index += 1
         self._call = 0
         self._depth = 0
+
+    def name_of(self, module: torch.nn.Module) -> str | None:
+        """The name the watcher gave ``module`` (as its root's ``named_modules()`` do; a later root's prefixed by
+        its class), or None for a module it has not seen."""
+        mid = self._ids.get(module)
+        return None if mid is None else self._mods[mid][1]
 
     def roots(self) -> list[torch.nn.Module]:
         """The models seen so far that are still alive: without a model, the modules called outside any other

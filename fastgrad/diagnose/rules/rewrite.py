@@ -46,9 +46,8 @@ class UpdateRewrote(Rule):
             if c is not None and not c["improved"] and not c["rose"]:
                 harm.append(("no_progress", "the loss did not improve over the run"))
             # a loss that fell from the blow-up the rewrite began, yet ended above its value before the rewrite
-            before = next((r.loss for r in run.per[k] if r.step == first and r.loss is not None
-                           and math.isfinite(r.loss)), None)
-            if c is not None and c["improved"] and before is not None and \
+            before = h.losses[h.steps.index(first)] if first in h.steps else math.nan
+            if c is not None and c["improved"] and math.isfinite(before) and \
                     c["last"] - before > max(run.limits.stall_z * c["se"], run.th.loss_progress * abs(before)):
                 harm.append(("not_recovered", f"the loss never came back to {fmt(before)}, its value at step "
                                               f"{first}: {fmt(c['last'])} over the last quarter of the run"))
