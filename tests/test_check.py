@@ -572,8 +572,13 @@ def test_finite_divergence_from_an_absurd_learning_rate(runs):
     _match_losses(steps, truth)
     assert max(s["grad_norm"] for s in steps) < 1000 and all(math.isfinite(s["loss"]) for s in steps)
     f = _finding(r, "loss_diverging")
-    assert f["severity"] == "critical" and "learning rate is the first suspect" in f["title"]
-    assert "The learning rate was 1.5" in f["detail"] and f["steps"][0] == 3  # 4.65 -> 164.8 at step 3
+    assert f["severity"] == "critical" and "The learning rate was 1.5" in f["detail"]
+    assert f["steps"][0] == 3  # 4.65 -> 164.8 at step 3
+    # the first update (step 1) moved the weights by 12x their size, before the loss crossed 10x: the rewrite
+    # comes first, with its lr, and the divergence follows from it (its guess at the lr dropped)
+    w = _finding(r, "update_rewrote")
+    assert _codes(r)[0] == "update_rewrote" and w["evidence"]["first_step"] == 1 and w["evidence"]["lr"] == 1.5
+    assert f["evidence"]["follows"] == "update_rewrote" and "first suspect" not in f["title"]
     assert _row(r, "Loss")["status"] == "critical" and _row(r, "Norm trend")["value"].startswith("diverging")
     assert _row(r, "Norm trend")["status"] == "critical"
     assert "group['lr'] *= 0.1" in r["stdout"]

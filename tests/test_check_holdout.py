@@ -154,11 +154,14 @@ def test_diverging_without_a_clip_leads_with_the_loss(tmp):
     truth = r["truth"]["steps"]
     for s, t in zip(r["json"]["steps"], truth):
         assert close(s["loss"], t["loss"]) and close(s["grad_norm"], t["norm"], 1e-4)
-    first = r["json"]["findings"][0]
-    assert first["code"] == "loss_diverging" and first["severity"] == "critical"
+    # Adam's first step at lr 3 moved the weights by 35x their size, before the loss crossed 10x at step 2: that
+    # update leads, with its lr, and the critical divergence follows from it
+    first, d = r["json"]["findings"][0], finding(r, "loss_diverging")
+    assert first["code"] == "update_rewrote" and first["evidence"]["first_step"] == 1 and first["evidence"]["lr"] == 3
+    assert d["severity"] == "critical" and d["evidence"]["follows"] == "update_rewrote"
     assert {"exploding", "no_clipping"} <= set(codes(r))
-    assert r["json"]["recommendations"][0]["code"] == "loss_diverging"
-    assert "group['lr'] *= 0.1" in r["md"]
+    assert r["json"]["recommendations"][0]["code"] == "update_rewrote"
+    assert "group['lr'] *= 0.1" in r["json"]["recommendations"][0]["code_to_add"]
     assert r["rc"] == 1
 
 
@@ -168,10 +171,13 @@ def test_a_jump_that_never_comes_back_is_reported(tmp):
     start = min(losses[0], sorted(losses[:3])[1])
     q = len(losses) // 4
     assert max(losses) >= 10 * start and sorted(losses[-q:])[q // 2] >= 1.5 * start  # the premise
-    f = r["json"]["findings"][0]
-    assert f["code"] == "loss_diverging" and f["severity"] == "warning"
+    # the first update moved the weights by 6x their size: it leads, and the jump that never came back follows it
+    assert r["json"]["findings"][0]["code"] == "update_rewrote"
+    f = finding(r, "loss_diverging")
+    assert f["severity"] == "warning" and f["evidence"]["follows"] == "update_rewrote"
     assert f["evidence"]["variant"] == "unrecovered" and "never came back" in f["title"]
-    assert "lower it (10x)" in r["json"]["recommendations"][0]["text"]
+    rec = r["json"]["recommendations"][0]
+    assert "lower the learning rate" in rec["text"] and "group['lr'] *= 0.1" in rec["code_to_add"]
     assert row(r, "Norm trend")["value"].startswith("loss jumped")
     assert r["rc"] == 0
 

@@ -184,6 +184,74 @@ def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_fa
     assert row(r, "Update/weight ratio")["status"] == "warning"
 
 
+def test_an_explosion_made_critical_by_a_rewrite_names_the_tier_its_norm_reached():
+    """A norm of 150 at step 1 and that step's update 900x the weights (a VAE's summed loss at SGD lr 30): critical
+    for the rewrite, and its title says "above 100", never "above 1000" (the norm never was)."""
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+    for norm, tier in ((150.0, "above 100:"), (1500.0, "above 1000:")):
+        v = _upd_view([900.0, 0.01, 0.01], lr=30.0, losses=[572.0, 600.0, 650.0])
+        v.steps[0].total_norm = norm
+        f, = EXPLODING.evaluate(v)
+        assert f.severity == "critical" and tier in f.title, (norm, f.title)
+        assert ("1000" in f.title) == (norm > 1000)
+
+
+def _rewrite_and_rise(rewrite_step, rise_step, *, series=(0, 0), quoted=True, rise_sev="critical"):
+    rw = Finding("update_rewrote", "warning", "rewrote", "", steps=[rewrite_step],
+                 evidence={"series": series[0], "first_step": rewrite_step, "rewrite": [rewrite_step, 2.0]})
+    ev = {"series": series[1], "first_step": rise_step} | ({"rewrite": [rewrite_step, 2.0]} if quoted else {})
+    return rw, Finding("loss_diverging", rise_sev, "the loss is diverging: the learning rate is the first suspect",
+                       "", steps=[rise_step], evidence=ev)
+
+
+def test_the_first_of_a_rewrite_and_a_divergence_is_the_others_cause():
+    """The update of step s is applied after step s's loss: a rewrite at step s can raise only the losses of later
+    steps. So a rewrite before the step the loss crossed its divergence ratio is the divergence's cause (first,
+    and the divergence drops its guess at the learning rate); a rewrite at that step or after it is the
+    divergence's evidence, and follows it."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import place_causes
+    rw, rise = _rewrite_and_rise(2, 3)
+    got = place_causes(link_causes([rise, rw]))
+    assert [f.code for f in got] == ["update_rewrote", "loss_diverging"]
+    assert rise.evidence["follows"] == "update_rewrote" and "follows" not in rw.evidence
+    assert "first suspect" not in rise.title
+    for r_step in (3, 4):   # at the crossing step (the nearest wrong variant: <=) and after it
+        rw, rise = _rewrite_and_rise(r_step, 3)
+        got = place_causes(link_causes([rise, rw]))
+        assert [f.code for f in got] == ["loss_diverging", "update_rewrote"], r_step
+        assert rw.evidence["follows"] == "loss_diverging" and "follows" not in rise.evidence
+    # another optimizer's rewrite, a divergence that quotes none, or the bootstrapped notice: no link either way
+    for kw in (dict(series=(0, 1)), dict(quoted=False), dict(rise_sev="notice")):
+        rw, rise = _rewrite_and_rise(1, 3, **kw)
+        link_causes([rise, rw])
+        assert "follows" not in rw.evidence and "follows" not in rise.evidence, kw
+
+
+def test_an_update_that_replaced_the_weights_before_the_loss_rose_is_named_first(tmp_path_factory):
+    """SGD at lr=8 under a clip: the first update moves the weights by twice their size, the loss is far up from
+    the next step to the end. The first finding is the rewrite, with the lr of its step; the divergence (and the
+    explosion after it) follow from it and give no learning-rate advice of their own."""
+    r = run(tmp_path_factory, "sgd_rewrite_diverges.py")
+    t = r["truth"]["steps"]
+    first = int(min(x["step"] for x in t if x["update"] >= 1))
+    cross = int(min(x["step"] for x in t if x["loss"] >= 10 * t[0]["loss"]))
+    assert first < cross and all(math.isfinite(x["loss"]) for x in t)          # the premise, from plain reads
+    assert sorted(x["loss"] for x in t[-10:])[5] > 10 * t[0]["loss"]            # ... and it stayed up
+    assert codes(r)[0] == "update_rewrote" and r["rc"] == 1
+    f = finding(r, "update_rewrote")
+    assert f["evidence"]["first_step"] == first and f["evidence"]["lr"] == t[first - 1]["lr"]
+    d = finding(r, "loss_diverging")
+    assert d["severity"] == "critical" and d["evidence"]["first_step"] == cross
+    assert d["evidence"]["follows"] == "update_rewrote"
+    no_lr_advice_on(r, "loss_diverging")
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "update_rewrote")
+    assert "lr'] *= 0.1" in rec["code_to_add"]
+    ok = run(tmp_path_factory, "sgd_rewrite_diverges.py", "--lr", "0.5")  # the same run at a sane lr
+    assert max(x["update"] for x in ok["truth"]["steps"]) < 1
+    assert "update_rewrote" not in codes(ok) and not codes(ok, "warning") and ok["rc"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- hand-written loops
 def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zeroes_them(tmp_path_factory):
     """A loop that clips, updates and then sets ``p.grad = None`` itself leaves no gradient to read after its

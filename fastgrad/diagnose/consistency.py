@@ -13,8 +13,10 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   findings (``vanishing``, ``low``, ``small_but_learning``) are that clip's effect, not the model's, and go;
 - cause before effect (``link_causes``): where one finding explains another, the effect says that it follows
   from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
-  gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; a learning rate
-  that blows the run up -> the explosion and the units it kills; activations saturated by the initialisation ->
+  gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; an update that
+  replaced the weights before the loss crossed its divergence ratio -> that divergence (a rewrite from the
+  crossing on is the divergence's evidence, and follows it); a learning rate that blows the run up -> the
+  explosion and the units it kills; activations saturated by the initialisation ->
   the stall and the vanishing across depth; tensors that never learn -> the zeros and the vanishing of the
   layers before them.
 
@@ -101,6 +103,9 @@ _SCHEDULE = {
 _SATURATED = ({"stall", "depth_vanishing"},
               "units on their flat tails pass back almost none of their gradient, so the layers before them (and "
               "the loss) barely move, whatever the learning rate")
+#: why a divergence follows an update that replaced the weights before the loss rose (``update_rewrote``)
+_REWRITE = ("an update as large as the weights replaced what they had learnt before the loss rose, so the loss "
+            "starts over from wherever that step threw the weights")
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
 _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
             "nonfinite", "nonfinite_history", "dead", "mostly_zero", "stall"},
@@ -111,6 +116,25 @@ _LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning
 #: ... and its detail the sentence that blames the learning rate by the update size alone (``stall``'s)
 _LR_CLAIMS = ((": the learning rate is too small to move them.", "."),
               (": steps that large without progress bounce across the minimum, the learning rate is too large.", "."))
+
+
+def _rewrite_and_rise(f: Finding, findings: list[Finding]) -> tuple[Finding, Finding] | None:
+    """(``update_rewrote``, ``loss_diverging``) of ``f``'s optimizer when ``f`` is one of them and the divergence
+    blames the learning rate and quotes a rewrite as its evidence; else None."""
+    other = "loss_diverging" if f.code == "update_rewrote" else "update_rewrote"
+    g = next((g for g in findings if g.code == other and
+              g.evidence.get("series") == f.evidence.get("series")), None)
+    if g is None:
+        return None
+    rewrite, rise = (f, g) if f.code == "update_rewrote" else (g, f)
+    return (rewrite, rise) if rise.evidence.get("rewrite") and _learning_rate(rise, "") else None
+
+
+def _rewrote_first(rewrite: Finding, rise: Finding) -> bool:
+    """The first update that rewrote the weights came before the loss crossed its divergence ratio: the update of
+    step s is applied after step s's loss, so it can raise only the losses of later steps."""
+    r, s = rewrite.evidence.get("first_step"), rise.evidence.get("first_step")
+    return r is not None and s is not None and r < s
 
 
 def _learning_rate(f: Finding, effect: str) -> bool:
@@ -144,12 +168,13 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             cause, why = ascent, _ASCENT[1]
         elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
-        elif f.code == "update_rewrote":
-            # a divergence of the same optimizer that already quotes this rewrite as its learning rate's evidence
-            d = next((g for g in out if g.code == "loss_diverging" and g.evidence.get("rewrite") and
-                      _learning_rate(g, f.code) and g.evidence.get("series") == f.evidence.get("series")), None)
-            if d is not None:
-                cause, why = d, "the divergence quotes this update as its learning rate's evidence"
+        elif f.code in ("update_rewrote", "loss_diverging") and (pair := _rewrite_and_rise(f, out)):
+            # one of the pair is the other's cause, by which came first (``_rewrote_first``)
+            rewrite, rise = pair
+            if f is rise and _rewrote_first(rewrite, rise):
+                cause, why = rewrite, _REWRITE
+            elif f is rewrite and not _rewrote_first(rewrite, rise):
+                cause, why = rise, "the divergence quotes this update as its learning rate's evidence"
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)
             c = next((g for g in out if g is not f and _learning_rate(g, f.code) and

@@ -1,7 +1,7 @@
 """Cross-entropy classification with Adam at lr=0.5, no clipping: the loss jumps from chance level (1.6) to
 20 within two steps, then stays 2-5x above its start for most of the run and ends ~1.7x above it: the run never
-learns. Expected: a loss finding that says the loss rose and never came back (the learning rate first), no
-advice to raise a learning rate."""
+learns. Expected: a loss finding that says the loss rose and never came back, after the first update that
+rewrote the weights (the learning rate's), no advice to raise a learning rate."""
 import sys
 
 import torch

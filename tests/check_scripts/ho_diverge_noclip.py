@@ -1,6 +1,6 @@
 """A supervised regression MLP with Adam at a learning rate far too high (default 0.3) and no clipping: the loss
-climbs from ~1 by orders of magnitude and stays up (finite) for the whole run. Expected: loss_diverging first,
-advice to lower the learning rate, and no finding advising to raise any learning rate."""
+climbs from ~1 by orders of magnitude and stays up (finite) for the whole run. Expected: the first update, which
+rewrote the weights, first and the divergence following from it, advice to lower the learning rate, and no finding advising to raise any learning rate."""
 import sys
 
 import torch

@@ -101,8 +101,10 @@ class Exploding(Rule):
                 title = (f"{label}gradient norm above {'1000' if crit else '100'} before the clip (max_norm="
                          f"{fmt(bound)} bounds the update): the gradients themselves are out of range")
             else:
-                title = (f"{label}gradient norm above 1000: clip now, lower the learning rate" if sev == "critical" else
-                         f"{label}gradient norm above 100: clip (max_norm=1.0)")
+                # critical at the lower tier too when an update rewrote the weights: the title names the tier the
+                # norm reached, not the one the severity did
+                title = (f"{label}gradient norm above {'1000' if crit else '100'}: clip now, lower the learning rate"
+                         if sev == "critical" else f"{label}gradient norm above 100: clip (max_norm=1.0)")
             out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
         return out
 
