@@ -722,13 +722,18 @@ def test_float32_overflow_is_the_largest_explosion_and_the_first_finding(runs):
     steps = r["json"]["steps"]
     assert [s["step"] for s in steps if s["overflow"]] == over
     assert _close(steps[0]["grad_norm"], truth[0]["norm"])
-    f = r["json"]["findings"][0]
+    # the cause first: the clipped update of step 1 (lr 1e6 x a unit gradient) rewrote the weights, and the
+    # gradients on the weights it threw overflowed from step 2 (the explosion, right after it, follows it)
+    cause, f = r["json"]["findings"][:2]
+    assert cause["code"] == "update_rewrote" and cause["evidence"]["first_step"] == 1
+    assert "learning rate of 1e+06" in cause["detail"]
     assert f["code"] == "exploding" and f["severity"] == "critical" and "overflowed float32" in f["title"]
     assert f["evidence"]["overflow_steps"] == over and f["steps"] == over and f["evidence"]["first_step"] == 2
+    assert f["evidence"]["follows"] == "update_rewrote"
     for code in ("clip_zeroes", "dead", "no_learning", "mostly_zero", "clipped_to_zero"):
         assert code not in _codes(r), code
     recs = r["json"]["recommendations"]
-    assert recs[0]["code"] == "exploding" and "learning rate" in recs[0]["text"] and "scale" in recs[0]["text"]
+    assert recs[0]["code"] == "update_rewrote" and "lower the learning rate" in recs[0]["text"]
     assert "max_norm=0" not in r["stdout"] and "LeakyReLU" not in r["stdout"]
     assert _row(r, "Max grad norm")["value"].startswith("inf (overflowed float32) at step 2")
     assert "made by the clip" in _row(r, "Zero-gradient parameters")["value"]
@@ -798,8 +803,11 @@ def test_nan_born_in_a_hand_written_loss_is_traced_to_the_loss(runs):
     assert r["json"]["first_nonfinite_output"] == f"0 (Linear) at step {k + 1}"
     f = _finding(r, "nonfinite_loss")
     assert f["layers"] == [] and f"born in the loss at step {k}" in f["detail"] and "not the source" in f["detail"]
-    assert r["json"]["findings"][0]["code"] == "nonfinite_loss"
-    assert r["json"]["recommendations"][0]["code"] == "nonfinite_loss"
+    # born in the loss, and the learning rate's (lr 20 rewrote the weights at the steps before): the rewrite
+    # first, the NaN following it
+    assert [x["code"] for x in r["json"]["findings"][:2]] == ["update_rewrote", "nonfinite_loss"]
+    assert f["evidence"]["follows"] == "update_rewrote" and "learning rate 20" in f["detail"]
+    assert r["json"]["recommendations"][0]["code"] == "update_rewrote"
     assert _row(r, "NaN/Inf born in")["value"] == f"loss at step {k}"
 
 

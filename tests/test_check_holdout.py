@@ -271,9 +271,12 @@ def test_overflow_without_a_clip_is_the_first_finding(tmp):
     r = run("overflow_noclip", tmp)
     truth = r["truth"]["steps"]
     assert truth[1]["norm"] > 1.8e19 and truth[1]["finite_grads"] == 1  # the premise
-    first = r["json"]["findings"][0]
+    # the update of step 1 (lr 1e5 x a norm of 1.5) rewrote the weights before the norm overflowed: the cause
+    # first, the largest explosion right after it
+    cause, first = r["json"]["findings"][:2]
+    assert cause["code"] == "update_rewrote" and cause["evidence"]["first_step"] == 1
     assert first["code"] == "exploding" and first["evidence"]["variant"] == "overflow"
-    assert first["evidence"]["overflow_steps"] == [2]
+    assert first["evidence"]["overflow_steps"] == [2] and first["evidence"]["follows"] == "update_rewrote"
     nc = finding(r, "no_clipping")
     assert nc["evidence"]["peak"] == math.inf and 2 in nc["steps"]
     assert row(r, "Gradient clipping")["status"] == "warning"

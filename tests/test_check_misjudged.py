@@ -252,6 +252,79 @@ def test_an_update_that_replaced_the_weights_before_the_loss_rose_is_named_first
     assert "update_rewrote" not in codes(ok) and not codes(ok, "warning") and ok["rc"] == 0
 
 
+def _rewrite_then_explosion(rewrite_step, explode_step, *, lr_alone=False, sev="warning", series=(0, 0)):
+    rw = Finding("update_rewrote", sev, "rewrote", "", steps=[rewrite_step],
+                 evidence={"series": series[0], "first_step": rewrite_step, "rewrite": [rewrite_step, 5.0],
+                           "lr_alone": lr_alone})
+    ex = Finding("exploding", "critical", "gradient norm above 1000: clip now, lower the learning rate", "",
+                 steps=[explode_step], evidence={"series": series[1], "first_step": explode_step})
+    return rw, ex
+
+
+def test_an_explosion_after_an_update_that_rewrote_the_weights_follows_it():
+    """Gradients computed on weights an update threw out of range blow up: an explosion whose first step comes
+    after the first rewrite follows it. At the rewrite's own step the gradient came first, and it is the
+    rewrite's cause unless the learning rate alone made that update (``lr_alone``)."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import place_causes
+    for kw in (dict(rewrite_step=1, explode_step=2), dict(rewrite_step=2, explode_step=2, lr_alone=True)):
+        rw, ex = _rewrite_then_explosion(**kw)
+        got = place_causes(link_causes([ex, rw]))
+        assert [f.code for f in got] == ["update_rewrote", "exploding"], kw
+        assert ex.evidence["follows"] == "update_rewrote" and "learning rate" not in ex.title, kw
+    # the nearest wrong variants: the same step with a gradient to blame, a rewrite after the explosion, a rewrite
+    # the run learnt past (a notice), another optimizer's
+    for kw in (dict(rewrite_step=2, explode_step=2), dict(rewrite_step=3, explode_step=2, lr_alone=True),
+               dict(rewrite_step=1, explode_step=2, sev="notice"), dict(rewrite_step=1, explode_step=2,
+                                                                       series=(0, 1))):
+        rw, ex = _rewrite_then_explosion(**kw)
+        got = place_causes(link_causes([ex, rw]))
+        assert [f.code for f in got] == ["exploding", "update_rewrote"] and "follows" not in ex.evidence, kw
+
+
+def test_the_learning_rate_alone_made_an_update_that_a_gradient_within_the_guides_bound_makes_too():
+    """``lr_alone``: the update's ratio with the gradient it used scaled down to the guide's bound (100), never
+    up: a clipped or ordinary gradient keeps its ratio; an overflowed or unread norm is the gradient's doing."""
+    from fastgrad.diagnose.rules.rewrite import lr_alone
+
+    def view(used):
+        return RunView(steps=[StepRecord(step=1, has_loss=True, loss=1.0, total_norm=used, lr=30.0)])
+
+    bound, lim = RunView(steps=[]).th.exploding, RunLimits().blowup_update
+    assert lr_alone(view(1.0), 0, 1, lim) and not lr_alone(view(1.0), 0, 1, 0.99 * lim)
+    assert lr_alone(view(2 * bound), 0, 1, 2 * lim) and not lr_alone(view(2 * bound), 0, 1, 1.98 * lim)
+    for used in (math.inf, math.nan, 0.0):
+        assert not lr_alone(view(used), 0, 1, 1e9), used
+
+
+def test_a_nan_born_in_a_module_right_after_an_update_that_rewrote_the_weights_is_the_learning_rates():
+    """A module that overflows at the step after an update moved the weights by their own size computes on
+    weights thrown out of range: the learning rate's NaN (as one born in the loss there), which follows the
+    rewrite. Two steps later, or from the data, it is not."""
+    from fastgrad.diagnose.collect.watch import NonFiniteOrigin
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.rules.nonfinite import trace_origin
+
+    def origin(update_step, where="output", ratio=5.0):
+        steps = [StepRecord(step=i, has_loss=True, loss=1.0 if i < 3 else math.nan, total_norm=2.0 if i < 3
+                            else math.nan, nonfinite=0.0 if i < 3 else 3.0, lr=30.0) for i in (1, 2, 3)]
+        view = RunView(steps=steps, ctx={"updates": [{"step": update_step, "series": 0, "lr": 30.0,
+                                                      "ratio": ratio, "layers": {}}]})
+        view.forward_origin = NonFiniteOrigin("dec.0", "Linear", 2, 0, where)  # step 3, counted from 0
+        return trace_origin(view)
+
+    o = origin(2)
+    assert o.where == "forward" and o.module == "dec.0" and o.cause == "learning_rate"
+    assert "right after the update of step 2" in o.text and "learning rate 30" in o.text
+    assert origin(1).cause is None and origin(2, ratio=0.99 * RunLimits().blowup_update).cause is None
+    assert origin(2, where="input").where == "input"
+    rw = Finding("update_rewrote", "warning", "rewrote", "", steps=[2], evidence={"series": 0, "first_step": 2})
+    nan = Finding("nonfinite_loss", "critical", "NaN/Inf loss", "", steps=[3],
+                  evidence={"born_at_step": 3, "variant": "learning_rate"})
+    link_causes([nan, rw])
+    assert nan.evidence["follows"] == "update_rewrote"
+
+
 # ---------------------------------------------------------------------------------------------- hand-written loops
 def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zeroes_them(tmp_path_factory):
     """A loop that clips, updates and then sets ``p.grad = None`` itself leaves no gradient to read after its

@@ -15,7 +15,9 @@ opposite facts and a weaker finding that a stronger cause explains does not stan
   from the cause (``evidence["follows"]``) and the report puts the cause first (``finding.place_causes``):
   gradients never zeroed -> the norm's growth; a loss the optimizer climbs -> the explosion; an update that
   replaced the weights before the loss crossed its divergence ratio -> that divergence (a rewrite from the
-  crossing on is the divergence's evidence, and follows it); a learning rate that blows the run up -> the
+  crossing on is the divergence's evidence, and follows it); such an update -> an explosion or a NaN at a later
+  step, or an explosion at its own step that a gradient within the guide's range would not have averted (the
+  learning rate alone made the update: ``rules.rewrite.lr_alone``); a learning rate that blows the run up -> the
   explosion and the units it kills; activations saturated by the initialisation ->
   the stall and the vanishing across depth; tensors that never learn -> the zeros and the vanishing of the
   layers before them.
@@ -106,6 +108,17 @@ _SATURATED = ({"stall", "depth_vanishing"},
 #: why a divergence follows an update that replaced the weights before the loss rose (``update_rewrote``)
 _REWRITE = ("an update as large as the weights replaced what they had learnt before the loss rose, so the loss "
             "starts over from wherever that step threw the weights")
+#: why an explosion, or a NaN the learning rate made, follows an update that replaced the weights: the first rewrite
+#: came before it (the explosion's, the NaN's text), or at the explosion's step with a gradient that, within the
+#: guide's bound, would have made that update too
+_REWRITE_BLOW_UP = {
+    "before": "the gradients computed on the weights that update threw out of range blew up",
+    "nan": "what the model and its loss computed on the weights that update threw out of range overflowed",
+    "same_step": ("at that learning rate even a gradient within the guide's range (a norm of 100) would have moved "
+                  "the weights by their own size: the learning rate, not the gradient's size, made the update "
+                  "whose harm this explosion quotes"),
+}
+_NONFINITE = ("nonfinite_loss", "nonfinite", "nonfinite_history")
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
 _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
             "nonfinite", "nonfinite_history", "dead", "mostly_zero", "stall"},
@@ -137,6 +150,26 @@ def _rewrote_first(rewrite: Finding, rise: Finding) -> bool:
     return r is not None and s is not None and r < s
 
 
+def _rewrite_before(f: Finding, findings: list[Finding]) -> tuple[Finding, str] | None:
+    """The ``update_rewrote`` (warning: a rewrite the run learnt past explains nothing later) of ``f``'s optimizer
+    that explains ``f``, an ``exploding`` or a NaN the learning rate made (``nonfinite*``, variant
+    ``learning_rate``), and why: its first rewrite came before ``f``'s first step, or, for an explosion, at that
+    step and the learning rate alone made it (``rules.rewrite.lr_alone``); else None."""
+    s = f.evidence.get("first_step", f.evidence.get("born_at_step"))
+    for g in findings:
+        if g.code != "update_rewrote" or g.severity == "notice" or \
+                f.evidence.get("series", g.evidence.get("series")) != g.evidence.get("series"):
+            continue
+        r = g.evidence.get("first_step")
+        if r is None or s is None:
+            continue
+        if r < s:
+            return g, _REWRITE_BLOW_UP["before" if f.code == "exploding" else "nan"]
+        if r == s and f.code == "exploding" and g.evidence.get("lr_alone"):
+            return g, _REWRITE_BLOW_UP["same_step"]
+    return None
+
+
 def _learning_rate(f: Finding, effect: str) -> bool:
     """A finding that blames the learning rate for a blow-up (for the units it killed, ``effect`` dead or
     mostly_zero: an explosion whose harm is a loss jump or an update that rewrote the weights, too)."""
@@ -144,8 +177,7 @@ def _learning_rate(f: Finding, effect: str) -> bool:
         return f.severity != "notice" and f.evidence.get("variant") != "bootstrapped"
     if f.code == "exploding" and effect in ("dead", "mostly_zero"):
         return f.severity != "notice" and bool({"rewrite", "loss_jump"} & set(f.evidence.get("harm", ())))
-    return f.code in ("nonfinite_loss", "nonfinite", "nonfinite_history") and \
-        f.evidence.get("variant") == "learning_rate"
+    return f.code in _NONFINITE and f.evidence.get("variant") == "learning_rate"
 
 
 def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]:
@@ -175,6 +207,9 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
                 cause, why = rewrite, _REWRITE
             elif f is rewrite and not _rewrote_first(rewrite, rise):
                 cause, why = rise, "the divergence quotes this update as its learning rate's evidence"
+        elif (f.code == "exploding" or f.code in _NONFINITE and f.evidence.get("variant") == "learning_rate") and \
+                (hit := _rewrite_before(f, out)) is not None:
+            cause, why = hit
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)
             c = next((g for g in out if g is not f and _learning_rate(g, f.code) and

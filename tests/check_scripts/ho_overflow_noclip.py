@@ -1,6 +1,7 @@
 """A learning rate far too high and NO clip: the true gradient norm passes float32's sum-of-squares range
-(above ~1.8e19) with every gradient value finite, then the weights go to inf/NaN. Expected: the largest
-explosion (exploding, critical) first, with the norm's real size; then the NaN/Inf history."""
+(above ~1.8e19) with every gradient value finite, then the weights go to inf/NaN. Expected: the update of step 1
+that rewrote the weights (a norm of 1.5 at lr 1e5) first, then the largest explosion (exploding, critical) it
+caused, with the norm's real size; then the NaN/Inf history."""
 import torch
 from _truth import Truth, grad_norm
 

@@ -1,7 +1,8 @@
 """A hand-written cross-entropy (softmax, then log of the true class's probability) and a learning rate high
 enough for the logits to grow until a probability underflows to exactly 0: log(0) = -inf in the loss, NaN
 gradients, NaN weights, and only then NaN outputs of the first Linear layer. Expected: the NaN is traced to
-the loss (born outside every module, at the step the truth records), not blamed on the Linear layer."""
+the loss (born outside every module, at the step the truth records), not blamed on the Linear layer, and
+after the updates of lr 20 that rewrote the weights, which come first as its cause."""
 import torch
 from _truth import Truth, grad_norm
 

@@ -1,7 +1,8 @@
 """A learning rate far too high with the usual clip at 1.0: after the first step the true gradient norm is
 ~1e28, every gradient value finite, but the float32 sum of squares overflows, the clip returns inf and its
-coefficient (1.0 / inf = 0) zeroes every gradient at every later step. Expected: the first finding is the
-explosion (overflow), not "clip at a positive bound", and the clip's zeros are not "dead parameters"."""
+coefficient (1.0 / inf = 0) zeroes every gradient at every later step. Expected: the explosion (overflow) is
+named, not "clip at a positive bound", right after its cause, the clipped update of step 1 that rewrote the
+weights (lr 1e6 x a unit gradient), and the clip's zeros are not "dead parameters"."""
 import torch
 from _truth import Truth, grad_norm
 

@@ -18,7 +18,9 @@ def trace_origin(run: RunView) -> NanOrigin | None:
     output (or a root module's input). The earliest wins; at the same step, a module output explains the loss
     and the loss explains the gradients. A module output that went non-finite only AFTER the loss or the
     gradients did is a consequence (the weights the optimizer updated with garbage), not the birthplace; a
-    NaN that follows a gradient explosion (a norm above 1000, or overflowed) is said to follow it."""
+    NaN that follows a gradient explosion (a norm above 1000, or overflowed) is said to follow it, and one born
+    in the loss or a module right after an update that rewrote the weights (``_update_blowup``) is the learning
+    rate's (``cause="learning_rate"``)."""
     bad_loss = next((r.step for r in run.steps if r.loss is not None and not math.isfinite(r.loss)), None)
     bad_grad = next((r.step for r in run.used if r.bad), None)
     o = run.forward_origin
@@ -41,17 +43,23 @@ def trace_origin(run: RunView) -> NanOrigin | None:
                  "after: a consequence of the update with non-finite values, not the source")
     if fwd == first and is_input:
         return NanOrigin("input", first, None, _input_text(o, mod, fwd) + after)
+    blow = _update_blowup(run, first)
+    if fwd == first and blow is not None and not after:
+        return NanOrigin("forward", first, o.module,
+                         f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}, "
+                         f"right after the update of step {blow['step']} moved the weights by "
+                         f"{fmt(blow['ratio'])}x their own size{_lr_of(blow)}: the weights were thrown out of range "
+                         f"and {o.module} overflowed on them. The learning rate is the cause, not the module",
+                         cause="learning_rate")
     if fwd == first:
         return NanOrigin("forward", first, o.module,
                          f"born in the forward pass: the first non-finite module output was {mod} at step {fwd}"
                          + after)
-    blow = _update_blowup(run, first)
     if bad_loss == first and blow is not None:
         u = blow
-        lr = f" (learning rate {u['lr']:g})" if u.get("lr") is not None else ""
         return NanOrigin("loss", first, None,
                          f"born in the loss at step {first}, right after the update of step {u['step']} moved the "
-                         f"weights by {fmt(u['ratio'])}x their own size{lr}: every module output was still finite, "
+                         f"weights by {fmt(u['ratio'])}x their own size{_lr_of(u)}: every module output was still finite, "
                          "but the weights were thrown out of range and the loss overflowed on them. The learning "
                          "rate is the cause, not the loss's formula" + later, cause="learning_rate")
     if bad_loss == first:
@@ -63,6 +71,10 @@ def trace_origin(run: RunView) -> NanOrigin | None:
                      f"born in backward at step {first}: the loss and every module output of that step were "
                      "finite, the gradients were not (an op with an unstable derivative, e.g. sqrt or log at 0, "
                      "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later + after)
+
+
+def _lr_of(u: dict) -> str:
+    return f" (learning rate {u['lr']:g})" if u.get("lr") is not None else ""
 
 
 def _update_blowup(run: RunView, first: int) -> dict | None:

@@ -9,6 +9,14 @@ a notice for one such step the run then learnt past (Adam's first step on small 
 about the learning rate). The same list of steps is the ``rewrite`` harm other findings quote
 (``rules.evidence.harm_of``).
 
+Whether the learning rate alone made the first rewrite (``evidence["lr_alone"]``, ``lr_alone``): the update
+of that step, with the gradient it used brought within the guide's bound (``Thresholds.exploding``, 100; a
+clipped update already is), would still have moved the weights by 1x or more. A gradient update scales with
+its gradient, so this asks whether a gradient of ordinary size would have done the same at that learning rate;
+then a gradient explosion at that step is not the rewrite's cause (``consistency.link_causes``). For Adam-like
+updates, whose size does not follow the gradient's, the scaling understates the update: the test errs towards
+blaming the gradient.
+
 ``update_tiny``, the other end of the same measurement: in a run of several optimizers (adversarial,
 actor-critic: ``stall`` judges one optimizer's loss only, and names tiny updates there), an optimizer whose
 median measured update moved its weights by less than ``RunLimits.stall_tiny_update`` (1e-6) of their size,
@@ -60,6 +68,7 @@ class UpdateRewrote(Rule):
                 fell = h.loss_fell()
                 after = (f" The run learnt past it (the loss went {fell}): one such step, at notice." if fell else
                          " One such step, and no harm the run shows after it: at notice.")
+            alone = lr_alone(run, k, first, rw[0][1])
             out.append(Finding(
                 self.code, "warning" if grave else "notice",
                 f"{run.label(k)}an update rewrote the weights: {fmt(ratio)}x their own size at step {s}",
@@ -70,8 +79,18 @@ class UpdateRewrote(Rule):
                 "adjusting it: the learning rate is too high for this model at those steps." + after,
                 steps=[st for st, _ in rw], evidence={"series": k, "rewrite": [s, ratio], "first_step": first,
                                                       "lr": lr, "count": len(rw), "measured": measured,
-                                                      "harm": [kind for kind, _ in harm]}))
+                                                      "harm": [kind for kind, _ in harm], "lr_alone": alone}))
         return out
+
+
+def lr_alone(run: RunView, k, step: int, ratio: float) -> bool:
+    """The update of ``step`` (``ratio`` times its weights) would have been 1x its weights or more with the
+    gradient it used within the guide's bound: ``ratio * min(1, bound / used norm)``; an infinite or unread
+    norm: the gradient's doing, not the learning rate's alone."""
+    used = next((r.total_norm for r in run.per[k] if r.step == step), math.nan)
+    if not (math.isfinite(used) and used > 0):
+        return False
+    return ratio * min(1.0, run.th.exploding / used) >= run.limits.blowup_update
 
 
 UPDATE_REWROTE = UpdateRewrote(
