@@ -325,6 +325,25 @@ def test_a_nan_born_in_a_module_right_after_an_update_that_rewrote_the_weights_i
     assert nan.evidence["follows"] == "update_rewrote"
 
 
+def test_a_nan_loss_at_a_skipped_step_is_harm_and_a_skipped_overflow_of_the_gradients_is_not():
+    """A GradScaler (or a StepGuard) that skips a step keeps it out of the weights, but a NaN/Inf loss there is
+    still harm the run shows: the loss is computed before any loss scale, so the weights or the data made it.
+    Gradients that overflowed under the scale, with a finite loss, are the scale's calibration, not harm."""
+    from fastgrad.diagnose.rules.evidence import harm_of
+
+    def view(loss, **skip):
+        steps = [StepRecord(step=1, has_loss=True, loss=1.0, total_norm=2.0),
+                 StepRecord(step=2, has_loss=True, loss=loss, total_norm=math.nan, nonfinite=3.0, **skip),
+                 StepRecord(step=3, has_loss=True, loss=1.0, total_norm=2.0)]
+        return RunView(steps=steps)
+
+    for skip in (dict(skipped=True), dict(guard_skipped=True)):
+        h = harm_of(view(math.nan, **skip), 0)
+        assert h.nonfinite == [2] and ("nonfinite", "the loss or the gradients went NaN/Inf at step 2") in \
+            h.at([1]), skip
+        assert harm_of(view(1.0, **skip), 0).nonfinite == [], skip
+
+
 # ---------------------------------------------------------------------------------------------- hand-written loops
 def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zeroes_them(tmp_path_factory):
     """A loop that clips, updates and then sets ``p.grad = None`` itself leaves no gradient to read after its

@@ -2,7 +2,8 @@
 rests on. A number from the guide alone (a norm above 100 or 1000) is a question for the user, a notice; a
 warning or a critical finding needs harm the run itself shows:
 
-- ``nonfinite``: a NaN/Inf loss or gradient in the series, from the steps in question on;
+- ``nonfinite``: a NaN/Inf loss or gradient in the series, from the steps in question on (a NaN/Inf loss at a
+  step a GradScaler or StepGuard skipped too: no loss scale makes the loss itself non-finite);
 - ``loss_rose``: the loss rose against its own noise (the last quarter's mean above the first quarter's by
   more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
   level: ``loss_change``, the same statistics the stall rule reads);
@@ -169,7 +170,11 @@ def harm_of(run: RunView, k: int) -> Harm:
     recs = run.per.get(k, [])
     steps = [r.step for r in recs]
     h = Harm(k, steps, [r.grad_norm for r in recs], far_ratio=lim.far_ratio, far_history=lim.far_history)
-    h.nonfinite = [r.step for r in recs if r.bad or (r.loss is not None and not math.isfinite(r.loss))]
+    # ... and a NaN/Inf loss at a step a GradScaler or a StepGuard then skipped: the loss is computed before any
+    # loss scale, so no scale made it (the weights or the data did); skipped gradients alone are the scale's
+    h.nonfinite = sorted({r.step for r in recs if r.bad or (r.loss is not None and not math.isfinite(r.loss))}
+                         | {r.step for r in run.steps if r.series == k and (r.skipped or r.guard_skipped)
+                            and r.loss is not None and not math.isfinite(r.loss)})
     h.losses = [r.loss if r.loss is not None else math.nan for r in recs]
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
