@@ -344,6 +344,38 @@ def test_a_nan_loss_at_a_skipped_step_is_harm_and_a_skipped_overflow_of_the_grad
         assert harm_of(view(1.0, **skip), 0).nonfinite == [], skip
 
 
+def test_skips_protect_a_run_only_if_its_loss_comes_back():
+    """A GradScaler or StepGuard that skips NaN-loss steps keeps the weights finite; when the loss is NaN at
+    every step to the end (two at least), nothing trains after the first of them, and the run is not called
+    protected. A loss that comes back at the last step, or one NaN last step, still is."""
+    from fastgrad.diagnose.rules.nonfinite import NONFINITE_LOSS, stuck_from
+    from fastgrad.diagnose.rules.skips import GUARD_SKIPPED
+
+    def view(losses, **skip):
+        return RunView(steps=[StepRecord(step=i, has_loss=True, loss=v, total_norm=2.0 if math.isfinite(v) else
+                                         math.nan, nonfinite=0.0 if math.isfinite(v) else 3.0,
+                                         **(skip if not math.isfinite(v) else {}))
+                              for i, v in enumerate(losses, 1)])
+
+    nan = math.nan
+    for skip in (dict(skipped=True), dict(guard_skipped=True)):
+        run = view([1.0, 0.9, nan, nan, nan], **skip)
+        assert stuck_from(run) == 3, skip
+        f, = NONFINITE_LOSS.evaluate(run)
+        assert f.severity == "critical" and not f.evidence["protected"] and f.evidence["stuck_from"] == 3
+        assert "protected" not in f.title and "nothing trained" not in f.title and "after step 2" in f.detail
+        for losses in ([1.0, 0.9, nan, nan, 0.8], [1.0, 0.9, 0.8, 0.7, nan]):   # came back; one last NaN
+            run = view(losses, **skip)
+            assert stuck_from(run) is None, (skip, losses)
+            f, = NONFINITE_LOSS.evaluate(run)
+            assert f.severity == "warning" and f.evidence["protected"] and "protected" in f.title, (skip, losses)
+    assert stuck_from(view([1.0, nan, nan])) is None   # steps taken on NaN: not skips that protect anything
+    g, = GUARD_SKIPPED.evaluate(view([1.0, nan, nan], guard_skipped=True))
+    assert "nothing trained after step 1" in g.detail and "The run is protected" not in g.detail
+    g, = GUARD_SKIPPED.evaluate(view([1.0, nan, 1.0], guard_skipped=True))
+    assert "The run is protected" in g.detail
+
+
 # ---------------------------------------------------------------------------------------------- hand-written loops
 def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zeroes_them(tmp_path_factory):
     """A loop that clips, updates and then sets ``p.grad = None`` itself leaves no gradient to read after its

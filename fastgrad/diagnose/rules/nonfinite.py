@@ -9,7 +9,7 @@ from ..finding import Finding, fmt, steps_text
 from .base import NanOrigin, Rule, RunView
 from .buffers import buffers_bad
 
-__all__ = ["trace_origin", "NonfiniteLoss", "NonfiniteHistory"]
+__all__ = ["trace_origin", "stuck_from", "NonfiniteLoss", "NonfiniteHistory"]
 
 
 def trace_origin(run: RunView) -> NanOrigin | None:
@@ -73,6 +73,19 @@ def trace_origin(run: RunView) -> NanOrigin | None:
                      "or fp16 overflow; torch.autograd.detect_anomaly() names the op)" + later + after)
 
 
+def stuck_from(run: RunView) -> int | None:
+    """The first step of the NaN/Inf losses that last to the run's end (two steps at least), every one of them
+    skipped by a GradScaler or a StepGuard: the skips kept the NaN out of the weights, yet nothing trained from
+    that step on (the weights, or the data, make every forward non-finite). None when the run came back."""
+    i = len(run.steps)
+    while i > 0 and run.steps[i - 1].loss is not None and not math.isfinite(run.steps[i - 1].loss):
+        i -= 1
+    tail = run.steps[i:]
+    if len(tail) < 2 or not all(r.skipped or r.guard_skipped for r in tail):
+        return None
+    return tail[0].step
+
+
 def _lr_of(u: dict) -> str:
     return f" (learning rate {u['lr']:g})" if u.get("lr") is not None else ""
 
@@ -129,14 +142,26 @@ class NonfiniteLoss(Rule):
         # steps a StepGuard or a GradScaler kept out of the weights: the loss was bad, the update never happened
         kept_out = {r.step for r in run.steps if r.guard_skipped or r.skipped}
         skipped_all = all(s in kept_out for s in bad)
-        # a skip keeps the weights and the optimizer state, not the buffers the forward already wrote
-        protected = skipped_all and not buffers_bad(run)
+        # a skip keeps the weights and the optimizer state, not the buffers the forward already wrote, and it
+        # protects nothing when no step after it trains (``stuck_from``)
+        stuck = stuck_from(run) if skipped_all and not buffers_bad(run) else None
+        protected = skipped_all and not buffers_bad(run) and stuck is None
         finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
         text, layers, ev = _origin_text(run)
         ev = ev | {"first_step": bad[0], "count": len(bad), "protected": protected}
         head = f"The loss was non-finite at {len(bad)} step(s), first at step {bad[0]}"
         if skipped_all:
             who = "the step guard" if any(r.guard_skipped for r in run.steps if r.step in bad) else "the GradScaler"
+            if stuck is not None:
+                ev["stuck_from"] = stuck
+                return [Finding(
+                    self.code, "critical",
+                    f"NaN/Inf loss at every step from step {stuck} on, each skipped by {who}: the weights stay "
+                    "finite, but nothing trains",
+                    f"{head}; {who} skipped every one of them, so neither the weights nor the optimizer state saw "
+                    f"it, but the loss never came back: every step from step {stuck} to the end was NaN/Inf, so the "
+                    f"run trained on nothing after step {stuck - 1} (the weights themselves, or the data, make each "
+                    "forward non-finite)." + text, layers, bad, ev)]
             title = (f"NaN/Inf loss at step(s) {who} skipped: the run is protected" if protected else
                      f"NaN/Inf loss at step(s) {who} skipped: the weights never saw it, the buffers did")
             # not protected: the model keeps the NaN in its buffers, and the loss is its cause (so it leads)
@@ -180,7 +205,8 @@ class NonfiniteHistory(Rule):
 NONFINITE_LOSS = NonfiniteLoss(
     "nonfinite_loss", "critical", "each step's loss", "the loss was NaN/Inf at some step (even with finite "
     "gradients); names where it was born: a module's forward, the loss computation, or backward; a warning "
-    "when a StepGuard or GradScaler skipped every such step and no buffer turned NaN/Inf (the run is protected)",
+    "when a StepGuard or GradScaler skipped every such step, no buffer turned NaN/Inf and the loss came back "
+    "before the run ended (the run is protected)",
     needs=("loss",))
 NONFINITE_HISTORY = NonfiniteHistory(
     "nonfinite_history", "critical", "each step's NaN/Inf gradient count",

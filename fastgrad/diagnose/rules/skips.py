@@ -8,6 +8,7 @@ import math
 from ..finding import Finding, fmt
 from .base import Rule, RunView
 from .buffers import buffers_bad
+from .nonfinite import stuck_from
 
 __all__ = ["GuardSkipped", "AmpSkipped"]
 
@@ -24,12 +25,22 @@ class GuardSkipped(Rule):
             self.code, sev, "steps skipped by the step guard",
             f"fastgrad.StepGuard kept {len(guarded)} of {len(run.steps)} step(s) out of the weights and the "
             f"optimizer state ({len(gbad)} with NaN/Inf gradients, {len(guarded) - len(gbad)} spikes); step (norm "
-            f"before clipping): {ev}. " + ("The run is protected" if not buffers_bad(run) else
-                                          "The weights and the optimizer state are safe, the buffers are not "
-                                          "(nonfinite_buffers)")
+            f"before clipping): {ev}. " + _protection(run)
             + "; if skips keep coming, find their source (the data at those steps, the loss, the learning rate).",
             steps=[r.step for r in guarded],
             evidence={"count": len(guarded), "nonfinite": len(gbad)})]
+
+
+def _protection(run: RunView) -> str:
+    """What the skips protected: the run, or the weights and the optimizer state only (the buffers already
+    held NaN/Inf, or no step trained after the NaN losses began: ``nonfinite.stuck_from``)."""
+    if buffers_bad(run):
+        return "The weights and the optimizer state are safe, the buffers are not (nonfinite_buffers)"
+    stuck = stuck_from(run)
+    if stuck is not None:
+        return (f"The weights and the optimizer state are safe, but the loss was NaN/Inf at every step from step "
+                f"{stuck} on: nothing trained after step {stuck - 1}")
+    return "The run is protected"
 
 
 class AmpSkipped(Rule):
