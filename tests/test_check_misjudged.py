@@ -323,6 +323,10 @@ def test_a_nan_born_in_a_module_right_after_an_update_that_rewrote_the_weights_i
                   evidence={"born_at_step": 3, "variant": "learning_rate"})
     link_causes([nan, rw])
     assert nan.evidence["follows"] == "update_rewrote"
+    # a NaN traced elsewhere (the data, a log(0)) does not follow an earlier rewrite
+    other = Finding("nonfinite_loss", "critical", "NaN/Inf loss", "", steps=[3], evidence={"born_at_step": 3})
+    link_causes([other, rw])
+    assert "follows" not in other.evidence
 
 
 def test_a_nan_loss_at_a_skipped_step_is_harm_and_a_skipped_overflow_of_the_gradients_is_not():

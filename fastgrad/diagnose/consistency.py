@@ -105,14 +105,13 @@ _SCHEDULE = {
 _SATURATED = ({"stall", "depth_vanishing"},
               "units on their flat tails pass back almost none of their gradient, so the layers before them (and "
               "the loss) barely move, whatever the learning rate")
-#: why a divergence follows an update that replaced the weights before the loss rose (``update_rewrote``)
-_REWRITE = ("an update as large as the weights replaced what they had learnt before the loss rose, so the loss "
-            "starts over from wherever that step threw the weights")
-#: why an explosion, or a NaN the learning rate made, follows an update that replaced the weights: the first rewrite
-#: came before it (the explosion's, the NaN's text), or at the explosion's step with a gradient that, within the
-#: guide's bound, would have made that update too
-_REWRITE_BLOW_UP = {
-    "before": "the gradients computed on the weights that update threw out of range blew up",
+#: why an effect follows an update that replaced the weights (``update_rewrote``): a divergence whose loss crossed
+#: its ratio after the first rewrite; an explosion, or a NaN the learning rate made, after it; an explosion at its
+#: step that a gradient within the guide's bound would have made too
+_REWRITE = {
+    "divergence": ("an update as large as the weights replaced what they had learnt before the loss rose, so the "
+                   "loss starts over from wherever that step threw the weights"),
+    "explosion": "the gradients computed on the weights that update threw out of range blew up",
     "nan": "what the model and its loss computed on the weights that update threw out of range overflowed",
     "same_step": ("at that learning rate even a gradient within the guide's range (a norm of 100) would have moved "
                   "the weights by their own size: the learning rate, not the gradient's size, made the update "
@@ -154,7 +153,9 @@ def _rewrite_before(f: Finding, findings: list[Finding]) -> tuple[Finding, str] 
     """The ``update_rewrote`` (warning: a rewrite the run learnt past explains nothing later) of ``f``'s optimizer
     that explains ``f``, an ``exploding`` or a NaN the learning rate made (``nonfinite*``, variant
     ``learning_rate``), and why: its first rewrite came before ``f``'s first step, or, for an explosion, at that
-    step and the learning rate alone made it (``rules.rewrite.lr_alone``); else None."""
+    step and the learning rate alone made it (``rules.rewrite.lr_alone``); else (or for any other ``f``) None."""
+    if not (f.code == "exploding" or f.code in _NONFINITE and f.evidence.get("variant") == "learning_rate"):
+        return None
     s = f.evidence.get("first_step", f.evidence.get("born_at_step"))
     for g in findings:
         if g.code != "update_rewrote" or g.severity == "notice" or \
@@ -164,9 +165,9 @@ def _rewrite_before(f: Finding, findings: list[Finding]) -> tuple[Finding, str] 
         if r is None or s is None:
             continue
         if r < s:
-            return g, _REWRITE_BLOW_UP["before" if f.code == "exploding" else "nan"]
+            return g, _REWRITE["explosion" if f.code == "exploding" else "nan"]
         if r == s and f.code == "exploding" and g.evidence.get("lr_alone"):
-            return g, _REWRITE_BLOW_UP["same_step"]
+            return g, _REWRITE["same_step"]
     return None
 
 
@@ -204,11 +205,10 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             # one of the pair is the other's cause, by which came first (``_rewrote_first``)
             rewrite, rise = pair
             if f is rise and _rewrote_first(rewrite, rise):
-                cause, why = rewrite, _REWRITE
+                cause, why = rewrite, _REWRITE["divergence"]
             elif f is rewrite and not _rewrote_first(rewrite, rise):
                 cause, why = rise, "the divergence quotes this update as its learning rate's evidence"
-        elif (f.code == "exploding" or f.code in _NONFINITE and f.evidence.get("variant") == "learning_rate") and \
-                (hit := _rewrite_before(f, out)) is not None:
+        elif (hit := _rewrite_before(f, out)) is not None:
             cause, why = hit
         elif f.code in _BLOW_UP[0] and f.evidence.get("variant") != "overflow":  # the largest blow-up: its own
             # the same optimizer's (a last step's finding has no series: the last optimizer's)

@@ -144,8 +144,9 @@ class NonfiniteLoss(Rule):
         skipped_all = all(s in kept_out for s in bad)
         # a skip keeps the weights and the optimizer state, not the buffers the forward already wrote, and it
         # protects nothing when no step after it trains (``stuck_from``)
-        stuck = stuck_from(run) if skipped_all and not buffers_bad(run) else None
-        protected = skipped_all and not buffers_bad(run) and stuck is None
+        bufs = buffers_bad(run)
+        stuck = stuck_from(run) if skipped_all and not bufs else None
+        protected = skipped_all and not bufs and stuck is None
         finite_grads = all(math.isfinite(r.total_norm) and r.nonfinite == 0 for r in run.used if r.step >= bad[0])
         text, layers, ev = _origin_text(run)
         ev = ev | {"first_step": bad[0], "count": len(bad), "protected": protected}
