@@ -125,6 +125,64 @@ def test_update_rewrote_sits_at_one_weights_size():
     assert got[0].evidence["harm"] == ["no_progress"]   # a flat loss: the run did not learn past it
 
 
+def _layer_view(layers, ratios, measured=None, losses=None):
+    """``layers``: per step, {layer: update/weight ratio}; ``ratios``: the whole model's; ``measured``: the steps
+    measured (default: all)."""
+    v = _upd_view(ratios, lr=30.0, losses=losses)
+    keep = set(measured or range(1, len(ratios) + 1))
+    v.ctx["updates"] = [dict(u, layers=layers[i]) for i, u in enumerate(v.ctx["updates"]) if u["step"] in keep]
+    return v
+
+
+def test_a_rewrite_begins_where_an_unbroken_run_of_layer_rewrites_before_it_began():
+    """A small head rewritten at 5x while a large body keeps the whole model under 1x: the rewrite that reaches
+    the whole model at step 3 began at step 1. Its nearest wrong variants: a layer just under 1x, a gap (an
+    update that rewrote no layer, or one not measured), a layer of all-zero weights (inf), a step after."""
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE, layer_rewrite_before
+    one = RunLimits().blowup_update
+    whole = [0.6, 0.9, 2.0, 0.3]
+    big = [{"head": 5.0, "body": 0.2}, {"head": 3.0, "body": 0.5}, {"head": 2.0, "body": 2.0}, {"head": 0.1}]
+    assert layer_rewrite_before(_layer_view(big, whole), 0, 3) == (1, "head", 5.0)
+    # the finding's first step (what other findings are ordered by) and its lr are the layer's; the whole-model
+    # list of steps is unchanged
+    f = UPDATE_REWROTE.evaluate(_layer_view(big, whole))[0]
+    assert f.evidence["first_step"] == 1 and f.steps == [3] and "It began at step 1" in f.detail
+    assert "`head` by 5x" in f.detail and "first at step 3" in f.detail
+    at_bound = [{"head": one}, {"head": one}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(at_bound, whole), 0, 3) == (1, "head", one)
+    under = [{"head": 5.0}, {"head": 0.999 * one, "body": 0.5}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(under, whole), 0, 3) is None
+    assert UPDATE_REWROTE.evaluate(_layer_view(under, whole))[0].evidence["first_step"] == 3
+    # an early blip the next update does not repeat began nothing: only step 2 counts
+    blip = [{"head": 5.0}, {"head": 0.5}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(blip, whole), 0, 3) is None
+    late = [{"head": 0.5}, {"head": 1.5}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(late, whole), 0, 3) == (2, "head", 1.5)
+    # step 2 not measured: nothing is known of it, so nothing began before step 3
+    assert layer_rewrite_before(_layer_view(big, whole, measured=[1, 3, 4]), 0, 3) is None
+    zero = [{"head": math.inf}, {"head": math.inf}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(zero, whole), 0, 3) is None
+    nan = [{"head": 5.0}, {"head": math.nan}, {"head": 2.0}, {}]
+    assert layer_rewrite_before(_layer_view(nan, whole), 0, 3) is None
+
+
+def test_a_divergence_that_crossed_after_a_layer_was_rewritten_follows_the_rewrite():
+    """The loss crosses its ratio at step 2, the whole model is rewritten at step 2, the head already at step 1:
+    the update of step 1 raised the loss of step 2, so the divergence follows the rewrite. Without the head's
+    rewrite at step 1 the divergence came first."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import place_causes
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+    whole = [0.6, 2.0, 1.2, 0.3]
+    for layers, first in (([{"head": 5.0}, {"head": 2.0}, {}, {}], "update_rewrote"),
+                          ([{"head": 0.9}, {"head": 2.0}, {}, {}], "loss_diverging")):
+        rw = UPDATE_REWROTE.evaluate(_layer_view(layers, whole, losses=[1.0, 5.0, 9.0, 9.0]))[0]
+        rise = Finding("loss_diverging", "warning", "the loss is rising: the learning rate is the first suspect", "",
+                       steps=[2], evidence={"series": 0, "first_step": 2, "rewrite": [2, 2.0]})
+        got = place_causes(link_causes([rise, rw]))
+        assert got[0].code == first, layers
+
+
 def test_update_rewrote_is_a_warning_when_it_recurs_or_harms_and_a_notice_for_one_step_the_run_learnt_past():
     """Adam's first step on small weights moves each by about the learning rate (a ratio near 1 once), and the
     run learns on: a notice. A second rewrite, or harm from it on, makes it a warning."""

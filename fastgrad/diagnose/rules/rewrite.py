@@ -1,7 +1,9 @@
 """``update_rewrote``: a measured update moved an optimizer's weights by ``RunLimits.blowup_update`` (1x) of
 their own size or more (``||after - before|| / ||before||`` over the whole model, at the steps the checker
 measures: every one of the first 8, then every 16th). Such a step replaces the weights instead of adjusting
-them (about 1e-3 is typical), whether or not the loss recovers after it. A warning when it recurs (two measured
+them (about 1e-3 is typical), whether or not the loss recovers after it. The rewrite begins earlier where the
+updates just before that step each rewrote one layer (``layer_rewrite_before``: a small head rewritten while
+a large body dilutes the whole ratio); its first step, the one other findings are ordered by, is then there. A warning when it recurs (two measured
 steps or more: the learning rate keeps overwriting the weights) or when the run shows harm from it on (a NaN, a
 loss jump, a norm far above its own level, a loss that rose or did not improve over the run, or that fell from
 the blow-up yet never came back to its value before the rewrite: ``rules.evidence``);
@@ -44,11 +46,13 @@ class UpdateRewrote(Rule):
             if not rw:
                 continue
             s, ratio = max(rw, key=lambda t: t[1])
-            first = rw[0][0]
+            began = layer_rewrite_before(run, k, rw[0][0])
+            first = began[0] if began else rw[0][0]
             lr = run.lr_at(k, first)
             measured = sum(1 for u in run.ctx.get("updates") or () if u["series"] == k)
             run.key_steps.add(first)
-            at = "" if lr is None else f" with a learning rate of {lr:g}"
+            whole_lr = run.lr_at(k, rw[0][0])
+            at = "" if whole_lr is None else f" with a learning rate of {whole_lr:g}"
             harm = [(kind, text) for kind, text in h.at([st for st, _ in rw]) if kind != "rewrite"]
             c = h.change
             if c is not None and not c["improved"] and not c["rose"]:
@@ -68,19 +72,46 @@ class UpdateRewrote(Rule):
                 fell = h.loss_fell()
                 after = (f" The run learnt past it (the loss went {fell}): one such step, at notice." if fell else
                          " One such step, and no harm the run shows after it: at notice.")
-            alone = lr_alone(run, k, first, rw[0][1])
+            alone = lr_alone(run, k, first, began[2] if began else rw[0][1])
             out.append(Finding(
                 self.code, "warning" if grave else "notice",
                 f"{run.label(k)}an update rewrote the weights: {fmt(ratio)}x their own size at step {s}",
                 f"{run.label(k)}{len(rw)} of the {measured} measured update(s) moved the weights by "
-                f"{fmt(run.limits.blowup_update)}x their own size or more, first at step {first}{at} (steps "
+                f"{fmt(run.limits.blowup_update)}x their own size or more, first at step {rw[0][0]}{at} (steps "
                 + ", ".join(f"{st}: {fmt(v)}x" for st, v in rw[:6]) + (", ..." if len(rw) > 6 else "")
-                + "; about 1e-3 is typical). A step that size replaces what the weights had learnt instead of "
+                + "; about 1e-3 is typical)."
+                + ("" if not began else f" It began at step {first}, in one layer: that step's update moved "
+                   f"`{began[1]}` by {fmt(began[2])}x its own size"
+                   + ("" if lr is None else f" (learning rate {lr:g})")
+                   + f", and every update from there to step {rw[0][0]} rewrote at least one layer.")
+                + " A step that size replaces what the weights had learnt instead of "
                 "adjusting it: the learning rate is too high for this model at those steps." + after,
                 steps=[st for st, _ in rw], evidence={"series": k, "rewrite": [s, ratio], "first_step": first,
                                                       "lr": lr, "count": len(rw), "measured": measured,
                                                       "harm": [kind for kind, _ in harm], "lr_alone": alone}))
         return out
+
+
+def layer_rewrite_before(run: RunView, k, step: int) -> tuple[int, str, float] | None:
+    """Where the rewrite that reached the whole model at ``step`` began: (step, layer, ratio) of the earliest
+    measured update of series ``k`` in the unbroken run of updates just before ``step`` (steps s-1, s-2, ...,
+    each measured) each of which moved at least one layer by ``RunLimits.blowup_update`` of its own size (its
+    largest such layer); None when the update of step s-1 was not measured or rewrote no layer. A layer that moved its own size is rewritten even while the rest
+    of the model dilutes the whole ratio (a small head beside a large body), and the update of step s raises only
+    later losses: so the rewrite, and what it explains, starts there. The run must be unbroken: one early step on
+    small weights (Adam's first) that the following updates do not repeat began nothing. A layer of all-zero
+    weights (ratio inf) had nothing to rewrite."""
+    ups = sorted((u for u in run.ctx.get("updates") or () if u["series"] == k and u["step"] < step),
+                 key=lambda u: u["step"])
+    out, nxt = None, step
+    for u in reversed(ups):
+        hit = [(v, n) for n, v in (u.get("layers") or {}).items()
+               if v is not None and math.isfinite(v) and v >= run.limits.blowup_update]
+        if u["step"] != nxt - 1 or not hit:
+            break
+        v, n = max(hit)
+        out, nxt = (u["step"], n, v), u["step"]
+    return out
 
 
 def lr_alone(run: RunView, k, step: int, ratio: float) -> bool:
