@@ -509,6 +509,78 @@ def test_a_dead_layers_bias_is_not_invariant(tmp_path_factory):
     assert f["severity"] == "warning" and f["evidence"]["invariant"] == [] and "0.bias" in f["evidence"]["zero"]
 
 
+# ---------------------------------------------------------------------------------------------- cut off from the loss
+@pytest.mark.parametrize("args, cut, unused", [
+    (("--detach",), True, False), (("--no-grad",), True, False), (("--unused",), False, True),
+    (("--detach", "--unused"), True, True)])
+def test_a_module_that_ran_but_gets_no_gradient_is_cut_off_and_one_never_called_is_unused(args, cut, unused,
+                                                                                         tmp_path_factory):
+    """The body runs at every step but its output reaches the loss through .detach() (or under no_grad): its
+    tensors are cut off from the loss, with the advice to find the cut. A layer built and never called is never
+    used, with the advice to call or drop it. The premise, by plain reads: which tensors had no gradient at every
+    step, and that the body ran at each."""
+    r = run(tmp_path_factory, "cut_off_body.py", *args)
+    t = r["truth"]["steps"]
+    body = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+    assert all(x["body_ran"] for x in t)
+    assert all(set(x["no_grad"]) == set(body * cut + ["aux.weight", "aux.bias"] * unused) for x in t)
+    f = finding(r, "never_learns")
+    assert f["severity"] == "warning" and f["evidence"]["zero"] == []
+    assert f["evidence"]["cut"] == (body if cut else [])
+    assert f["evidence"]["unused"] == (["aux.weight", "aux.bias"] if unused else [])
+    assert ("the graph is cut before the loss" in f["title"]) == cut
+    assert ("never uses them" in f["title"] or "are never used" in f["title"]) == unused
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")["text"]
+    assert (".detach()" in rec) == cut and ("call the module that owns them" in rec) == unused
+    ok = run(tmp_path_factory, "cut_off_body.py")
+    assert "never_learns" not in codes(ok) and ok["rc"] == 0
+
+
+def _live_view(live, ran, findings=(), updates=None):
+    v = RunView(steps=[StepRecord(step=i + 1, has_loss=True, loss=1.0, total_norm=1.0, lr=0.1) for i in range(4)],
+                ctx={"live": live, "ran": ran, "updates": updates or []})
+    v.findings = list(findings)
+    return v
+
+
+def test_never_learning_tells_zero_cut_and_unused_apart():
+    """Absent while its module ran: cut; absent and not run: unused; present and zero: zero, whether its module
+    ran or not. A run that cannot tell (a log: ``ran`` None) calls every absent tensor unused."""
+    from fastgrad.diagnose.rules.never_learns import NEVER_LEARNS, never_learning
+    n = RunLimits().never_learns_steps
+    live = {"a.weight": (0, n, n, 0), "b.weight": (0, n, 0, 0), "c.weight": (0, n, 0, 0), "d.weight": (0, n, n, 1)}
+    assert never_learning(_live_view(live, ["a.weight", "b.weight"])) == (["a.weight"], ["b.weight"], ["c.weight"])
+    assert never_learning(_live_view(live, None)) == (["a.weight"], [], ["b.weight", "c.weight"])
+    assert never_learning(_live_view(live, []), covered={0}) == ([], [], [])
+    (f,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, ["b.weight"]))
+    assert f.evidence["cut"] == ["b.weight"] and f.evidence["unused"] == [] and "cut before the loss" in f.title
+    (g,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, []))
+    assert g.evidence["cut"] == [] and g.evidence["unused"] == ["b.weight"] and "never uses" in g.title
+
+
+def test_tensors_cut_off_from_the_loss_explain_a_flat_loss_and_never_called_ones_do_not():
+    """A loss that did not improve is the harm of one rewrite only when nothing in the model's computation
+    never learns: tensors cut off (or zero) explain it, in the same optimizer; a layer never called, or another
+    optimizer's tensors, do not. The stall follows tensors cut off, as it follows zero ones."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+    n = RunLimits().never_learns_steps
+    ups = [{"step": i + 1, "series": 0, "lr": 0.1, "ratio": r, "layers": {}} for i, r in enumerate([0.1, 1.2, 0.1])]
+    for live, ran, sev in (({"b.weight": (0, n, 0, 0)}, ["b.weight"], "notice"),
+                           ({"b.weight": (0, n, n, 0)}, [], "notice"),
+                           ({"b.weight": (0, n, 0, 0)}, [], "warning"),
+                           ({"b.weight": (1, n, 0, 0)}, ["b.weight"], "warning")):
+        (f,) = UPDATE_REWROTE.evaluate(_live_view(live, ran, updates=ups))
+        assert f.severity == sev and (f.evidence["harm"] == ["no_progress"]) == (sev == "warning"), (live, ran)
+        assert ("that is theirs, not this update's" in f.detail) == (sev == "notice"), (live, ran)
+    for ev, follows in (({"zero": [], "cut": ["b.weight"], "unused": []}, True),
+                        ({"zero": [], "cut": [], "unused": ["b.weight"]}, False)):
+        never = Finding("never_learns", "warning", "t", "", ["b.weight"], evidence=ev)
+        stall = Finding("stall", "warning", "stall", "", evidence={"series": 0, "first_step": 1})
+        link_causes([stall, never])
+        assert (stall.evidence.get("follows") == "never_learns") == follows, ev
+
+
 # ---------------------------------------------------------------------------------------------- frozen tensors
 @pytest.mark.parametrize("args,held", [((), False), (("--all-params",), True),
                                        (("--all-params", "--unfreeze", "20"), False)])

@@ -147,6 +147,34 @@ def test_global_mode_names_modules_of_the_root():
         w.remove()
 
 
+@pytest.mark.parametrize("global_mode", [False, True])
+def test_ran_lists_the_modules_whose_forward_finished_and_no_other(global_mode):
+    """A module built but never called is not in ``ran()``; one called under torch.no_grad() or whose output is
+    detached is (it ran: its gradient is cut later); a model's input is not a module."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.frozen = torch.nn.Linear(4, 4)
+            self.spare = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                x = self.frozen(x)
+            return self.body(x).detach()
+
+    net = Net()
+    w = ForwardWatcher() if global_mode else ForwardWatcher(net)
+    try:
+        assert w.ran() == []
+        net(torch.randn(2, 4))
+        got = w.ran()
+        assert any(m is net.body for m in got) and any(m is net.frozen for m in got) and any(m is net for m in got)
+        assert not any(m is net.spare for m in got) and len(got) == 3
+    finally:
+        w.remove()
+
+
 def test_no_host_sync_during_forward(monkeypatch):
     torch.manual_seed(0)
     model = _model()

@@ -437,6 +437,11 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "for n, p in model.named_parameters():\n"
         "    if p.requires_grad:\n"
         "        print(n, None if p.grad is None else float(p.grad.abs().max()))   # after one backward()"),
+    "never_learns:cut": (
+        "The modules that own these tensors run in forward(), but no gradient comes back to them: something between "
+        "their output and the loss cuts the graph. Find the .detach(), .data, torch.no_grad() block or value rebuilt "
+        "from .item()/.numpy() on that path and remove it if they are meant to learn; if not, freeze them "
+        "(requires_grad_(False)) or leave them out of the optimizer.", ""),
     "never_learns:unused": (
         "These tensors are never in the loss's graph: if they are meant to learn, call the module that owns them "
         "in forward(); if not, freeze them (requires_grad_(False)) or leave them out of the optimizer.", ""),
@@ -519,7 +524,7 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if run and f.severity == "notice" and f.evidence.get("harm") == [] and f"{f.code}:no_harm" in RUN_ADVICE:
             variant = f"{f.code}:no_harm"
         elif run and f.code == "never_learns" and not f.evidence.get("zero") and not f.evidence.get("invariant"):
-            variant = "never_learns:unused"
+            variant = "never_learns:cut" if f.evidence.get("cut") else "never_learns:unused"
         elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _RECURRENT and not (
                 set(ctx.get("modules", ())) & _RELU_FAMILY):
             variant = "depth_vanishing:recurrent"
@@ -545,6 +550,8 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = ""
         elif RANK[worst] >= RANK["warning"] and f.severity == "notice" and f.code in _NO_ACTION:
             continue
+        if variant == "never_learns:cut" and f.evidence.get("unused"):  # both kinds: both fixes
+            text += " For the tensors never used: " + RUN_ADVICE["never_learns:unused"][0]
         if f.code == "never_learns" and f.evidence.get("zero") and set(ctx.get("modules", ())) & _RELU_FAMILY:
             text += (" In a model with ReLUs, a unit that is off for every input stays off: LeakyReLU(0.01) or GELU "
                      "keeps a gradient flowing.")

@@ -184,8 +184,11 @@ def _learning_rate(f: Finding, effect: str) -> bool:
 def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]:
     """Mark each finding that another explains (in place: ``evidence["follows"]``, a sentence in its detail).
     ``order``: the parameters' names in registration order (where a tensor sits in depth)."""
-    never = next((f for f in findings if f.code == "never_learns" and f.evidence.get("zero")), None)
-    zero = set(never.evidence["zero"]) if never is not None else set()
+    # tensors in the model's computation that never learn (zero, or cut off from the loss after their module ran)
+    # explain what depends on them; tensors the forward never uses explain nothing
+    never = next((f for f in findings if f.code == "never_learns" and
+                  (f.evidence.get("zero") or f.evidence.get("cut"))), None)
+    zero = set(never.evidence["zero"]) | set(never.evidence.get("cut", ())) if never is not None else set()
     out = list(findings)
     accum = next((f for f in out if f.code == "no_zero_grad"), None)
     sched = [f for f in out if f.code == "lr_schedule"]

@@ -155,6 +155,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._live: dict = {}
         self._m_live: dict = {}
         self.live: dict = {}         # name -> (series, steps read, steps present, steps nonzero), after the run
+        self.ran_params: list | None = None  # names of the parameters whose module's forward ran, after the run
         self._series_params: dict = {}  # series -> (id of its named list, [(name, requires_grad)])
         self.frozen: dict = {}       # names of the parameters the script froze (requires_grad False), in order
         self.script_vars: dict = {}  # the script's own names: "model", "lr" (a hand-written loop's)

@@ -37,6 +37,11 @@ class RunReadout:
             self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
             self.update_rows = []
         self._read_live()
+        if self.watcher is not None:
+            # which parameters belong to a module that ran: a gradient that never came is then a cut in the graph
+            # (a detach, torch.no_grad), not a module left out of the forward (host attributes only)
+            self.ran_params = sorted({n for m in self.watcher.ran() for p in m.parameters(recurse=False)
+                                      if (n := self._names.get(p)) is not None})
         try:
             self.saturation = self.saturation_report()
         except Exception as e:  # noqa: BLE001

@@ -93,6 +93,7 @@ class ForwardWatcher:
         self._roots: list[weakref.ref] = []
         self._root_inputs = IdentityMap()  # root module -> the mid of its input
         self._inputs: set[int] = set()  # ids (mid) that stand for a root's input
+        self._ran: set[int] = set()  # mids of the modules whose forward finished at least once (host only)
         if model is not None:
             self._roots.append(weakref.ref(model))
             for name, m in model.named_modules():
@@ -165,6 +166,7 @@ class ForwardWatcher:
     def _observe(self, mid: int, output) -> None:
         call = self._call
         self._call += 1
+        self._ran.add(mid)
         self._fold(mid, call, 1, output)
 
     def _fold(self, mid: int, call: int, kind: int, output) -> None:
@@ -202,6 +204,13 @@ class ForwardWatcher:
         its class), or None for a module it has not seen."""
         mid = self._ids.get(module)
         return None if mid is None else self._mods[mid][1]
+
+    def ran(self) -> list[torch.nn.Module]:
+        """The modules still alive whose forward ran at least once while watched: a parameter of one of them that
+        never received a gradient was computed with but cut off from the loss (a detach, torch.no_grad), not
+        left out of the forward."""
+        return [m for m in (self._mods[mid][0]() for mid in sorted(self._ran) if mid not in self._inputs)
+                if m is not None]
 
     def roots(self) -> list[torch.nn.Module]:
         """The models seen so far that are still alive: without a model, the modules called outside any other

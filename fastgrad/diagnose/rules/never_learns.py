@@ -4,8 +4,12 @@ off from the loss). Told apart:
 
 - zero at every step while present: in the graph, but nothing passes back to it (a ReLU that never fires, an
   op whose derivative is 0, the input of a layer that is all zero): a warning;
-- absent at every step (its ``.grad`` stayed None): the script never uses it in its graph (a module built but
-  not called, blocks whose output is dropped): said so, a warning too, the optimizer holds it in vain;
+- absent at every step (its ``.grad`` stayed None) while the module that owns it ran in a forward (the
+  watcher saw it finish): cut off from the loss (a ``detach()``, ``.data``, ``torch.no_grad()`` between it and
+  the loss): said so, a warning;
+- absent at every step and its module never ran (or a log, which cannot tell): the script never uses it in its
+  graph (a module built but not called, blocks whose output is dropped): said so, a warning too, the optimizer
+  holds it in vain;
 - frozen parameters (``requires_grad`` False) are not a finding (the summary names them), and the rows of an
   embedding a batch did not look up are not either (the tensor's gradient is nonzero where rows were looked up).
 
@@ -17,7 +21,23 @@ from __future__ import annotations
 from ..finding import Finding
 from .base import Rule, RunView
 
-__all__ = ["NeverLearns", "NEVER_LEARNS"]
+__all__ = ["NeverLearns", "NEVER_LEARNS", "never_learning"]
+
+
+def never_learning(run: RunView, covered=()) -> tuple[list[str], list[str], list[str]]:
+    """(zero, cut, unused): the trainable tensors read at ``RunLimits.never_learns_steps`` steps or more whose
+    gradient was never nonzero: zero while present; absent while their module ran (cut off from the loss); absent
+    and never run (or not known). Series in ``covered`` are left out. The first two are in the model's
+    computation, so a loss that cannot improve through them is their doing; the last are not."""
+    live = run.ctx.get("live") or {}
+    ran = run.ctx.get("ran")
+    ran = set(ran) if ran is not None else set()
+    zero, cut, unused = [], [], []
+    for name, (series, reads, present, nonzero) in live.items():
+        if series in covered or reads < run.limits.never_learns_steps or nonzero:
+            continue
+        (zero if present else cut if name in ran else unused).append(name)
+    return zero, cut, unused
 
 
 class NeverLearns(Rule):
@@ -27,12 +47,8 @@ class NeverLearns(Rule):
         covered = {f.evidence.get("series") for f in run.findings if f.code == "zero_grads"}
         if any(f.code == "clip_zeroes" for f in run.findings):
             return []
-        zero, unused = [], []
-        for name, (series, reads, present, nonzero) in live.items():
-            if series in covered or reads < run.limits.never_learns_steps or nonzero:
-                continue
-            (zero if present else unused).append(name)
-        if not zero and not unused:
+        zero, cut, unused = never_learning(run, covered)
+        if not zero and not cut and not unused:
             return []
         # a bias whose own layer's weight learns receives the sum of the gradients at that layer's output: zero
         # at every step means they cancel by construction (the loss is invariant to a constant shift there), not
@@ -41,7 +57,7 @@ class NeverLearns(Rule):
         learns = {n for n, (_, _, _, nonzero) in live.items() if nonzero} - set(run.bad_params)
         invariant = [n for n in zero if n.endswith("bias") and n[:-4] + "weight" in learns]
         zero = [n for n in zero if n not in invariant]
-        if invariant and not zero and not unused:
+        if invariant and not zero and not cut and not unused:
             return [Finding(
                 self.code, "notice", f"{len(invariant)} tensor(s) the loss does not depend on: their gradient is "
                 "zero by construction",
@@ -51,10 +67,10 @@ class NeverLearns(Rule):
                 "step, so the loss is invariant to a constant shift of that output (a Wasserstein critic's "
                 "mean(D(fake)) - mean(D(real)), a bias right before a normalisation). Nothing is dead and nothing "
                 "needs initialising: the tensor simply never changes.", invariant, [],
-                {"zero": [], "unused": [], "invariant": invariant, "variant": "invariant",
+                {"zero": [], "cut": [], "unused": [], "invariant": invariant, "variant": "invariant",
                  "steps": max(live[n][1] for n in invariant), "of": len(live)})]
         total = len(live)
-        reads = max(live[n][1] for n in zero + unused)
+        reads = max(live[n][1] for n in zero + cut + unused)
         parts = []
         if zero:
             parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
@@ -62,21 +78,28 @@ class NeverLearns(Rule):
                          "passes back to them (a ReLU that never fires, e.g. after a large negative bias; an op whose "
                          "derivative is 0 such as round, sign or argmax; a layer whose input is all zero), so the "
                          "optimizer never moves them.")
+        if cut:
+            parts.append(f"{len(cut)} trainable tensor(s) never received a gradient (their .grad stayed None at "
+                         f"every step) although the modules that own them ran in forward(): {', '.join(cut)}. Their "
+                         "output reaches the loss only through something that cuts the graph (a .detach(), .data, "
+                         "torch.no_grad(), a value rebuilt from .item() or .numpy()), so no gradient flows back.")
         if unused:
             parts.append(f"{len(unused)} trainable tensor(s) never received a gradient (their .grad stayed None at "
                          f"every step): {', '.join(unused)}. The script never uses them in its graph (a module "
                          "built but not called in forward(), a branch the loss does not reach).")
-        parts.append(f"{len(zero) + len(unused)} of the {total} trainable tensor(s) the optimizers step; frozen "
-                     "parameters (requires_grad False) are not counted.")
-        title = (f"{len(zero)} tensor(s) never learn: their gradient is zero at every step" if zero else
-                 f"{len(unused)} tensor(s) never learn: the script never uses them in its graph")
-        if zero and unused:
-            title += f", and {len(unused)} are never used"
+        parts.append(f"{len(zero) + len(cut) + len(unused)} of the {total} trainable tensor(s) the optimizers "
+                     "step; frozen parameters (requires_grad False) are not counted.")
+        kinds = [k for k in ((zero, "their gradient is zero at every step", "have a zero gradient"),
+                             (cut, "their modules run, but the graph is cut before the loss", "are cut off"),
+                             (unused, "the script never uses them in its graph", "are never used")) if k[0]]
+        title = f"{len(kinds[0][0])} tensor(s) never learn: {kinds[0][1]}" + "".join(
+            f", and {len(names)} {short}" for names, _, short in kinds[1:])
         if invariant:
             parts.append(f"Not counted: {', '.join(invariant)}, zero by construction (the loss is invariant to a "
                          "constant shift of its layer's output; the weight of that layer learns).")
-        return [Finding(self.code, "warning", title, " ".join(parts), zero + unused, [],
-                        {"zero": zero, "unused": unused, "invariant": invariant, "steps": reads, "of": total})]
+        return [Finding(self.code, "warning", title, " ".join(parts), zero + cut + unused, [],
+                        {"zero": zero, "cut": cut, "unused": unused, "invariant": invariant, "steps": reads,
+                         "of": total})]
 
 
 NEVER_LEARNS = NeverLearns(

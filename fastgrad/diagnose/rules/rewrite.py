@@ -33,6 +33,7 @@ import math
 from ..finding import Finding, fmt
 from .base import Rule, RunView
 from .evidence import harm_of, tiny_update, update_size
+from .never_learns import never_learning
 
 __all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY"]
 
@@ -55,7 +56,12 @@ class UpdateRewrote(Rule):
             at = "" if whole_lr is None else f" with a learning rate of {whole_lr:g}"
             harm = [(kind, text) for kind, text in h.at([st for st, _ in rw]) if kind != "rewrite"]
             c = h.change
-            if c is not None and not c["improved"] and not c["rose"]:
+            # a loss that did not improve is not this update's harm while tensors of the model's computation never
+            # learn: the loss cannot improve through them, whatever the update (``never_learns`` says so)
+            live = run.ctx.get("live") or {}
+            stuck = [n for n in sum(never_learning(run)[:2], []) if live[n][0] == k]
+            flat = c is not None and not c["improved"] and not c["rose"]
+            if flat and not stuck:
                 harm.append(("no_progress", "the loss did not improve over the run"))
             # a loss that fell from the blow-up the rewrite began, yet ended above its value before the rewrite
             before = h.losses[h.steps.index(first)] if first in h.steps else math.nan
@@ -72,6 +78,9 @@ class UpdateRewrote(Rule):
                 fell = h.loss_fell()
                 after = (f" The run learnt past it (the loss went {fell}): one such step, at notice." if fell else
                          " One such step, and no harm the run shows after it: at notice.")
+                if flat and stuck:
+                    after += (f" The loss did not improve, but {len(stuck)} tensor(s) of the model never learn "
+                              "(`never_learns`): that is theirs, not this update's.")
             alone = lr_alone(run, k, first, began[2] if began else rw[0][1])
             out.append(Finding(
                 self.code, "warning" if grave else "notice",
