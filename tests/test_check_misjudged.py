@@ -528,7 +528,7 @@ def test_a_module_that_ran_but_gets_no_gradient_is_cut_off_and_one_never_called_
     assert f["severity"] == "warning" and f["evidence"]["zero"] == []
     assert f["evidence"]["cut"] == (body if cut else [])
     assert f["evidence"]["unused"] == (["aux.weight", "aux.bias"] if unused else [])
-    assert ("the graph is cut before the loss" in f["title"]) == cut
+    assert ("no gradient comes back from the loss" in f["title"]) == cut
     assert ("never uses them" in f["title"] or "are never used" in f["title"]) == unused
     rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")["text"]
     assert (".detach()" in rec) == cut and ("call the module that owns them" in rec) == unused
@@ -553,7 +553,7 @@ def test_never_learning_tells_zero_cut_and_unused_apart():
     assert never_learning(_live_view(live, None)) == (["a.weight"], [], ["b.weight", "c.weight"])
     assert never_learning(_live_view(live, []), covered={0}) == ([], [], [])
     (f,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, ["b.weight"]))
-    assert f.evidence["cut"] == ["b.weight"] and f.evidence["unused"] == [] and "cut before the loss" in f.title
+    assert f.evidence["cut"] == ["b.weight"] and f.evidence["unused"] == [] and "no gradient comes back" in f.title
     (g,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, []))
     assert g.evidence["cut"] == [] and g.evidence["unused"] == ["b.weight"] and "never uses" in g.title
 

@@ -438,10 +438,11 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "    if p.requires_grad:\n"
         "        print(n, None if p.grad is None else float(p.grad.abs().max()))   # after one backward()"),
     "never_learns:cut": (
-        "The modules that own these tensors run in forward(), but no gradient comes back to them: something between "
-        "their output and the loss cuts the graph. Find the .detach(), .data, torch.no_grad() block or value rebuilt "
-        "from .item()/.numpy() on that path and remove it if they are meant to learn; if not, freeze them "
-        "(requires_grad_(False)) or leave them out of the optimizer.", ""),
+        "The modules that own these tensors run in forward(), but no gradient comes back to them: their output "
+        "leaves the graph on its way to the loss. Look on that path for a .detach(), .data, a torch.no_grad() block "
+        "or a value rebuilt from .item()/.numpy(), or for an output computed and not used (block(x) instead of "
+        "x = block(x)), and fix it if they are meant to learn; if not, freeze them (requires_grad_(False)) or leave "
+        "them out of the optimizer.", ""),
     "never_learns:unused": (
         "These tensors are never in the loss's graph: if they are meant to learn, call the module that owns them "
         "in forward(); if not, freeze them (requires_grad_(False)) or leave them out of the optimizer.", ""),

@@ -248,7 +248,8 @@ CASES = {
         "discarded); the loss falls less (1.09 -> 0.65): never_learns naming transformer.h, first",
         lambda t: never(t, "transformer.h.", "absent") and len(rows(t)[0]["absent"]) == 24,
         rc=(0, 1), worst=("warning", "critical"), must={"never_learns": "warning"}, first="never_learns",
-        names=(r"transformer\.h",)),
+        names=(r"transformer\.h", r"(?i)modules run|computed and (then )?(dropped|not used)"),
+        absent=(r"never uses them",)),
     # ---- vwxyzjn/cleanrl
     "ppo_healthy": Case(
         "cleanrl_ppo.py", (), "vwxyzjn/cleanrl@fe8d8a03c41a7ef5b523e2e354bd01c363e786bb cleanrl/ppo.py",

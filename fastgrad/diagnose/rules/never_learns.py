@@ -5,11 +5,10 @@ off from the loss). Told apart:
 - zero at every step while present: in the graph, but nothing passes back to it (a ReLU that never fires, an
   op whose derivative is 0, the input of a layer that is all zero): a warning;
 - absent at every step (its ``.grad`` stayed None) while the module that owns it ran in a forward (the
-  watcher saw it finish): cut off from the loss (a ``detach()``, ``.data``, ``torch.no_grad()`` between it and
-  the loss): said so, a warning;
+  watcher saw it finish): cut off from the loss, its output detached on the way (``.detach()``, ``.data``,
+  ``torch.no_grad()``) or computed and dropped (``block(x)`` for ``x = block(x)``): said so, a warning;
 - absent at every step and its module never ran (or a log, which cannot tell): the script never uses it in its
-  graph (a module built but not called, blocks whose output is dropped): said so, a warning too, the optimizer
-  holds it in vain;
+  graph (a module built but not called): said so, a warning too, the optimizer holds it in vain;
 - frozen parameters (``requires_grad`` False) are not a finding (the summary names them), and the rows of an
   embedding a batch did not look up are not either (the tensor's gradient is nonzero where rows were looked up).
 
@@ -81,16 +80,17 @@ class NeverLearns(Rule):
         if cut:
             parts.append(f"{len(cut)} trainable tensor(s) never received a gradient (their .grad stayed None at "
                          f"every step) although the modules that own them ran in forward(): {', '.join(cut)}. Their "
-                         "output reaches the loss only through something that cuts the graph (a .detach(), .data, "
-                         "torch.no_grad(), a value rebuilt from .item() or .numpy()), so no gradient flows back.")
+                         "output never reaches the loss along a path that carries a gradient: it is detached on the "
+                         "way (a .detach(), .data, torch.no_grad(), a value rebuilt from .item() or .numpy()) or "
+                         "computed and then dropped (block(x) where x = block(x) was meant).")
         if unused:
             parts.append(f"{len(unused)} trainable tensor(s) never received a gradient (their .grad stayed None at "
                          f"every step): {', '.join(unused)}. The script never uses them in its graph (a module "
-                         "built but not called in forward(), a branch the loss does not reach).")
+                         "built but never called in forward()).")
         parts.append(f"{len(zero) + len(cut) + len(unused)} of the {total} trainable tensor(s) the optimizers "
                      "step; frozen parameters (requires_grad False) are not counted.")
         kinds = [k for k in ((zero, "their gradient is zero at every step", "have a zero gradient"),
-                             (cut, "their modules run, but the graph is cut before the loss", "are cut off"),
+                             (cut, "their modules run, but no gradient comes back from the loss", "are cut off"),
                              (unused, "the script never uses them in its graph", "are never used")) if k[0]]
         title = f"{len(kinds[0][0])} tensor(s) never learn: {kinds[0][1]}" + "".join(
             f", and {len(names)} {short}" for names, _, short in kinds[1:])
