@@ -237,6 +237,7 @@ def test_clip_after_the_step(tmp):
     r = run("clip_after_step", tmp)
     f = finding(r, "clip_after_step")
     assert f["severity"] == "warning" and f["steps"] == list(range(1, 16))
+    assert f["evidence"]["max_norm"] == 1.0 and "max_norm=1)" in f["detail"]  # the script's own bound
     for s, t in zip(r["json"]["steps"], r["truth"]["steps"]):  # the step used the unclipped gradients
         assert close(s["total_norm"], t["norm"])
     assert r["rc"] == 0

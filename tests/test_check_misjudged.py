@@ -450,6 +450,57 @@ def test_a_hand_written_loop_that_drops_its_own_gradients_is_not_a_clip_that_zer
     assert finding(bad, "clip_zeroes")["severity"] == "critical" and bad["rc"] == 1
 
 
+@pytest.mark.parametrize("args", [("--clip-first",), ("--clip-first", "--drop-grads")])
+def test_a_hand_written_loops_clip_before_backward_finds_no_gradient_and_is_named(args, tmp_path_factory):
+    """zero_grad() (or the update) drops the gradients, then the clip runs, then backward(): the clip finds no
+    gradient at every step after the first, by plain reads, and check names it with its bound. The same loop
+    clipping after backward() is not flagged."""
+    r = run(tmp_path_factory, "manual_sgd.py", *args)
+    t = r["truth"]["steps"]
+    assert all(x["clip_found"] == 0 for x in t)                       # the premise: nothing to clip, ever
+    f = finding(r, "clip_after_step")
+    assert codes(r)[0] == "clip_after_step" and f["severity"] == "warning"
+    assert f["steps"] == list(range(1, len(t))) and f["evidence"]["max_norm"] == 2.0
+    assert "before backward()" in f["title"] and "max_norm=2" in f["detail"]
+    ok = run(tmp_path_factory, "manual_sgd.py", *[a for a in args if a != "--clip-first"])
+    assert all(x["clip_found"] > 0 for x in ok["truth"]["steps"]) and "clip_after_step" not in codes(ok)
+
+
+def _misplaced(first_step, first_norm, first_ratio, bound=1.0, flagged=(1, 2, 3, 4, 5)):
+    clip = Finding("clip_after_step", "warning", "clipping after optimizer.step()", "", steps=list(flagged),
+                   evidence={"first_step": flagged[0], "count": len(flagged), "max_norm": bound})
+    rw = Finding("update_rewrote", "warning", "an update rewrote the weights", "A step that size replaces what "
+                 "the weights had learnt: the learning rate is too high for this model at those steps.",
+                 steps=[first_step], evidence={"series": 0, "first_step": first_step, "first_norm": first_norm,
+                                               "first_ratio": first_ratio, "rewrite": [first_step, first_ratio]})
+    return clip, rw
+
+
+def test_an_update_that_a_misplaced_clip_would_have_bounded_follows_the_clip():
+    """The clip runs after step() (misplaced at step s when it ran after step s-1, or at step 1 when it runs so
+    every step), the update's gradient was above its max_norm, and scaled to it the update stays under 1x: the
+    rewrite follows the clip, and drops its learning-rate claim. Nearest wrong variants: a norm at the bound, an
+    update the learning rate alone makes 1x at the bound, a step the clip was not misplaced at, no bound."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import place_causes
+    one = RunLimits().blowup_update
+    for kw in (dict(first_step=2, first_norm=50.0, first_ratio=2.0), dict(first_step=1, first_norm=50.0,
+                                                                          first_ratio=2.0),
+               dict(first_step=6, first_norm=50.0, first_ratio=49.0 * one)):
+        clip, rw = _misplaced(**kw)
+        got = place_causes(link_causes([rw, clip]))
+        assert [f.code for f in got] == ["clip_after_step", "update_rewrote"], kw
+        assert rw.evidence["follows"] == "clip_after_step" and "learning rate is too high" not in rw.detail, kw
+    for kw in (dict(first_step=2, first_norm=1.0, first_ratio=2.0), dict(first_step=2, first_norm=50.0,
+                                                                         first_ratio=50.0 * one),
+               dict(first_step=7, first_norm=50.0, first_ratio=2.0), dict(first_step=2, first_norm=50.0,
+                                                                          first_ratio=2.0, bound=None),
+               dict(first_step=1, first_norm=50.0, first_ratio=2.0, flagged=(3, 4))):
+        clip, rw = _misplaced(**kw)
+        link_causes([rw, clip])
+        assert "follows" not in rw.evidence, kw
+
+
 # ---------------------------------------------------------------------------------------------- effect, not cause
 @pytest.mark.parametrize("script, cause, effects", [
     ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move

@@ -32,6 +32,7 @@ import math
 from .finding import Finding, fmt
 from .rules.evidence import GUESSES
 from .rules.trends import loss_progress
+from .thresholds import RunLimits
 
 __all__ = ["reconcile", "link_causes"]
 
@@ -117,6 +118,10 @@ _REWRITE = {
                   "the weights by their own size: the learning rate, not the gradient's size, made the update "
                   "whose harm this explosion quotes"),
 }
+#: why an update that rewrote the weights follows a clip that bounded no gradient an update used
+_MISPLACED_CLIP = ("the script's clip runs where it bounds no gradient an update uses (after optimizer.step(), or "
+                   "before backward()); between backward() and step() it would have cut this update's gradient to "
+                   "its max_norm, and the update to under the weights' size")
 _NONFINITE = ("nonfinite_loss", "nonfinite", "nonfinite_history")
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
 _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
@@ -125,9 +130,11 @@ _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "cli
 #: an effect names its cause, so its title drops the guess that blames (or would change) the learning rate
 _LR_GUESSES = (": the learning rate is the first suspect", "; lower the learning rate (or the loss scale)",
                ", lower the learning rate")
-#: ... and its detail the sentence that blames the learning rate by the update size alone (``stall``'s)
+#: ... and its detail the sentence that blames the learning rate by the update size alone (``stall``'s,
+#: ``update_rewrote``'s)
 _LR_CLAIMS = ((": the learning rate is too small to move them.", "."),
-              (": steps that large without progress bounce across the minimum, the learning rate is too large.", "."))
+              (": steps that large without progress bounce across the minimum, the learning rate is too large.", "."),
+              (": the learning rate is too high for this model at those steps.", "."))
 
 
 def _rewrite_and_rise(f: Finding, findings: list[Finding]) -> tuple[Finding, Finding] | None:
@@ -171,6 +178,27 @@ def _rewrite_before(f: Finding, findings: list[Finding]) -> tuple[Finding, str] 
     return None
 
 
+def _misplaced_clip(f: Finding, findings: list[Finding]) -> Finding | None:
+    """The ``clip_after_step`` that explains ``f``, an ``update_rewrote``: the clip was misplaced at the
+    rewrite's first step s (it ran after the update of step s-1, or, at step 1, it runs that way every step),
+    the gradient that update used was above the clip's max_norm, and scaled to it the update would have stayed
+    under the rewrite bound (else the learning rate alone rewrote the weights); else None."""
+    if f.code != "update_rewrote":
+        return None
+    c = next((g for g in findings if g.code == "clip_after_step"), None)
+    if c is None or c.evidence.get("max_norm") is None:
+        return None
+    b, s = c.evidence["max_norm"], f.evidence.get("first_step")
+    norm, ratio = f.evidence.get("first_norm"), f.evidence.get("first_ratio")
+    if s is None or norm is None or ratio is None or not (s - 1 in c.steps or (s == 1 and 1 in c.steps)):
+        return None
+    # the update scaled as the clip would have scaled its gradient (a norm at or under the bound gives a ratio
+    # of 1x or more: the rewrite is not the clip's)
+    if not (math.isfinite(norm) and norm > 0):
+        return None
+    return c if ratio * b / norm < RunLimits.blowup_update else None
+
+
 def _learning_rate(f: Finding, effect: str) -> bool:
     """A finding that blames the learning rate for a blow-up (for the units it killed, ``effect`` dead or
     mostly_zero: an explosion whose harm is a loss jump or an update that rewrote the weights, too)."""
@@ -204,6 +232,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             cause, why = ascent, _ASCENT[1]
         elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
+        elif (clip := _misplaced_clip(f, out)) is not None:
+            cause, why = clip, _MISPLACED_CLIP
         elif f.code in ("update_rewrote", "loss_diverging") and (pair := _rewrite_and_rise(f, out)):
             # one of the pair is the other's cause, by which came first (``_rewrote_first``)
             rewrite, rise = pair

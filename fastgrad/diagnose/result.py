@@ -131,6 +131,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "saturation": list(getattr(chk, "saturation", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
+                       "misplaced_clip_max": getattr(chk, "misplaced_clip_max", None),
                        # the parameters whose module ran in a forward (None: not known)
                        "ran": getattr(chk, "ran_params", None),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),

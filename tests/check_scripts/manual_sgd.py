@@ -3,7 +3,8 @@ p.data.add_(p.grad, alpha=-lr).
 
 ``--drop-grads``: no zero_grad() at all; the update drops each gradient itself once used (``p.grad = None``), as
 hand-written momentum loops do, so nothing is left to read after the last step. ``--max-norm``: the clip's bound
-(0: a clip that zeroes every gradient)."""
+(0: a clip that zeroes every gradient). ``--clip-first``: the clip runs before backward() (the slip): it finds
+no gradient (zero_grad() set them to None, or the update dropped them) and bounds nothing."""
 import argparse
 
 import torch
@@ -12,6 +13,7 @@ from _truth import Truth, grad_norm
 ap = argparse.ArgumentParser()
 ap.add_argument("--drop-grads", action="store_true")
 ap.add_argument("--max-norm", type=float, default=2.0)
+ap.add_argument("--clip-first", action="store_true")
 a = ap.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -21,10 +23,15 @@ for step in range(1, 26):
     x = torch.randn(32, 8)
     if not a.drop_grads:
         model.zero_grad()
+    if a.clip_first:
+        present = sum(p.grad is not None for p in model.parameters())   # what the clip finds
+        raw = torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
     loss = torch.nn.functional.mse_loss(model(x), x @ w)
     loss.backward()
-    raw = torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
-    truth.add(step=step, raw=float(raw), norm=grad_norm(model.parameters()), loss=loss.item())
+    if not a.clip_first:
+        present = sum(p.grad is not None for p in model.parameters())
+        raw = torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_norm)
+    truth.add(step=step, raw=float(raw), norm=grad_norm(model.parameters()), loss=loss.item(), clip_found=present)
     for p in model.parameters():
         p.data.add_(p.grad, alpha=-lr)
         if a.drop_grads:

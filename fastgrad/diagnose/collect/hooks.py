@@ -106,6 +106,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._extra_bad: Tensor | None = None  # NaN/Inf values of the later closure evaluations (device)
         self._clip_norm: Tensor | None = None
         self._clip_max: float | None = None
+        self.misplaced_clip_max: float | None = None  # the max_norm of the last clip that ran after a step
         self._clips = 0
         self._leftover: Tensor | None = None
         self._last_opt = None  # weakref to the optimizer that stepped last

@@ -32,6 +32,23 @@ def scaler_classes() -> list[type]:
     return out
 
 
+def _params_listed(args, kwargs):
+    """``(args, kwargs, params)``: a clip's parameters as a list (made one where the script passed a one-pass
+    iterator, which the clip then receives instead), or None where there are none to read."""
+    params = kwargs.get("parameters", args[0] if args else None)
+    if params is None:
+        return args, kwargs, None
+    if isinstance(params, Tensor):
+        return args, kwargs, [params]
+    if not isinstance(params, (list, tuple)):
+        params = list(params)
+        if "parameters" in kwargs:
+            kwargs = dict(kwargs, parameters=params)
+        else:
+            args = (params,) + tuple(args[1:])
+    return args, kwargs, [p for p in params if isinstance(p, Tensor)]
+
+
 class RedFlagInterceptors:
     """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``
     and ``Optimizer.__init__``; each returns the replacement of ``orig``."""
@@ -138,6 +155,13 @@ class RedFlagInterceptors:
         def clip(*args, **kwargs):
             if chk._clip_depth:
                 return orig(*args, **kwargs)
+            if chk._m_row is not None and not chk._opt_started and bound_at == 1:  # (parameters, max_norm, ...)
+                # a hand-written loop: a clip whose every parameter has no gradient (the update dropped them)
+                # bounds nothing; it runs before the next backward()
+                args, kwargs, params = _params_listed(args, kwargs)
+                if params is not None and params and all(p.grad is None for p in params):
+                    chk._on_clip_without_grads(args, kwargs, bound_at)
+                    return orig(*args, **kwargs)
             chk._on_clip(args, kwargs, bound_at)
             rec = None
             if ranks:
@@ -210,6 +234,16 @@ class RedFlagInterceptors:
             return out
         return clip_
 
+    def _on_clip_without_grads(self, args, kwargs, bound_at: int) -> None:
+        """A hand-written loop's clip that found no gradient at all: counted as a call, flagged as a clip that
+        ran before backward() (at the step whose update dropped the gradients), its bound kept for the report;
+        the open step is not marked clipped (its gradients were gone)."""
+        self.clip_calls += 1
+        bound = kwargs.get("max_norm", args[bound_at] if len(args) > bound_at else None)
+        self.misplaced_clip_max = float(bound) if isinstance(bound, (int, float)) and not isinstance(
+            bound, bool) else None
+        self.flags["clip_after_step"].append(len(self._m_steps) + len(self._m_host) + 1)
+
     def _on_clip(self, args=(), kwargs=None, bound_at: int | None = 1) -> None:
         kwargs = kwargs or {}
         self.clip_calls += 1
@@ -230,6 +264,7 @@ class RedFlagInterceptors:
         if self._bw == 0 and self.steps_done:
             # after optimizer.step() and before the next backward: this clip changes nothing the optimizer uses
             self.flags["clip_after_step"].append(self.steps_done)
+            self.misplaced_clip_max = self._clip_max  # the bound it would have applied (None: not a norm bound)
         elif self._bw:
             self._clip_after_bw = True
 

@@ -30,9 +30,19 @@ class ClipAfterStep(Rule):
         s = run.flags.get("clip_after_step") or []
         if not s:
             return []
-        return [Finding(self.code, "warning", "clipping after optimizer.step()",
-                        f"A clip ran after the step of step(s) {steps_text(s)} and before the next backward.",
-                        steps=s, evidence={"first_step": s[0], "count": len(s)})]
+        bound = run.ctx.get("misplaced_clip_max")
+        at = "" if bound is None else f" (max_norm={bound:g})"
+        if run.manual:  # a hand-written loop: the clip found no gradient, the update had dropped them
+            title = "clipping before backward(): the clip finds no gradient"
+            detail = (f"A clip{at} ran after step(s) {steps_text(s)} and before the next backward(), when "
+                      "zero_grad() or the update had dropped every gradient: it finds none and bounds nothing an "
+                      "update uses.")
+        else:
+            title = "clipping after optimizer.step()"
+            detail = (f"A clip{at} ran after the step of step(s) {steps_text(s)} and before the next backward: it "
+                      "bounds no gradient an update uses.")
+        return [Finding(self.code, "warning", title, detail, steps=s,
+                        evidence={"first_step": s[0], "count": len(s), "max_norm": bound})]
 
 
 class ClipPartial(Rule):

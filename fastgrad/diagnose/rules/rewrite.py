@@ -97,6 +97,8 @@ class UpdateRewrote(Rule):
                 "adjusting it: the learning rate is too high for this model at those steps." + after,
                 steps=[st for st, _ in rw], evidence={"series": k, "rewrite": [s, ratio], "first_step": first,
                                                       "lr": lr, "count": len(rw), "measured": measured,
+                                                      "first_ratio": began[2] if began else rw[0][1],
+                                                      "first_norm": _used_norm(run, k, first),
                                                       "harm": [kind for kind, _ in harm], "lr_alone": alone}))
         return out
 
@@ -123,11 +125,16 @@ def layer_rewrite_before(run: RunView, k, step: int) -> tuple[int, str, float] |
     return out
 
 
+def _used_norm(run: RunView, k, step: int) -> float:
+    """The norm of the gradients the update of ``step`` used (after the script's clip), NaN if unread."""
+    return next((r.total_norm for r in run.per[k] if r.step == step), math.nan)
+
+
 def lr_alone(run: RunView, k, step: int, ratio: float) -> bool:
     """The update of ``step`` (``ratio`` times its weights) would have been 1x its weights or more with the
     gradient it used within the guide's bound: ``ratio * min(1, bound / used norm)``; an infinite or unread
     norm: the gradient's doing, not the learning rate's alone."""
-    used = next((r.total_norm for r in run.per[k] if r.step == step), math.nan)
+    used = _used_norm(run, k, step)
     if not (math.isfinite(used) and used > 0):
         return False
     return ratio * min(1.0, run.th.exploding / used) >= run.limits.blowup_update
