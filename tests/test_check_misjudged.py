@@ -464,6 +464,11 @@ def test_a_hand_written_loops_clip_before_backward_finds_no_gradient_and_is_name
     assert "before backward()" in f["title"] and "max_norm=2" in f["detail"]
     ok = run(tmp_path_factory, "manual_sgd.py", *[a for a in args if a != "--clip-first"])
     assert all(x["clip_found"] > 0 for x in ok["truth"]["steps"]) and "clip_after_step" not in codes(ok)
+    # a second clip, of a model this loop does not train, finds no gradient at every step while the first finds
+    # them: idle, not misplaced
+    idle = run(tmp_path_factory, "manual_sgd.py", "--idle-clip", *[a for a in args if a != "--clip-first"])
+    assert all(x["clip_found"] > 0 for x in idle["truth"]["steps"]) and "clip_after_step" not in codes(idle)
+    assert idle["rc"] == 0
 
 
 def _misplaced(first_step, first_norm, first_ratio, bound=1.0, flagged=(1, 2, 3, 4, 5)):

@@ -107,6 +107,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._clip_norm: Tensor | None = None
         self._clip_max: float | None = None
         self.misplaced_clip_max: float | None = None  # the max_norm of the last clip that ran after a step
+        self.clips_found_grads = 0  # before any optimizer step: the norm clips that found a gradient to clip
         self._clips = 0
         self._leftover: Tensor | None = None
         self._last_opt = None  # weakref to the optimizer that stepped last

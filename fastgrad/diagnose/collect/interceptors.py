@@ -155,11 +155,13 @@ class RedFlagInterceptors:
         def clip(*args, **kwargs):
             if chk._clip_depth:
                 return orig(*args, **kwargs)
-            if chk._m_row is not None and not chk._opt_started and bound_at == 1:  # (parameters, max_norm, ...)
-                # a hand-written loop: a clip whose every parameter has no gradient (the update dropped them)
-                # bounds nothing; it runs before the next backward()
+            if not chk._opt_started and bound_at == 1:  # (parameters, max_norm, ...)
+                # a hand-written loop: a clip whose every parameter has no gradient (zero_grad() or the update
+                # dropped them) bounds nothing; it runs before the next backward()
                 args, kwargs, params = _params_listed(args, kwargs)
-                if params is not None and params and all(p.grad is None for p in params):
+                if params and any(p.grad is not None for p in params):
+                    chk.clips_found_grads += 1
+                elif params and chk._m_row is not None:
                     chk._on_clip_without_grads(args, kwargs, bound_at)
                     return orig(*args, **kwargs)
             chk._on_clip(args, kwargs, bound_at)
