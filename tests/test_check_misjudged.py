@@ -585,6 +585,9 @@ def test_a_module_that_ran_but_gets_no_gradient_is_cut_off_and_one_never_called_
     assert f["evidence"]["cut"] == (body if cut else [])
     assert f["evidence"]["unused"] == (["aux.weight", "aux.bias"] if unused else [])
     assert ("no gradient comes back from the loss" in f["title"]) == cut
+    if cut and unused:  # the cut tensors lead, the unused ones are counted after them, once
+        assert f["title"] == ("4 tensor(s) never learn: their modules run, but no gradient comes back from the "
+                              "loss, and 2 are never used")
     assert ("never uses them" in f["title"] or "are never used" in f["title"]) == unused
     rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")["text"]
     assert (".detach()" in rec) == cut and ("call the module that owns them" in rec) == unused
@@ -610,6 +613,9 @@ def test_never_learning_tells_zero_cut_and_unused_apart():
     assert never_learning(_live_view(live, []), covered={0}) == ([], [], [])
     (f,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, ["b.weight"]))
     assert f.evidence["cut"] == ["b.weight"] and f.evidence["unused"] == [] and "no gradient comes back" in f.title
+    (h,) = NEVER_LEARNS.evaluate(_live_view(live, ["a.weight", "b.weight"]))  # all three kinds: the first leads
+    assert h.title == ("1 tensor(s) never learn: their gradient is zero at every step, and 1 are cut off, and 1 "
+                       "are never used")
     (g,) = NEVER_LEARNS.evaluate(_live_view({"b.weight": (0, n, 0, 0)}, []))
     assert g.evidence["cut"] == [] and g.evidence["unused"] == ["b.weight"] and "never uses" in g.title
 

@@ -32,6 +32,15 @@ def scaler_classes() -> list[type]:
     return out
 
 
+def _clip_bound(args, kwargs, bound_at: int | None) -> float | None:
+    """A clip's max_norm: a host number when the script passed one (a value clip's or AGC's bound is not a norm
+    bound, ``bound_at`` None, and is not quoted as one)."""
+    if bound_at is None:
+        return None
+    bound = kwargs.get("max_norm", args[bound_at] if len(args) > bound_at else None)
+    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
+
+
 def _params_listed(args, kwargs):
     """``(args, kwargs, params)``: a clip's parameters as a list (made one where the script passed a one-pass
     iterator, which the clip then receives instead), or None where there are none to read."""
@@ -241,22 +250,16 @@ class RedFlagInterceptors:
         ran before backward() (at the step whose update dropped the gradients), its bound kept for the report;
         the open step is not marked clipped (its gradients were gone)."""
         self.clip_calls += 1
-        bound = kwargs.get("max_norm", args[bound_at] if len(args) > bound_at else None)
-        self.misplaced_clip_max = float(bound) if isinstance(bound, (int, float)) and not isinstance(
-            bound, bool) else None
+        self.misplaced_clip_max = _clip_bound(args, kwargs, bound_at)
         self.flags["clip_after_step"].append(len(self._m_steps) + len(self._m_host) + 1)
 
     def _on_clip(self, args=(), kwargs=None, bound_at: int | None = 1) -> None:
         kwargs = kwargs or {}
         self.clip_calls += 1
         self._clips += self._bw > 0
-        # the clip's max_norm: a host number when the script passed one (a value clip's or AGC's bound is
-        # not a norm bound, and is not quoted as one)
-        bound = None
-        if bound_at is not None:
-            bound = kwargs.get("max_norm", args[bound_at] if len(args) > bound_at else None)
-        if isinstance(bound, (int, float)) and not isinstance(bound, bool):
-            self._clip_max = float(bound)
+        bound = _clip_bound(args, kwargs, bound_at)
+        if bound is not None:
+            self._clip_max = bound
         if self._m_row is not None and not self._opt_started:
             self._m_clip = True
             self._m_clip_max = self._clip_max

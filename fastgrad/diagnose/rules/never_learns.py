@@ -89,11 +89,13 @@ class NeverLearns(Rule):
                          "built but never called in forward()).")
         parts.append(f"{len(zero) + len(cut) + len(unused)} of the {total} trainable tensor(s) the optimizers "
                      "step; frozen parameters (requires_grad False) are not counted.")
-        kinds = [k for k in ((zero, "their gradient is zero at every step", "have a zero gradient"),
-                             (cut, "their modules run, but no gradient comes back from the loss", "are cut off"),
-                             (unused, "the script never uses them in its graph", "are never used")) if k[0]]
-        title = f"{len(kinds[0][0])} tensor(s) never learn: {kinds[0][1]}" + "".join(
-            f", and {len(names)} {short}" for names, _, short in kinds[1:])
+        # the first kind present leads the title; the later ones are added by count
+        lead, why = next(k for k in ((zero, "their gradient is zero at every step"),
+                                     (cut, "their modules run, but no gradient comes back from the loss"),
+                                     (unused, "the script never uses them in its graph")) if k[0])
+        title = f"{len(lead)} tensor(s) never learn: {why}" + "".join(
+            f", and {len(names)} {short}" for names, short in ((cut, "are cut off"), (unused, "are never used"))
+            if names and names is not lead)
         if invariant:
             parts.append(f"Not counted: {', '.join(invariant)}, zero by construction (the loss is invariant to a "
                          "constant shift of its layer's output; the weight of that layer learns).")

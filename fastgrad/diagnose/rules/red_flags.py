@@ -30,12 +30,12 @@ class ClipAfterStep(Rule):
         s = run.flags.get("clip_after_step") or []
         if not s:
             return []
-        bound = run.ctx.get("misplaced_clip_max")
-        at = "" if bound is None else f" (max_norm={bound:g})"
         if run.manual and run.ctx.get("clips_found_grads"):
             # a hand-written loop whose clip found gradients at other calls (updates that take turns, each
             # clipping every part): the calls that found none are idle, not a clip in the wrong place
             return []
+        bound = run.ctx.get("misplaced_clip_max")
+        at = "" if bound is None else f" (max_norm={bound:g})"
         if run.manual:  # a hand-written loop: the clip found no gradient, the update had dropped them
             title = "clipping before backward(): the clip finds no gradient"
             detail = (f"A clip{at} ran after step(s) {steps_text(s)} and before the next backward(), when "

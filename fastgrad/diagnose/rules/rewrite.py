@@ -3,8 +3,8 @@ their own size or more (``||after - before|| / ||before||`` over the whole model
 measures: every one of the first 8, then every 16th). Such a step replaces the weights instead of adjusting
 them (about 1e-3 is typical), whether or not the loss recovers after it. The rewrite begins earlier where the
 updates just before that step each rewrote one layer (``layer_rewrite_before``: a small head rewritten while
-a large body dilutes the whole ratio); its first step, the one other findings are ordered by, is then there. A warning when it recurs (two measured
-steps or more: the learning rate keeps overwriting the weights) or when the run shows harm from it on (a NaN, a
+a large body dilutes the whole ratio); its first step, the one other findings are ordered by, is then there.
+A warning when it recurs (two measured steps or more: the learning rate keeps overwriting the weights) or when the run shows harm from it on (a NaN, a
 loss jump, a norm far above its own level, a loss that rose or did not improve over the run, or that fell from
 the blow-up yet never came back to its value before the rewrite: ``rules.evidence``);
 a notice for one such step the run then learnt past (Adam's first step on small weights moves each of them by
@@ -41,6 +41,10 @@ __all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY"]
 class UpdateRewrote(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
         out = []
+        # tensors of the model's computation that never learn (zero, or cut off from the loss): a loss that did
+        # not improve is theirs, not an update's, whatever the update (``never_learns`` says so)
+        zero, cut, _ = never_learning(run)
+        live = run.ctx.get("live") or {}
         for k in run.per:
             h = harm_of(run, k)
             rw = h.rewrites
@@ -56,10 +60,7 @@ class UpdateRewrote(Rule):
             at = "" if whole_lr is None else f" with a learning rate of {whole_lr:g}"
             harm = [(kind, text) for kind, text in h.at([st for st, _ in rw]) if kind != "rewrite"]
             c = h.change
-            # a loss that did not improve is not this update's harm while tensors of the model's computation never
-            # learn: the loss cannot improve through them, whatever the update (``never_learns`` says so)
-            live = run.ctx.get("live") or {}
-            stuck = [n for n in sum(never_learning(run)[:2], []) if live[n][0] == k]
+            stuck = [n for n in zero + cut if live[n][0] == k]
             flat = c is not None and not c["improved"] and not c["rose"]
             if flat and not stuck:
                 harm.append(("no_progress", "the loss did not improve over the run"))
@@ -107,8 +108,8 @@ def layer_rewrite_before(run: RunView, k, step: int) -> tuple[int, str, float] |
     """Where the rewrite that reached the whole model at ``step`` began: (step, layer, ratio) of the earliest
     measured update of series ``k`` in the unbroken run of updates just before ``step`` (steps s-1, s-2, ...,
     each measured) each of which moved at least one layer by ``RunLimits.blowup_update`` of its own size (its
-    largest such layer); None when the update of step s-1 was not measured or rewrote no layer. A layer that moved its own size is rewritten even while the rest
-    of the model dilutes the whole ratio (a small head beside a large body), and the update of step s raises only
+    largest such layer); None when the update of step s-1 was not measured or rewrote no layer. A layer that moved
+    its own size is rewritten even while the rest of the model dilutes the whole ratio (a small head beside a large body), and the update of step s raises only
     later losses: so the rewrite, and what it explains, starts there. The run must be unbroken: one early step on
     small weights (Adam's first) that the following updates do not repeat began nothing. A layer of all-zero
     weights (ratio inf) had nothing to rewrite."""
