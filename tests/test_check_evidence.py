@@ -271,6 +271,22 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
         assert ("loss_jump" in f.evidence["harm"]) is harmed, at
 
 
+def test_critical_needs_damage_beside_a_far_norm():
+    # the same far norm above 1000 (10x a level of 150): alone a warning; with damage at it (a loss jump at the
+    # step after, a NaN from it on, an update of 1x the weights) critical
+    norms = [150.0] * 5 + [1500.0] + [150.0] * 6
+    flat = [1.0] * 12
+    assert _exploding(_view(norms, flat)).severity == "warning"
+    jump = flat[:6] + [30.0] + flat[7:]
+    f = _exploding(_view(norms, jump))
+    assert f.severity == "critical" and set(f.evidence["harm"]) == {"far", "loss_jump"}
+    assert _exploding(_view(norms, flat[:7] + [math.nan] * 5)).severity == "critical"
+    assert _exploding(_view(norms, flat, updates=[(6, 1.0)])).severity == "critical"
+    # the warning's title names the tier the norm reached and does not blame the learning rate
+    t = _exploding(_view(norms, flat)).title
+    assert "above 1000" in t and "learning rate" not in t
+
+
 @pytest.mark.parametrize("history", [1, 5])
 def test_far_above_the_runs_own_level_sits_at_its_ratio(history):
     lim = RunLimits()
@@ -280,7 +296,9 @@ def test_far_above_the_runs_own_level_sits_at_its_ratio(history):
 
     def sev(ratio):
         return _exploding(_view(base + [150.0 * ratio] + [150.0] * 3, flat)).severity
-    assert sev(lim.far_ratio) == "critical" and sev(lim.far_ratio * 0.99) == "notice"
+    # a far norm alone is a warning, even above 1000: no damage to show (one outlier batch an adaptive
+    # optimizer absorbs); the ratio decides warning against notice
+    assert sev(lim.far_ratio) == "warning" and sev(lim.far_ratio * 0.99) == "notice"
     # the level is the median of the norms before the step, not their mean: one earlier outlier does not move it
     if history == 5:
         out = [150.0, 150.0, 150.0, 150.0, 1e5]
@@ -311,6 +329,41 @@ def test_a_loss_jump_is_harm_from_its_own_level():
     assert "loss_jump" in harm(lim.far_ratio) and harm(lim.far_ratio * 0.99) == []
     # a signed objective has no level to jump from
     assert _exploding(_view(norms, [-1.0, 1.0, -1.0, 1.0, 30.0, -1.0, 1.0, -1.0])).evidence["harm"] == []
+
+
+def test_a_loss_jump_must_stand_out_of_its_swings_in_ratio():
+    """A loss that routinely swings 10-100x between steps (summed over a model whose depth is drawn per step)
+    has a linear spread small beside its peaks: a routine peak is not a jump. The bound is ``LOG_Z`` robust
+    std of the logarithms above their median: a history alternating 1 / 10 has log-median (0 + ln 10)/2, log
+    MAD ln(10)/2, so a jump needs exp(ln(10)/2 x (1 + 3 x 1.4826)), about 529 (the linear test alone: 32)."""
+    from fastgrad.diagnose.rules.trends import LOG_Z, LOSS_JUMP, detect_loss_jumps, robust_jumps
+
+    assert LOG_Z == LOSS_JUMP["log_z"] == 3.0
+    alt = [1.0 if i % 2 else 10.0 for i in range(40)]
+    bound = math.exp(math.log(10) / 2 * (1 + LOG_Z * 1.4826))
+
+    def jumps(v, **kw):
+        return robust_jumps(list(range(1, 42)), alt + [v], new_after=0, **(LOSS_JUMP | kw))
+    assert jumps(bound * 1.01) and not jumps(bound * 0.99)
+    # the nearest wrong variant, the linear test alone, calls a 60x peak of this history a jump
+    assert jumps(60.0, log_z=None) and not jumps(60.0)
+    # the monitor's loss_spike reads the same rule
+    assert not detect_loss_jumps(list(range(1, 42)), alt + [60.0])
+    assert detect_loss_jumps(list(range(1, 42)), alt + [bound * 1.01])
+    # a steady loss: the log spread is floored at ln 1.05, so the linear rule's 3x minimum still decides
+    flat = [2.0] * 40
+    assert robust_jumps(list(range(1, 42)), flat + [6.0], new_after=0, **LOSS_JUMP)
+    # as harm: a loss spread evenly in ratio over 1 - 100 (median 10): a peak of 160 is 16x the median, past
+    # both linear routes (the robust jump and the far ratio), but under 3 log-std; a steady loss's 16x is a jump
+    swing = [10 ** ((i % 21) / 10) for i in range(40)]
+    norms = [200.0] * 41
+    assert "loss_jump" not in _exploding(_view(norms, swing + [160.0])).evidence["harm"]
+    assert robust_jumps(list(range(1, 42)), swing + [160.0], new_after=0, **(LOSS_JUMP | {"log_z": None}))
+    assert "loss_jump" in _exploding(_view(norms, [10.0] * 40 + [160.0])).evidence["harm"]
+    # the far route alone (before the robust rule's warm-up of 10 values): the same test in ratio
+    short = [1.0, 100.0, 3.0, 30.0, 10.0, 1.0, 100.0]
+    assert _exploding(_view([50.0] * 7 + [200.0], short + [160.0])).evidence["harm"] == []
+    assert "loss_jump" in _exploding(_view([50.0] * 7 + [200.0], [10.0] * 7 + [160.0])).evidence["harm"]
 
 
 def test_a_loss_that_rises_beyond_its_noise_is_harm():

@@ -8,7 +8,8 @@ warning or a critical finding needs harm the run itself shows:
   more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
   level: ``loss_change``, the same statistics the stall rule reads);
 - ``loss_jump``: the loss jumped far above its recent median at one of the steps, or the step after (the
-  ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it);
+  ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
+  out of the swings its own history shows in ratio (``trends.LOG_Z``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
   finite norms before it (up to 50 of them, at least ``RunLimits.far_history``).
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from ..finding import fmt
 from ..thresholds import RunLimits
 from .base import RunView, median
-from .trends import LOSS_JUMP, robust_jumps
+from .trends import LOSS_JUMP, beyond_ratio_noise, robust_jumps
 
 __all__ = ["loss_change", "own_level", "update_size", "tiny_update", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION",
            "RISE_REASON", "GUESSES"]
@@ -183,10 +184,12 @@ def harm_of(run: RunView, k: int) -> Harm:
     vals = [v for _, v in pts]
     for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP):
         h.jumps[pts[i - 1][0]] = (v, ratio)
-    # ... and, from the second step on, a loss far above its own level (a positive one: a signed objective has none)
+    # ... and, from the second step on, a loss far above its own level (a positive one: a signed objective has
+    # none) and out of its own swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x)
     for i, (s, v) in enumerate(pts):
         lev = own_level(vals, i, lim.far_history)
-        if lev is not None and v >= lim.far_ratio * lev and s not in h.jumps:
+        if (lev is not None and v >= lim.far_ratio * lev and s not in h.jumps
+                and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=lim.far_history)):
             h.jumps[s] = (v, v / lev)
     h.rewrites = [(u["step"], u["ratio"]) for u in run.ctx.get("updates") or ()
                   if u["series"] == k and math.isfinite(u["ratio"]) and u["ratio"] >= lim.blowup_update]

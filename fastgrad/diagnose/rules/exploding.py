@@ -2,7 +2,8 @@
 every step from the first. The guide's limits alone ask a question (a notice: a loss summed over the batch has
 norms in the thousands); with harm the run shows at those steps (``rules.evidence``: NaN/Inf, a loss that jumps
 or rises against its noise, an update that rewrites the weights, a norm 10x the run's own level) it is critical
-above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier. An infinite norm of finite gradients is the largest explosion of all: the
+above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier, and a
+far norm with no damage beside it (no NaN/Inf, no loss jump or rise, no rewrite) is a warning at either tier. An infinite norm of finite gradients is the largest explosion of all: the
 sum of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ class Exploding(Rule):
                                    "largest explosion; lower the learning rate (or the loss scale)",
                                    detail, [], [r.step for r in crit], ev | {"variant": "overflow", "harm": ["overflow"]}))
                 continue
-            # critical: harm at the steps above 1000, or an update that rewrote the weights (the learning rate's
-            # gravest harm, whatever tier the norm reached); a warning: other harm at the steps above 100
+            # critical: damage at the steps above 1000, or an update that rewrote the weights (the learning
+            # rate's gravest harm, whatever tier the norm reached); a warning: a norm far above the run's own
+            # level there with no damage to show (one outlier batch an adaptive optimizer absorbs), or other
+            # harm at the steps above 100
             harm = harm_of(run, k).at([r.step for r in crit]) if crit else []
-            sev = "critical" if harm else "warning"
+            sev = "critical" if any(kind != "far" for kind, _ in harm) else "warning"
             if not harm:
                 harm = harm_of(run, k).at([r.step for r in warn])
                 sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
@@ -104,7 +107,8 @@ class Exploding(Rule):
                 # critical at the lower tier too when an update rewrote the weights: the title names the tier the
                 # norm reached, not the one the severity did
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}: clip now, lower the learning rate"
-                         if sev == "critical" else f"{label}gradient norm above 100: clip (max_norm=1.0)")
+                         if sev == "critical" else
+                         f"{label}gradient norm above {'1000' if crit else '100'}: clip (max_norm=1.0)")
             out.append(Finding(self.code, sev, title, detail, layers, [r.step for r in hit], ev))
         return out
 

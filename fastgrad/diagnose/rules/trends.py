@@ -11,12 +11,20 @@ from typing import Sequence
 from ..finding import Finding, fmt as _fmt
 from ..thresholds import Thresholds
 
-__all__ = ["loss_progress", "robust_jumps", "detect_loss_jumps", "detect_trends", "loss_falling", "LOSS_JUMP"]
+__all__ = ["loss_progress", "robust_jumps", "beyond_ratio_noise", "LOG_Z", "detect_loss_jumps", "detect_trends", "loss_falling", "LOSS_JUMP"]
 
 #: a loss jump (``detect_loss_jumps``; ``python -m fastgrad.check`` reads the same rule as harm): over ``z``
 #: robust std above the median of the up to ``window`` losses before it, and at least ``min_ratio`` x it, after
 #: ``warmup`` values with ``min_history`` of them known
-LOSS_JUMP = {"window": 50, "warmup": 10, "min_history": 10, "z": 6.0, "min_ratio": 3.0}
+#: ... and over ``log_z`` robust std of the logarithms above their median (``beyond_ratio_noise``)
+LOSS_JUMP = {"window": 50, "warmup": 10, "min_history": 10, "z": 6.0, "min_ratio": 3.0, "log_z": 3.0}
+
+#: a loss jump must also stand out of the loss's swings in ratio: over this many robust std of the logarithms
+#: above their median. A loss whose values routinely swing 10-100x between steps (summed over a model whose
+#: depth is drawn per step, or over episodes of random length) has a linear MAD small next to its peaks, so a
+#: routine peak passes the linear test; on the log scale it is one more swing. Losses only: a loss is a level
+#: that multiplies, while a norm's spike is judged against its own spread as it is.
+LOG_Z = LOSS_JUMP["log_z"]
 
 
 def loss_progress(history: Sequence[float], rel: float = Thresholds.loss_progress) -> bool | None:
@@ -40,10 +48,12 @@ def _robust_baseline(values: Sequence[float]) -> tuple[float, float]:
 
 
 def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: int, warmup: int, window: int,
-                 min_history: int, z: float, min_ratio: float) -> list[tuple[int, float, float, float]]:
+                 min_history: int, z: float, min_ratio: float, log_z: float | None = None
+                 ) -> list[tuple[int, float, float, float]]:
     """``(step, value, value / median, median)`` of each step after ``new_after`` and ``warmup`` whose value
     is over ``z`` robust std (floored at 5% of the median) above the median of the up to ``window`` finite
-    values before it and at least ``min_ratio`` times that median (positive medians only)."""
+    values before it, at least ``min_ratio`` times that median (positive medians only), and over ``log_z``
+    robust std of the logarithms of the positive ones above their median (``beyond_ratio_noise``)."""
     vals = list(values)
     out = []
     for i, (s, v) in enumerate(zip(steps, vals)):
@@ -53,21 +63,35 @@ def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: in
         if len(base) < min_history:
             continue
         med, sd = _robust_baseline(base)
-        if med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med:
+        if (med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med
+                and (log_z is None or beyond_ratio_noise(base, v, log_z, min_history))):
             out.append((s, v, v / med, med))
     return out
+
+
+def beyond_ratio_noise(base: Sequence[float], v: float, log_z: float = LOG_Z, min_history: int = 1) -> bool:
+    """``v`` is over ``log_z`` robust std of ``log(base)`` above its median (the std floored at log 1.05, as the
+    linear one is at 5% of the median). Zeros have no logarithm: with fewer than ``min_history`` positive
+    values the linear test decides alone."""
+    logs = [math.log(x) for x in base if x > 0]
+    if len(logs) < min_history:
+        return True
+    lmed, lsd = _robust_baseline(logs)
+    return math.log(v) > lmed + log_z * max(lsd, math.log(1.05))
 
 
 def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_after: int = 0,
                       window: int = LOSS_JUMP["window"], warmup: int = LOSS_JUMP["warmup"],
                       min_history: int = LOSS_JUMP["min_history"], z: float = LOSS_JUMP["z"],
-                      notice_ratio: float = LOSS_JUMP["min_ratio"], warn_ratio: float = 10.0) -> list[Finding]:
+                      notice_ratio: float = LOSS_JUMP["min_ratio"], warn_ratio: float = 10.0,
+                      log_z: float = LOSS_JUMP["log_z"]) -> list[Finding]:
     """``loss_spike`` findings: a step after ``new_after`` (and after ``warmup`` values) whose loss is more
-    than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it
-    AND at least ``notice_ratio`` times that median (a warning from ``warn_ratio``). Only positive medians
-    are compared by ratio; a loss that can be negative gets no jump findings."""
+    than ``z`` robust standard deviations above the median of the up to ``window`` finite losses before it,
+    AND at least ``notice_ratio`` times that median, AND over ``log_z`` robust std of their logarithms above
+    theirs (a warning from ``warn_ratio``). Only positive medians are compared by ratio; a loss that can be
+    negative gets no jump findings."""
     jumps = robust_jumps(steps, losses, new_after=new_after, warmup=warmup, window=window,
-                         min_history=min_history, z=z, min_ratio=notice_ratio)
+                         min_history=min_history, z=z, min_ratio=notice_ratio, log_z=log_z)
     if not jumps:
         return []
     top = max(jumps, key=lambda j: j[2])
