@@ -471,6 +471,29 @@ def test_a_hand_written_loops_clip_before_backward_finds_no_gradient_and_is_name
     assert idle["rc"] == 0
 
 
+def test_a_hand_written_loop_that_never_zeroes_is_named_and_one_that_zeroes_by_hand_is_not(tmp_path_factory):
+    """No zero_grad() call at all: check reads what each backward adds to. Never cleared (every backward adds to
+    all the ones before, by plain reads) is ``no_zero_grad``, first; cleared by hand after each update
+    (``p.grad.zero_()``) is not; cleared by hand every second backward (a window of two) is not either, though
+    half its backwards add to the one before (the optimizer loops' rule alone, half the steps, would name it)."""
+    never = run(tmp_path_factory, "manual_sgd.py", "--zero", "never")
+    t = never["truth"]["steps"]
+    assert t[0]["left"] == 0 and all(x["left"] > 0 for x in t[1:])
+    f = finding(never, "no_zero_grad")
+    assert codes(never)[0] == "no_zero_grad" and f["severity"] == "critical" and never["rc"] == 1
+    assert f["evidence"]["count"] == f["evidence"]["of"] == len(t) - 1
+    assert "model.zero_grad(set_to_none=True)" in never["json"]["recommendations"][0]["code_to_add"]
+    hand = run(tmp_path_factory, "manual_sgd.py", "--zero", "hand")
+    assert all(x["left"] == 0 for x in hand["truth"]["steps"])
+    # ... and its clip (max_norm=2) is not a clip that zeroes them: read again at the end, after the update, its
+    # gradients are the script's own zeros
+    assert "no_zero_grad" not in codes(hand) and "clip_zeroes" not in codes(hand) and hand["rc"] == 0, codes(hand)
+    two = run(tmp_path_factory, "manual_sgd.py", "--zero", "every2")
+    left = [x["left"] > 0 for x in two["truth"]["steps"]]
+    assert sum(left) * 2 >= len(left) - 1 and not all(left[1:])
+    assert "no_zero_grad" not in codes(two), codes(two)
+
+
 def _misplaced(first_step, first_norm, first_ratio, bound=1.0, flagged=(1, 2, 3, 4, 5)):
     clip = Finding("clip_after_step", "warning", "clipping after optimizer.step()", "", steps=list(flagged),
                    evidence={"first_step": flagged[0], "count": len(flagged), "max_norm": bound})

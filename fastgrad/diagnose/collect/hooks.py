@@ -120,6 +120,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._m_clip = False
         self._m_clip_max: float | None = None
         self._m_zeroed = False
+        self._m_leftover: Tensor | None = None  # the open step's gradients before its backward (never zeroed)
         self._m_named: list = []
         self._any_zero = False
         self._opt_started = False
@@ -344,6 +345,10 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
             if (self.max_steps is not None and not self.optimizers_made
                     and len(self._m_steps) + len(self._m_host) >= self.max_steps):
                 raise StopCheck()
+            if not self._any_zero:
+                # no zero_grad() yet: what this backward adds to (zero where the script zeroes or drops the
+                # gradients by hand, as many hand-written updates do; no sync)
+                self._m_leftover = self._manual_leftover()
         self._m_losses.append(loss)
         return True
 

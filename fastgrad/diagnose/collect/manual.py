@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...clip import multi_tensor_norm
 from ...stats import grad_stats
 from .steps import StepRecord
 
@@ -65,6 +66,15 @@ class ManualLoopReader:
         stats = grad_stats(self._m_named)
         return self._stats_row(stats) if len(stats) else None
 
+    def _manual_leftover(self) -> Tensor | None:
+        """Device norm of the gradients the last read step's tensors hold before a new backward (0 where every
+        one is None); None before any read. No sync."""
+        if not self._m_named:
+            return None
+        grads = [p.grad for _, p in self._m_named if p.grad is not None]
+        grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
+        return multi_tensor_norm(grads).reshape(()) if grads else torch.zeros((), dtype=torch.float64)
+
     def _stats_row(self, stats) -> Tensor:
         """(norm, NaN+Inf count, zero count) of one statistics pass, float64 on its device; no sync."""
         if not len(stats):
@@ -78,13 +88,17 @@ class ManualLoopReader:
         loss = torch.stack([v.to(dev) for v in self._m_losses]).sum() if self._m_losses else None
         nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)  # a fill: no host-to-device copy
         used = self._m_used.to(dev) if self._m_used is not None else row
-        full = torch.cat([used, (loss if loss is not None else nan).reshape(1), nan.reshape(1),
+        left = self._m_leftover
+        left = nan if left is None else left.to(device=dev, dtype=torch.float64)
+        full = torch.cat([used, (loss if loss is not None else nan).reshape(1), left.reshape(1),
                           (row[:1] if self._m_clip else nan.reshape(1)), torch.zeros(1, dtype=torch.float64,
                                                                                      device=dev)])
         n = len(self._m_steps) + len(self._m_host) + 1
         numel = sum(p.numel() for _, p in self._m_named)
         rec = StepRecord(step=n, numel=numel, has_loss=loss is not None, clipped=self._m_clip, clip_read=self._m_clip,
-                         zeroed=self._m_zeroed, source="backward", clip_max=self._m_clip_max)
+                         zeroed=self._m_zeroed, source="backward", clip_max=self._m_clip_max,
+                         leftover_checked=self._m_leftover is not None)
+        self._m_leftover = None
         self._m_steps.append((rec, full))
         self._m_row = self._m_used = None
         self._m_losses = []

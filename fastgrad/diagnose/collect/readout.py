@@ -21,7 +21,15 @@ class RunReadout:
         if not self._opt_started and self._m_row is not None:
             try:
                 if self._m_clip and not self._m_zeroed:  # the last step's clipped gradients, never zeroed
-                    self._m_used = self._consumed_row()
+                    used = self._consumed_row()
+                    if used is not None and self._m_clip_max != 0:
+                        # a positive bound scales a finite nonzero norm, never to 0: zeros read now were
+                        # cleared by the script after its update (``p.grad.zero_()``), so the backward's read
+                        # stands (chosen on the device: no sync)
+                        row = self._m_row.to(used.device)
+                        cleared = (used[0] == 0) & torch.isfinite(row[0]) & (row[0] > 0)
+                        used = torch.where(cleared, row, used)
+                    self._m_used = used
                 self._manual_close()
             except Exception as e:  # noqa: BLE001
                 self.errors.append(f"last backward: {e}")

@@ -67,6 +67,10 @@ class NoZeroGrad(Rule):
         run.flags["no_zero_grad"] = stale
         if len(stale) < 2 or len(stale) * 2 < len(checked):
             return []
+        if run.manual and len(stale) < len(checked):
+            # a hand-written loop is read at each backward() when it never calls zero_grad(); one that zeroes
+            # or drops its gradients by hand at some of them (an accumulation window) is not this
+            return []
         return [Finding(self.code, "critical", "gradients are never zeroed between steps",
                         f"At {len(stale)} of {len(checked)} steps the next backward() added to the previous "
                         "gradients (no zero_grad() / set_to_none seen).", steps=stale,
