@@ -497,6 +497,19 @@ def test_a_loss_that_blows_up_in_the_last_quarter_and_ends_there_is_diverging():
     assert found([3.5e4] * 30 + [1e6, 1e9])[0].severity == "critical"
     assert found([3.5e4] * 31 + [1e9]) == []
     assert found([3.5e4] * 30 + [1e6, 1e9, 3e4]) == []
+    # the level it rose from is the run's before it, not its first value alone: a noisy loss (a TD critic's,
+    # 0.002 - 0.06) whose first value was low by chance, ending on three values above 3x that first value but
+    # under 3x the median before them, is not rising; the same three from a steady level of 0.005 are
+    noisy = [0.0012, 0.0079, 0.0035, 0.0022, 0.007, 0.0093, 0.0049, 0.007, 0.0081, 0.0058, 0.0636, 0.0316, 0.0297,
+             0.0504, 0.0247, 0.0041, 0.0032, 0.0037, 0.02, 0.003, 0.0165, 0.0271, 0.0138, 0.0108, 0.0094, 0.002,
+             0.0013, 0.0072, 0.0071, 0.0053, 0.0011, 0.0034, 0.0056, 0.0021, 0.0021, 0.0007, 0.0006]
+    end = [0.0076, 0.005, 0.0166]
+    def worst(losses):
+        return max((f.severity for f in found(losses)), key=["notice", "warning", "critical"].index, default=None)
+    assert worst(noisy + end) in (None, "notice")
+    assert worst(noisy + [0.0166, 0.017, 0.0176]) in (None, "notice")   # under 3x the median before (0.0058)
+    assert worst(noisy + [0.018, 0.019, 0.02]) == "warning"
+    assert worst([0.0012] + [0.001] * 36 + end) == "warning"
 
 
 def test_never_learns_needs_two_steps_and_tells_zero_from_unused():

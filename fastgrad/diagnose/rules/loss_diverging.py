@@ -3,7 +3,8 @@
 The start is the smaller of the first loss and the median of the first three (one odd first batch does not
 set it). The loss diverges (critical) when it reaches 10x that start, holds there for the next step (or to
 the end of the run), AND the median of the last quarter of the run is still 10x the start, or the loss stays
-10x up at every step from there to the end of the run (a blow-up in the last quarter: the run ended on it): a
+10x up at every step from there to the end of the run, and 10x the median of the losses before it (a blow-up
+in the last quarter: the run ended on it): a
 rise that comes back down is not a divergence. 3x under the same conditions is "rising" (a warning). A jump to 10x after which
 the loss never gets back down (the medians of the last half and the last quarter of the run still 1.5x the
 start) is a warning too: the run ends worse than it began.
@@ -61,6 +62,10 @@ def loss_divergence(recs, ratio: float, hold: int = 2, end_ratio: float | None =
         while j > 1 and vals[j - 1] >= ratio * base:
             j -= 1
         if end_ratio is not None or len(vals) - j < hold:
+            return None
+        # ... and up against the level the run held before it, not only its first value: a noisy loss whose
+        # first value was low by chance ends with a few values above 3x that value as often as not
+        if min(vals[j:]) < ratio * median(vals[:j]):
             return None
         first = j
     if end_ratio is not None and median(vals[len(vals) // 2:]) < end_ratio * base:
