@@ -271,6 +271,27 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
         assert ("loss_jump" in f.evidence["harm"]) is harmed, at
 
 
+def test_the_update_row_is_not_healthy_beside_a_layer_the_update_rewrote():
+    """A small head beside a large body: the whole model moved 0.4x, the head 2x its weights. The row says which
+    layer was rewritten and is a notice (as far as the findings go), as it is for a whole-model rewrite; the same
+    run with every layer under 1x stays healthy."""
+    from fastgrad.diagnose.finding import Finding
+    from fastgrad.diagnose.result import _summary
+
+    def up_row(layers, ratio=0.4, findings=(Finding("spike", "notice", "t", "d"),)):
+        v = _view([1.0] * 10)
+        v.ctx["updates"] = [{"step": 3, "series": 0, "lr": 0.5, "ratio": ratio, "layers": layers}]
+        return next(r for r in _summary(v, list(findings), ["stable"], None, False)
+                    if r[0].startswith("Update/weight"))
+    _, text, st = up_row({"body": 0.3, "head": 2.0})
+    assert st == "notice" and "layer head moved 2x its weights at step 3" in text
+    assert up_row({"body": 0.3, "head": 0.99})[2] == "healthy"
+    assert up_row({"body": 0.3, "head": math.inf})[2] == "healthy"     # an all-zero layer: no ratio to judge
+    assert up_row({"body": 0.3, "head": 2.0}, findings=())[2] == "healthy"   # no finding to rate it by
+    _, text, st = up_row({"body": 0.3, "head": 2.0}, ratio=1.2)
+    assert st == "notice" and "that step rewrote the weights" in text and "layer head" not in text
+
+
 def test_critical_needs_damage_beside_a_far_norm():
     # the same far norm above 1000 (10x a level of 150): alone a warning; with damage at it (a loss jump at the
     # step after, a NaN from it on, an update of 1x the weights) critical

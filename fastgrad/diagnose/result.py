@@ -439,7 +439,11 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                      and not (r.skipped or r.guard_skipped)), None)
         if ups:
             top = max(ups, key=lambda u: u["ratio"])
-            rewrote = top["ratio"] >= run.limits.blowup_update
+            # ... or one layer's: a small head beside a large body can be rewritten while the whole stays under 1x
+            lay = max(((v, name, u["step"]) for u in ups for name, v in (u.get("layers") or {}).items()
+                       if math.isfinite(v)), default=None)
+            lay = lay if lay is not None and lay[0] >= run.limits.blowup_update else None
+            rewrote = top["ratio"] >= run.limits.blowup_update or lay is not None
             # the findings that rest on the update size (an update that rewrote the weights, steps that bounce)
             blame = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k and (
                 "rewrite" in f.evidence.get("harm", ()) or f.evidence.get("rewrite")
@@ -451,7 +455,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                 st = worst(st, "critical")
             rows.append((f"Update/weight ratio{sfx}", f"median {fmt(median([u['ratio'] for u in ups]))} over {len(ups)} "
                          f"measured step(s), largest {fmt(top['ratio'])} at step {top['step']} (about 1e-3 is typical"
-                         + ("; 1 or more: that step rewrote the weights" if rewrote else "")
+                         + ("; 1 or more: that step rewrote the weights" if top["ratio"] >= run.limits.blowup_update
+                            else f"; layer {lay[1]} moved {fmt(lay[0])}x its weights at step {lay[2]}: rewritten"
+                            if lay is not None else "")
                          + (f"; not finite from step {gone}: the run went NaN/Inf there" if gone is not None else "")
                          + ")", st))
         lrs = [r.lr for r in recs if r.lr is not None]
