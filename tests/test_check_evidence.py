@@ -428,19 +428,36 @@ def test_a_rising_norm_is_a_warning_only_with_harm():
     spiked = list(norms)
     spiked[60] *= 30
     got = {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(spiked, flat))}
-    assert got["spike"] == "warning" and got["increasing"] == "notice"
+    assert got["spike"] == "notice" and got["increasing"] == "notice"   # and no damage at the spike either
 
 
-def test_a_spike_is_a_warning_from_the_far_ratio():
+def test_a_spike_is_a_warning_from_the_far_ratio_with_damage_at_it():
+    """A spike 10x its recent median is a warning only where the run shows damage at it: the loss jumping at
+    it or the step after, NaN/Inf from it on, a measured update of 1x the weights there. A spike a clip bounded
+    (or Adam absorbed) leaves the loss where it was: a notice, as is any spike under 10x."""
     from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
 
     lim = RunLimits()
 
-    def sev(ratio):
+    def spike(ratio, jump_at=None, nan_from=None, rewrite_at=None):
         norms = [1.0] * 40
-        norms[30] = ratio
-        return {f.code: f.severity for f in NORM_TRENDS.evaluate(_view(norms))}.get("spike")
-    assert sev(lim.far_ratio) == "warning" and sev(lim.far_ratio * 0.99) == "notice"
+        norms[30] = ratio                      # step 31
+        losses = [1.0 + 0.01 * (i % 3) for i in range(40)]
+        if jump_at is not None:
+            losses[jump_at - 1] = 30.0
+        if nan_from is not None:
+            losses[nan_from - 1:] = [math.nan] * (40 - nan_from + 1)
+        ups = [(rewrite_at, 1.0)] if rewrite_at is not None else ()
+        return next(f for f in NORM_TRENDS.evaluate(_view(norms, losses, updates=ups)) if f.code == "spike")
+    assert spike(lim.far_ratio).severity == "notice" and "no damage seen" in spike(lim.far_ratio).title
+    for kw in ({"jump_at": 31}, {"jump_at": 32}, {"nan_from": 33}, {"rewrite_at": 32}):
+        f = spike(lim.far_ratio, **kw)
+        assert f.severity == "warning" and "Damage the run shows" in f.detail, kw
+    # damage two steps after, a rewrite elsewhere, NaN only before it: not the spike's
+    assert spike(lim.far_ratio, jump_at=33).severity == "notice"
+    assert spike(lim.far_ratio, rewrite_at=20).severity == "notice"
+    # the ratio still decides first: under 10x with damage is a notice
+    assert spike(lim.far_ratio * 0.99, jump_at=32).severity == "notice"
 
 
 def test_the_spike_spread_is_the_scaled_mad():

@@ -2,8 +2,9 @@
 (``fastgrad.diagnose.rules.trends.detect_trends``), each series indexed by its own steps (its warm-up, its
 baseline; hand-overs between optimizers are not spikes) and reported with the run's step numbers.
 
-A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median: far above the run's own level, which
-is harm by itself; below that, a notice. A rising norm is a warning only with harm the run shows
+A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median with damage at it (NaN/Inf from it
+on, a loss that jumps at it or the step after, an update of 1x the weights there); without damage, or below
+that ratio, a notice. A rising norm is a warning only with harm the run shows
 (``rules.evidence``: NaN/Inf, a loss that jumps or rises beyond its noise, an update that rewrites the weights);
 without it, a notice: a policy gradient's norm grows with its episodes while it learns, a converging model's as
 it sharpens."""
@@ -37,6 +38,8 @@ class NormTrends(Rule):
             glob = {i: r.step for i, r in enumerate(recs, 1)}
             for f in tf:
                 f.steps = [glob.get(s, s) for s in f.steps]
+                if f.code == "spike" and f.severity == "warning":
+                    _judge_spike(f, run, k)
                 if run.multi:
                     f.title = f"{run.names[k]}: {f.title}"
                     f.detail = f"{run.names[k]} (its own step count): {f.detail}"
@@ -44,6 +47,28 @@ class NormTrends(Rule):
                 run.key_steps |= set(f.steps[:3])
             out += tf
         return out
+
+
+def _judge_spike(f: Finding, run: RunView, k: int) -> None:
+    """A spike of ``RunLimits.far_ratio`` or more stays a warning only with damage at it (in place): NaN/Inf from
+    it on, the loss jumping at it or the step after, or a measured update of 1x the weights there. A gradient
+    spike that a clip bounded, or that Adam's normalisation absorbed, leaves the loss where it was: a notice."""
+    h = harm_of(run, k)
+    pos = {s: i for i, s in enumerate(h.steps)}
+    near = set(f.steps) | {h.steps[pos[s] + 1] for s in f.steps if s in pos and pos[s] + 1 < len(h.steps)}
+    harm = [(kind, t) for kind, t in h.at(f.steps, far=False) if kind in ("nonfinite", "loss_jump")]
+    rw = [(s, r) for s, r in h.rewrites if s in near]
+    if rw:
+        s, r = max(rw, key=lambda t: t[1])
+        harm.append(("rewrite", f"the update moved the weights by {r:.3g}x their own size (step {s})"))
+    f.evidence["harm"] = [kind for kind, _ in harm]
+    if harm:
+        f.detail += " Damage the run shows: " + "; ".join(text for _, text in harm) + "."
+        return
+    f.severity = "notice"
+    f.title += ", with no damage seen"
+    f.detail += (" No damage seen: the loss did not jump at or after it, nothing went NaN/Inf and no measured "
+                 "update there rewrote the weights (a clip, or an adaptive optimizer, bounds the step).")
 
 
 def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
@@ -67,7 +92,8 @@ def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
 
 NORM_TRENDS = NormTrends(
     "spike/increasing/decaying", "warning", "each step's norm before clipping, per optimizer",
-    "spike: > 6 robust std and 3x above the recent median (a notice; a warning from 10x); increasing: four "
+    "spike: > 6 robust std and 3x above the recent median (a notice; a warning from 10x with damage at it: "
+    "NaN/Inf, a loss jump at it or the step after, an update of 1x the weights there); increasing: four "
     "rising quarter medians, 2x overall (a warning with harm the run shows: NaN/Inf, a loss that jumps or rises "
     "beyond its noise, an update of 1x the weights; else a notice); decaying: four falling quarter medians "
     "ending below 1e-3 (or 1000x down and below 0.1)", needs=("grad_norm",), min_steps=WARMUP + 1)
