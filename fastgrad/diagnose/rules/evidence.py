@@ -7,7 +7,7 @@ warning or a critical finding needs harm the run itself shows:
 - ``loss_rose``: the loss rose against its own noise (the last quarter's mean above the first quarter's by
   more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
   level: ``loss_change``, the same statistics the stall rule reads);
-- ``loss_jump``: the loss jumped far above its recent median at one of the steps, or the step after (the
+- ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
   out of the swings its own history shows in ratio (``trends.LOG_Z``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
@@ -133,9 +133,11 @@ class Harm:
         bad = [s for s in self.nonfinite if s >= steps[0]]
         if bad:
             out.append(("nonfinite", f"the loss or the gradients went NaN/Inf at step {bad[0]}"))
+        # the step after each (the update it drove): a loss that jumps at the step itself was computed before
+        # that step's update, and its gradient grew with it (a hard batch, a deeper draw of a dynamic model)
         pos = {s: i for i, s in enumerate(self.steps)}
         nxt = {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
-        jumped = sorted(s for s in self.jumps if s in set(steps) | nxt)
+        jumped = sorted(s for s in self.jumps if s in nxt)
         if jumped:
             s = max(jumped, key=lambda t: self.jumps[t][1])
             out.append(("loss_jump", f"the loss jumped to {fmt(self.jumps[s][0])} at step {s}, "

@@ -3,7 +3,7 @@
 baseline; hand-overs between optimizers are not spikes) and reported with the run's step numbers.
 
 A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median with damage at it (NaN/Inf from it
-on, a loss that jumps at it or the step after, an update of 1x the weights there); without damage, or below
+on, a loss that jumps at the step after, an update of 1x the weights there); without damage, or below
 that ratio, a notice. A rising norm is a warning only with harm the run shows
 (``rules.evidence``: NaN/Inf, a loss that jumps or rises beyond its noise, an update that rewrites the weights);
 without it, a notice: a policy gradient's norm grows with its episodes while it learns, a converging model's as
@@ -51,7 +51,7 @@ class NormTrends(Rule):
 
 def _judge_spike(f: Finding, run: RunView, k: int) -> None:
     """A spike of ``RunLimits.far_ratio`` or more stays a warning only with damage at it (in place): NaN/Inf from
-    it on, the loss jumping at it or the step after, or a measured update of 1x the weights there. A gradient
+    it on, the loss jumping at the step after (the update it drove), or a measured update of 1x the weights there. A gradient
     spike that a clip bounded, or that Adam's normalisation absorbed, leaves the loss where it was: a notice."""
     h = harm_of(run, k)
     pos = {s: i for i, s in enumerate(h.steps)}
@@ -67,7 +67,7 @@ def _judge_spike(f: Finding, run: RunView, k: int) -> None:
         return
     f.severity = "notice"
     f.title += ", with no damage seen"
-    f.detail += (" No damage seen: the loss did not jump at or after it, nothing went NaN/Inf and no measured "
+    f.detail += (" No damage seen: the loss did not jump after it, nothing went NaN/Inf and no measured "
                  "update there rewrote the weights (a clip, or an adaptive optimizer, bounds the step).")
 
 
@@ -93,7 +93,7 @@ def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
 NORM_TRENDS = NormTrends(
     "spike/increasing/decaying", "warning", "each step's norm before clipping, per optimizer",
     "spike: > 6 robust std and 3x above the recent median (a notice; a warning from 10x with damage at it: "
-    "NaN/Inf, a loss jump at it or the step after, an update of 1x the weights there); increasing: four "
+    "NaN/Inf, a loss jump at the step after, an update of 1x the weights there); increasing: four "
     "rising quarter medians, 2x overall (a warning with harm the run shows: NaN/Inf, a loss that jumps or rises "
     "beyond its noise, an update of 1x the weights; else a notice); decaying: four falling quarter medians "
     "ending below 1e-3 (or 1000x down and below 0.1)", needs=("grad_norm",), min_steps=WARMUP + 1)
