@@ -293,6 +293,20 @@ def test_the_update_row_is_not_healthy_beside_a_layer_the_update_rewrote():
     assert st == "notice" and "that step rewrote the weights" in text and "layer head" not in text
 
 
+def test_a_far_norm_is_harm_only_beyond_what_its_loss_explains():
+    """A squared error's gradient grows with the square root of its loss: a step whose loss is 400x its level
+    (a deeper draw of a dynamic model) has a norm 20x its level and nothing else wrong. That norm is not far; a
+    norm 20x its level beside a loss 100x its level (sqrt: 10x) is twice what the loss explains, and is."""
+    flat = [1.0 + 0.01 * (i % 3) for i in range(12)]
+
+    def harm(norm_ratio, loss_ratio):
+        norms = [150.0] * 6 + [150.0 * norm_ratio] + [150.0] * 5
+        losses = flat[:6] + [flat[6] * loss_ratio] + flat[7:]
+        return _exploding(_view(norms, losses)).evidence["harm"]
+    assert "far" not in harm(20.0, 400.0) and "far" not in harm(20.0, 4.1)
+    assert "far" in harm(20.0, 3.9) and "far" in harm(20.0, 1.0)
+
+
 def test_critical_needs_damage_beside_a_far_norm():
     # the same far norm above 1000 (10x a level of 150): alone a warning; with damage at it (a loss jump at the
     # step after, a NaN from it on, an update of 1x the weights) critical

@@ -12,7 +12,8 @@ warning or a critical finding needs harm the run itself shows:
   out of the swings its own history shows in ratio (``trends.LOG_Z``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
-  finite norms before it (up to 50 of them, at least ``RunLimits.far_history``).
+  finite norms before it (up to 50 of them, at least ``RunLimits.far_history``), by more than the loss's own
+  rise at that step explains (``Harm.far_for_its_loss``).
 
 A loss summed over the batch has norms in the thousands and falls; a policy gradient's norm grows with its
 episodes as it learns: neither shows any of these, so neither is warned about."""
@@ -150,7 +151,9 @@ class Harm:
             s, r = max(self.rewrites, key=lambda t: t[1])
             out.append(("rewrite", f"an update moved the weights by {fmt(r)}x their own size (step {s})"))
         if far:
-            hits = [(s, self.far(s)) for s in steps]
+            # far by more than its own loss explains: a deeper draw of a dynamic model, a hard batch, has a loss
+            # far above its level and a gradient that grew with it (``far_for_its_loss``)
+            hits = [(s, self.far(s)) for s in steps if self.far_for_its_loss(s)]
             hits = [(s, h) for s, h in hits if h is not None]
             if hits:
                 s, (ratio, lev) = max(hits, key=lambda t: t[1][0])
