@@ -269,6 +269,20 @@ def test_no_advice_to_add_a_clip_where_the_script_clips(tmp_path_factory):
     assert row(r, "Learning rate")["value"] == "0.01"
 
 
+def test_a_spike_the_clip_bounded_with_no_damage_is_a_notice(tmp_path_factory):
+    """The outlier batch of step 30 drives the norm far above its level, but the clip bounds the update: the
+    loss of step 31, by plain reads, is back at its level. A spike with no damage after it is a notice, and the
+    run warns about nothing."""
+    r = run("clipped_elevated.py", tmp_path_factory)
+    t = {x["step"]: x for x in r["truth"]["steps"]}
+    before = sorted(t[s]["loss"] for s in range(20, 30))
+    assert t[30]["norm"] > 10 * sorted(t[s]["norm"] for s in range(20, 30))[5]    # the premise: far above
+    assert t[31]["loss"] < 3 * before[5]                                          # ... and no damage after it
+    f = next(f for f in r["json"]["findings"] if f["code"] == "spike")
+    assert f["severity"] == "notice" and "no damage seen" in f["title"] and f["evidence"]["harm"] == []
+    assert not codes(r, "warning") and not codes(r, "critical") and r["rc"] == 0
+
+
 def test_the_clip_advice_is_unchanged_where_nothing_clips():
     f = Finding("spike", "warning", "spike", "")
     ((_, text, snippet),) = advise([f], {})
