@@ -270,6 +270,12 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
         losses[at - 1] = 30.0
         f = _exploding(_view([50.0] * 4 + [500.0] + [50.0] * 7, losses))
         assert ("loss_jump" in f.evidence["harm"]) is harmed, at
+    # ... at the step itself it is the outlier batch the norm came from: a warning at either tier, never critical
+    for norm in (500.0, 5000.0):
+        f = _exploding(_view([50.0] * 4 + [norm] + [50.0] * 7, [1.0] * 4 + [30.0] + [1.0] * 7))
+        assert "outlier_batch" in f.evidence["harm"] and f.severity == "warning", norm
+        assert set(f.evidence["harm"]) <= {"outlier_batch", "far"}
+        assert "step 5 itself jumped" in f.detail
 
 
 def test_the_update_row_is_not_healthy_beside_a_layer_the_update_rewrote():

@@ -126,8 +126,10 @@ class Harm:
             return True
         return f[0] / math.sqrt(v / lev) >= self.far_ratio
 
-    def at(self, steps: list[int], *, far: bool = True) -> list[tuple[str, str]]:
-        """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none."""
+    def at(self, steps: list[int], *, far: bool = True, own_step: bool = False) -> list[tuple[str, str]]:
+        """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
+        a loss that jumped at one of the steps itself too, as ``outlier_batch`` (no damage: the batch or state
+        the norm came from, before its update; ``exploding`` reads it as a warning)."""
         if not steps:
             return []
         out = []
@@ -143,6 +145,13 @@ class Harm:
             s = max(jumped, key=lambda t: self.jumps[t][1])
             out.append(("loss_jump", f"the loss jumped to {fmt(self.jumps[s][0])} at step {s}, "
                                      f"{self.jumps[s][1]:.3g}x its recent median"))
+        elif own_step:
+            mine = [s for s in self.jumps if s in set(steps)]
+            if mine:
+                s = max(mine, key=lambda t: self.jumps[t][1])
+                out.append(("outlier_batch", f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "
+                                             f"{self.jumps[s][1]:.3g}x its recent median (an outlier batch or "
+                                             "state, and its gradient with it; the next step's loss did not jump)"))
         c = self.change
         if c is not None and c["rose"]:
             out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "

@@ -72,12 +72,12 @@ class Exploding(Rule):
                 continue
             # critical: damage at the steps above 1000, or an update that rewrote the weights (the learning
             # rate's gravest harm, whatever tier the norm reached); a warning: a norm far above the run's own
-            # level there with no damage to show (one outlier batch an adaptive optimizer absorbs), or other
-            # harm at the steps above 100
-            harm = harm_of(run, k).at([r.step for r in crit]) if crit else []
-            sev = "critical" if any(kind != "far" for kind, _ in harm) else "warning"
+            # level there, or a loss that jumped at that step itself (an outlier batch, before its update), with
+            # no damage to show after it, or other harm at the steps above 100
+            harm = harm_of(run, k).at([r.step for r in crit], own_step=True) if crit else []
+            sev = "critical" if any(kind not in ("far", "outlier_batch") for kind, _ in harm) else "warning"
             if not harm:
-                harm = harm_of(run, k).at([r.step for r in warn])
+                harm = harm_of(run, k).at([r.step for r in warn], own_step=True)
                 sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
             ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
