@@ -276,6 +276,12 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
         assert "outlier_batch" in f.evidence["harm"] and f.severity == "warning", norm
         assert set(f.evidence["harm"]) <= {"outlier_batch", "far"}
         assert "step 5 itself jumped" in f.detail
+        # ... where no clip bounded its update: clipped at 1, no harm to show (a notice); a clip whose bound is
+        # above the norm bounded nothing (a warning still)
+        view = _view([50.0] * 4 + [norm] + [50.0] * 7, [1.0] * 4 + [30.0] + [1.0] * 7, clipped=True, clip_max=1.0)
+        assert "outlier_batch" not in _exploding(view).evidence["harm"]
+        loose = _view([50.0] * 4 + [norm] + [50.0] * 7, [1.0] * 4 + [30.0] + [1.0] * 7, clipped=True, clip_max=1e6)
+        assert _exploding(loose).severity == "warning"
 
 
 def test_the_update_row_is_not_healthy_beside_a_layer_the_update_rewrote():

@@ -126,10 +126,10 @@ class Harm:
             return True
         return f[0] / math.sqrt(v / lev) >= self.far_ratio
 
-    def at(self, steps: list[int], *, far: bool = True, own_step: bool = False) -> list[tuple[str, str]]:
+    def at(self, steps: list[int], *, far: bool = True, own_step=()) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
-        a loss that jumped at one of the steps itself too, as ``outlier_batch`` (no damage: the batch or state
-        the norm came from, before its update; ``exploding`` reads it as a warning)."""
+        steps whose own loss jump counts too, as ``outlier_batch`` (no damage: the batch or state the norm came
+        from, before its update; ``exploding`` reads it as a warning where no clip bounded that update)."""
         if not steps:
             return []
         out = []
@@ -146,7 +146,7 @@ class Harm:
             out.append(("loss_jump", f"the loss jumped to {fmt(self.jumps[s][0])} at step {s}, "
                                      f"{self.jumps[s][1]:.3g}x its recent median"))
         elif own_step:
-            mine = [s for s in self.jumps if s in set(steps)]
+            mine = [s for s in self.jumps if s in set(own_step)]
             if mine:
                 s = max(mine, key=lambda t: self.jumps[t][1])
                 out.append(("outlier_batch", f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "

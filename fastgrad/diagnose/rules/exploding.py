@@ -74,10 +74,13 @@ class Exploding(Rule):
             # rate's gravest harm, whatever tier the norm reached); a warning: a norm far above the run's own
             # level there, or a loss that jumped at that step itself (an outlier batch, before its update), with
             # no damage to show after it, or other harm at the steps above 100
-            harm = harm_of(run, k).at([r.step for r in crit], own_step=True) if crit else []
+            # an outlier batch whose update a clip bounded did no harm to show: its own loss jump counts only at
+            # the steps no clip bounded (none ran, or its bound was above the norm)
+            free = {r.step for r in hit if not (r.clipped and r.clip_max is not None and r.clip_max < r.grad_norm)}
+            harm = harm_of(run, k).at([r.step for r in crit], own_step=free) if crit else []
             sev = "critical" if any(kind not in ("far", "outlier_batch") for kind, _ in harm) else "warning"
             if not harm:
-                harm = harm_of(run, k).at([r.step for r in warn], own_step=True)
+                harm = harm_of(run, k).at([r.step for r in warn], own_step=free)
                 sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
             ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
