@@ -126,6 +126,11 @@ class Harm:
             return True
         return f[0] / math.sqrt(v / lev) >= self.far_ratio
 
+    def following(self, steps) -> set[int]:
+        """The series' step after each of ``steps`` (the step whose loss that step's update drove)."""
+        pos = {s: i for i, s in enumerate(self.steps)}
+        return {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
+
     def at(self, steps: list[int], *, far: bool = True, own_step=()) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
         steps whose own loss jump counts too, as ``outlier_batch`` (no damage: the batch or state the norm came
@@ -138,15 +143,15 @@ class Harm:
             out.append(("nonfinite", f"the loss or the gradients went NaN/Inf at step {bad[0]}"))
         # the step after each (the update it drove): a loss that jumps at the step itself was computed before
         # that step's update, and its gradient grew with it (a hard batch, a deeper draw of a dynamic model)
-        pos = {s: i for i, s in enumerate(self.steps)}
-        nxt = {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
+        nxt = self.following(steps)
         jumped = sorted(s for s in self.jumps if s in nxt)
         if jumped:
             s = max(jumped, key=lambda t: self.jumps[t][1])
             out.append(("loss_jump", f"the loss jumped to {fmt(self.jumps[s][0])} at step {s}, "
                                      f"{self.jumps[s][1]:.3g}x its recent median"))
         elif own_step:
-            mine = [s for s in self.jumps if s in set(own_step)]
+            own = set(own_step)
+            mine = [s for s in self.jumps if s in own]
             if mine:
                 s = max(mine, key=lambda t: self.jumps[t][1])
                 out.append(("outlier_batch", f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "

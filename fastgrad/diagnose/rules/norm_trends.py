@@ -54,8 +54,7 @@ def _judge_spike(f: Finding, run: RunView, k: int) -> None:
     it on, the loss jumping at the step after (the update it drove), or a measured update of 1x the weights there. A gradient
     spike that a clip bounded, or that Adam's normalisation absorbed, leaves the loss where it was: a notice."""
     h = harm_of(run, k)
-    pos = {s: i for i, s in enumerate(h.steps)}
-    near = set(f.steps) | {h.steps[pos[s] + 1] for s in f.steps if s in pos and pos[s] + 1 < len(h.steps)}
+    near = set(f.steps) | h.following(f.steps)
     harm = [(kind, t) for kind, t in h.at(f.steps, far=False) if kind in ("nonfinite", "loss_jump")]
     rw = [(s, r) for s, r in h.rewrites if s in near]
     if rw:
