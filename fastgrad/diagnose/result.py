@@ -18,6 +18,7 @@ from .policy import Policy
 from .rules.base import RunView, median
 from .rules.nonfinite import trace_origin
 from .rules.registry import evaluate, not_checked
+from .rules.rewrite import rewritten_layer
 from .rules.run_state import nothing_checked
 from .rules.validation import validation_item
 from .thresholds import RANK, Thresholds, rate_norm, worst
@@ -440,9 +441,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
         if ups:
             top = max(ups, key=lambda u: u["ratio"])
             # ... or one layer's: a small head beside a large body can be rewritten while the whole stays under 1x
-            lay = max(((v, name, u["step"]) for u in ups for name, v in (u.get("layers") or {}).items()
-                       if math.isfinite(v)), default=None)
-            lay = lay if lay is not None and lay[0] >= run.limits.blowup_update else None
+            lay = max(((*hit, u["step"]) for u in ups if (hit := rewritten_layer(u, run.limits)) is not None),
+                      default=None)
             rewrote = top["ratio"] >= run.limits.blowup_update or lay is not None
             # the findings that rest on the update size (an update that rewrote the weights, steps that bounce)
             blame = worst(*(f.severity for f in findings if f.evidence.get("series", k) == k and (

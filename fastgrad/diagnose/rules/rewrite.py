@@ -35,7 +35,7 @@ from .base import Rule, RunView
 from .evidence import harm_of, tiny_update, update_size
 from .never_learns import never_learning
 
-__all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY"]
+__all__ = ["UpdateRewrote", "UPDATE_REWROTE", "UpdateTiny", "UPDATE_TINY", "layer_rewrite_before", "rewritten_layer"]
 
 
 class UpdateRewrote(Rule):
@@ -117,13 +117,20 @@ def layer_rewrite_before(run: RunView, k, step: int) -> tuple[int, str, float] |
                  key=lambda u: u["step"])
     out, nxt = None, step
     for u in reversed(ups):
-        hit = [(v, n) for n, v in (u.get("layers") or {}).items()
-               if v is not None and math.isfinite(v) and v >= run.limits.blowup_update]
-        if u["step"] != nxt - 1 or not hit:
+        hit = rewritten_layer(u, run.limits)
+        if u["step"] != nxt - 1 or hit is None:
             break
-        v, n = max(hit)
+        v, n = hit
         out, nxt = (u["step"], n, v), u["step"]
     return out
+
+
+def rewritten_layer(update: dict, limits) -> tuple[float, str] | None:
+    """(ratio, layer) of the layer one measured update moved most, when that is ``limits.blowup_update`` of its
+    own size or more; None otherwise. A layer of all-zero weights (ratio inf) had nothing to rewrite."""
+    hit = [(v, n) for n, v in (update.get("layers") or {}).items()
+           if v is not None and math.isfinite(v) and v >= limits.blowup_update]
+    return max(hit) if hit else None
 
 
 def _used_norm(run: RunView, k, step: int) -> float:
