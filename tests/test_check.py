@@ -649,6 +649,27 @@ def test_no_leaky_relu_advice_for_a_recurrent_model():
     assert "LeakyReLU" in dict(relu)["dead"]
 
 
+def test_depth_vanishing_advice_fits_what_the_model_already_has():
+    """"Add residual connections and normalisation" is no advice to a model that normalises (a post-norm
+    Transformer whose first layers stop learning under a large first lr): it is told warm-up or pre-norm, with a
+    warm-up in code, and not a higher lr for the first layers; a plain stack keeps the usual advice."""
+    from fastgrad.diagnose.advice import advise
+    from fastgrad.diagnose.finding import Finding
+
+    f = [Finding("depth_vanishing", "warning", "vanishing across depth", layers=["enc.0"],
+                 evidence={"units": {"enc.0": ["enc.0.weight"]}})]
+
+    def text(modules):
+        (code, t, snippet), = advise(f, {"modules": modules})
+        return t, snippet
+    t, snippet = text(["Embedding", "Linear", "LayerNorm"])
+    assert "pre-norm" in t and "warm" in t and "add residual" not in t
+    assert "LambdaLR" in snippet and "10 * lr" not in snippet
+    assert "pre-norm" in text(["Conv2d", "BatchNorm2d", "ReLU"])[0]
+    t, snippet = text(["Linear", "Tanh"])
+    assert "residual connections and normalisation" in t and "10 * lr" in snippet and "enc.0.weight" in snippet
+
+
 def test_crash_text_has_no_ansi_escape_codes(tmp_path):
     script = tmp_path / "ansi.py"
     script.write_text("import torch\nm = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"

@@ -320,19 +320,29 @@ def test_a_far_norm_is_harm_only_beyond_what_its_loss_explains():
 
 
 def test_critical_needs_damage_beside_a_far_norm():
-    # the same far norm above 1000 (10x a level of 150): alone a warning; with damage at it (a loss jump at the
-    # step after, a NaN from it on, an update of 1x the weights) critical
+    # the same far norm above 1000 (10x a level of 150): alone a notice (one outlier batch that nothing
+    # followed, as a spike with no damage is); with damage at it (a loss jump at the step after, a NaN from it
+    # on, an update of 1x the weights) critical
     norms = [150.0] * 5 + [1500.0] + [150.0] * 6
     flat = [1.0] * 12
-    assert _exploding(_view(norms, flat)).severity == "warning"
+    alone = _exploding(_view(norms, flat))
+    assert alone.severity == "notice" and alone.evidence["harm"] == ["far"]
+    assert "no damage seen" in alone.title and "but no damage followed" in alone.detail
     jump = flat[:6] + [30.0] + flat[7:]
     f = _exploding(_view(norms, jump))
     assert f.severity == "critical" and set(f.evidence["harm"]) == {"far", "loss_jump"}
     assert _exploding(_view(norms, flat[:7] + [math.nan] * 5)).severity == "critical"
     assert _exploding(_view(norms, flat, updates=[(6, 1.0)])).severity == "critical"
+    # the same far norm above 100 only: alone a notice, with a loss jump after it a warning
+    low = [15.0] * 5 + [150.0] + [15.0] * 6
+    assert _exploding(_view(low, flat)).severity == "notice"
+    assert _exploding(_view(low, jump)).severity == "warning"
+    # an outlier batch (its own loss jumped, the next did not, no clip bounded it): a warning at either tier
+    own = flat[:5] + [30.0] + flat[6:]
+    f = _exploding(_view([15.0] * 5 + [1500.0] + [15.0] * 6, own))
+    assert f.severity == "warning" and "outlier_batch" in f.evidence["harm"]
     # the warning's title names the tier the norm reached and does not blame the learning rate
-    t = _exploding(_view(norms, flat)).title
-    assert "above 1000" in t and "learning rate" not in t
+    assert "above 1000" in f.title and "learning rate" not in f.title
 
 
 @pytest.mark.parametrize("history", [1, 5])
@@ -342,16 +352,35 @@ def test_far_above_the_runs_own_level_sits_at_its_ratio(history):
     base = [150.0] * history
     flat = [1.0] * (history + 4)
 
-    def sev(ratio):
-        return _exploding(_view(base + [150.0 * ratio] + [150.0] * 3, flat)).severity
-    # a far norm alone is a warning, even above 1000: no damage to show (one outlier batch an adaptive
-    # optimizer absorbs); the ratio decides warning against notice
-    assert sev(lim.far_ratio) == "warning" and sev(lim.far_ratio * 0.99) == "notice"
+    def harm(ratio):
+        return _exploding(_view(base + [150.0 * ratio] + [150.0] * 3, flat)).evidence["harm"]
+    # the ratio decides whether the norm is far (alone a notice either way: no damage to show)
+    assert harm(lim.far_ratio) == ["far"] and harm(lim.far_ratio * 0.99) == []
     # the level is the median of the norms before the step, not their mean: one earlier outlier does not move it
     if history == 5:
         out = [150.0, 150.0, 150.0, 150.0, 1e5]
         f = _exploding(_view(out + [1600.0] + [150.0] * 3, flat))
         assert "far" in f.evidence["harm"]
+
+
+def test_no_clipping_is_a_warning_beside_any_damage_of_the_norm():
+    """A norm above 100 that nothing followed leaves ``no_clipping`` a notice ("no clip is needed for it");
+    a spike with damage after it (its advice: clip) makes it a warning, as a harmful explosion does, so the
+    advice never both asks for a clip and says none is needed."""
+    from fastgrad.diagnose.rules.red_flags import NO_CLIPPING
+    from fastgrad.diagnose.finding import Finding
+
+    view = _view([15.0] * 5 + [150.0] + [15.0] * 6)
+    view.findings = [_exploding(view)]
+    assert view.findings[0].severity == "notice"
+    (nc,) = NO_CLIPPING.evaluate(view)
+    assert nc.severity == "notice"
+    for code in ("spike", "exploding"):
+        view.findings = [Finding(code, "warning", "", evidence={"harm": ["loss_jump"]})]
+        (nc,) = NO_CLIPPING.evaluate(view)
+        assert nc.severity == "warning" and nc.evidence["harm"] == ["loss_jump"]
+    view.findings = [Finding("spike", "notice", "", evidence={"harm": []})]
+    assert NO_CLIPPING.evaluate(view)[0].severity == "notice"
 
 
 def test_the_runs_own_level_is_the_median_of_its_last_50_norms():

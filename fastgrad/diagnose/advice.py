@@ -420,6 +420,12 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "reconstruction term) or over an episode has gradients that grow with the batch or the episode. Nothing "
         "to change while the loss keeps falling; to compare with the guide's ranges, divide the loss by the batch "
         "size. A clip, if you want one, belongs at a bound near the run's own level, not at 1.0.", ""),
+    # one norm far above the run's own level, and nothing after it: an outlier batch the step absorbed
+    "exploding:no_damage": (
+        "One step's norm was far above the run's own level, and the run shows no damage after it (the loss did "
+        "not jump, nothing went NaN/Inf, no measured update rewrote the weights): an outlier batch that the "
+        "optimizer absorbed. Nothing to change while that holds; a clip at a bound a few times the run's own level "
+        "keeps a larger one from landing in full.", ""),
     "increasing:no_harm": (
         "The norm rises while the run shows no harm from it: no action needed while that holds. If the loss "
         "starts to rise or an update nears the size of the weights, lower the learning rate then.", ""),
@@ -428,7 +434,7 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "while the loss falls (a model near convergence, a loss with a small scale). If it stops improving, check "
         "the initialisation and the learning rate.", ""),
     "no_clipping:no_harm": (
-        "Nothing clips the gradients; the run shows no harm from its norm, so no clip is needed for it.", ""),
+        "Nothing clips the gradients; the run shows no damage from its norm, so no clip is needed for it.", ""),
     "never_learns": (
         "Find why no gradient reaches these tensors: print their gradient after one backward(). A ReLU that never "
         "fires (a large negative bias, unnormalised inputs) passes nothing back: fix its initialisation or inputs; "
@@ -451,6 +457,14 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "gradient layer by layer. Use an LSTM or GRU, fewer layers, or residual connections between layers (and "
         "an initialisation that does not shrink the weights); a higher learning rate for the first layers only "
         "treats the symptom.", ""),
+    "depth_vanishing:normalised": (
+        "The model already normalises its layers, yet the first layers barely learn. A normalisation after each "
+        "residual sum (post-norm, as in the original Transformer) shrinks the gradient that reaches the first "
+        "layers with depth, and more so under a large learning rate in the first steps: warm the learning rate "
+        "up (or lower it), or normalise each block's input instead (pre-norm). A higher learning rate for the "
+        "first layers only treats the symptom.",
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))\n"
+        "scheduler.step()   # after each optimizer.step(): the lr rises to its value over 100 steps"),
     "decaying:converging": (
         "The gradient norm decays while the loss keeps improving: usual near convergence, no action needed. If "
         "it keeps falling after the loss flattens, check the learning-rate schedule.", ""),
@@ -471,6 +485,7 @@ RUN_ADVICE["loss_diverging:unrecovered"] = (RUN_ADVICE["loss_diverging:unrecover
 
 _RELU_FAMILY = {"ReLU", "ReLU6", "RReLU", "Hardtanh", "Threshold"}
 _RECURRENT = {"LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"}
+_NORMALISED = {"LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "GroupNorm"}
 
 
 # Findings that mean the run is diverging (or already broken): while one is present, no advice may suggest
@@ -529,6 +544,9 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _RECURRENT and not (
                 set(ctx.get("modules", ())) & _RELU_FAMILY):
             variant = "depth_vanishing:recurrent"
+        elif f.code == "depth_vanishing" and set(ctx.get("modules", ())) & _NORMALISED:
+            # the usual fix (add normalisation) is already there: the stack's depth and the lr's first steps
+            variant = "depth_vanishing:normalised"
         text, snippet = ((RUN_ADVICE.get(variant) or RUN_ADVICE.get(f.code) if run else None)
                          or STEP_ADVICE.get(variant) or STEP_ADVICE.get(f.code) or ("", ""))
         if loose and variant == "exploding:no_harm" and f.evidence.get("max_norm") is not None:
@@ -538,7 +556,7 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = snippet.replace("WINDOW", str(f.evidence.get("window", "accum_steps")))
         if f.code == "weight_decay_drag" and f.evidence.get("pull"):  # 1e-4 a step at the run's own lr
             snippet = snippet.replace("DECAY", f"{1e-4 * f.evidence['weight_decay'] / f.evidence['pull']:.3g}")
-        if f.code == "depth_vanishing" and f.evidence.get("units") and variant != "depth_vanishing:recurrent":
+        if f.code == "depth_vanishing" and f.evidence.get("units") and variant is None:
             snippet = _depth_snippet(f.evidence["units"], f.layers, (ctx.get("names") or {}).get("manual"))
         if f.evidence.get("follows"):
             # the cause's advice is the fix: this one says so instead of adding its own

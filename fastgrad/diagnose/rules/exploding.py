@@ -3,7 +3,8 @@ every step from the first. The guide's limits alone ask a question (a notice: a 
 norms in the thousands); with harm the run shows at those steps (``rules.evidence``: NaN/Inf, a loss that jumps
 or rises against its noise, an update that rewrites the weights, a norm 10x the run's own level) it is critical
 above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier, and a
-far norm with no damage beside it (no NaN/Inf, no loss jump or rise, no rewrite) is a warning at either tier. An infinite norm of finite gradients is the largest explosion of all: the
+far norm with no damage beside it (no NaN/Inf, no loss jump or rise, no rewrite) is a notice at either tier, as a
+``spike`` with no damage is: one outlier batch that a clip or an adaptive optimizer absorbed. An infinite norm of finite gradients is the largest explosion of all: the
 sum of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from .base import Rule, RunView
 from .evidence import SCALE_QUESTION, harm_of
 
 __all__ = ["Exploding", "FLOAT32_NORM_MAX"]
+
+#: harm that is no damage: a norm far above its own level, an outlier batch's own loss (the update it drove
+#: left the loss where it was)
+_NO_DAMAGE = ("far", "outlier_batch")
 
 #: the largest L2 norm whose square sum float32 can hold (sqrt of float32's max, 3.4e38)
 FLOAT32_NORM_MAX = 1.8e19
@@ -77,11 +82,15 @@ class Exploding(Rule):
             # an outlier batch whose update a clip bounded did no harm to show: its own loss jump counts only at
             # the steps no clip bounded (none ran, or its bound was above the norm)
             free = {r.step for r in hit if not (r.clipped and r.clip_max is not None and r.clip_max < r.grad_norm)}
-            harm = harm_of(run, k).at([r.step for r in crit], own_step=free) if crit else []
-            sev = "critical" if any(kind not in ("far", "outlier_batch") for kind, _ in harm) else "warning"
-            if not harm:
-                harm = harm_of(run, k).at([r.step for r in warn], own_step=free)
-                sev = "critical" if any(kind == "rewrite" for kind, _ in harm) else ("warning" if harm else "notice")
+            h = harm_of(run, k)
+            harm = h.at([r.step for r in crit], own_step=free) if crit else []
+            if any(kind not in _NO_DAMAGE for kind, _ in harm):
+                sev = "critical"
+            else:
+                # no damage above 1000: the steps above 100 (they hold those) decide
+                harm = h.at([r.step for r in warn], own_step=free) or harm
+                sev = ("critical" if any(kind == "rewrite" for kind, _ in harm) else
+                       "warning" if any(kind != "far" for kind, _ in harm) else "notice")
             ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
             # each step named once: the first step over the limit, the peak, and the run's first step when
@@ -100,6 +109,10 @@ class Exploding(Rule):
             if not harm:
                 title = (f"{label}gradient norm above {'1000' if crit else '100'} with no harm seen (the guide's "
                          "question: is this the loss's own scale?)")
+            elif sev == "notice":
+                ev["variant"] = "no_damage"
+                title = (f"{label}gradient norm above {'1000' if crit else '100'}, far above the run's own level, "
+                         "with no damage seen")
             elif ev.get("variant") == "loose_clip":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
                          f"(max_norm={fmt(bound)}) is above every norm: it never acts")
@@ -118,6 +131,11 @@ class Exploding(Rule):
 
 def _harm_text(harm: list, h) -> str:
     """The evidence a severity rests on, in words."""
+    if harm and all(kind == "far" for kind, _ in harm):
+        # a spike that nothing followed: the same reading as ``spike``'s damage
+        return (" " + "; ".join(text[0].upper() + text[1:] for _, text in harm) + ", but no damage followed: the "
+                "loss did not jump after it, nothing went NaN/Inf and no measured update rewrote the weights (a "
+                "clip, or an adaptive optimizer, bounds the step).")
     if harm:
         return " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
     fell = h.loss_fell()
@@ -136,6 +154,6 @@ def largest_layers(last, k: int = 3) -> list[str]:
 EXPLODING = Exploding(
     "exploding", "critical", "each step's norm before clipping, per optimizer",
     "the norm before clipping > 1000 (critical) or > 100 (warning) at some step, with harm the run shows at "
-    "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, a norm 10x the run's own level; an update "
-    "of 1x the weights: critical at either; without harm: a notice); an inf norm of finite gradients (float32 overflow) is the "
+    "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, an update of 1x the weights: critical at "
+    "either; a norm 10x the run's own level with none of those, or no harm at all: a notice); an inf norm of finite gradients (float32 overflow) is the "
     "largest explosion", needs=("grad_norm",))

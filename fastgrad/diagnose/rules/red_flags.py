@@ -87,12 +87,14 @@ class NoClipping(Rule):
         peak = math.inf if over else max(r.grad_norm for r in hit)
         s = [r.step for r in hit]
         run.flags["no_clipping"] = s
-        # a warning where the explosion shows harm; beside a norm that is the loss's own scale, a notice
-        exp = [f for f in run.findings if f.code == "exploding" and f.severity != "notice"]
+        # a warning where the explosion, or a spike, shows harm (a spike's damage is a reason to clip, and
+        # the advice must not say "no clip is needed" beside it); beside a norm that is the loss's own
+        # scale, or a far one nothing followed, a notice
+        exp = [f for f in run.findings if f.code in ("exploding", "spike") and f.severity != "notice"]
         harmed = bool(exp)
         return [Finding(self.code, "warning" if harmed else "notice", "no gradient clipping while the norm exceeds 100",
                         f"The norm reached {'inf (overflowed float32)' if over else fmt(peak)} and no clip function "
-                        "was called." + ("" if harmed else " The run shows no harm from it (see exploding)."),
+                        "was called." + ("" if harmed else " The run shows no damage from it (see exploding)."),
                         largest_layers(run.last) or list(run.bad_params), s,
                         {"peak": peak, "harm": sorted({h for f in exp for h in f.evidence.get("harm", ["overflow"])})})]
 
