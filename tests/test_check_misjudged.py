@@ -588,6 +588,46 @@ def test_a_dead_layers_bias_is_not_invariant(tmp_path_factory):
     assert f["severity"] == "warning" and f["evidence"]["invariant"] == [] and "0.bias" in f["evidence"]["zero"]
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_reverse_half_of_a_bidirectional_rnn_read_at_its_last_step_is_told_as_such(whole, tmp_path_factory):
+    """Read at the last time step, the reverse direction has taken one step from its zero state: its recurrent
+    weight's gradient is zero by plain reads at every step. That is named as what it is (not a dead ReLU), with
+    advice in the model's own names that reads h_n; read from h_n, nothing is zero and there is no finding."""
+    r = run(tmp_path_factory, "birnn_last_step.py", *(("--whole",) if whole else ()))
+    t = r["truth"]["steps"]
+    if whole:
+        assert all(x["zero"] == [] for x in t)
+        assert "never_learns" not in codes(r)
+        return
+    assert all(x["zero"] == ["lstm.weight_hh_l0_reverse"] for x in t) and len(t) == 30  # the premise
+    f = finding(r, "never_learns")
+    assert f["severity"] == "warning" and f["evidence"]["variant"] == "reverse_last_step"
+    assert f["evidence"]["zero"] == ["lstm.weight_hh_l0_reverse"]
+    assert "reverse direction" in f["detail"] and "ReLU" not in f["detail"]
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "never_learns")
+    assert "net.lstm(" in rec["code_to_add"] and "h_n[-2], h_n[-1]" in rec["code_to_add"]
+    assert "ReLU" not in rec["text"] + rec["code_to_add"]
+
+
+def test_a_zero_recurrent_weight_is_the_reverse_half_only_when_its_input_weight_learns():
+    """The nearest wrong readings: a forward direction's recurrent weight, or a reverse one whose input weight is
+    zero too (the whole direction dead), keep the plain never_learns text."""
+    from fastgrad.diagnose.rules.never_learns import NEVER_LEARNS
+    from fastgrad.diagnose.rules.base import RunView
+    from fastgrad.diagnose.collect.steps import StepRecord
+
+    def judged(zero):
+        names = ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.weight_ih_l0_reverse", "rnn.weight_hh_l0_reverse"]
+        live = {n: (0, 30, True, n not in zero) for n in names}
+        steps = [StepRecord(step=i, total_norm=1.0, loss=1.0, has_loss=True, numel=10) for i in range(1, 31)]
+        (f,) = NEVER_LEARNS.evaluate(RunView(steps=steps, ctx={"live": live}))
+        return f
+    assert judged(["rnn.weight_hh_l0_reverse"]).evidence.get("variant") == "reverse_last_step"
+    assert "variant" not in judged(["rnn.weight_hh_l0"]).evidence
+    assert "variant" not in judged(["rnn.weight_hh_l0_reverse", "rnn.weight_ih_l0_reverse"]).evidence
+    assert "variant" not in judged(["rnn.weight_hh_l0_reverse", "rnn.weight_hh_l0"]).evidence
+
+
 # ---------------------------------------------------------------------------------------------- cut off from the loss
 @pytest.mark.parametrize("args, cut, unused", [
     (("--detach",), True, False), (("--no-grad",), True, False), (("--unused",), False, True),

@@ -449,6 +449,13 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "or a value rebuilt from .item()/.numpy(), or for an output computed and not used (block(x) instead of "
         "x = block(x)), and fix it if they are meant to learn; if not, freeze them (requires_grad_(False)) or leave "
         "them out of the optimizer.", ""),
+    "never_learns:reverse_last_step": (
+        "Read the reverse direction where it has seen the whole sequence: at the first time step, or from the "
+        "final hidden state h_n (its last two rows for the top layer of a one-direction-per-row stack). The "
+        "forward half at the last step and the reverse half at the first step together summarise the sequence.",
+        "out, h = model.RNN(x)   # where forward() runs it; h is (h_n, c_n) for an LSTM\n"
+        "h_n = h[0] if isinstance(h, tuple) else h\n"
+        "summary = torch.cat([h_n[-2], h_n[-1]], dim=1)   # forward and reverse, each after the whole sequence"),
     "never_learns:unused": (
         "These tensors are never in the loss's graph: if they are meant to learn, call the module that owns them "
         "in forward(); if not, freeze them (requires_grad_(False)) or leave them out of the optimizer.", ""),
@@ -556,6 +563,10 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
             snippet = snippet.replace("WINDOW", str(f.evidence.get("window", "accum_steps")))
         if f.code == "weight_decay_drag" and f.evidence.get("pull"):  # 1e-4 a step at the run's own lr
             snippet = snippet.replace("DECAY", f"{1e-4 * f.evidence['weight_decay'] / f.evidence['pull']:.3g}")
+        if variant == "never_learns:reverse_last_step" and f.evidence.get("zero"):
+            # the module as the model names it ("Class:" marks a second model's tensors)
+            name = f.evidence["zero"][0].split(":")[-1]
+            snippet = snippet.replace("model.RNN", "model." + name.rsplit(".", 1)[0] if "." in name else "model")
         if f.code == "depth_vanishing" and f.evidence.get("units") and variant is None:
             snippet = _depth_snippet(f.evidence["units"], f.layers, (ctx.get("names") or {}).get("manual"))
         if f.evidence.get("follows"):

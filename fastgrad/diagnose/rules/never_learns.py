@@ -17,8 +17,13 @@ gradient is zero is ``zero_grads``, and a clip that zeroes every gradient ``clip
 
 from __future__ import annotations
 
+import re
+
 from ..finding import Finding
 from .base import Rule, RunView
+
+#: the reverse direction's recurrent weight of a bidirectional nn.RNN/LSTM/GRU layer
+_REVERSE_HH = re.compile(r"weight_hh_l(\d+)_reverse$")
 
 __all__ = ["NeverLearns", "NEVER_LEARNS", "never_learning"]
 
@@ -71,7 +76,18 @@ class NeverLearns(Rule):
         total = len(live)
         reads = max(live[n][1] for n in zero + cut + unused)
         parts = []
-        if zero:
+        # the reverse half of a bidirectional RNN read only at the last time step: there it has taken one step
+        # from its zero initial state, so its recurrent weight multiplies zeros (its input weight learns)
+        reverse = [n for n in zero if _REVERSE_HH.search(n)
+                   and _REVERSE_HH.sub(lambda m: f"weight_ih_l{m.group(1)}_reverse", n) in learns]
+        if zero and reverse == zero:
+            parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
+                         f"{reads} step(s) read: {', '.join(zero)}, the recurrent weights of the reverse direction "
+                         "of a bidirectional RNN, while its input weights learn. The loss reads the output only at "
+                         "the last time step (output[-1], or output[:, -1] with batch_first), where the reverse "
+                         "direction has taken a single step from its zero initial state: it has seen only the last "
+                         "token, and its recurrent weight multiplies zeros.")
+        elif zero:
             parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
                          f"{reads} step(s) read: {', '.join(zero)}. They are in the loss's graph, but nothing "
                          "passes back to them (a ReLU that never fires, e.g. after a large negative bias; an op whose "
@@ -101,7 +117,7 @@ class NeverLearns(Rule):
                          "constant shift of its layer's output; the weight of that layer learns).")
         return [Finding(self.code, "warning", title, " ".join(parts), zero + cut + unused, [],
                         {"zero": zero, "cut": cut, "unused": unused, "invariant": invariant, "steps": reads,
-                         "of": total})]
+                         "of": total} | ({"variant": "reverse_last_step"} if zero and reverse == zero else {}))]
 
 
 NEVER_LEARNS = NeverLearns(
