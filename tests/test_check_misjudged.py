@@ -616,16 +616,19 @@ def test_a_zero_recurrent_weight_is_the_reverse_half_only_when_its_input_weight_
     from fastgrad.diagnose.rules.base import RunView
     from fastgrad.diagnose.collect.steps import StepRecord
 
-    def judged(zero):
+    def judged(zero, frozen=()):
         names = ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.weight_ih_l0_reverse", "rnn.weight_hh_l0_reverse"]
-        live = {n: (0, 30, True, n not in zero) for n in names}
+        live = {n: (0, 30, True, n not in zero) for n in names if n not in frozen}
         steps = [StepRecord(step=i, total_norm=1.0, loss=1.0, has_loss=True, numel=10) for i in range(1, 31)]
         (f,) = NEVER_LEARNS.evaluate(RunView(steps=steps, ctx={"live": live}))
         return f
-    assert judged(["rnn.weight_hh_l0_reverse"]).evidence.get("variant") == "reverse_last_step"
-    assert "variant" not in judged(["rnn.weight_hh_l0"]).evidence
-    assert "variant" not in judged(["rnn.weight_hh_l0_reverse", "rnn.weight_ih_l0_reverse"]).evidence
-    assert "variant" not in judged(["rnn.weight_hh_l0_reverse", "rnn.weight_hh_l0"]).evidence
+    told = judged(["rnn.weight_hh_l0_reverse"])
+    assert told.evidence.get("variant") == "reverse_last_step" and "reverse direction" in told.detail
+    for f in (judged(["rnn.weight_hh_l0"]), judged(["rnn.weight_hh_l0_reverse", "rnn.weight_ih_l0_reverse"]),
+              judged(["rnn.weight_hh_l0_reverse", "rnn.weight_hh_l0"]),
+              # its input weight frozen: nothing shows the reverse direction learns at all
+              judged(["rnn.weight_hh_l0_reverse"], frozen=["rnn.weight_ih_l0_reverse"])):
+        assert "variant" not in f.evidence and "reverse direction" not in f.detail and "ReLU" in f.detail
 
 
 # ---------------------------------------------------------------------------------------------- cut off from the loss

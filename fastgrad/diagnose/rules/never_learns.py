@@ -80,7 +80,8 @@ class NeverLearns(Rule):
         # from its zero initial state, so its recurrent weight multiplies zeros (its input weight learns)
         reverse = [n for n in zero if _REVERSE_HH.search(n)
                    and _REVERSE_HH.sub(lambda m: f"weight_ih_l{m.group(1)}_reverse", n) in learns]
-        if zero and reverse == zero:
+        reverse = bool(zero) and reverse == zero
+        if reverse:
             parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
                          f"{reads} step(s) read: {', '.join(zero)}, the recurrent weights of the reverse direction "
                          "of a bidirectional RNN, while its input weights learn. The loss reads the output only at "
@@ -117,7 +118,7 @@ class NeverLearns(Rule):
                          "constant shift of its layer's output; the weight of that layer learns).")
         return [Finding(self.code, "warning", title, " ".join(parts), zero + cut + unused, [],
                         {"zero": zero, "cut": cut, "unused": unused, "invariant": invariant, "steps": reads,
-                         "of": total} | ({"variant": "reverse_last_step"} if zero and reverse == zero else {}))]
+                         "of": total} | ({"variant": "reverse_last_step"} if reverse else {}))]
 
 
 NEVER_LEARNS = NeverLearns(
