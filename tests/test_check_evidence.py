@@ -260,8 +260,11 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
     assert _exploding(_view([2000.0] * 12, flat[:8] + [math.nan] * 4)).severity == "critical"
     assert _exploding(_view([50.0] * 8 + [200.0] * 4, [math.nan] + flat[1:])).severity == "notice"
     # critical needs the harm at the steps above 1000: harm only at a step between 100 and 1000 is a warning
-    jump = flat[:5] + [30.0] + flat[6:8]
-    assert _exploding(_view([1500.0] * 4 + [150.0] * 4, jump)).severity == "warning"
+    # (a loss jump at step 8, after a step at 150 that stood 7.5x above the run's level of 20)
+    norms = [20.0] * 4 + [1500.0] + [20.0] + [150.0] + [20.0] * 5
+    jump = [1.0] * 7 + [30.0] + [1.0] * 4
+    f = _exploding(_view(norms, jump))
+    assert f.severity == "warning" and "loss_jump" in f.evidence["harm"]
     # a loss jump at the step after one over the limit (the update it drove) is its harm; at the step itself it
     # is not (that loss was computed before the step's update, and the gradient grew with it: a hard batch, a
     # deeper draw of a dynamic model), nor two steps after
@@ -317,6 +320,29 @@ def test_a_far_norm_is_harm_only_beyond_what_its_loss_explains():
         return _exploding(_view(norms, losses)).evidence["harm"]
     assert "far" not in harm(20.0, 400.0) and "far" not in harm(20.0, 4.1)
     assert "far" in harm(20.0, 3.9) and "far" in harm(20.0, 1.0)
+
+
+def test_a_loss_jump_is_the_harm_of_a_norm_that_stood_out_of_its_level():
+    """Where every step is above the guide's 100 (a loss summed over the batch), a loss jump after a step whose
+    norm was the run's usual one is not that gradient's doing: its update was of the usual size. It counts after
+    a step whose norm was the spike rule's 3x its level or more (or at the first step, no level yet). A rewrite's
+    harm is its update's, whatever the norm."""
+    from fastgrad.diagnose.rules.trends import SPIKE_RATIO
+
+    assert SPIKE_RATIO == 3.0
+
+    def judged(ratio, at=8):
+        norms = [200.0] * 7 + [200.0 * ratio] + [200.0] * 6
+        losses = [1.0 + 0.01 * (i % 3) for i in range(14)]
+        losses[at] = 30.0          # the loss of the step after step ``at``
+        return _exploding(_view(norms, losses))
+    # (the jumped step's own loss is the outlier batch of a step above 100: a warning either way, read as
+    # that, not as the damage of the step before it)
+    assert "loss_jump" not in judged(1.0).evidence["harm"]
+    assert "loss_jump" not in judged(SPIKE_RATIO * 0.99).evidence["harm"]
+    assert "loss_jump" in judged(SPIKE_RATIO).evidence["harm"]
+    # ... at the run's first step there is no level yet: the jump after it counts
+    assert "loss_jump" in _exploding(_view([200.0] * 6, [1.0, 30.0, 1.0, 1.0, 1.0, 1.0])).evidence["harm"]
 
 
 def test_critical_needs_damage_beside_a_far_norm():
@@ -398,7 +424,7 @@ def test_the_runs_own_level_is_the_median_of_its_last_50_norms():
 
 def test_a_loss_jump_is_harm_from_its_own_level():
     lim = RunLimits()
-    norms = [200.0] * 8
+    norms = [200.0] * 3 + [600.0] + [200.0] * 4    # step 4 stood 3x above its level: the jump at 5 is its harm
 
     def harm(jump):
         losses = [2.0] * 4 + [2.0 * jump] + [2.0] * 3
@@ -433,7 +459,7 @@ def test_a_loss_jump_must_stand_out_of_its_swings_in_ratio():
     # as harm: a loss spread evenly in ratio over 1 - 100 (median 10): a peak of 160 is 16x the median, past
     # both linear routes (the robust jump and the far ratio), but under 3 log-std; a steady loss's 16x is a jump
     swing = [10 ** ((i % 21) / 10) for i in range(40)]
-    norms = [200.0] * 41
+    norms = [200.0] * 39 + [600.0, 200.0]          # step 40 stood 3x above its level
     assert "loss_jump" not in _exploding(_view(norms, swing + [160.0])).evidence["harm"]
     assert robust_jumps(list(range(1, 42)), swing + [160.0], new_after=0, **(LOSS_JUMP | {"log_z": None}))
     assert "loss_jump" in _exploding(_view(norms, [10.0] * 40 + [160.0])).evidence["harm"]

@@ -27,7 +27,7 @@ from .finding import Finding
 from .loggers import Loggers
 from .render.plot import plot_monitor
 from .report import GradientReport
-from .rules.trends import detect_loss_jumps, detect_trends
+from .rules.trends import SPIKE_RATIO, detect_loss_jumps, detect_trends
 from .thresholds import Thresholds
 
 __all__ = ["GradientMonitor", "detect_trends"]
@@ -107,7 +107,7 @@ class GradientMonitor:
 
     def __init__(self, model, every: int | None = 100, logger=None, *, history: int = 1000,
                  per_layer: bool = True, include_params: bool = True, spike_z: float = 6.0,
-                 spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
+                 spike_ratio: float = SPIKE_RATIO, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                  trend_window: int = 200, min_history: int = 10, thresholds: Thresholds | None = None,
                  row_sparse: Sequence[str] | None = None, guard=None, backend: str | None = None):
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):

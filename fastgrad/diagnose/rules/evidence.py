@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..finding import fmt
 from ..thresholds import RunLimits
 from .base import RunView, median
-from .trends import LOSS_JUMP, beyond_ratio_noise, robust_jumps
+from .trends import LOSS_JUMP, SPIKE_RATIO, beyond_ratio_noise, robust_jumps
 
 __all__ = ["loss_change", "own_level", "update_size", "tiny_update", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION",
            "RISE_REASON", "GUESSES"]
@@ -111,6 +111,18 @@ class Harm:
             return None
         return v / lev, lev
 
+    def unusual(self, step: int) -> bool:
+        """The norm at ``step`` stands out of the run's own level: ``SPIKE_RATIO`` times the median of the norms
+        before it or more, or no level is known yet (the first step). A loss jump after a step whose norm was
+        the run's usual one (a loss summed over the batch has norms above 100 at every step) is not the doing of
+        that step's gradient: its update was of the run's usual size."""
+        if step not in self.steps:
+            return False
+        i = self.steps.index(step)
+        lev = own_level(self.norms, i, self.far_history)
+        v = self.norms[i]
+        return lev is None or not math.isfinite(v) or v >= SPIKE_RATIO * lev
+
     def far_for_its_loss(self, step: int) -> bool:
         """``far`` at ``step`` by more than the loss's own rise there explains. A squared error's gradient grows
         with the square root of the loss (a TD error that grows with the returns: its norm follows): a norm ``r``
@@ -131,10 +143,13 @@ class Harm:
         pos = {s: i for i, s in enumerate(self.steps)}
         return {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
 
-    def at(self, steps: list[int], *, far: bool = True, own_step=()) -> list[tuple[str, str]]:
+    def at(self, steps: list[int], *, far: bool = True, own_step=(), usual_ok: bool = True
+           ) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
         steps whose own loss jump counts too, as ``outlier_batch`` (no damage: the batch or state the norm came
-        from, before its update; ``exploding`` reads it as a warning where no clip bounded that update)."""
+        from, before its update; ``exploding`` reads it as a warning where no clip bounded that update).
+        ``usual_ok`` False: a loss jump counts only after a step whose norm was ``unusual`` (the harm of a large
+        gradient; a rewrite's harm is its update's, whatever the norm)."""
         if not steps:
             return []
         out = []
@@ -143,7 +158,7 @@ class Harm:
             out.append(("nonfinite", f"the loss or the gradients went NaN/Inf at step {bad[0]}"))
         # the step after each (the update it drove): a loss that jumps at the step itself was computed before
         # that step's update, and its gradient grew with it (a hard batch, a deeper draw of a dynamic model)
-        nxt = self.following(steps)
+        nxt = self.following(steps if usual_ok else [s for s in steps if self.unusual(s)])
         jumped = sorted(s for s in self.jumps if s in nxt)
         if jumped:
             s = max(jumped, key=lambda t: self.jumps[t][1])

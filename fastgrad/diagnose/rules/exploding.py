@@ -83,12 +83,14 @@ class Exploding(Rule):
             # the steps no clip bounded (none ran, or its bound was above the norm)
             free = {r.step for r in hit if not (r.clipped and r.clip_max is not None and r.clip_max < r.grad_norm)}
             h = harm_of(run, k)
-            harm = h.at([r.step for r in crit], own_step=free) if crit else []
+            # a loss jump is the harm of a step whose norm stood out of the run's own level: where every step is
+            # above the guide's limit (the loss's own scale), a jump after an ordinary one is not the explosion's
+            harm = h.at([r.step for r in crit], own_step=free, usual_ok=False) if crit else []
             if any(kind not in _NO_DAMAGE for kind, _ in harm):
                 sev = "critical"
             else:
                 # no damage above 1000: the steps above 100 (they hold those) decide
-                harm = h.at([r.step for r in warn], own_step=free) or harm
+                harm = h.at([r.step for r in warn], own_step=free, usual_ok=False) or harm
                 sev = ("critical" if any(kind == "rewrite" for kind, _ in harm) else
                        "warning" if any(kind != "far" for kind, _ in harm) else "notice")
             ev["harm"] = [kind for kind, _ in harm]

@@ -26,6 +26,10 @@ LOSS_JUMP = {"window": 50, "warmup": 10, "min_history": 10, "z": 6.0, "min_ratio
 #: that multiplies, while a norm's spike is judged against its own spread as it is.
 LOG_Z = LOSS_JUMP["log_z"]
 
+#: a norm spike: this many times the median of the norms before it (and ``spike_z`` robust std above it). A
+#: loss jump after a step whose norm was below this is not that gradient's doing (``Harm.unusual``)
+SPIKE_RATIO = 3.0
+
 
 def loss_progress(history: Sequence[float], rel: float = Thresholds.loss_progress) -> bool | None:
     """True when the loss history shows progress: the mean of its last quarter is at least ``rel`` (relative)
@@ -104,7 +108,7 @@ def detect_loss_jumps(steps: Sequence[int], losses: Sequence[float], *, new_afte
 
 
 def detect_trends(steps: Sequence[int], norms: Sequence[float], *, new_after: int = 0, spike_z: float = 6.0,
-                  spike_ratio: float = 3.0, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
+                  spike_ratio: float = SPIKE_RATIO, warn_ratio: float = 5.0, baseline: int = 50, warmup: int = 20,
                   window: int = 200, min_history: int = 10, trend_ratio: float = 2.0,
                   thresholds: Thresholds | None = None, losses: Sequence[float] | None = None) -> list[Finding]:
     """Trends of a total-norm history (oldest first), as report findings. Baselines are robust (median and
