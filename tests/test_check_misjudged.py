@@ -529,6 +529,33 @@ def test_an_update_that_a_misplaced_clip_would_have_bounded_follows_the_clip():
         assert "follows" not in rw.evidence, kw
 
 
+def test_an_explosion_a_misplaced_clip_would_have_bounded_follows_the_clip():
+    """A clip before backward() (or after step()) bounds nothing: the norms above the guide's limit reach the
+    updates. Where the clip was misplaced at the explosion's first step and its max_norm is below the peak, the
+    explosion follows the clip, comes after it and stops asking for a clip the script has. Nearest wrong
+    variants: a bound above the peak, a first step the clip was not misplaced at, an overflow (its own cause)."""
+    from fastgrad.diagnose.consistency import link_causes
+    from fastgrad.diagnose.finding import place_causes
+
+    def pair(first_step=3, peak=4000.0, bound=0.2, flagged=(1, 2, 3, 4, 5), variant=None):
+        clip = Finding("clip_after_step", "warning", "clipping after optimizer.step()", "", steps=list(flagged),
+                       evidence={"first_step": flagged[0], "count": len(flagged), "max_norm": bound})
+        ex = Finding("exploding", "warning", "gradient norm above 1000: clip (max_norm=1.0)", "The norm ...",
+                     steps=[first_step], evidence={"series": 0, "first_step": first_step, "peak": peak,
+                                                   "harm": ["far"]} | ({"variant": variant} if variant else {}))
+        return clip, ex
+    for kw in (dict(), dict(first_step=1)):
+        clip, ex = pair(**kw)
+        got = place_causes(link_causes([ex, clip]))
+        assert [f.code for f in got] == ["clip_after_step", "exploding"], kw
+        assert ex.evidence["follows"] == "clip_after_step" and "clip (max_norm" not in ex.title, kw
+        assert "would have cut these gradients" in ex.detail
+    for kw in (dict(bound=5000.0), dict(first_step=8), dict(variant="overflow"), dict(flagged=(4, 5), first_step=1)):
+        clip, ex = pair(**kw)
+        link_causes([ex, clip])
+        assert "follows" not in ex.evidence and "clip (max_norm=1.0)" in ex.title, kw
+
+
 # ---------------------------------------------------------------------------------------------- effect, not cause
 @pytest.mark.parametrize("script, cause, effects", [
     ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move

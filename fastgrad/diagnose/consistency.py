@@ -122,6 +122,9 @@ _REWRITE = {
 _MISPLACED_CLIP = ("the script's clip runs where it bounds no gradient an update uses (after optimizer.step(), or "
                    "before backward()); between backward() and step() it would have cut this update's gradient to "
                    "its max_norm, and the update to under the weights' size")
+_MISPLACED_CLIP_NORM = ("the script's clip runs where it bounds no gradient an update uses (after optimizer.step(), "
+                        "or before backward()); between backward() and step() it would have cut these gradients to "
+                        "its max_norm before any update used them")
 _NONFINITE = ("nonfinite_loss", "nonfinite", "nonfinite_history")
 #: what a loss the optimizer climbs explains (``gradient_ascent`` with harm), and why
 _ASCENT = ({"exploding", "loss_diverging", "update_rewrote", "no_clipping", "clip_zeroes", "nonfinite_loss",
@@ -179,16 +182,21 @@ def _rewrite_before(f: Finding, findings: list[Finding]) -> tuple[Finding, str] 
 
 
 def _misplaced_clip(f: Finding, findings: list[Finding]) -> Finding | None:
-    """The ``clip_after_step`` that explains ``f``, an ``update_rewrote``: the clip was misplaced at the
-    rewrite's first step s (it ran after the update of step s-1, or, at step 1, it runs that way every step),
-    the gradient that update used was above the clip's max_norm, and scaled to it the update would have stayed
-    under the rewrite bound (else the learning rate alone rewrote the weights); else None."""
-    if f.code != "update_rewrote":
+    """The ``clip_after_step`` that explains ``f``, an ``update_rewrote`` or an ``exploding``: the clip was
+    misplaced at ``f``'s first step s (it ran after the update of step s-1, or, at step 1, it runs that way every
+    step). For an explosion, the norms over the limit were above the clip's max_norm: in place, it would have
+    bounded the updates they drove. For a rewrite, the gradient that update used was above the clip's max_norm,
+    and scaled to it the update would have stayed under the rewrite bound (else the learning rate alone rewrote
+    the weights). Else None."""
+    if f.code not in ("update_rewrote", "exploding"):
         return None
     c = next((g for g in findings if g.code == "clip_after_step"), None)
     if c is None or c.evidence.get("max_norm") is None:
         return None
     b, s = c.evidence["max_norm"], f.evidence.get("first_step")
+    if f.code == "exploding":
+        at = s is not None and (s - 1 in c.steps or (s == 1 and 1 in c.steps))
+        return c if at and f.evidence.get("variant") != "overflow" and b < f.evidence.get("peak", 0) else None
     norm, ratio = f.evidence.get("first_norm"), f.evidence.get("first_ratio")
     if s is None or norm is None or ratio is None or not (s - 1 in c.steps or (s == 1 and 1 in c.steps)):
         return None
@@ -233,7 +241,7 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
         elif accum is not None and f.code in _ACCUMULATION[0]:
             cause, why = accum, _ACCUMULATION[1]
         elif (clip := _misplaced_clip(f, out)) is not None:
-            cause, why = clip, _MISPLACED_CLIP
+            cause, why = clip, _MISPLACED_CLIP if f.code == "update_rewrote" else _MISPLACED_CLIP_NORM
         elif f.code in ("update_rewrote", "loss_diverging") and (pair := _rewrite_and_rise(f, out)):
             # one of the pair is the other's cause, by which came first (``_rewrote_first``)
             rewrite, rise = pair
@@ -268,6 +276,8 @@ def link_causes(findings: list[Finding], order: list[str] = ()) -> list[Finding]
             f.detail = f.detail.replace(claim, plain)
         for guess in GUESSES:  # the known cause replaces the guess
             f.detail = f.detail.replace(guess, "")
+        if cause.code == "clip_after_step":  # "clip" asks for a clip the script has: it needs moving
+            f.title = f.title.replace(": clip (max_norm=1.0)", "").replace(": clip now", "")
         f.detail += f" It follows from `{cause.code}` (above): {why}."
     return out
 
