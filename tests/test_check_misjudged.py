@@ -556,6 +556,32 @@ def test_an_explosion_a_misplaced_clip_would_have_bounded_follows_the_clip():
         assert "follows" not in ex.evidence and "clip (max_norm=1.0)" in ex.title, kw
 
 
+@pytest.mark.parametrize("summed", [False, True])
+def test_a_clip_before_backward_is_told_as_such_and_explains_the_norms_it_missed(summed, tmp_path_factory):
+    """zero_grad(); forward; clip; backward(); step(): the clip finds every gradient None. It is titled as a clip
+    before backward() (the script's own order), not after step(); with norms in the hundreds and more (a summed loss),
+    the explosion follows it, after it, without asking for a clip. The premise by plain reads: the norms the
+    updates used, unclipped."""
+    r = run(tmp_path_factory, "clip_before_backward.py", *(("--sum",) if summed else ()))
+    t = r["truth"]["steps"]
+    f = finding(r, "clip_after_step")
+    assert f["title"].startswith("clipping before backward()") and "zero_grad()" in f["detail"]
+    assert f["evidence"]["max_norm"] == 0.2 and codes(r)[0] == "clip_after_step"
+    for s, x in zip(r["json"]["steps"], t):  # the updates used the unclipped gradients
+        assert math.isclose(s["total_norm"], x["norm"], rel_tol=1e-4)
+    if summed:
+        assert min(x["norm"] for x in t) > 100   # the premise: every norm above the guide's 100, far above the clip's 0.2
+        ex = finding(r, "exploding")
+        assert ex["evidence"]["follows"] == "clip_after_step" and "clip (max_norm" not in ex["title"]
+        rec = next(x for x in r["json"]["recommendations"] if x["code"] == "exploding")
+        assert "follows from `clip_after_step`" in rec["text"] and "clip_grad_norm_" not in rec["code_to_add"]
+    else:
+        assert max(x["norm"] for x in t) < 100 and "exploding" not in codes(r)
+    # the nearest wrong reading: a clip after step() with the gradients still there keeps its own title
+    after = run(tmp_path_factory, "ho_clip_after_step.py")
+    assert finding(after, "clip_after_step")["title"] == "clipping after optimizer.step()"
+
+
 # ---------------------------------------------------------------------------------------------- effect, not cause
 @pytest.mark.parametrize("script, cause, effects", [
     ("dead_layer_stall.py", "never_learns", ["stall", "dead"]),  # tensors that never learn: the loss cannot move

@@ -133,6 +133,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
                        "misplaced_clip_max": getattr(chk, "misplaced_clip_max", None),
+                       "misplaced_clip_bare": getattr(chk, "misplaced_clip_bare", None),
                        "clips_found_grads": getattr(chk, "clips_found_grads", 0),
                        # the parameters whose module ran in a forward (None: not known)
                        "ran": getattr(chk, "ran_params", None),

@@ -107,6 +107,9 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._clip_norm: Tensor | None = None
         self._clip_max: float | None = None
         self.misplaced_clip_max: float | None = None  # the max_norm of the last clip that ran after a step
+        # ... and whether every such clip found every gradient None (zero_grad() had dropped them: the clip sits
+        # before backward(), not after step())
+        self.misplaced_clip_bare: bool | None = None
         self.clips_found_grads = 0  # before any optimizer step: the norm clips that found a gradient to clip
         self._clips = 0
         self._leftover: Tensor | None = None

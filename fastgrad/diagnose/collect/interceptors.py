@@ -173,6 +173,12 @@ class RedFlagInterceptors:
                 elif params and chk._m_row is not None:
                     chk._on_clip_without_grads(args, kwargs, bound_at)
                     return orig(*args, **kwargs)
+            if chk._bw == 0 and chk.steps_done and chk._opt_started and bound_at == 1:  # (parameters, max_norm)
+                # misplaced (after a step, before the next backward): where zero_grad() already dropped every
+                # gradient, the script's clip sits before backward(); reading .grad is no sync
+                args, kwargs, params = _params_listed(args, kwargs)
+                bare = bool(params) and all(p.grad is None for p in params)
+                chk.misplaced_clip_bare = bare and chk.misplaced_clip_bare is not False
             chk._on_clip(args, kwargs, bound_at)
             rec = None
             if ranks:

@@ -41,6 +41,10 @@ class ClipAfterStep(Rule):
             detail = (f"A clip{at} ran after step(s) {steps_text(s)} and before the next backward(), when "
                       "zero_grad() or the update had dropped every gradient: it finds none and bounds nothing an "
                       "update uses.")
+        elif run.ctx.get("misplaced_clip_bare"):  # every gradient None: zero_grad() ran before it
+            title = "clipping before backward(): the clip finds no gradient"
+            detail = (f"A clip{at} ran after zero_grad() and before backward(), after the step of step(s) "
+                      f"{steps_text(s)}: every gradient was None, so it bounds nothing an update uses.")
         else:
             title = "clipping after optimizer.step()"
             detail = (f"A clip{at} ran after the step of step(s) {steps_text(s)} and before the next backward: it "
