@@ -78,9 +78,9 @@ class NeverLearns(Rule):
         parts = []
         # the reverse half of a bidirectional RNN read only at the last time step: there it has taken one step
         # from its zero initial state, so its recurrent weight multiplies zeros (its input weight learns)
-        reverse = [n for n in zero if _REVERSE_HH.search(n)
-                   and _REVERSE_HH.sub(lambda m: f"weight_ih_l{m.group(1)}_reverse", n) in learns]
-        reverse = bool(zero) and reverse == zero
+        rev = [n for n in zero if _REVERSE_HH.search(n)
+               and _REVERSE_HH.sub(lambda m: f"weight_ih_l{m.group(1)}_reverse", n) in learns]
+        reverse = bool(zero) and rev == zero
         if reverse:
             parts.append(f"{len(zero)} trainable tensor(s) had an exactly zero gradient at every one of the "
                          f"{reads} step(s) read: {', '.join(zero)}, the recurrent weights of the reverse direction "
