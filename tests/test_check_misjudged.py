@@ -797,6 +797,7 @@ def _targets(*mods, opts=()):
     t = MovingTargets()
     t.watcher, t._targets_seen, t._target_versions, t.targets_moved = _Roots(*mods), 0, [], []
     t._opt_refs = [weakref.ref(o) for o in opts]
+    t.errors, t.steps_done = [], 1
     return t
 
 
@@ -841,9 +842,53 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
             raise RuntimeError("sharded away")
     odd = Unreadable(2, 2)   # held here: the note keeps only a weak reference
     t3 = _targets(odd)
-    t3.errors, t3.steps_done = [], 1
     t3._note_targets()
     assert t3.targets_moved == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
+
+
+def test_targets_written_through_data_are_seen_by_their_values():
+    """``target.data.copy_(...)`` bumps no version counter: the values tell, compared on the device at the sampled
+    steps and read once after the run. Beside them, the nearest wrong readings: a model trained by hand through
+    ``.data`` (it has gradients), one forwarded and never written, and one written only between two steps no read
+    compares (a value that came back)."""
+    import copy
+
+    import torch
+
+    from fastgrad.diagnose.collect.buffers import sampled
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    polyak, hard, by_hand, still, undone = (copy.deepcopy(critic) for _ in range(5))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    t = _targets(critic, polyak, hard, by_hand, still, undone, opts=[opt])
+    x = torch.randn(16, 4)
+    for step in range(1, 41):
+        t.steps_done = step
+        t._note_targets()
+        opt.zero_grad()
+        critic(x).pow(2).mean().backward()
+        opt.step()
+        by_hand(x).pow(2).mean().backward()
+        for p in by_hand.parameters():
+            p.data.add_(p.grad, alpha=-0.1)                     # a hand-written update through .data
+        for pt, pc in zip(polyak.parameters(), critic.parameters()):
+            pt.data.copy_(0.9 * pt.data + 0.1 * pc.data)        # Polyak averaging, the cleanrl way
+        if step == 20:
+            for pt, pc in zip(hard.parameters(), critic.parameters()):
+                pt.data.copy_(pc.data)                          # a hard copy now and then
+        if step == 9:
+            saved = undone[0].weight.data.clone()
+            undone[0].weight.data.add_(1.0)                     # written at a step no read compares...
+        if step == 10:
+            undone[0].weight.data.copy_(saved)                  # ...and put back before the next read
+        still(x)
+    assert not sampled(10) and sampled(16)                      # the premise of `undone`
+    assert t.targets_moved == []                                # nothing bumped a version of a target
+    t._read_targets()
+    assert t.targets_moved == ["Sequential", "Sequential"]
+    judged = [e[0]() for e in t._target_versions if e[1] is None]
+    assert judged == [critic, polyak, hard, by_hand]
+    assert t.errors == []
 
 
 def _rise_view(targets=(), far_at=None, rewrite=False):
@@ -913,8 +958,10 @@ def test_a_bootstrapped_rise_is_not_harm_to_the_findings_beside_it():
     assert judged(["loss_rose"], series=1).severity == "warning"        # another optimizer's loss
 
 
-def test_a_value_loss_rising_with_its_target_network_is_not_a_divergence(tmp_path_factory):
-    r = run(tmp_path_factory, "td_value_rising.py")
+@pytest.mark.parametrize("copy", ["state_dict", "data", "polyak-data"])
+def test_a_value_loss_rising_with_its_target_network_is_not_a_divergence(tmp_path_factory, copy):
+    # the target copied by load_state_dict, or written through .data (no version counter moves: only its values)
+    r = run(tmp_path_factory, "td_value_rising.py", "--copy", copy)
     truth = r["truth"]["steps"]
     assert truth[-1]["loss"] > 50 * truth[0]["loss"]                   # the premise: the loss rose 120x
     assert max(t["update"] for t in truth) < 1.0 and all(math.isfinite(t["loss"]) for t in truth)

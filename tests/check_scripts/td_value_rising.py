@@ -4,7 +4,12 @@ returns, so the loss and its gradient norm rise steadily (about 120x and 40x) wh
 no jump, no update near the size of the weights. Expected: loss_diverging at most a notice, exit 0.
 
 The truth (FG_TRUTH), recorded with plain reads: per step the loss, the float64 norm and the update/weight ratio.
-Tested in tests/test_check_misjudged.py (the target network is what tells the rise from a divergence)."""
+Tested in tests/test_check_misjudged.py (the target network is what tells the rise from a divergence).
+
+``--copy`` picks how the target follows the critic: ``state_dict`` (``load_state_dict`` every 10 steps), ``data``
+(``tp.data.copy_(p.data)`` every 10 steps) or ``polyak-data`` (``tp.data.copy_(tau * p.data + (1 - tau) *
+tp.data)`` every step). Writes through ``.data`` bump no version counter, as in much public RL code."""
+import argparse
 import copy
 
 import torch
@@ -12,6 +17,9 @@ import torch.nn as nn
 
 from _truth import Truth, flat_params, grad_norm, update_ratio
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--copy", choices=["state_dict", "data", "polyak-data"], default="state_dict")
+args = ap.parse_args()
 torch.manual_seed(0)
 v = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
 target = copy.deepcopy(v)
@@ -29,6 +37,12 @@ for it in range(1, 121):
     n, before = grad_norm(v.parameters()), flat_params(v.parameters())
     opt.step()
     truth.add(step=it, loss=loss.item(), norm=n, update=update_ratio(before, flat_params(v.parameters())))
-    if it % 10 == 0:
+    if args.copy == "polyak-data":
+        for tp, p in zip(target.parameters(), v.parameters()):
+            tp.data.copy_(0.1 * p.data + 0.9 * tp.data)
+    elif it % 10 == 0 and args.copy == "data":
+        for tp, p in zip(target.parameters(), v.parameters()):
+            tp.data.copy_(p.data)
+    elif it % 10 == 0:
         target.load_state_dict(v.state_dict())
 print("done")

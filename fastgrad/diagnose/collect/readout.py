@@ -45,6 +45,10 @@ class RunReadout:
             self.updates = [(step, names, row) for (step, names, _), row in zip(self.update_rows, rows)]
             self.update_rows = []
         self._read_live()
+        try:
+            self._read_targets()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"could not read the target networks: {e}")
         if self.watcher is not None:
             # which parameters belong to a module that ran: a gradient that never came is then a cut in the graph
             # (a detach, torch.no_grad), not a module left out of the forward (host attributes only)

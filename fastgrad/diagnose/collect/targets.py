@@ -3,10 +3,18 @@ rewrites in place during the run (a DQN or actor-critic target network copied or
 critic, an EMA teacher). A loss against such targets is bootstrapped: it can rise while the agent learns, as
 its targets grow with the returns. A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`.
 
-Host only: the version counters (``Tensor._version``, bumped by every in-place write: ``copy_`` in
-``load_state_dict``, ``mul_``/``add_``/``lerp_`` of an average) of each root module's first ``SAMPLE``
-parameters, taken at the first optimizer step after the watcher saw it and compared at each later step until
-they move (a model's namespace may be gone by the end of the run, so it is judged while the run is on).
+Two reads of each root module the watcher saw, from the first optimizer step after it saw it:
+
+- on the host, at every step: the version counters (``Tensor._version``, bumped by every in-place write:
+  ``copy_`` in ``load_state_dict``, ``mul_``/``add_``/``lerp_`` of an average) of its first ``SAMPLE``
+  parameters, until they move (a model's namespace may be gone by the end of the run, so it is judged while the
+  run is on);
+- on the device, at the steps whose update is measured: the leading values of its first parameters against
+  their copy from that first step. A write through ``.data`` (``target.data.copy_(tau * p.data + ...)``, the
+  way much RL code averages its targets) bumps no version counter; only the values show it. The flags are
+  device ops, read once after the run (``_read_targets``): no sync while it runs.
+
+A root that an optimizer holds, or whose parameters have gradients, is trained, never a target.
 ``targets_moved``: the class names of the roots so judged to be targets the run moves."""
 
 from __future__ import annotations
@@ -14,13 +22,40 @@ from __future__ import annotations
 import itertools
 import weakref
 
+import torch
+
+from ...distributed.dtensor import is_dtensor
+from .buffers import sampled
+
 __all__ = ["MovingTargets"]
 
 #: parameters of a root whose versions are watched: a target network rewrites all of them at once
 SAMPLE = 64
+#: of those, the parameters whose leading values are compared, and how many values of each: an average or a
+#: copy moves every value, so a few suffice
+VALUE_PARAMS, VALUE_ELEMS = 8, 16
+
+
+def _values(ps) -> torch.Tensor | None:
+    """A float64 device copy of the leading values of the first parameters (device ops only)."""
+    vs = [_lead(p.detach()) for p in ps[:VALUE_PARAMS] if not is_dtensor(p) and p.numel() and p.is_floating_point()]
+    if not vs:
+        return None
+    dev = vs[0].device
+    return torch.cat([v.to(dev, torch.float64) for v in vs])
+
+
+def _lead(t: torch.Tensor) -> torch.Tensor:
+    """The first row's leading values: a view, never a copy of a large non-contiguous parameter."""
+    while t.dim() > 1:
+        t = t[0]
+    return t.reshape(-1)[:VALUE_ELEMS]
 
 
 class MovingTargets:
+    # an entry per root: [weak ref, version counters (None once judged), first values (device), moved (device
+    # bool, None until compared), class name]
+
     def _note_targets(self) -> None:
         """At an optimizer step: snapshot the roots the watcher found since the last, and look for in-place
         rewrites of those snapshotted before (stopping at the first for each). Never raises: it runs at every
@@ -31,6 +66,10 @@ class MovingTargets:
             self.errors.append(f"step {self.steps_done}: target networks: {e}")
             self._target_versions = []   # judged no further: a partial record would misjudge
 
+    def _trained(self, ps) -> bool:
+        held = {id(p) for r in self._opt_refs if r() is not None for g in r().param_groups for p in g["params"]}
+        return any(id(p) in held or p.grad is not None for p in ps)
+
     def _note_targets_now(self) -> None:
         roots = self.watcher._roots if self.watcher is not None else ()
         while self._targets_seen < len(roots):
@@ -39,16 +78,39 @@ class MovingTargets:
             if root is not None:
                 ps = list(itertools.islice(root.parameters(), SAMPLE))
                 if ps:
-                    self._target_versions.append([weakref.ref(root), [p._version for p in ps]])
+                    self._target_versions.append([weakref.ref(root), [p._version for p in ps], _values(ps), None,
+                                                  type(root).__name__])
+        compare = sampled(self.steps_done)
         for entry in self._target_versions:
-            ref, versions = entry
+            ref, versions, first = entry[0], entry[1], entry[2]
             root = ref()
             if root is None or versions is None:
                 continue
             ps = list(itertools.islice(root.parameters(), SAMPLE))
-            if len(ps) != len(versions) or all(p._version == v for p, v in zip(ps, versions)):
+            if len(ps) != len(versions):
                 continue
-            entry[1] = None   # judged: a target the run moves, or a model it trains
-            held = {id(p) for r in self._opt_refs if r() is not None for g in r().param_groups for p in g["params"]}
-            if not any(id(p) in held or p.grad is not None for p in ps):
-                self.targets_moved.append(type(root).__name__)   # trained by no optimizer, by no backward
+            if all(p._version == v for p, v in zip(ps, versions)):
+                if compare and first is not None:
+                    if self._trained(ps):   # trained by hand through .data: it has gradients
+                        entry[1] = entry[3] = None
+                        continue
+                    now = _values(ps)
+                    if now is not None and now.shape == first.shape:
+                        # NaN where it was NaN is no move
+                        moved = ((now != first) & ~(now.isnan() & first.isnan())).any()
+                        entry[3] = moved if entry[3] is None else entry[3] | moved
+                continue
+            entry[1] = entry[3] = None   # judged: a target the run moves, or a model it trains
+            if not self._trained(ps):
+                self.targets_moved.append(entry[4])   # trained by no optimizer, by no backward
+
+    def _read_targets(self) -> None:
+        """After the run: the roots whose values moved with no version counter moving (one read)."""
+        pend = [e for e in self._target_versions if e[1] is not None and e[3] is not None]
+        if not pend:
+            return
+        flags = torch.stack([e[3].to(pend[0][3].device) for e in pend]).tolist()
+        for entry, moved in zip(pend, flags):
+            if moved:
+                entry[1] = None
+                self.targets_moved.append(entry[4])
