@@ -254,8 +254,11 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
     # ... and that limit is 1x the weights' size, the documented value (not the 2x of a looser variant)
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, 1.0)])).severity == "critical"
     assert _exploding(_view([2000.0] * 12, flat, updates=[(3, 0.99)])).severity == "notice"
-    # other harm at the steps between 100 and 1000 only is a warning (a loss jump at step 6)
-    assert _exploding(_view([200.0] * 8, flat[:5] + [30.0] + flat[6:8])).severity == "warning"
+    # a loss that jumped at a step whose norm was the run's usual one (every step at 200) is a hard batch the
+    # step absorbed: no damage after it, a notice (as that batch's spike would be)
+    f = _exploding(_view([200.0] * 8, flat[:5] + [30.0] + flat[6:8]))
+    assert f.severity == "notice" and f.evidence["harm"] == ["hard_batch"] and "hard batch" in f.title
+    assert f.evidence["variant"] == "hard_batch" and "but no damage followed" in f.detail
     # a NaN loss from those steps on is harm; one before them is not about them
     assert _exploding(_view([2000.0] * 12, flat[:8] + [math.nan] * 4)).severity == "critical"
     assert _exploding(_view([50.0] * 8 + [200.0] * 4, [math.nan] + flat[1:])).severity == "notice"
@@ -273,7 +276,10 @@ def test_the_guides_limits_alone_are_a_notice_and_harm_makes_the_tier():
         losses[at - 1] = 30.0
         f = _exploding(_view([50.0] * 4 + [500.0] + [50.0] * 7, losses))
         assert ("loss_jump" in f.evidence["harm"]) is harmed, at
-    # ... at the step itself it is the outlier batch the norm came from: a warning at either tier, never critical
+    # ... at the step itself it is the batch the norm came from: an outlier where that norm stood 10x the run's
+    # own level (a warning at either tier, never critical), a hard batch just under 10x (a notice)
+    f = _exploding(_view([50.0] * 4 + [499.0] + [50.0] * 7, [1.0] * 4 + [30.0] + [1.0] * 7))
+    assert f.evidence["harm"] == ["hard_batch"] and f.severity == "notice"
     for norm in (500.0, 5000.0):
         f = _exploding(_view([50.0] * 4 + [norm] + [50.0] * 7, [1.0] * 4 + [30.0] + [1.0] * 7))
         assert "outlier_batch" in f.evidence["harm"] and f.severity == "warning", norm

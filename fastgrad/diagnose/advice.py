@@ -426,6 +426,13 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "not jump, nothing went NaN/Inf, no measured update rewrote the weights): an outlier batch that the "
         "optimizer absorbed. Nothing to change while that holds; a clip at a bound a few times the run's own level "
         "keeps a larger one from landing in full.", ""),
+    # a batch whose loss and gradient jumped together, within 10x of the run's own level, and nothing after it
+    "exploding:hard_batch": (
+        "One batch's loss and gradient jumped together (the loss of that step itself, before its update), and the "
+        "run shows no damage after it: the next loss did not jump, nothing went NaN/Inf, no measured update "
+        "rewrote the weights. A hard batch or state (a rare transition in a replay buffer, a long sequence): "
+        "nothing to change while that holds; a clip at a bound a few times the run's own level keeps a harder one "
+        "from landing in full.", ""),
     "increasing:no_harm": (
         "The norm rises while the run shows no harm from it: no action needed while that holds. If the loss "
         "starts to rise or an update nears the size of the weights, lower the learning rate then.", ""),

@@ -146,8 +146,9 @@ class Harm:
     def at(self, steps: list[int], *, far: bool = True, own_step=(), usual_ok: bool = True
            ) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
-        steps whose own loss jump counts too, as ``outlier_batch`` (no damage: the batch or state the norm came
-        from, before its update; ``exploding`` reads it as a warning where no clip bounded that update).
+        steps whose own loss jump counts too, as ``outlier_batch`` where that step's norm was also ``far`` (no
+        damage: the batch or state the norm came from, before its update; ``exploding`` reads it as a warning where
+        no clip bounded that update), else as ``hard_batch`` (no damage, a notice).
         ``usual_ok`` False: a loss jump counts only after a step whose norm was ``unusual`` (the harm of a large
         gradient; a rewrite's harm is its update's, whatever the norm)."""
         if not steps:
@@ -169,9 +170,14 @@ class Harm:
             mine = [s for s in self.jumps if s in own]
             if mine:
                 s = max(mine, key=lambda t: self.jumps[t][1])
-                out.append(("outlier_batch", f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "
-                                             f"{self.jumps[s][1]:.3g}x its recent median (an outlier batch or "
-                                             "state, and its gradient with it; the next step's loss did not jump)"))
+                # a batch whose gradient stood far above the run's own level too is an outlier (a corrupt or
+                # extreme batch: a warning in `exploding`); nearer that level it is a hard batch, what a `spike`
+                # is, with no damage after it
+                kind, what = ("outlier_batch", "an outlier batch") if self.far(s) is not None else \
+                    ("hard_batch", "a hard batch")
+                out.append((kind, f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "
+                                  f"{self.jumps[s][1]:.3g}x its recent median ({what} or state, and its gradient "
+                                  "with it; the next step's loss did not jump)"))
         c = self.change
         if c is not None and c["rose"]:
             out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "

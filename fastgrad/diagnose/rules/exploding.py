@@ -4,7 +4,9 @@ norms in the thousands); with harm the run shows at those steps (``rules.evidenc
 or rises against its noise, an update that rewrites the weights, a norm 10x the run's own level) it is critical
 above 1000 and a warning above 100; an update that rewrote the weights makes it critical at either tier, and a
 far norm with no damage beside it (no NaN/Inf, no loss jump or rise, no rewrite) is a notice at either tier, as a
-``spike`` with no damage is: one outlier batch that a clip or an adaptive optimizer absorbed. An infinite norm of finite gradients is the largest explosion of all: the
+``spike`` with no damage is: one outlier batch that a clip or an adaptive optimizer absorbed. A step whose own
+loss jumped with its norm is a batch the gradient came from: an outlier (a warning) where the norm stood 10x the
+run's own level, a hard batch (a notice, as that spike would be) below it. An infinite norm of finite gradients is the largest explosion of all: the
 sum of squares overflowed float32 (a true norm above ~1.8e19), and a clip then multiplies every gradient by 0."""
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from .evidence import SCALE_QUESTION, harm_of
 
 __all__ = ["Exploding", "FLOAT32_NORM_MAX"]
 
-#: harm that is no damage: a norm far above its own level, an outlier batch's own loss (the update it drove
-#: left the loss where it was)
-_NO_DAMAGE = ("far", "outlier_batch")
+#: harm that is no damage: a norm far above its own level, an outlier or hard batch's own loss (the update it
+#: drove left the loss where it was)
+_NO_DAMAGE = ("far", "outlier_batch", "hard_batch")
+#: of those, what is a notice alone: a far norm nothing followed, a hard batch whose norm stayed within 10x of
+#: the run's own level (what a `spike` with no damage is); an outlier batch far above that level is a warning
+_NOTICE_ONLY = ("far", "hard_batch")
 
 #: the largest L2 norm whose square sum float32 can hold (sqrt of float32's max, 3.4e38)
 FLOAT32_NORM_MAX = 1.8e19
@@ -92,7 +97,7 @@ class Exploding(Rule):
                 # no damage above 1000: the steps above 100 (they hold those) decide
                 harm = h.at([r.step for r in warn], own_step=free, usual_ok=False) or harm
                 sev = ("critical" if any(kind == "rewrite" for kind, _ in harm) else
-                       "warning" if any(kind != "far" for kind, _ in harm) else "notice")
+                       "warning" if any(kind not in _NOTICE_ONLY for kind, _ in harm) else "notice")
             ev["harm"] = [kind for kind, _ in harm]
             limit = th.critical if crit else th.exploding
             # each step named once: the first step over the limit, the peak, and the run's first step when
@@ -111,10 +116,14 @@ class Exploding(Rule):
             if not harm:
                 title = (f"{label}gradient norm above {'1000' if crit else '100'} with no harm seen (the guide's "
                          "question: is this the loss's own scale?)")
-            elif sev == "notice":
+            elif sev == "notice" and any(kind == "far" for kind, _ in harm):
                 ev["variant"] = "no_damage"
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, far above the run's own level, "
                          "with no damage seen")
+            elif sev == "notice":
+                ev["variant"] = "hard_batch"
+                title = (f"{label}gradient norm above {'1000' if crit else '100'} at a hard batch (its own loss "
+                         "jumped with it), with no damage seen")
             elif ev.get("variant") == "loose_clip":
                 title = (f"{label}gradient norm above {'1000' if crit else '100'}, and the clip's bound "
                          f"(max_norm={fmt(bound)}) is above every norm: it never acts")
@@ -133,7 +142,7 @@ class Exploding(Rule):
 
 def _harm_text(harm: list, h) -> str:
     """The evidence a severity rests on, in words."""
-    if harm and all(kind == "far" for kind, _ in harm):
+    if harm and all(kind in _NOTICE_ONLY for kind, _ in harm):
         # a spike that nothing followed: the same reading as ``spike``'s damage
         return (" " + "; ".join(text[0].upper() + text[1:] for _, text in harm) + ", but no damage followed: the "
                 "loss did not jump after it, nothing went NaN/Inf and no measured update rewrote the weights (a "
@@ -157,5 +166,6 @@ EXPLODING = Exploding(
     "exploding", "critical", "each step's norm before clipping, per optimizer",
     "the norm before clipping > 1000 (critical) or > 100 (warning) at some step, with harm the run shows at "
     "those steps (NaN/Inf, a loss that jumps or rises beyond its noise, an update of 1x the weights: critical at "
-    "either; a norm 10x the run's own level with none of those, or no harm at all: a notice); an inf norm of finite gradients (float32 overflow) is the "
+    "either; a norm 10x the run's own level with none of those, a step's own loss jump with a norm under 10x its "
+    "level, or no harm at all: a notice; that jump with a norm 10x its level: a warning); an inf norm of finite gradients (float32 overflow) is the "
     "largest explosion", needs=("grad_norm",))
