@@ -551,6 +551,29 @@ def test_a_spike_is_a_warning_from_the_far_ratio_with_damage_at_it():
     assert spike(lim.far_ratio * 0.99, jump_at=32).severity == "notice"
 
 
+def test_a_spike_of_one_of_several_optimizers_is_named_by_the_runs_step_number():
+    """Every finding and the report's table number steps across all optimizers. A spike of the second of two
+    interleaved optimizers is named by that number (its 31st step is the run's step 62), in its steps and its
+    words, and the warm-up still counts that optimizer's own first 20 steps (a spike at its 15th step, the run's
+    30th, is not judged)."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    def run(at):
+        steps = []
+        for i in range(40):
+            for k in range(2):
+                n = 10.0 if (k == 1 and i == at) else 1.0
+                steps.append(StepRecord(step=len(steps) + 1, series=k, total_norm=n, loss=1.0 + 0.01 * (i % 3),
+                                        has_loss=True, numel=10))
+        return [f for f in NORM_TRENDS.evaluate(RunView(steps=steps, names=["a", "b"])) if f.code == "spike"]
+    (f,) = run(30)
+    assert f.steps == [62] and "step 62: norm 10" in f.detail and "step 62" in f.title and f.detail.startswith("b: ")
+    assert "step 31" not in f.detail
+    assert run(14) == []
+
+
 def test_the_spike_spread_is_the_scaled_mad():
     """The robust spread behind a spike is 1.4826 x the median absolute deviation from the median (the std of
     normal noise): a history alternating 0.5 / 1.5 has median 1, MAD 0.5, spread 0.741, so with z = 6 a spike

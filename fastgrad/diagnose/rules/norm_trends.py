@@ -30,19 +30,21 @@ class NormTrends(Rule):
         for k, recs in run.per.items():
             # the losses too: a norm that rises while the loss falls is how many healthy runs converge
             losses = [r.loss if r.loss is not None else math.nan for r in recs]
-            tf = detect_trends(list(range(1, len(recs) + 1)), [r.grad_norm for r in recs], thresholds=run.th,
-                               losses=losses, warmup=WARMUP, warn_ratio=run.limits.far_ratio)
+            # the run's step numbers (every finding and the report's table count steps across all optimizers),
+            # with the warm-up counted in this series' own steps
+            steps = [r.step for r in recs]
+            warm = steps[WARMUP - 1] if len(steps) >= WARMUP else steps[-1]
+            tf = detect_trends(steps, [r.grad_norm for r in recs], thresholds=run.th,
+                               losses=losses, warmup=warm, warn_ratio=run.limits.far_ratio)
             for f in tf:
                 if f.code == "increasing":
                     _judge_rise(f, run, k, [r.step for r in recs[WARMUP:]])
-            glob = {i: r.step for i, r in enumerate(recs, 1)}
             for f in tf:
-                f.steps = [glob.get(s, s) for s in f.steps]
                 if f.code == "spike" and f.severity == "warning":
                     _judge_spike(f, run, k)
                 if run.multi:
                     f.title = f"{run.names[k]}: {f.title}"
-                    f.detail = f"{run.names[k]} (its own step count): {f.detail}"
+                    f.detail = f"{run.names[k]}: {f.detail}"
                 f.evidence["series"] = k
                 run.key_steps |= set(f.steps[:3])
             out += tf
