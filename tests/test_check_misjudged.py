@@ -941,6 +941,29 @@ def test_a_critic_whose_first_td_error_was_near_zero_grows_its_norm_with_its_los
     assert harm_of(flat, 0).far_for_its_loss(2)
 
 
+def test_a_rise_is_no_harm_to_an_explosion_in_a_run_that_moves_its_targets():
+    """TD3's critic (cleanrl, Pendulum): norms above 100 from the first step, and its TD loss 1.2x higher in the
+    last quarter than the first, as its targets grow with the returns. In a run that moves its own targets that
+    rise is no harm to the explosion (a notice); without targets it is (a warning); with targets a loss jump
+    after a norm that stood out still is."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    def view(targets, jump=False):
+        loss = [2.0 + 0.5 * i / 79 + 0.01 * (i % 3) for i in range(80)]
+        norm = [120.0 + (i % 5) for i in range(80)]
+        if jump:
+            norm[49], loss[50] = 900.0, 40.0
+        steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
+        return RunView(steps=steps, ctx={"moving_targets": list(targets), "updates": []})
+    (f,) = EXPLODING.evaluate(view(["QNetwork"]))
+    assert f.severity == "notice" and f.evidence["harm"] == []
+    (f,) = EXPLODING.evaluate(view([]))
+    assert f.severity == "warning" and f.evidence["harm"] == ["loss_rose"]
+    (f,) = EXPLODING.evaluate(view(["QNetwork"], jump=True))
+    assert f.severity == "warning" and "loss_jump" in f.evidence["harm"] and "loss_rose" not in f.evidence["harm"]
+
+
 def test_a_bootstrapped_rise_is_not_harm_to_the_findings_beside_it():
     from fastgrad.diagnose.consistency import reconcile
     from fastgrad.diagnose.thresholds import Thresholds

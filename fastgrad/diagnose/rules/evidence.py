@@ -6,7 +6,8 @@ warning or a critical finding needs harm the run itself shows:
   step a GradScaler or StepGuard skipped too: no loss scale makes the loss itself non-finite);
 - ``loss_rose``: the loss rose against its own noise (the last quarter's mean above the first quarter's by
   more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
-  level: ``loss_change``, the same statistics the stall rule reads);
+  level: ``loss_change``, the same statistics the stall rule reads), except in a run that moves its own targets
+  (a target network: its losses grow with the returns);
 - ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
   out of the swings its own history shows in ratio (``trends.LOG_Z``);
@@ -97,6 +98,9 @@ class Harm:
     change: dict | None = None                           # loss_change of the series' finite losses
     rewrites: list[tuple[int, float]] = field(default_factory=list)  # (step, update/weight ratio >= 1)
     losses: list[float] = field(default_factory=list)     # the loss at each of ``steps`` (NaN: none)
+    # the run moves its own targets (a target network): its losses grow with the returns, so a rise over the run
+    # is no harm by itself (``loss_diverging``'s bootstrapped notice); jumps, NaN/Inf and rewrites still are
+    bootstraps: bool = False
     far_ratio: float = RunLimits.far_ratio
     far_history: int = RunLimits.far_history
 
@@ -179,7 +183,7 @@ class Harm:
                                   f"{self.jumps[s][1]:.3g}x its recent median ({what} or state, and its gradient "
                                   "with it; the next step's loss did not jump)"))
         c = self.change
-        if c is not None and c["rose"]:
+        if c is not None and c["rose"] and not self.bootstraps:
             out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "
                                      f"quarter's mean), beyond its own noise ({fmt(c['need'])})"))
         if self.rewrites:
@@ -217,6 +221,7 @@ def harm_of(run: RunView, k: int) -> Harm:
                          | {r.step for r in run.steps if r.series == k and (r.skipped or r.guard_skipped)
                             and r.loss is not None and not math.isfinite(r.loss)})
     h.losses = [r.loss if r.loss is not None else math.nan for r in recs]
+    h.bootstraps = bool(run.ctx.get("moving_targets"))
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)
