@@ -909,6 +909,9 @@ def test_a_rise_against_moving_targets_with_no_other_harm_is_a_notice():
     f, = LOSS_DIVERGING.evaluate(_rise_view(["Sequential"]))
     assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped"
     assert f.evidence["targets"] == ["Sequential"] and "grew with it" in f.detail
+    assert "Sequential is forwarded" in f.detail and "(a target network)" in f.detail
+    f, = LOSS_DIVERGING.evaluate(_rise_view(["Actor", "QNetwork"]))    # TD3: a target actor and critic
+    assert "Actor, QNetwork are forwarded" in f.detail and "(a target network each)" in f.detail
     # nearest wrong variants: no target the run moves (an early jump: a divergence), a norm far above its own
     # level, an update that rewrote the weights
     assert LOSS_DIVERGING.evaluate(_rise_view())[0].severity == "critical"

@@ -148,9 +148,11 @@ class LossDiverging(Rule):
                     + (" and the norm's level held within 2x" if stable else ", none far above its own level")
                     + ", and no update rewrote the weights. That "
                     "is how a bootstrapped value or TD loss behaves when its targets grow with the returns; not "
-                    "a divergence by itself." + (f" The run moves its own targets: {', '.join(targets)} is "
-                                                 "forwarded, trained by no optimizer and rewritten in place "
-                                                 "(a target network)." if targets else "")
+                    "a divergence by itself." + (f" The run moves its own targets: {', '.join(targets)} "
+                                                 + ("is" if len(targets) == 1 else "are") + " forwarded, "
+                                                 "trained by no optimizer and rewritten in place (a target "
+                                                 + ("network)." if len(targets) == 1 else "network each).")
+                                                 if targets else "")
                     + " Watch the returns, not this loss.", steps=[sp],
                     evidence=ev | {"variant": "bootstrapped", "targets": targets}))
                 continue
