@@ -177,11 +177,13 @@ class Harm:
                 # a batch whose gradient stood far above the run's own level too is an outlier (a corrupt or
                 # extreme batch: a warning in `exploding`); nearer that level it is a hard batch, what a `spike`
                 # is, with no damage after it
+                # (a hard batch's finding goes on to say that nothing followed it)
                 kind, what = ("outlier_batch", "an outlier batch") if self.far(s) is not None else \
                     ("hard_batch", "a hard batch")
                 out.append((kind, f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "
                                   f"{self.jumps[s][1]:.3g}x its recent median ({what} or state, and its gradient "
-                                  "with it; the next step's loss did not jump)"))
+                                  "with it" + ("; the next step's loss did not jump)" if kind == "outlier_batch"
+                                               else ")")))
         c = self.change
         if c is not None and c["rose"] and not self.bootstraps:
             out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "
