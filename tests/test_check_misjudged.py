@@ -889,6 +889,9 @@ def test_targets_written_through_data_are_seen_by_their_values():
     judged = [e[0]() for e in t._target_versions if e[1] is None]
     assert judged == [critic, polyak, hard, by_hand]
     assert t.errors == []
+    # a model on the meta device holds no values to compare: none taken, and nothing to read after the run
+    from fastgrad.diagnose.collect.targets import _values
+    assert _values(list(torch.nn.Linear(2, 2, device="meta").parameters())) is None
 
 
 def _rise_view(targets=(), far_at=None, rewrite=False):

@@ -38,11 +38,13 @@ VALUE_PARAMS, VALUE_ELEMS = 8, 16
 
 def _values(ps) -> torch.Tensor | None:
     """A float64 device copy of the leading values of the first parameters (device ops only)."""
-    vs = [_lead(p.detach()) for p in ps[:VALUE_PARAMS] if not is_dtensor(p) and p.numel() and p.is_floating_point()]
+    # the first parameter's device only (no copy between devices; a meta tensor holds no values)
+    dev = ps[0].device if ps else None
+    vs = [_lead(p.detach()) for p in ps[:VALUE_PARAMS] if not is_dtensor(p) and p.numel() and p.is_floating_point()
+          and p.device == dev and dev.type != "meta"]
     if not vs:
         return None
-    dev = vs[0].device
-    return torch.cat([v.to(dev, torch.float64) for v in vs])
+    return torch.cat([v.to(torch.float64) for v in vs])
 
 
 def _lead(t: torch.Tensor) -> torch.Tensor:
