@@ -572,6 +572,11 @@ def test_a_spike_of_one_of_several_optimizers_is_named_by_the_runs_step_number()
     assert f.steps == [62] and "step 62: norm 10" in f.detail and "step 62" in f.title and f.detail.startswith("b: ")
     assert "step 31" not in f.detail
     assert run(14) == []
+    # an optimizer none of whose steps was read has no trend, and costs the other its none
+    only_a = [StepRecord(step=i + 1, series=0, total_norm=10.0 if i == 30 else 1.0, loss=1.0, has_loss=True,
+                         numel=10) for i in range(40)]
+    (f,) = [f for f in NORM_TRENDS.evaluate(RunView(steps=only_a, names=["a", "b"])) if f.code == "spike"]
+    assert f.steps == [31] and f.evidence["series"] == 0
 
 
 def test_the_spike_spread_is_the_scaled_mad():

@@ -32,8 +32,10 @@ class NormTrends(Rule):
             losses = [r.loss if r.loss is not None else math.nan for r in recs]
             # the run's step numbers (every finding and the report's table count steps across all optimizers),
             # with the warm-up counted in this series' own steps
+            if not recs:   # an optimizer none of whose steps is read: no trend to judge
+                continue
             steps = [r.step for r in recs]
-            warm = steps[WARMUP - 1] if len(steps) >= WARMUP else steps[-1]
+            warm = steps[min(WARMUP, len(steps)) - 1]
             tf = detect_trends(steps, [r.grad_norm for r in recs], thresholds=run.th,
                                losses=losses, warmup=warm, warn_ratio=run.limits.far_ratio)
             for f in tf:
