@@ -68,9 +68,9 @@ class MovingTargets:
             self.errors.append(f"step {self.steps_done}: target networks: {e}")
             self._target_versions = []   # judged no further: a partial record would misjudge
 
-    def _trained(self, ps) -> bool:
-        held = {id(p) for r in self._opt_refs if r() is not None for g in r().param_groups for p in g["params"]}
-        return any(id(p) in held or p.grad is not None for p in ps)
+    def _held(self) -> set[int]:
+        """The ids of every parameter an optimizer of the run holds."""
+        return {id(p) for r in self._opt_refs if r() is not None for g in r().param_groups for p in g["params"]}
 
     def _note_targets_now(self) -> None:
         roots = self.watcher._roots if self.watcher is not None else ()
@@ -83,6 +83,13 @@ class MovingTargets:
                     self._target_versions.append([weakref.ref(root), [p._version for p in ps], _values(ps), None,
                                                   type(root).__name__])
         compare = sampled(self.steps_done)
+        held = None   # built once per step, at the first entry that asks
+
+        def trained(ps) -> bool:
+            nonlocal held
+            if held is None:
+                held = self._held()
+            return any(id(p) in held or p.grad is not None for p in ps)
         for entry in self._target_versions:
             ref, versions, first = entry[0], entry[1], entry[2]
             root = ref()
@@ -93,7 +100,7 @@ class MovingTargets:
                 continue
             if all(p._version == v for p, v in zip(ps, versions)):
                 if compare and first is not None:
-                    if self._trained(ps):   # trained by hand through .data: it has gradients
+                    if trained(ps):   # trained by hand through .data: it has gradients
                         entry[1] = entry[3] = None
                         continue
                     now = _values(ps)
@@ -103,7 +110,7 @@ class MovingTargets:
                         entry[3] = moved if entry[3] is None else entry[3] | moved
                 continue
             entry[1] = entry[3] = None   # judged: a target the run moves, or a model it trains
-            if not self._trained(ps):
+            if not trained(ps):
                 self.targets_moved.append(entry[4])   # trained by no optimizer, by no backward
 
     def _read_targets(self) -> None:
