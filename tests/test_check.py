@@ -468,6 +468,14 @@ def test_lbfgs_nan_only_in_a_later_evaluation_is_counted(runs):
     assert f["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
+def test_layers_called_from_methods_are_named_by_the_model_that_holds_them():
+    # each layer is a root of the forward (no forward() ran); by their own names fc1's and fc_pi's weights
+    # would be "weight" and "Linear:weight", fc_v's the same string as fc_pi's
+    r = _inproc([], script="agent_methods.py")
+    assert r["rc"] == 0, r["stderr"]
+    assert set(r["json"]["updates"][0]["layers"]) == {"fc1", "fc_pi", "fc_v"}
+
+
 def test_lightning_trainer(runs):
     # Lightning's automatic optimization always passes a closure
     r = runs["lightning"]

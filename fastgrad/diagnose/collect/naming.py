@@ -41,6 +41,11 @@ class ParameterNames:
     def _refresh_names(self) -> None:
         roots = [r() for r in self.watcher._roots] if self.watcher else []
         for k, root in enumerate(r for r in roots if r is not None):
+            if not all(p in self._names for p in root.parameters()):
+                # an agent that calls its layers from methods (``self.fc1(x)`` in ``pi()``, never ``forward``)
+                # makes each layer a root: name them by the script's model that holds them, so two layers' weights
+                # never share a name
+                root = self._holder_of(root)
             # the first model named keeps bare names; later ones (a GAN's second, a sweep's next run) are prefixed
             prefix = "" if not self._names_given else type(root).__name__ + ":"
             for n, p in root.named_parameters():
@@ -65,6 +70,19 @@ class ParameterNames:
                 if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
                     self._row_sparse_ids.add(m.weight)
             self.module_types.update(type(m).__name__ for m in root.modules())
+
+    def _holder_of(self, root: torch.nn.Module) -> torch.nn.Module:
+        """The biggest module in the script's frames (``self`` of a method included) that holds ``root`` as a
+        part, or ``root`` itself where none does. Host only, once per root whose parameters have no names yet."""
+        best, size = root, None
+        for scope in self._script_scopes():
+            for v in list(scope.values()):
+                if isinstance(v, torch.nn.Module) and v is not root and v is not best:
+                    if any(m is root for m in v.modules()):
+                        n = sum(1 for _ in v.parameters())
+                        if size is None or n > size:
+                            best, size = v, n
+        return best
 
     def _names_from_script(self, params) -> None:
         """Names for parameters no forward has shown yet (an optimizer whose closure runs the model inside
