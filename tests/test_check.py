@@ -242,6 +242,18 @@ def test_no_optimizer_step_exit_4(tmp_path, capsys):
     assert "no optimizer here" in capsys.readouterr().out
 
 
+def test_training_in_child_processes_is_named_as_the_reason_nothing_was_read(tmp_path):
+    # A3C's workers step a shared model in processes of their own; the parent never calls backward()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "fastgrad.check", "--out", str(tmp_path / "o"),
+                        str(SCRIPTS / "trains_in_children.py")], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 4, p.stderr[-3000:]
+    f = json.loads((tmp_path / "o" / "report.json").read_text())["findings"]
+    nc = next(x for x in f if x["code"] == "not_checked")
+    assert "started 2 child process(es)" in nc["detail"] and "no backward() call was seen" not in nc["detail"]
+
+
 def test_usage_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         check.main([str(tmp_path / "missing.py")])

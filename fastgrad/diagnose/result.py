@@ -118,6 +118,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   flags={k: list(v) for k, v in chk.flags.items()}, clip_calls=chk.clip_calls,
                   zero_grad_calls=chk.zero_grad_calls, amp_skipped=chk.skipped,
                   optimizers_made=getattr(chk, "optimizers_made", 0), backward_calls=chk.backward_calls,
+                  processes_started=getattr(chk, "processes_started", 0),
                   scalar_backward_calls=chk.scalar_backward_calls, errors=list(chk.errors), crashed=crashed,
                   crash_text=crash_text,
                   ctx={"scaler": getattr(chk, "scaler_used", False),

@@ -87,6 +87,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         # scalar backward calls, and of them those reaching a loss function negated / as returned (host)
         self.loss_signs = {"calls": 0, "negated": 0, "kept": 0, "node": None}
         self.optimizers_made = 0
+        self.processes_started = 0  # child processes the script started (multiprocessing, torch.multiprocessing)
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0
         self._bw = 0              # backward calls since the last step
@@ -181,6 +182,10 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_opt_init)
+        # a script that trains in processes it starts itself (A3C's workers): what they step is not read here
+        import multiprocessing.process as mp_process
+
+        self._patch(mp_process.BaseProcess, "start", self._wrap_process_start)
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
         for cls in scaler_classes():
             self._patch_scaler(cls)

@@ -100,6 +100,14 @@ class RedFlagInterceptors:
         return __init__
 
 
+    def _wrap_process_start(self, orig):
+        chk = self
+
+        def start(proc, *args, **kwargs):
+            chk.processes_started += 1
+            return orig(proc, *args, **kwargs)
+        return start
+
     def _wrap_zero_grad(self, orig):
         chk = self
 

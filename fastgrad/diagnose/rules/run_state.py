@@ -34,10 +34,17 @@ class NotChecked(Rule):
             why.append("the script crashed before its first step")
         if run.optimizers_made:
             why.append(f"{run.optimizers_made} optimizer(s) were created but step() never ran")
-        if not run.backward_calls:
+        # a script that ran to its end after starting processes trained there, if anywhere (DataLoader workers
+        # of a script that crashed first are not that)
+        kids = run.processes_started and not run.crashed and not run.backward_calls
+        if not run.backward_calls and not kids:
             why.append("no backward() call was seen (torch.autograd.grad and custom update rules are not watched)")
-        elif not run.scalar_backward_calls:
+        elif not run.scalar_backward_calls and run.backward_calls:
             why.append(f"{run.backward_calls} backward() call(s), none on a scalar loss")
+        if kids:
+            why.append(f"the script started {run.processes_started} child process(es) (multiprocessing); "
+                       "check reads only the process it runs, so what those trained was not seen: check a "
+                       "version that trains in one process, or launch each training process with torchrun")
         if run.errors:
             why.append("the checker failed to read the gradients: " + run.errors[0])
         return [Finding(self.code, "warning", "nothing could be checked",
