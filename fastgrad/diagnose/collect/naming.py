@@ -21,6 +21,23 @@ _SECOND = operator.itemgetter(1)
 _LR_NAME = re.compile(r"^(lr|learning_rate|[a-z0-9_]*_lr|lr_[a-z0-9_]*)$", re.I)
 
 
+#: wrappers that forward to one module they hold (DDP, DataParallel, torch.compile, Lightning Fabric), by class
+#: name, and the attribute that holds it: parameters are named as in the module the script wrote, without the
+#: wrapper's segment (``_forward_module.critic.0.weight`` is ``critic.0.weight``)
+_WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module", "OptimizedModule": "_orig_mod",
+             "_FabricModule": "_forward_module"}
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    for _ in range(len(_WRAPPERS)):
+        attr = _WRAPPERS.get(type(m).__name__)
+        inner = getattr(m, attr, None) if attr else None
+        if not isinstance(inner, torch.nn.Module):
+            break
+        m = inner
+    return m
+
+
 def _lr_rank(name: str) -> tuple:
     return (name != "lr", name != "learning_rate", len(name), name)
 
@@ -45,7 +62,7 @@ class ParameterNames:
                 # an agent that calls its layers from methods (``self.fc1(x)`` in ``pi()``, never ``forward``)
                 # makes each layer a root: name them by the script's model that holds them, so two layers' weights
                 # never share a name
-                root = self._holder_of(root)
+                root = _unwrap(self._holder_of(root))
             # the first model named keeps bare names; later ones (a GAN's second, a sweep's next run) are prefixed
             prefix = "" if not self._names_given else type(root).__name__ + ":"
             for n, p in root.named_parameters():
