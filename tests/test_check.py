@@ -488,6 +488,27 @@ def test_layers_called_from_methods_are_named_by_the_model_that_holds_them():
     assert set(r["json"]["updates"][0]["layers"]) == {"fc1", "fc_pi", "fc_v"}
 
 
+def test_a_wrapped_model_is_named_as_the_script_wrote_it():
+    r = _inproc([], script="wrapped_model.py")
+    assert r["rc"] == 0, r["stderr"]
+    assert set(r["json"]["updates"][0]["layers"]) == {"0", "2"}        # not module.0, module.2
+
+
+@pytest.mark.parametrize("env", [True, False])
+def test_a_value_loss_that_rises_with_its_returns_is_no_harm_where_the_script_steps_an_environment(tmp_path, env):
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "fastgrad.check", "--out", str(out), str(SCRIPTS / "env_value_rise.py")]
+    env_vars = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd + (["--env"] if env else []), cwd=tmp_path, env=env_vars, capture_output=True,
+                       text=True, timeout=300)
+    j = json.loads((out / "report.json").read_text())
+    ex = next(f for f in j["findings"] if f["code"] == "exploding")
+    if env:
+        assert p.returncode == 0 and ex["severity"] == "notice" and ex["evidence"]["harm"] == [], p.stdout[-3000:]
+    else:
+        assert p.returncode == 1 and ex["severity"] == "warning" and "loss_rose" in ex["evidence"]["harm"]
+
+
 def test_lightning_trainer(runs):
     # Lightning's automatic optimization always passes a closure
     r = runs["lightning"]

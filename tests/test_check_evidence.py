@@ -551,6 +551,37 @@ def test_a_spike_is_a_warning_from_the_far_ratio_with_damage_at_it():
     assert spike(lim.far_ratio * 0.99, jump_at=32).severity == "notice"
 
 
+def test_a_spikes_damage_follows_a_spike_of_the_far_ratio_and_raises_the_loss_above_its_own():
+    """The damage that makes a spike a warning is the loss jumping after a spike of ``far_ratio`` or more (not
+    after one of the many 3-5x spikes a replay-buffer run has), to above the loss of the spike's own step. A
+    loss that was already that high at the spike (a hard batch, a PPO batch its next epoch reuses) was high
+    before the update: its next value is no damage of it."""
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    lim = RunLimits()
+
+    def spike(norms, losses):
+        return next(f for f in NORM_TRENDS.evaluate(_view(norms, losses)) if f.code == "spike")
+
+    base = [1.0 + 0.01 * (i % 3) for i in range(40)]
+    # a 4x spike at step 25 and the loss jumping at step 26; the 12x spike at step 33 leaves the loss alone
+    norms = [1.0] * 40
+    norms[24], norms[32] = 4.0, 1.2 * lim.far_ratio
+    losses = list(base)
+    losses[25] = 30.0
+    f = spike(norms, losses)
+    assert f.steps == [25, 33] and f.severity == "notice" and "no damage seen" in f.title
+    # the same jump after the 12x spike is its damage
+    losses = list(base)
+    losses[33] = 30.0
+    assert spike(norms, losses).severity == "warning"
+    # a hard batch at the 12x spike (step 33's own loss 30), its next step's loss 25 or 35
+    for after, sev in ((25.0, "notice"), (35.0, "warning")):
+        losses = list(base)
+        losses[32], losses[33] = 30.0, after
+        assert spike(norms, losses).severity == sev, after
+
+
 def test_a_spike_of_one_of_several_optimizers_is_named_by_the_runs_step_number():
     """Every finding and the report's table number steps across all optimizers. A spike of the second of two
     interleaved optimizers is named by that number (its 31st step is the run's step 62), in its steps and its

@@ -970,6 +970,61 @@ def test_a_rise_is_no_harm_to_an_explosion_in_a_run_that_moves_its_targets():
     assert f.severity == "warning" and "loss_jump" in f.evidence["harm"] and "loss_rose" not in f.evidence["harm"]
 
 
+def test_a_run_that_steps_an_environment_learns_from_its_own_returns():
+    """An agent that steps a gym/gymnasium environment trains against its own returns (PPO's value loss on
+    unnormalised returns, a policy loss weighted by them): its loss rises as its episodes lengthen, target network
+    or not. In such a run the rise is no harm to an explosion and a divergence of that shape is the bootstrapped
+    notice; the same run without an environment keeps its warning and its critical."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.collect.targets import environment_module
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+    from fastgrad.diagnose.rules.loss_diverging import LOSS_DIVERGING
+
+    assert environment_module({"torch": 1, "gymnasium": 1}) == "gymnasium"
+    assert environment_module({"gym": 1}) == "gym" and environment_module({"torch": 1, "numpy": 1}) is None
+
+    def view(env):
+        loss = [2.0 + 0.5 * i / 79 + 0.01 * (i % 3) for i in range(80)]
+        norm = [120.0 + (i % 5) for i in range(80)]
+        steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
+        return RunView(steps=steps, ctx={"environment": env, "updates": []})
+    (f,) = EXPLODING.evaluate(view("gymnasium"))
+    assert f.severity == "notice" and f.evidence["harm"] == []
+    assert "No harm seen: the loss rose (" in f.detail and "did not rise" not in f.detail
+    (f,) = EXPLODING.evaluate(view(None))
+    assert f.severity == "warning" and f.evidence["harm"] == ["loss_rose"]
+    rise = _rise_view()
+    rise.ctx["environment"] = "gym"
+    f, = LOSS_DIVERGING.evaluate(rise)
+    assert f.severity == "notice" and f.evidence["variant"] == "bootstrapped" and f.evidence["environment"] == "gym"
+    assert "steps an RL environment (gym)" in f.detail
+    assert LOSS_DIVERGING.evaluate(_rise_view())[0].severity == "critical"
+    far = _rise_view(far_at=30)
+    far.ctx["environment"] = "gym"
+    assert LOSS_DIVERGING.evaluate(far)[0].severity == "critical"     # harm beyond the rise still counts
+
+
+def test_a_loss_jump_after_a_clipped_update_is_not_that_gradients_doing():
+    """``exploding`` counts a loss jump as harm only after a step whose update stood out. A clip that bounded
+    every update to the same size (max_norm 0.5 under norms of 100 and more) made the 10x gradient's update the
+    run's usual one: the jump after it is not its doing. Unclipped, the same jump is harm."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.exploding import EXPLODING
+
+    def view(clip):
+        loss = [2.0 + 0.01 * (i % 3) for i in range(80)]
+        norm = [120.0 + (i % 5) for i in range(80)]
+        norm[49], loss[50] = 1200.0, 40.0
+        steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=min(n, clip) if clip else n,
+                            clip_norm=n if clip else None, clip_read=bool(clip))
+                 for i, (v, n) in enumerate(zip(loss, norm))]
+        return RunView(steps=steps, ctx={"updates": []})
+    (f,) = EXPLODING.evaluate(view(None))
+    assert "loss_jump" in f.evidence["harm"]
+    (f,) = EXPLODING.evaluate(view(0.5))
+    assert "loss_jump" not in f.evidence["harm"]
+
+
 def test_a_bootstrapped_rise_is_not_harm_to_the_findings_beside_it():
     from fastgrad.diagnose.consistency import reconcile
     from fastgrad.diagnose.thresholds import Thresholds

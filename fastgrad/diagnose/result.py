@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .advice import reword_notices
 from .collect.steps import StepRecord
+from .collect.targets import environment_module
 from .consistency import link_causes, reconcile
 from .finding import Finding, fmt, place_causes, steps_text
 from .render import plot as _plot, run_text
@@ -130,6 +131,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "loss_signs": dict(getattr(chk, "loss_signs", {})),
                        "maximize": list(getattr(chk, "series_maximize", [])),
                        "moving_targets": list(getattr(chk, "targets_moved", [])),
+                       "environment": environment_module(),
                        "saturation": list(getattr(chk, "saturation", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),

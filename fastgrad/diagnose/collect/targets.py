@@ -27,7 +27,13 @@ import torch
 from ...distributed.dtensor import is_dtensor
 from .buffers import sampled
 
-__all__ = ["MovingTargets"]
+__all__ = ["MovingTargets", "ENV_MODULES", "environment_module"]
+
+#: packages whose import means the script's agent collects its own data from an environment: its value and TD
+#: targets are its own returns and estimates, and its policy loss is weighted by them, so its losses follow what
+#: it collects (a longer episode, a higher return) and can rise while it learns, target network or not
+ENV_MODULES = ("gymnasium", "gym", "envpool", "dm_env", "dm_control", "pettingzoo", "procgen", "minigrid",
+               "ale_py", "vizdoom", "gym3", "minerl", "brax", "jumanji", "craftax")
 
 #: parameters of a root whose versions are watched: a target network rewrites all of them at once
 SAMPLE = 64
@@ -123,3 +129,12 @@ class MovingTargets:
             if moved:
                 entry[1] = None
                 self.targets_moved.append(entry[4])
+
+
+def environment_module(modules=None) -> str | None:
+    """The first of ``ENV_MODULES`` imported in this process (``sys.modules``; fastgrad imports none of them), or
+    None: the checked script steps an RL environment."""
+    import sys
+
+    mods = sys.modules if modules is None else modules
+    return next((m for m in ENV_MODULES if m in mods), None)

@@ -7,10 +7,11 @@ warning or a critical finding needs harm the run itself shows:
 - ``loss_rose``: the loss rose against its own noise (the last quarter's mean above the first quarter's by
   more than ``RunLimits.stall_z`` standard errors of that difference and ``Thresholds.loss_progress`` of its
   level: ``loss_change``, the same statistics the stall rule reads), except in a run that moves its own targets
-  (a target network: its losses grow with the returns);
+  (a target network) or steps an RL environment: its losses grow with the returns;
 - ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
-  out of the swings its own history shows in ratio (``trends.LOG_Z``);
+  out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself
+  (``Harm.rose_after``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
   finite norms before it (up to 50 of them, at least ``RunLimits.far_history``), by more than the loss's own
@@ -98,9 +99,11 @@ class Harm:
     change: dict | None = None                           # loss_change of the series' finite losses
     rewrites: list[tuple[int, float]] = field(default_factory=list)  # (step, update/weight ratio >= 1)
     losses: list[float] = field(default_factory=list)     # the loss at each of ``steps`` (NaN: none)
-    # the run moves its own targets (a target network): its losses grow with the returns, so a rise over the run
-    # is no harm by itself (``loss_diverging``'s bootstrapped notice); jumps, NaN/Inf and rewrites still are
+    # the run moves its own targets (a target network) or steps an RL environment: its losses grow with the
+    # returns, so a rise over the run is no harm by itself (``loss_diverging``'s bootstrapped notice); jumps,
+    # NaN/Inf and rewrites still are
     bootstraps: bool = False
+    used: list[float] = field(default_factory=list)       # the norm each update used (after any clip)
     far_ratio: float = RunLimits.far_ratio
     far_history: int = RunLimits.far_history
 
@@ -119,12 +122,17 @@ class Harm:
         """The norm at ``step`` stands out of the run's own level: ``SPIKE_RATIO`` times the median of the norms
         before it or more, or no level is known yet (the first step). A loss jump after a step whose norm was
         the run's usual one (a loss summed over the batch has norms above 100 at every step) is not the doing of
-        that step's gradient: its update was of the run's usual size."""
+        that step's gradient: its update was of the run's usual size. Where a clip bounded the step, the norm its
+        update used is what is compared (with the norms the run's updates used)."""
         if step not in self.steps:
             return False
         i = self.steps.index(step)
-        lev = own_level(self.norms, i, self.far_history)
-        v = self.norms[i]
+        norms, v = self.norms, self.norms[i]
+        u = self.used[i] if i < len(self.used) else math.nan
+        if math.isfinite(v) and math.isfinite(u) and u < v:
+            # a clip bounded this update: its size is the norm it used, judged against the norms the updates used
+            norms, v = self.used, u
+        lev = own_level(norms, i, self.far_history)
         return lev is None or not math.isfinite(v) or v >= SPIKE_RATIO * lev
 
     def far_for_its_loss(self, step: int) -> bool:
@@ -147,6 +155,23 @@ class Harm:
         pos = {s: i for i, s in enumerate(self.steps)}
         return {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
 
+    def rose_after(self, steps) -> set[int]:
+        """Of the steps ``following`` each of ``steps``, those whose loss stood above that step's own: the loss
+        the update drove is higher than the one its gradient came from. A loss already as high at the step itself
+        (a hard batch, a PPO batch its epochs reuse) was high before the update; its next value is no damage of
+        it. A step whose own loss is unknown or non-finite is not compared."""
+        pos = {s: i for i, s in enumerate(self.steps)}
+        out = set()
+        for s in steps:
+            i = pos.get(s)
+            if i is None or i + 1 >= len(self.steps):
+                continue
+            before = self.losses[i] if i < len(self.losses) else math.nan
+            after = self.losses[i + 1] if i + 1 < len(self.losses) else math.nan
+            if not (math.isfinite(before) and math.isfinite(after)) or after > before:
+                out.add(self.steps[i + 1])
+        return out
+
     def at(self, steps: list[int], *, far: bool = True, own_step=(), usual_ok: bool = True
            ) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
@@ -163,7 +188,7 @@ class Harm:
             out.append(("nonfinite", f"the loss or the gradients went NaN/Inf at step {bad[0]}"))
         # the step after each (the update it drove): a loss that jumps at the step itself was computed before
         # that step's update, and its gradient grew with it (a hard batch, a deeper draw of a dynamic model)
-        nxt = self.following(steps if usual_ok else [s for s in steps if self.unusual(s)])
+        nxt = self.rose_after(steps if usual_ok else [s for s in steps if self.unusual(s)])
         jumped = sorted(s for s in self.jumps if s in nxt)
         if jumped:
             s = max(jumped, key=lambda t: self.jumps[t][1])
@@ -202,6 +227,17 @@ class Harm:
                                    f"(median {fmt(lev)})"))
         return out
 
+    def loss_words(self) -> str:
+        """What the loss did, for a finding that found no harm: it fell, it rose as a bootstrapped loss does (no
+        harm here), or it did not rise beyond its noise."""
+        fell, c = self.loss_fell(), self.change
+        if fell:
+            return f"the loss fell ({fell})"
+        if c is not None and c["rose"] and self.bootstraps:
+            return (f"the loss rose ({fmt(c['first'])} -> {fmt(c['last'])}) as a loss against the run's own returns "
+                    "or targets does while it learns, no harm by itself")
+        return "the loss did not rise beyond its own noise"
+
     def loss_fell(self) -> str | None:
         """"a -> b" (the first and the last quarter's mean loss) when the loss improved beyond its noise."""
         c = self.change
@@ -223,7 +259,8 @@ def harm_of(run: RunView, k: int) -> Harm:
                          | {r.step for r in run.steps if r.series == k and (r.skipped or r.guard_skipped)
                             and r.loss is not None and not math.isfinite(r.loss)})
     h.losses = [r.loss if r.loss is not None else math.nan for r in recs]
-    h.bootstraps = bool(run.ctx.get("moving_targets"))
+    h.used = [r.total_norm for r in recs]
+    h.bootstraps = bool(run.ctx.get("moving_targets") or run.ctx.get("environment"))
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)

@@ -149,9 +149,7 @@ def _harm_text(harm: list, h) -> str:
                 "clip, or an adaptive optimizer, bounds the step).")
     if harm:
         return " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
-    fell = h.loss_fell()
-    return (" No harm seen: " + (f"the loss fell ({fell}), " if fell else "the loss did not rise beyond its own noise, ")
-            + "no update rewrote the weights and no step was 10x the run's own level: the guide's limit alone "
+    return (" No harm seen: " + h.loss_words() + ", no update rewrote the weights and no step was 10x the run's own level: the guide's limit alone "
             "asks a question." + SCALE_QUESTION)
 
 

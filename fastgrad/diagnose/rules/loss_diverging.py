@@ -19,7 +19,8 @@ model at a learning rate far too high: its peak within the first steps) is judge
 modest norms.
 
 In a run that moves its own targets (a model it forwards, trains through no optimizer and rewrites in place:
-a DQN or actor-critic target network, an EMA teacher; ``collect.targets``), a rise with no harm beyond it (no
+a DQN or actor-critic target network, an EMA teacher; ``collect.targets``), or that steps an RL environment (its
+agent's returns are its targets; ``collect.targets.environment_module``), a rise with no harm beyond it (no
 norm far above its own level by more than the loss's own rise explains, ``Harm.far_for_its_loss``; no rewrite,
 no NaN) is that notice however early it began and however far its
 norms grew with it: such a loss starts near 0, while the targets are the model's own untrained outputs, and its
@@ -85,6 +86,7 @@ class LossDiverging(Rule):
     def evaluate(self, run: RunView) -> list[Finding]:
         lim, out = run.limits, []
         targets = list(run.ctx.get("moving_targets") or ())  # target networks the script moves itself
+        env = run.ctx.get("environment")  # an RL environment the script steps: its agent's returns are its targets
         for k, recs in run.per.items():
             sev, ratio = "critical", lim.diverge_ratio
             d = loss_divergence(recs, ratio)
@@ -135,12 +137,13 @@ class LossDiverging(Rule):
             # against moving targets, a norm that grew with its loss (a critic whose first TD error was near 0)
             # is the loss's own scale: only a norm far beyond what the loss's rise explains is harm
             boot = (modest and gradual and ((stable and late_peak) or (unrecovered and not far))) or \
-                (targets and not any(h.far_for_its_loss(s) for s in h.steps))
+                ((targets or env) and not any(h.far_for_its_loss(s) for s in h.steps))
             if clean and boot:
                 run.key_steps.add(sp)
                 out.append(Finding(
                     self.code, "notice", f"{label}the loss rose ({end / v0:.3g}x its start at the end) with "
-                    "no other harm" + (" against targets the run moves itself" if targets else ""),
+                    "no other harm" + (" against targets the run moves itself" if targets else
+                                       " in a run that learns from an environment" if env else ""),
                     f"{label}{'loss' if label else 'Loss'} {fmt(v0)} at step {s0} -> peak {fmt(vp)} at step {sp}, "
                     f"{fmt(end)} over the last quarter of the run, while "
                     + (f"every gradient norm stayed below {fmt(lim.modest_norm)} (max {fmt(max(norms))})"
@@ -152,9 +155,11 @@ class LossDiverging(Rule):
                                                  + ("is" if len(targets) == 1 else "are") + " forwarded, "
                                                  "trained by no optimizer and rewritten in place (a target "
                                                  + ("network)." if len(targets) == 1 else "network each).")
-                                                 if targets else "")
+                                                 if targets else
+                                                 f" The script steps an RL environment ({env}): its value targets "
+                                                 "are its own returns, which grow as it learns." if env else "")
                     + " Watch the returns, not this loss.", steps=[sp],
-                    evidence=ev | {"variant": "bootstrapped", "targets": targets}))
+                    evidence=ev | {"variant": "bootstrapped", "targets": targets, "environment": env}))
                 continue
             run.key_steps |= {s1, sp}
             if unrecovered:

@@ -2,9 +2,9 @@
 (``fastgrad.diagnose.rules.trends.detect_trends``), each series indexed by its own steps (its warm-up, its
 baseline; hand-overs between optimizers are not spikes) and reported with the run's step numbers.
 
-A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median with damage at it (NaN/Inf from it
-on, a loss that jumps at the step after, an update of 1x the weights there); without damage, or below
-that ratio, a notice. A rising norm is a warning only with harm the run shows
+A spike is a warning from ``RunLimits.far_ratio`` (10x) its recent median with damage at a spike of that size
+(NaN/Inf from it on, a loss that jumps at the step after to above its own, an update of 1x the weights there);
+without damage, or below that ratio, a notice. A rising norm is a warning only with harm the run shows
 (``rules.evidence``: NaN/Inf, a loss that jumps or rises beyond its noise, an update that rewrites the weights);
 without it, a notice: a policy gradient's norm grows with its episodes while it learns, a converging model's as
 it sharpens."""
@@ -58,8 +58,11 @@ def _judge_spike(f: Finding, run: RunView, k: int) -> None:
     it on, the loss jumping at the step after (the update it drove), or a measured update of 1x the weights there. A gradient
     spike that a clip bounded, or that Adam's normalisation absorbed, leaves the loss where it was: a notice."""
     h = harm_of(run, k)
-    near = set(f.steps) | h.following(f.steps)
-    harm = [(kind, t) for kind, t in h.at(f.steps, far=False) if kind in ("nonfinite", "loss_jump")]
+    # the damage of the spikes that make it a warning: a loss jump after one of the many 3x spikes of a
+    # replay-buffer run is not the doing of its 13x one
+    big = [s for s in f.steps if h.far(s) is not None]
+    near = set(big) | h.following(big)
+    harm = [(kind, t) for kind, t in h.at(big, far=False) if kind in ("nonfinite", "loss_jump")]
     rw = [(s, r) for s, r in h.rewrites if s in near]
     if rw:
         s, r = max(rw, key=lambda t: t[1])
@@ -83,14 +86,12 @@ def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
         f.severity, f.title = "warning", "gradient norm steadily increasing, with harm"
         f.detail += " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
         return
-    fell = h.loss_fell()
     f.severity = "notice"
     if "inside the healthy range" in f.title:  # the trend rule's own notice: its words stand
         return
     f.title = "gradient norm rising, with no harm seen"
-    f.detail += (" No harm seen: " + (f"the loss fell ({fell}), " if fell else "the loss did not rise beyond its "
-                                      "own noise, ")
-                 + "nothing went NaN/Inf and no update rewrote the weights." + RISE_REASON)
+    f.detail += (" No harm seen: " + h.loss_words() + ", nothing went NaN/Inf and no update rewrote the weights."
+                 + RISE_REASON)
 
 
 NORM_TRENDS = NormTrends(
