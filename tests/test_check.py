@@ -227,6 +227,15 @@ def test_clip_after_step_red_flag_and_steps_option():
     assert r["json"]["stopped_by_steps"] and len(r["json"]["steps"]) == 10
 
 
+def test_a_steps_stop_the_script_caught_is_a_stop_not_a_crash():
+    # pytest running a test as the checked "script" reports the stop as a failed test and exits 1
+    r = _inproc([], steps=10, script="catches_everything.py")
+    assert r["rc"] == 0 and r["json"]["stopped_by_steps"] and not r["json"]["crashed"]
+    assert "script_crashed" not in _codes(r) and len(r["json"]["steps"]) == 10
+    r = _inproc([], script="catches_everything.py")     # no stop: it runs its 50 steps and exits 0
+    assert r["rc"] == 0 and len(r["json"]["steps"]) == 50
+
+
 def test_crashed_script_exit_3_with_partial_report(runs):
     r = runs["crash"]
     assert r["rc"] == 3

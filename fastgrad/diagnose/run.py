@@ -70,6 +70,10 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
             chk.errors.append(f"could not gather the ranks' norm records: {e}")
         chk.remove()
         sys.argv, sys.path[:] = old_argv, old_path
+    if chk.stop_raised and not stopped:
+        # the script caught the stop and ended its own way (pytest counts it a failed test and exits 1): the run
+        # was stopped by --steps, not crashed
+        stopped, crashed, crash_text = True, False, None
     chk.finish()
     return build_result(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text,
                         stopped=stopped, max_steps=steps, policy=policy)

@@ -87,6 +87,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         # scalar backward calls, and of them those reaching a loss function negated / as returned (host)
         self.loss_signs = {"calls": 0, "negated": 0, "kept": 0, "node": None}
         self.optimizers_made = 0
+        self.stop_raised = False  # --steps stopped the script (whatever it did with the StopCheck after)
         self.processes_started = 0  # child processes the script started (multiprocessing, torch.multiprocessing)
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0
@@ -352,6 +353,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
             self._manual_close()
             if (self.max_steps is not None and not self.optimizers_made
                     and len(self._m_steps) + len(self._m_host) >= self.max_steps):
+                self.stop_raised = True
                 raise StopCheck()
             if not self._any_zero:
                 # no zero_grad() yet: what this backward adds to (zero where the script zeroes or drops the

@@ -153,4 +153,5 @@ class OptimizerStepReader:
         except Exception as e:  # noqa: BLE001 - never break the user's optimizer step
             self.errors.append(f"step {self.steps_done}: step hook: {e}")
         if self.max_steps is not None and self.steps_done >= self.max_steps:
+            self.stop_raised = True
             raise StopCheck()
