@@ -582,6 +582,39 @@ def test_a_spikes_damage_follows_a_spike_of_the_far_ratio_and_raises_the_loss_ab
         assert spike(norms, losses).severity == sev, after
 
 
+def test_a_loss_coming_back_from_a_target_networks_hard_copy_shows_no_damage():
+    """A DQN's hard copy of its target network every N steps moves the targets under the loss: it jumps at the
+    sync and comes back over the following steps, its gradients with it. A loss jump in that return is the
+    targets', not the doing of a spike's update; the same jump with no sync before it, or after a sync whose loss
+    did not jump (a Polyak average, every step), is damage."""
+    from fastgrad.diagnose.rules.base import RunView
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    lim = RunLimits()
+    losses = [0.05 + 0.005 * (i % 3) for i in range(80)]
+    norms = [1.0 + 0.05 * (i % 4) for i in range(80)]
+    for i in range(40, 60):                       # step 41: the sync's jump, coming back by step 60
+        losses[i] = 0.05 + 2.6 * 0.7 ** (i - 40)
+    losses[40] += 2.0
+    norms[47] = 1.5 * lim.far_ratio               # a 15x spike at step 48 while the loss comes back...
+    losses[48] = 5.0                              # ...and a jump at step 49 above step 48's loss
+
+    def spike(syncs):
+        v = _view(norms, losses)
+        v.ctx["target_syncs"] = list(syncs)
+        return next(f for f in NORM_TRENDS.evaluate(v) if f.code == "spike" and 48 in f.steps)
+    assert spike([]).severity == "warning"
+    assert spike([41]).severity == "notice"
+    assert spike([40]).severity == "notice"          # the copy made just before the step that read it
+    assert spike([20]).severity == "warning"         # a copy long before, its loss never jumped
+    flat = list(losses)
+    flat[40:42] = [0.05, 0.05]                     # a sync whose loss did not jump (an average): no transient,
+                                                   # whatever the loss does later
+    v = _view(norms, flat)
+    v.ctx["target_syncs"] = [41]
+    assert next(f for f in NORM_TRENDS.evaluate(v) if f.code == "spike" and 48 in f.steps).severity == "warning"
+
+
 def test_a_spike_of_one_of_several_optimizers_is_named_by_the_runs_step_number():
     """Every finding and the report's table number steps across all optimizers. A spike of the second of two
     interleaved optimizers is named by that number (its 31st step is the run's step 62), in its steps and its

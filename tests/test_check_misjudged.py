@@ -798,6 +798,7 @@ def _targets(*mods, opts=()):
     t.watcher, t._targets_seen, t._target_versions, t.targets_moved = _Roots(*mods), 0, [], []
     t._opt_refs = [weakref.ref(o) for o in opts]
     t.errors, t.steps_done = [], 1
+    t._syncing, t.target_syncs = [], []
     return t
 
 
@@ -828,7 +829,9 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     t._note_targets()
     assert t.targets_moved == ["Sequential", "Sequential"]
     moved = [e for e in t._target_versions if e[1] is None]
-    assert [e[0]() for e in moved] == [critic, polyak, copied, by_hand]   # judged once each, in order
+    # judged once each, in order; the critic an optimizer holds is no candidate at all
+    assert [e[0]() for e in moved] == [polyak, copied, by_hand]
+    assert all(e[0]() is not critic for e in t._target_versions)
     # the nearest wrong variant: a copy made before the first step is the starting point, not a move
     late = copy.deepcopy(critic)
     t2 = _targets(late)
@@ -844,6 +847,52 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
     t3 = _targets(odd)
     t3._note_targets()
     assert t3.targets_moved == [] and len(t3.errors) == 1 and "target networks" in t3.errors[0]
+
+
+def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
+    """Once a target is judged by its versions, each later rewrite is a sync at the step boundary that first sees
+    it: a hard copy every 4 steps gives those steps, a Polyak average every step gives every step; the critic an
+    optimizer trains gives none."""
+    import copy
+
+    import torch
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    hard, polyak = copy.deepcopy(critic), copy.deepcopy(critic)
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+
+    def run(target, every):
+        t = _targets(critic, target, opts=[opt])
+        for step in range(1, 13):
+            t.steps_done = step
+            t._note_targets()
+            opt.zero_grad()
+            critic(x).pow(2).mean().backward()
+            opt.step()
+            if step % every == 3 % every:
+                with torch.no_grad():
+                    for pt, pc in zip(target.parameters(), critic.parameters()):
+                        pt.mul_(0.5).add_(pc, alpha=0.5)
+        t.steps_done = 13
+        t._note_targets()
+        return t.target_syncs
+    assert run(hard, 4) == [4, 8, 12]
+    assert run(polyak, 1) == list(range(2, 14))
+    # an agent that keeps its target beside its online network in one module (the root the forward reaches):
+    # the part no optimizer holds is the candidate, not the root the optimizer trains
+    agent = torch.nn.ModuleDict({"q": torch.nn.Linear(4, 2), "q_target": torch.nn.Linear(4, 2)})
+    opt2 = torch.optim.Adam(agent["q"].parameters(), lr=1e-3)
+    t = _targets(agent, opts=[opt2])
+    for step in range(1, 10):
+        t.steps_done = step
+        t._note_targets()
+        opt2.zero_grad()
+        agent["q"](x).pow(2).mean().backward()
+        opt2.step()
+        if step % 4 == 0:
+            agent["q_target"].load_state_dict(agent["q"].state_dict())
+    assert t.targets_moved == ["Linear"] and t.target_syncs == [5, 9]
 
 
 def test_targets_written_through_data_are_seen_by_their_values():
@@ -887,7 +936,7 @@ def test_targets_written_through_data_are_seen_by_their_values():
     t._read_targets()
     assert t.targets_moved == ["Sequential", "Sequential"]
     judged = [e[0]() for e in t._target_versions if e[1] is None]
-    assert judged == [critic, polyak, hard, by_hand]
+    assert judged == [polyak, hard, by_hand]
     assert t.errors == []
     # a model on the meta device holds no values to compare: none taken, and nothing to read after the run
     from fastgrad.diagnose.collect.targets import _values

@@ -132,6 +132,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "maximize": list(getattr(chk, "series_maximize", [])),
                        "moving_targets": list(getattr(chk, "targets_moved", [])),
                        "environment": environment_module(),
+                       "target_syncs": list(getattr(chk, "target_syncs", [])),
                        "saturation": list(getattr(chk, "saturation", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),

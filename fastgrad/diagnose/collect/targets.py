@@ -15,7 +15,9 @@ Two reads of each root module the watcher saw, from the first optimizer step aft
   device ops, read once after the run (``_read_targets``): no sync while it runs.
 
 A root that an optimizer holds, or whose parameters have gradients, is trained, never a target.
-``targets_moved``: the class names of the roots so judged to be targets the run moves."""
+``targets_moved``: the class names of the roots so judged to be targets the run moves. Once judged by its version
+counters, a target's versions are read on at every step: ``target_syncs``, the steps at whose boundary they had
+moved since the last (a DQN's hard copy every N steps; a Polyak average moves them at every step)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,26 @@ def _lead(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)[:VALUE_ELEMS]
 
 
+def _candidates(root: torch.nn.Module, held: set[int]) -> list[torch.nn.Module]:
+    """The modules of ``root`` that may be targets: ``root`` itself where no optimizer holds any of its
+    parameters; else each largest part of it none of whose parameters an optimizer holds (the target network an
+    agent keeps beside its online one in one module: tianshou's ``model_old``, SB3's ``q_net_target``)."""
+    def free(m):
+        return not any(id(p) in held for p in m.parameters())
+    if free(root):
+        return [root]
+    out = []
+    todo = list(root.children())
+    while todo:
+        m = todo.pop(0)
+        if free(m):
+            if next(m.parameters(), None) is not None:
+                out.append(m)
+        else:
+            todo.extend(m.children())
+    return out
+
+
 class MovingTargets:
     # an entry per root: [weak ref, version counters (None once judged), first values (device), moved (device
     # bool, None until compared), class name]
@@ -72,7 +94,7 @@ class MovingTargets:
             self._note_targets_now()
         except Exception as e:  # noqa: BLE001 - the checker never breaks the user's step
             self.errors.append(f"step {self.steps_done}: target networks: {e}")
-            self._target_versions = []   # judged no further: a partial record would misjudge
+            self._target_versions = self._syncing = []   # judged no further: a partial record would misjudge
 
     def _held(self) -> set[int]:
         """The ids of every parameter an optimizer of the run holds."""
@@ -80,16 +102,20 @@ class MovingTargets:
 
     def _note_targets_now(self) -> None:
         roots = self.watcher._roots if self.watcher is not None else ()
+        held = None   # built once per step, at the first entry that asks
         while self._targets_seen < len(roots):
             root = roots[self._targets_seen]()
             self._targets_seen += 1
-            if root is not None:
-                ps = list(itertools.islice(root.parameters(), SAMPLE))
+            if root is None:
+                continue
+            if held is None:
+                held = self._held()
+            for m in _candidates(root, held):
+                ps = list(itertools.islice(m.parameters(), SAMPLE))
                 if ps:
-                    self._target_versions.append([weakref.ref(root), [p._version for p in ps], _values(ps), None,
-                                                  type(root).__name__])
+                    self._target_versions.append([weakref.ref(m), [p._version for p in ps], _values(ps), None,
+                                                  type(m).__name__])
         compare = sampled(self.steps_done)
-        held = None   # built once per step, at the first entry that asks
 
         def trained(ps) -> bool:
             nonlocal held
@@ -118,6 +144,18 @@ class MovingTargets:
             entry[1] = entry[3] = None   # judged: a target the run moves, or a model it trains
             if not trained(ps):
                 self.targets_moved.append(entry[4])   # trained by no optimizer, by no backward
+                self._syncing.append([ref, [p._version for p in ps]])
+                self._note_sync()
+        for entry in self._syncing:
+            root = entry[0]()
+            ps = list(itertools.islice(root.parameters(), SAMPLE)) if root is not None else []
+            if len(ps) == len(entry[1]) and any(p._version != v for p, v in zip(ps, entry[1])):
+                entry[1] = [p._version for p in ps]
+                self._note_sync()
+
+    def _note_sync(self) -> None:
+        if not self.target_syncs or self.target_syncs[-1] != self.steps_done:
+            self.target_syncs.append(self.steps_done)
 
     def _read_targets(self) -> None:
         """After the run: the roots whose values moved with no version counter moving (one read)."""

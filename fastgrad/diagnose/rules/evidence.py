@@ -11,7 +11,8 @@ warning or a critical finding needs harm the run itself shows:
 - ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
   out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself
-  (``Harm.rose_after``);
+  (``Harm.rose_after``); not while the loss comes back from a jump a target network's hard copy made
+  (``Harm.sync_transients``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
   finite norms before it (up to 50 of them, at least ``RunLimits.far_history``), by more than the loss's own
@@ -22,6 +23,7 @@ episodes as it learns: neither shows any of these, so neither is warned about.""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -227,6 +229,27 @@ class Harm:
                                    f"(median {fmt(lev)})"))
         return out
 
+    def sync_transients(self, syncs) -> list[tuple[int, int]]:
+        """``(first, last)`` steps of the series during which its loss came back from a jump a target network's
+        hard copy made: from the first step at or after a sync (``target_syncs``) whose loss, or the next one's,
+        jumped, to the step before the loss is first back at or below its level before the sync (the median of
+        the losses before it). The targets changed under the loss there: its jumps are theirs, no update's. A sync
+        with no jump (a Polyak average, every step) marks nothing."""
+        out = []
+        for k in sorted(set(syncs)):
+            i = bisect.bisect_left(self.steps, k)
+            if i >= len(self.steps) or not any(self.steps[j] in self.jumps for j in (i, i + 1)
+                                               if j < len(self.steps)):
+                continue
+            lev = own_level(self.losses, i, self.far_history)
+            if lev is None:
+                continue
+            j = i + 2
+            while j < len(self.steps) and not (math.isfinite(self.losses[j]) and self.losses[j] <= lev):
+                j += 1
+            out.append((self.steps[i], self.steps[j - 1]))
+        return out
+
     def loss_words(self) -> str:
         """What the loss did, for a finding that found no harm: it fell, it rose as a bootstrapped loss does (no
         harm here), or it did not rise beyond its noise."""
@@ -275,6 +298,10 @@ def harm_of(run: RunView, k: int) -> Harm:
         if (lev is not None and v >= lim.far_ratio * lev and s not in h.jumps
                 and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=lim.far_history)):
             h.jumps[s] = (v, v / lev)
+    # ... but not those of a loss coming back from a target network's hard copy: the targets moved under it
+    spans = h.sync_transients(run.ctx.get("target_syncs") or ())
+    if spans:
+        h.jumps = {s: j for s, j in h.jumps.items() if not any(a <= s <= b for a, b in spans)}
     h.rewrites = [(u["step"], u["ratio"]) for u in run.ctx.get("updates") or ()
                   if u["series"] == k and math.isfinite(u["ratio"]) and u["ratio"] >= lim.blowup_update]
     cache[k] = h
