@@ -615,6 +615,26 @@ def test_a_loss_coming_back_from_a_target_networks_hard_copy_shows_no_damage():
     assert next(f for f in NORM_TRENDS.evaluate(v) if f.code == "spike" and 48 in f.steps).severity == "warning"
 
 
+def test_a_spikes_damage_must_top_the_excursion_the_loss_was_in():
+    """The loss after a spike is its damage only above every loss of the excursion the spike's step was in (back
+    to the last loss at its level): tianshou's DQN loss jumps 49x at a hard copy of its target network and comes
+    back over twenty steps; a spike on the way down with a next loss below that peak did no damage. The nearest
+    wrong variant, the spike step's own loss alone, reads it as damage."""
+    from fastgrad.diagnose.rules.norm_trends import NORM_TRENDS
+
+    lim = RunLimits()
+    losses = [0.05 + 0.005 * (i % 3) for i in range(80)]
+    norms = [1.0 + 0.05 * (i % 4) for i in range(80)]
+    for i in range(40, 60):                       # step 41 jumps, coming back by step 60
+        losses[i] = 0.05 + 2.6 * 0.7 ** (i - 40)
+    norms[47] = 1.5 * lim.far_ratio               # a 15x spike at step 48 on the way down
+    for after, sev in ((losses[47] * 1.5, "notice"), (losses[40] * 1.1, "warning")):
+        ls = list(losses)
+        ls[48] = after                            # step 49: above step 48's loss; above or below step 41's peak
+        f = next(f for f in NORM_TRENDS.evaluate(_view(norms, ls)) if f.code == "spike" and 48 in f.steps)
+        assert f.severity == sev, after
+
+
 def test_a_spike_of_one_of_several_optimizers_is_named_by_the_runs_step_number():
     """Every finding and the report's table number steps across all optimizers. A spike of the second of two
     interleaved optimizers is named by that number (its 31st step is the run's step 62), in its steps and its

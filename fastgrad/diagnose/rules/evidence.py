@@ -10,8 +10,8 @@ warning or a critical finding needs harm the run itself shows:
   (a target network) or steps an RL environment: its losses grow with the returns;
 - ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
-  out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself
-  (``Harm.rose_after``); not while the loss comes back from a jump a target network's hard copy made
+  out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself and
+  of the excursion it was in (``Harm.rose_after``); not while the loss comes back from a jump a target network's hard copy made
   (``Harm.sync_transients``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
@@ -158,10 +158,13 @@ class Harm:
         return {self.steps[pos[s] + 1] for s in steps if s in pos and pos[s] + 1 < len(self.steps)}
 
     def rose_after(self, steps) -> set[int]:
-        """Of the steps ``following`` each of ``steps``, those whose loss stood above that step's own: the loss
-        the update drove is higher than the one its gradient came from. A loss already as high at the step itself
-        (a hard batch, a PPO batch its epochs reuse) was high before the update; its next value is no damage of
-        it. A step whose own loss is unknown or non-finite is not compared."""
+        """Of the steps ``following`` each of ``steps``, those whose loss stood above the peak of the excursion
+        that step was in: its own loss, and every loss before it back to the last one at or below its level (the
+        median of the losses before that step, ``own_level``). The loss the update drove must be higher than the
+        loss was before it. A loss already as high at the step itself (a hard batch, a PPO batch its epochs reuse)
+        or earlier in the same excursion (a DQN's loss coming back from a hard copy of its target network) was
+        high before the update; its next value is no damage of it. A step whose own loss is unknown or
+        non-finite is not compared."""
         pos = {s: i for i, s in enumerate(self.steps)}
         out = set()
         for s in steps:
@@ -170,7 +173,14 @@ class Harm:
                 continue
             before = self.losses[i] if i < len(self.losses) else math.nan
             after = self.losses[i + 1] if i + 1 < len(self.losses) else math.nan
-            if not (math.isfinite(before) and math.isfinite(after)) or after > before:
+            if not (math.isfinite(before) and math.isfinite(after)):
+                out.add(self.steps[i + 1])
+                continue
+            peak, lev, j = before, own_level(self.losses, i, self.far_history), i - 1
+            while lev is not None and j >= 0 and math.isfinite(self.losses[j]) and self.losses[j] > lev:
+                peak = max(peak, self.losses[j])
+                j -= 1
+            if after > peak:
                 out.add(self.steps[i + 1])
         return out
 
