@@ -184,11 +184,11 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._patch(torch.Tensor, "backward", self._wrap_backward)
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
-        self._patch(torch.optim.Optimizer, "__init__", self._wrap_opt_init)
+        self._patch(torch.optim.Optimizer, "__init__", functools.partial(self._wrap_counting, "optimizers_made"))
         # a script that trains in processes it starts itself (A3C's workers): what they step is not read here
         import multiprocessing.process as mp_process
 
-        self._patch(mp_process.BaseProcess, "start", self._wrap_process_start)
+        self._patch(mp_process.BaseProcess, "start", functools.partial(self._wrap_counting, "processes_started"))
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
         for cls in scaler_classes():
             self._patch_scaler(cls)

@@ -59,8 +59,8 @@ def _params_listed(args, kwargs):
 
 
 class RedFlagInterceptors:
-    """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``
-    and ``Optimizer.__init__``; each returns the replacement of ``orig``."""
+    """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``,
+    and the counted calls (``Optimizer.__init__``, ``Process.start``); each returns the replacement of ``orig``."""
 
     def _patch_scaler(self, cls: type) -> None:
         # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its own
@@ -91,22 +91,15 @@ class RedFlagInterceptors:
         base.__init_subclass__ = classmethod(__init_subclass__)
         self._undo.append((base, "__init_subclass__", orig if had else ABSENT))
 
-    def _wrap_opt_init(self, orig):
+    def _wrap_counting(self, counter: str, orig):
+        """``orig``, counting its calls in the checker's attribute ``counter`` (the optimizers the script makes,
+        the processes it starts)."""
         chk = self
 
-        def __init__(opt, *args, **kwargs):
-            chk.optimizers_made += 1
-            return orig(opt, *args, **kwargs)
-        return __init__
-
-
-    def _wrap_process_start(self, orig):
-        chk = self
-
-        def start(proc, *args, **kwargs):
-            chk.processes_started += 1
-            return orig(proc, *args, **kwargs)
-        return start
+        def counted(obj, *args, **kwargs):
+            setattr(chk, counter, getattr(chk, counter) + 1)
+            return orig(obj, *args, **kwargs)
+        return counted
 
     def _wrap_zero_grad(self, orig):
         chk = self

@@ -92,14 +92,21 @@ class ParameterNames:
         """The biggest module in the script's frames (``self`` of a method included) that holds ``root`` as a
         part, or ``root`` itself where none does. Host only, once per root whose parameters have no names yet."""
         best, size = root, None
+        for v in self._script_modules():
+            if v is not root and any(m is root for m in v.modules()):
+                n = sum(1 for _ in v.parameters())
+                if size is None or n > size:
+                    best, size = v, n
+        return best
+
+    def _script_modules(self) -> list[torch.nn.Module]:
+        """The distinct modules the script's frames hold (``_script_scopes``), innermost frame first."""
+        found = []
         for scope in self._script_scopes():
             for v in list(scope.values()):
-                if isinstance(v, torch.nn.Module) and v is not root and v is not best:
-                    if any(m is root for m in v.modules()):
-                        n = sum(1 for _ in v.parameters())
-                        if size is None or n > size:
-                            best, size = v, n
-        return best
+                if isinstance(v, torch.nn.Module) and all(v is not m for m in found):
+                    found.append(v)
+        return found
 
     def _names_from_script(self, params) -> None:
         """Names for parameters no forward has shown yet (an optimizer whose closure runs the model inside
@@ -107,11 +114,7 @@ class ParameterNames:
         most of them, found in the script's frames, named as the watcher names a root (bare for the first model,
         ``Class:`` for a later one). Host only, and only while some of an optimizer's parameters have no name."""
         want = {id(p) for p in params if p not in self._names}
-        found = []
-        for scope in self._script_scopes():
-            for v in list(scope.values()):
-                if isinstance(v, torch.nn.Module) and all(v is not m for m in found):
-                    found.append(v)
+        found = self._script_modules()
         # the whole model before a part of it the script also keeps in a variable (``encoder = model.encoder``)
         held = sorted(((sum(id(p) in want for p in m.parameters()), i, m) for i, m in enumerate(found)),
                       key=lambda t: (-t[0], t[1]))

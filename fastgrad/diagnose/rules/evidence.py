@@ -11,8 +11,8 @@ warning or a critical finding needs harm the run itself shows:
 - ``loss_jump``: the loss jumped far above its recent median at the step after one of the steps (the
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
   out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself and
-  of the excursion it was in (``Harm.rose_after``); not while the loss comes back from a jump a target network's hard copy made
-  (``Harm.sync_transients``);
+  of the excursion it was in (``Harm.rose_after``); not while the loss comes back from a jump a target network's
+  hard copy made (``Harm.sync_transients``);
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
   finite norms before it (up to 50 of them, at least ``RunLimits.far_history``), by more than the loss's own

@@ -149,8 +149,8 @@ def _harm_text(harm: list, h) -> str:
                 "clip, or an adaptive optimizer, bounds the step).")
     if harm:
         return " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
-    return (" No harm seen: " + h.loss_words() + ", no update rewrote the weights and no step was 10x the run's own level: the guide's limit alone "
-            "asks a question." + SCALE_QUESTION)
+    return (" No harm seen: " + h.loss_words() + ", no update rewrote the weights and no step was 10x the run's "
+            "own level: the guide's limit alone asks a question." + SCALE_QUESTION)
 
 
 def largest_layers(last, k: int = 3) -> list[str]:
