@@ -790,15 +790,16 @@ class _Roots:
         self._roots = [weakref.ref(m) for m in mods]
 
 
-def _targets(*mods, opts=()):
+def _targets(*mods, opts=(), loose=()):
     import weakref
 
     from fastgrad.diagnose.collect.targets import MovingTargets
     t = MovingTargets()
-    t.watcher, t._targets_seen, t._target_versions, t.targets_moved = _Roots(*mods), 0, [], []
+    t._targets_init()
+    t.watcher = _Roots(*mods)
+    t.watcher._loose = [weakref.ref(m) for m in loose]
     t._opt_refs = [weakref.ref(o) for o in opts]
     t.errors, t.steps_done = [], 1
-    t._syncing, t.target_syncs = [], []
     return t
 
 
@@ -828,10 +829,10 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
         frozen(x)                                               # a frozen teacher: forwarded, never rewritten
     t._note_targets()
     assert t.targets_moved == ["Sequential", "Sequential"]
-    moved = [e for e in t._target_versions if e[1] is None]
-    # judged once each, in order; the critic an optimizer holds is no candidate at all
-    assert [e[0]() for e in moved] == [polyak, copied, by_hand]
-    assert all(e[0]() is not critic for e in t._target_versions)
+    # judged once each, in order; the model trained by hand is forgotten once judged; the critic an optimizer
+    # holds is no candidate at all
+    assert [e.ref() for e in t._watched] == [polyak, copied, frozen]
+    assert [e.state for e in t._watched] == ["moving", "moving", "watching"]
     # the nearest wrong variant: a copy made before the first step is the starting point, not a move
     late = copy.deepcopy(critic)
     t2 = _targets(late)
@@ -850,9 +851,10 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
 
 
 def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
-    """Once a target is judged by its versions, each later rewrite is a sync at the step boundary that first sees
-    it: a hard copy every 4 steps gives those steps, a Polyak average every step gives every step; the critic an
-    optimizer trains gives none."""
+    """Each rewrite of a target is a sync at the step boundary that first sees it, as long as the rewrites are
+    copies now and then: a hard copy every 4 steps gives those steps. An average every step, or every other step
+    (the nearest wrong reading: each of its moves an event), gives none; the critic an optimizer trains gives
+    none."""
     import copy
 
     import torch
@@ -876,9 +878,11 @@ def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
                         pt.mul_(0.5).add_(pc, alpha=0.5)
         t.steps_done = 13
         t._note_targets()
+        t._read_targets()
         return t.target_syncs
     assert run(hard, 4) == [4, 8, 12]
-    assert run(polyak, 1) == list(range(2, 14))
+    assert run(polyak, 1) == []
+    assert run(copy.deepcopy(critic), 2) == []
     # an agent that keeps its target beside its online network in one module (the root the forward reaches):
     # the part no optimizer holds is the candidate, not the root the optimizer trains
     agent = torch.nn.ModuleDict({"q": torch.nn.Linear(4, 2), "q_target": torch.nn.Linear(4, 2)})
@@ -892,26 +896,26 @@ def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
         opt2.step()
         if step % 4 == 0:
             agent["q_target"].load_state_dict(agent["q"].state_dict())
+    t._read_targets()
     assert t.targets_moved == ["Linear"] and t.target_syncs == [5, 9]
 
 
 def test_targets_written_through_data_are_seen_by_their_values():
-    """``target.data.copy_(...)`` bumps no version counter: the values tell, compared on the device at the sampled
-    steps and read once after the run. Beside them, the nearest wrong readings: a model trained by hand through
-    ``.data`` (it has gradients), one forwarded and never written, and one written only between two steps no read
-    compares (a value that came back)."""
+    """``target.data.copy_(...)`` bumps no version counter: the values tell, compared on the device with those of
+    the step before at every step, and read once after the run. A hard copy through ``.data`` every 10 steps (as
+    tianshou and cleanrl copy) gives its syncs; a Polyak average through ``.data`` is a target with none. Beside
+    them, the nearest wrong readings: a model trained by hand through ``.data`` (it has gradients), and one
+    forwarded and never written."""
     import copy
 
     import torch
-
-    from fastgrad.diagnose.collect.buffers import sampled
     torch.manual_seed(0)
     critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    polyak, hard, by_hand, still, undone = (copy.deepcopy(critic) for _ in range(5))
+    polyak, hard, by_hand, still = (copy.deepcopy(critic) for _ in range(4))
     opt = torch.optim.SGD(critic.parameters(), lr=0.1)
-    t = _targets(critic, polyak, hard, by_hand, still, undone, opts=[opt])
+    t = _targets(critic, polyak, hard, by_hand, still, opts=[opt])
     x = torch.randn(16, 4)
-    for step in range(1, 41):
+    for step in range(1, 42):
         t.steps_done = step
         t._note_targets()
         opt.zero_grad()
@@ -922,25 +926,86 @@ def test_targets_written_through_data_are_seen_by_their_values():
             p.data.add_(p.grad, alpha=-0.1)                     # a hand-written update through .data
         for pt, pc in zip(polyak.parameters(), critic.parameters()):
             pt.data.copy_(0.9 * pt.data + 0.1 * pc.data)        # Polyak averaging, the cleanrl way
-        if step == 20:
+        if step % 10 == 0:
             for pt, pc in zip(hard.parameters(), critic.parameters()):
                 pt.data.copy_(pc.data)                          # a hard copy now and then
-        if step == 9:
-            saved = undone[0].weight.data.clone()
-            undone[0].weight.data.add_(1.0)                     # written at a step no read compares...
-        if step == 10:
-            undone[0].weight.data.copy_(saved)                  # ...and put back before the next read
         still(x)
-    assert not sampled(10) and sampled(16)                      # the premise of `undone`
     assert t.targets_moved == []                                # nothing bumped a version of a target
     t._read_targets()
     assert t.targets_moved == ["Sequential", "Sequential"]
-    judged = [e[0]() for e in t._target_versions if e[1] is None]
-    assert judged == [polyak, hard, by_hand]
+    assert [e.ref() for e in t._watched if e.state == "moving"] == [polyak, hard]
+    assert t.target_syncs == [11, 21, 31, 41]                   # the copies made after steps 10, 20, ...
     assert t.errors == []
     # a model on the meta device holds no values to compare: none taken, and nothing to read after the run
     from fastgrad.diagnose.collect.targets import _values
     assert _values(list(torch.nn.Linear(2, 2, device="meta").parameters())) is None
+
+
+def test_a_target_passed_to_a_policys_forward_is_a_candidate():
+    """tianshou keeps its target network beside the policy, not in it, and passes it to the policy's forward
+    (``policy(batch, model=self.model_old)``): a module that ran inside a root's forward but is no part of it.
+    The watcher records it; the largest such module no optimizer holds is the candidate (its wrapper, not each of
+    its layers), and its copies through ``.data`` are its syncs. The nearest wrong variant, roots only, sees no
+    target at all."""
+    import copy
+
+    import torch
+
+    from fastgrad.diagnose.collect.watch import ForwardWatcher
+
+    class Lagged(torch.nn.Module):          # a wrapper that keeps the target in eval mode
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+        def forward(self, x):
+            return self.module(x)
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+        def forward(self, x, model=None):
+            return (self.model if model is None else model)(x)
+
+    torch.manual_seed(0)
+    policy = Policy()
+    lagged = Lagged(copy.deepcopy(policy.model))
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    x, r = torch.randn(16, 4), torch.randn(16)
+    w = ForwardWatcher()
+    try:
+        t = _targets(opts=[opt])
+        t.watcher = w
+        for step in range(1, 26):
+            if step % 8 == 0:
+                for pt, ps in zip(lagged.parameters(), policy.model.parameters()):
+                    pt.data.copy_(ps.data)                      # tianshou's full_parameter_update
+            with torch.no_grad():
+                target = r + 0.9 * policy(x, model=lagged).max(1).values
+            loss = (policy(x).max(1).values - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            t.steps_done = step                                 # the checker's step boundary
+            t._note_targets()
+    finally:
+        w.remove()
+    assert [e.ref() for e in t._watched] == [lagged]
+    # a target gone before the run's end (a test function's agent, freed as the next test starts) is still read
+    import gc
+    del lagged, target
+    gc.collect()
+    assert t._watched[0].ref() is None
+    t.steps_done = 26
+    t._note_targets()
+    t._read_targets()
+    assert t.targets_moved == ["Lagged"] and t.target_syncs == [8, 16, 24]
+    w._loose = []                                               # roots only: no candidate
+    t2 = _targets(policy, opts=[opt])
+    t2._note_targets()
+    assert t2._watched == []
 
 
 def _rise_view(targets=(), far_at=None, rewrite=False):

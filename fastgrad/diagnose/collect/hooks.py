@@ -78,11 +78,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._series = IdentityMap()  # optimizer -> its series number
         self.series_names: list[str] = []
         self._opt_refs: list = []
-        self._target_versions: list = []  # (root module, its parameters' version counters) per root (targets.py)
-        self._targets_seen = 0
-        self.targets_moved: list[str] = []  # roots the script rewrote in place, trained by no optimizer
-        self.target_syncs: list[int] = []  # steps at whose boundary such a root had been rewritten since the last
-        self._syncing: list = []  # [weak ref, versions] of each target judged by its versions
+        self._targets_init()  # target networks the run moves (targets.py)
         self.series_lr: list[float | None] = []
         self.series_sched: list[str | None] = []  # the script's scheduler variable per series
         self.series_maximize: list[bool] = []     # an optimizer built with maximize=True, per series

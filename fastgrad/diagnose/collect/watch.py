@@ -94,6 +94,9 @@ class ForwardWatcher:
         self._root_inputs = IdentityMap()  # root module -> the mid of its input
         self._inputs: set[int] = set()  # ids (mid) that stand for a root's input
         self._ran: set[int] = set()  # mids of the modules whose forward finished at least once (host only)
+        # modules that ran inside a root's forward but are no part of any root seen (a target network an agent
+        # passes to its policy's forward: tianshou's ``model_old``), in the order first seen (host only)
+        self._loose: list[weakref.ref] = []
         if model is not None:
             self._roots.append(weakref.ref(model))
             for name, m in model.named_modules():
@@ -146,8 +149,9 @@ class ForwardWatcher:
     def _global_post(self, module, args, output) -> None:
         self._depth = max(0, self._depth - 1)
         mid = self._ids.get(module)
-        if mid is None:  # created after its root was first named
+        if mid is None:  # created after its root was first named, or no part of it
             mid = self._register(module, f"<unnamed {type(module).__name__}>")
+            self._loose.append(weakref.ref(module))
         self._observe(mid, output)
 
     def _make_hook(self, mid: int):
