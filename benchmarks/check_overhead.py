@@ -1,7 +1,7 @@
 """What ``python -m fastgrad.check`` adds to a training step on the host: the same small training script run
 plainly (``runpy``) and under the checker (``fastgrad.diagnose.run.run_script``), in one process, alternating.
 
-    python benchmarks/check_overhead.py [--steps 200] [--rounds 5] [--json out.json]
+    python benchmarks/check_overhead.py [--script classifier|agent] [--steps 200] [--rounds 5] [--json out.json]
 
 The script is a classifier (8 Linear layers of 256, GELU, AdamW, ``F.cross_entropy``; a scalar loss, one
 backward and one step per iteration): per step, the checker's hooks on every module's forward, the backward
@@ -10,6 +10,10 @@ interceptor (the loss's graph read on the host), the optimizer-step reads and th
 one thread computes in the calling thread, and the checker's work is host work there: on a shared machine the
 thread time is the one that other jobs do not inflate); the table gives the minimum and median over the rounds
 of each side and their difference. The final reads and the report, once per run, are counted apart.
+
+``--script agent``: the same network as a Q-learner's online network beside a target network that no optimizer
+holds, forwarded under ``torch.no_grad`` for a TD target and copied through ``.data`` every 50 steps (the way
+tianshou and cleanrl copy): the checker's per-step watch of a target's values is in its time.
 """
 
 from __future__ import annotations
@@ -52,9 +56,40 @@ for step in range({steps}):
 TIMES.append((time.perf_counter() - t0, time.thread_time() - c0))
 '''
 
+AGENT = '''
+import copy
+import time
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+layers = []
+for _ in range(8):
+    layers += [nn.Linear(256, 256), nn.GELU()]
+q = nn.Sequential(*layers, nn.Linear(256, 10))
+target = copy.deepcopy(q)
+opt = torch.optim.AdamW(q.parameters(), lr=1e-3)
+obs, nxt = torch.randn(64, 256), torch.randn(64, 256)
+act, rew = torch.randint(0, 10, (64,)), torch.randn(64)
+t0, c0 = time.perf_counter(), time.thread_time()
+for step in range({steps}):
+    if step % 50 == 0:
+        for pt, p in zip(target.parameters(), q.parameters()):
+            pt.data.copy_(p.data)
+    with torch.no_grad():
+        y = rew + 0.99 * target(nxt).max(1).values
+    loss = (q(obs).gather(1, act[:, None]).squeeze(1) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+TIMES.append((time.perf_counter() - t0, time.thread_time() - c0))
+'''
+SCRIPTS = {"classifier": SCRIPT, "agent": AGENT}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--script", choices=sorted(SCRIPTS), default="classifier")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
@@ -65,7 +100,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "train.py"
-        path.write_text(SCRIPT.format(steps=a.steps))
+        path.write_text(SCRIPTS[a.script].format(steps=a.steps))
         plain, checked, plain_cpu, checked_cpu, report = [], [], [], [], []
         import builtins
         for _ in range(a.rounds + 1):   # the first round of each side warms up, not counted
@@ -88,13 +123,13 @@ def main(argv=None) -> int:
                                 text=True).stdout.strip()
     except OSError:
         commit = "?"
-    row = {"commit": commit, "steps": a.steps, "rounds": a.rounds, "threads": a.threads,
+    row = {"commit": commit, "script": a.script, "steps": a.steps, "rounds": a.rounds, "threads": a.threads,
            "plain_ms": [1e3 * v for v in plain], "checked_ms": [1e3 * v for v in checked],
            "plain_cpu_ms": [1e3 * v for v in plain_cpu], "checked_cpu_ms": [1e3 * v for v in checked_cpu],
            "report_ms": [1e3 * v for v in report], "torch": torch.__version__, "machine": platform.node()}
     mn = lambda v: 1e3 * min(v)  # noqa: E731
     md = lambda v: 1e3 * statistics.median(v)  # noqa: E731
-    print(f"commit {commit}, {a.steps} steps x {a.rounds} rounds, {a.threads} thread(s), torch {torch.__version__}")
+    print(f"commit {commit}, script {a.script}, {a.steps} steps x {a.rounds} rounds, {a.threads} thread(s), torch {torch.__version__}")
     print("| per step | min ms | median ms |\n|---|---|---|")
     print(f"| plain | {mn(plain):.3f} | {md(plain):.3f} |")
     print(f"| under check | {mn(checked):.3f} | {md(checked):.3f} |")
