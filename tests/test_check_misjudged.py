@@ -852,9 +852,9 @@ def test_moving_targets_are_models_rewritten_in_place_that_no_optimizer_trains()
 
 def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
     """Each rewrite of a target is a sync at the step boundary that first sees it, as long as the rewrites are
-    copies now and then: a hard copy every 4 steps gives those steps. An average every step, or every other step
-    (the nearest wrong reading: each of its moves an event), gives none; the critic an optimizer trains gives
-    none."""
+    copies now and then: a hard copy every 10 steps gives those steps. An average every step, or every 5th step
+    (the nearest wrong reading: each of its moves an event; REDQ's, whose five optimizers share the step count),
+    gives none; the critic an optimizer trains gives none."""
     import copy
 
     import torch
@@ -864,9 +864,9 @@ def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
     opt = torch.optim.SGD(critic.parameters(), lr=0.1)
     x = torch.randn(16, 4)
 
-    def run(target, every):
+    def run(target, every, steps=40):
         t = _targets(critic, target, opts=[opt])
-        for step in range(1, 13):
+        for step in range(1, steps + 1):
             t.steps_done = step
             t._note_targets()
             opt.zero_grad()
@@ -876,28 +876,29 @@ def test_a_targets_copies_are_recorded_at_the_steps_they_happened():
                 with torch.no_grad():
                     for pt, pc in zip(target.parameters(), critic.parameters()):
                         pt.mul_(0.5).add_(pc, alpha=0.5)
-        t.steps_done = 13
+        t.steps_done = steps + 1
         t._note_targets()
         t._read_targets()
         return t.target_syncs
-    assert run(hard, 4) == [4, 8, 12]
+    assert run(hard, 10) == [4, 14, 24, 34]
     assert run(polyak, 1) == []
-    assert run(copy.deepcopy(critic), 2) == []
+    assert run(copy.deepcopy(critic), 5) == []
+    assert run(copy.deepcopy(critic), 9, steps=90) == []      # the rule's line: one move in ten steps at most
     # an agent that keeps its target beside its online network in one module (the root the forward reaches):
     # the part no optimizer holds is the candidate, not the root the optimizer trains
     agent = torch.nn.ModuleDict({"q": torch.nn.Linear(4, 2), "q_target": torch.nn.Linear(4, 2)})
     opt2 = torch.optim.Adam(agent["q"].parameters(), lr=1e-3)
     t = _targets(agent, opts=[opt2])
-    for step in range(1, 10):
+    for step in range(1, 30):
         t.steps_done = step
         t._note_targets()
         opt2.zero_grad()
         agent["q"](x).pow(2).mean().backward()
         opt2.step()
-        if step % 4 == 0:
+        if step % 10 == 0:
             agent["q_target"].load_state_dict(agent["q"].state_dict())
     t._read_targets()
-    assert t.targets_moved == ["Linear"] and t.target_syncs == [5, 9]
+    assert t.targets_moved == ["Linear"] and t.target_syncs == [11, 21]
 
 
 def test_targets_written_through_data_are_seen_by_their_values():
@@ -978,8 +979,8 @@ def test_a_target_passed_to_a_policys_forward_is_a_candidate():
     try:
         t = _targets(opts=[opt])
         t.watcher = w
-        for step in range(1, 26):
-            if step % 8 == 0:
+        for step in range(1, 32):
+            if step % 10 == 0:
                 for pt, ps in zip(lagged.parameters(), policy.model.parameters()):
                     pt.data.copy_(ps.data)                      # tianshou's full_parameter_update
             with torch.no_grad():
@@ -998,10 +999,10 @@ def test_a_target_passed_to_a_policys_forward_is_a_candidate():
     del lagged, target
     gc.collect()
     assert t._watched[0].ref() is None
-    t.steps_done = 26
+    t.steps_done = 32
     t._note_targets()
     t._read_targets()
-    assert t.targets_moved == ["Lagged"] and t.target_syncs == [8, 16, 24]
+    assert t.targets_moved == ["Lagged"] and t.target_syncs == [10, 20, 30]
     w._loose = []                                               # roots only: no candidate
     t2 = _targets(policy, opts=[opt])
     t2._note_targets()

@@ -45,8 +45,10 @@ VALUE_PARAMS, VALUE_ELEMS = 8, 16
 #: candidates whose values are compared at every step (a few device ops each); later ones by versions only
 VALUE_WATCH = 8
 #: a target that moved at no more than one step in this many is copied now and then, each move an event its loss
-#: may jump at (a DQN's hard copy every N steps); one that moved more often is averaged (Polyak)
-HARD_COPY_EVERY = 4
+#: may jump at (a DQN's hard copy every N steps: hundreds in tianshou, cleanrl, minimalRL); one that moved more
+#: often is averaged (Polyak). Steps are the run's, counted over all its optimizers: an agent with five (an
+#: actor, a critic ensemble) that averages its targets at each critic update moves them at one step in five
+HARD_COPY_EVERY = 10
 
 
 def _values(ps) -> torch.Tensor | None:
