@@ -251,16 +251,107 @@ def test_no_optimizer_step_exit_4(tmp_path, capsys):
     assert "no optimizer here" in capsys.readouterr().out
 
 
-def test_training_in_child_processes_is_named_as_the_reason_nothing_was_read(tmp_path):
-    # A3C's workers step a shared model in processes of their own; the parent never calls backward()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "fastgrad.check", "--out", str(tmp_path / "o"),
-                        str(SCRIPTS / "trains_in_children.py")], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+def _check_cli(tmp_path, *argv, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+    p = subprocess.run([sys.executable, "-m", "fastgrad.check", "--out", str(tmp_path / "o"), *argv], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    return p, json.loads((tmp_path / "o" / "report.json").read_text())
+
+
+def test_training_in_child_processes_is_read_there(tmp_path):
+    """A3C's workers step a shared model in processes of their own; the parent never calls backward(). Each
+    worker whose function is the script's runs under a checker of its own, and the report is the first's: its 5
+    steps, said to be a child's; the first that trained, after an evaluator that did not. The nearest wrong
+    reading, the parent's empty run, is NOT CHECKED (exit 4); so is
+    a function of a library's (``--foreign``), which check leaves alone, and then says why nothing was read."""
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(r["steps"]) == 5 and "not_checked" not in [f["code"] for f in r["findings"]]
+    assert "in child process 1, the first the script started that trained" in \
+        next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--evaluator-first")
+    assert p.returncode == 0 and len(r["steps"]) == 5, p.stderr[-3000:]
+    assert "in child process 2" in next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--foreign")
     assert p.returncode == 4, p.stderr[-3000:]
-    f = json.loads((tmp_path / "o" / "report.json").read_text())["findings"]
-    nc = next(x for x in f if x["code"] == "not_checked")
+    nc = next(x for x in r["findings"] if x["code"] == "not_checked")
     assert "started 2 child process(es)" in nc["detail"] and "no backward() call was seen" not in nc["detail"]
+
+
+def test_ddp_started_by_spawn_is_read_on_rank_0_as_a_plain_run_records_it(tmp_path):
+    """torch.multiprocessing.spawn pickles the script's function into fresh interpreters (through torch's own
+    ``_wrap``): rank 0's steps are read there, and its losses are those the same script records run without
+    check, bit for bit. ``--steps`` stops each rank quietly at that step: the parent's spawn sees no failure."""
+    import socket
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return str(s.getsockname()[1])
+    plain = tmp_path / "plain.json"
+    env = dict(os.environ, LOSSES=str(plain))
+    subprocess.run([sys.executable, str(SCRIPTS / "trains_in_spawned_ddp.py"), port()], env=env, check=True,
+                   timeout=300, capture_output=True)
+    want = json.loads(plain.read_text())
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_spawned_ddp.py"), port())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [s["loss"] for s in r["steps"]] == want and len(want) == 25
+    p, r = _check_cli(tmp_path, "--steps", "7", str(SCRIPTS / "trains_in_spawned_ddp.py"), port())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(r["steps"]) == 7 and r["stopped_by_steps"] and not r["crashed"]
+
+
+def test_a_forked_child_drops_its_parents_checker_before_its_own(tmp_path):
+    """A forked child inherits its parent's installed checker (its patches and global hooks, a copy): it is removed
+    before the child's own is installed, so each backward and step is read once, by the child's. Called in
+    process here, as a fork would run it; the nearest wrong variant stacks the child's patches on the parent's."""
+    import pickle
+
+    from fastgrad.diagnose.collect.hooks import Checker
+    from fastgrad.diagnose.run import _ACTIVE, CheckedChild
+    orig_backward = torch.Tensor.backward
+    parent = Checker(None, 64)
+    parent.install()
+    _ACTIVE.append(parent)
+    seen = {}
+
+    def train():
+        seen["wrapped_once"] = torch.Tensor.backward.__wrapped__ is orig_backward
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            opt.step()
+    try:
+        CheckedChild(train, 0, str(tmp_path), str(tmp_path / "train.py"), [], None, 64, None)()
+    finally:
+        parent.remove()
+        _ACTIVE.clear()
+    assert seen["wrapped_once"] and torch.Tensor.backward is orig_backward
+    result = pickle.loads((tmp_path / "child-0.pkl").read_bytes())
+    assert len(result.steps) == 3 and parent.steps_done == 0
+
+
+def test_only_the_scripts_own_functions_are_run_under_a_checker_in_a_child(tmp_path):
+    """A DataLoader's workers and an environment's run a library's function: never wrapped. The script's own:
+    defined in its ``__main__``, or in a module beside it, or through a ``functools.partial``."""
+    import functools
+    import types
+
+    from torch.utils.data._utils.worker import _worker_loop
+
+    from fastgrad.diagnose.collect.children import script_function
+    here = str(tmp_path)
+    assert not script_function(_worker_loop, here)
+    beside = types.FunctionType(compile("def f():\n    pass\n", str(tmp_path / "workers.py"), "exec").co_consts[0],
+                                {})
+    beside.__module__ = "workers"
+    assert script_function(beside, here) and script_function(functools.partial(beside), here)
+    assert not script_function(beside, str(tmp_path / "other"))
+    own = types.FunctionType(beside.__code__, {})
+    own.__module__ = "__mp_main__"
+    assert script_function(own, "")
 
 
 def test_usage_errors_exit_2(tmp_path, capsys):

@@ -133,6 +133,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "moving_targets": list(getattr(chk, "targets_moved", [])),
                        "environment": environment_module(),
                        "target_syncs": list(getattr(chk, "target_syncs", [])),
+                       "child": getattr(chk, "child_index", None),
                        "saturation": list(getattr(chk, "saturation", [])),
                        "decay": dict(getattr(chk, "decay", {})),
                        "live": dict(getattr(chk, "live", {})), "frozen": list(getattr(chk, "frozen", {})),
@@ -397,7 +398,9 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     rows.append(("Steps checked", f"{n}{what}" + (f" ({run.amp_skipped} skipped by the GradScaler)"
                                                   if run.amp_skipped else "")
                  + (f" ({ng} skipped by the step guard" + (": the run is protected)" if _protected(findings)
-                                                           else ")") if ng else "") + (" (stopped by --steps)" if stopped else ""),
+                                                           else ")") if ng else "") + (" (stopped by --steps)" if stopped else "")
+                 + (f" (in child process {run.ctx['child'] + 1}, the first the script started that trained; the "
+                    "others ran beside it unread)" if run.ctx.get("child") is not None else ""),
                  "healthy" if n else "warning"))
     for k, recs in per.items():
         sfx = f" [{names[k]}]" if run.multi else ""

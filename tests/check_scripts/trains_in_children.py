@@ -1,4 +1,10 @@
-"""Training only in child processes (the A3C pattern: workers step a shared model); the parent steps nothing."""
+"""Training only in child processes (the A3C pattern: workers step a shared model); the parent steps nothing.
+``--foreign``: the workers' function as a library's would be (another module, a file outside the script's
+folder), which check does not run under a checker of its own. ``--evaluator-first``: the first process started
+only evaluates the shared model (ikostrikov/pytorch-a3c starts its test process first)."""
+import sys
+import types
+
 import torch
 import torch.multiprocessing as mp
 
@@ -13,10 +19,22 @@ def train(model, rank):
         opt.step()
 
 
+def evaluate(model):
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 4))
+
+
 if __name__ == "__main__":
+    target = train
+    if "--foreign" in sys.argv:
+        target = types.FunctionType(train.__code__.replace(co_filename="/elsewhere/workers.py"), globals(), "train")
+        target.__module__ = "elsewhere"
     model = torch.nn.Linear(4, 1)
     model.share_memory()
-    procs = [mp.Process(target=train, args=(model, r)) for r in range(2)]
+    procs = [mp.Process(target=target, args=(model, r)) for r in range(2)]
+    if "--evaluator-first" in sys.argv:
+        procs.insert(0, mp.Process(target=evaluate, args=(model,)))
     for p in procs:
         p.start()
     for p in procs:

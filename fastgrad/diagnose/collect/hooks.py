@@ -35,6 +35,7 @@ from ...guard import StepGuard
 from ..thresholds import RunLimits
 from .bookkeeping import StepBookkeeping
 from .buffers import BufferReader
+from .children import ChildProcesses
 from .identity import IdentityMap
 from .interceptors import ABSENT, RedFlagInterceptors, scaler_classes
 from .loss_inputs import criterion_sign, loss_node, probability_rows, softmax_made
@@ -52,7 +53,7 @@ __all__ = ["Checker", "StopCheck"]
 
 
 class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, RedFlagInterceptors,
-              ManualLoopReader, RankRecorder, BufferReader, MovingTargets, SaturationReader):
+              ManualLoopReader, RankRecorder, BufferReader, MovingTargets, SaturationReader, ChildProcesses):
     """The hooks and interceptors of one checked run (its state, what it installs, the backward interceptor).
     ``install()``/``remove()`` bracket the script; each step is closed by ``StepBookkeeping`` and the run read
     by ``RunReadout.finish()``."""
@@ -86,7 +87,7 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self.loss_signs = {"calls": 0, "negated": 0, "kept": 0, "node": None}
         self.optimizers_made = 0
         self.stop_raised = False  # --steps stopped the script (whatever it did with the StopCheck after)
-        self.processes_started = 0  # child processes the script started (multiprocessing, torch.multiprocessing)
+        self._children_init()  # processes the script trains in (children.py)
         # red-flag state (host only: never depends on device values)
         self.steps_done = 0
         self._bw = 0              # backward calls since the last step
@@ -181,10 +182,11 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patch(torch.optim.Optimizer, "__init__", functools.partial(self._wrap_counting, "optimizers_made"))
-        # a script that trains in processes it starts itself (A3C's workers): what they step is not read here
+        # a script that trains in processes it starts itself (A3C's workers): counted, and the script's own
+        # handed to a checker of their own (children.py)
         import multiprocessing.process as mp_process
 
-        self._patch(mp_process.BaseProcess, "start", functools.partial(self._wrap_counting, "processes_started"))
+        self._patch(mp_process.BaseProcess, "start", self._wrap_start)
         self._patch(torch.nn.Module, "zero_grad", self._wrap_zero_grad)
         for cls in scaler_classes():
             self._patch_scaler(cls)

@@ -92,8 +92,8 @@ class RedFlagInterceptors:
         self._undo.append((base, "__init_subclass__", orig if had else ABSENT))
 
     def _wrap_counting(self, counter: str, orig):
-        """``orig``, counting its calls in the checker's attribute ``counter`` (the optimizers the script makes,
-        the processes it starts)."""
+        """``orig``, counting its calls in the checker's attribute ``counter`` (the optimizers the script
+        makes)."""
         chk = self
 
         def counted(obj, *args, **kwargs):
