@@ -261,7 +261,8 @@ def _check_cli(tmp_path, *argv, env_extra=None):
 def test_training_in_child_processes_is_read_there(tmp_path):
     """A3C's workers step a shared model in processes of their own; the parent never calls backward(). Each
     worker whose function is the script's runs under a checker of its own, and the report is the first's: its 5
-    steps, said to be a child's; the first that trained, after an evaluator that did not. The nearest wrong
+    steps, said to be a child's; the first that trained, after an evaluator that did not; where every worker
+    crashed (and the parent ended well), the first crash. The nearest wrong
     reading, the parent's empty run, is NOT CHECKED (exit 4); so is
     a function of a library's (``--foreign``), which check leaves alone, and then says why nothing was read."""
     p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"))
@@ -272,6 +273,12 @@ def test_training_in_child_processes_is_read_there(tmp_path):
     p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--evaluator-first")
     assert p.returncode == 0 and len(r["steps"]) == 5, p.stderr[-3000:]
     assert "in child process 2" in next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--workers-fail")
+    assert p.returncode == 3, p.stderr[-3000:]
+    crash = next(x for x in r["findings"] if x["code"] == "script_crashed")
+    assert crash["severity"] == "critical" and "expected np.ndarray (got tuple)" in crash["detail"]
+    assert "in child process 1, which crashed" in next(x["value"] for x in r["summary"]
+                                                      if x["metric"] == "Steps checked")
     p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--foreign")
     assert p.returncode == 4, p.stderr[-3000:]
     nc = next(x for x in r["findings"] if x["code"] == "not_checked")

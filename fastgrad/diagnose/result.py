@@ -395,12 +395,14 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
     if run.multi:
         what += " (" + ", ".join(f"{names[k]}: {len(per[k])}" for k in per) + ")"
     ng = len(run.guarded)
+    crashed_child = run.crashed and not n
     rows.append(("Steps checked", f"{n}{what}" + (f" ({run.amp_skipped} skipped by the GradScaler)"
                                                   if run.amp_skipped else "")
                  + (f" ({ng} skipped by the step guard" + (": the run is protected)" if _protected(findings)
                                                            else ")") if ng else "") + (" (stopped by --steps)" if stopped else "")
-                 + (f" (in child process {run.ctx['child'] + 1}, the first the script started that trained; the "
-                    "others ran beside it unread)" if run.ctx.get("child") is not None else ""),
+                 + (f" (in child process {run.ctx['child'] + 1}, "
+                    + ("which crashed" if crashed_child else "the first the script started that trained")
+                    + "; the others ran beside it unread)" if run.ctx.get("child") is not None else ""),
                  "healthy" if n else "warning"))
     for k, recs in per.items():
         sfx = f" [{names[k]}]" if run.multi else ""

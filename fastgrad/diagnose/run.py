@@ -100,14 +100,14 @@ class CheckedChild:
 
 
 def _first_child(folder: str) -> CheckResult | None:
-    """The result of the first child process (in the order started) that read steps, or None."""
+    """The result of the first child process (in the order started) that read steps; where none did, of the
+    first that crashed (the workers of a script whose parent ends well can all fail); else None."""
     done = sorted((int(n[6:-4]), n) for n in os.listdir(folder) if n.startswith("child-") and n.endswith(".pkl"))
+    results = []
     for _, name in done:
         with open(os.path.join(folder, name), "rb") as f:
-            result = pickle.load(f)
-        if result.steps:
-            return result
-    return None
+            results.append(pickle.load(f))
+    return next((r for r in results if r.steps), None) or next((r for r in results if r.crashed), None)
 
 
 def run_script(script: str, args: list[str], *, steps: int | None = None, flush_every: int = 64,
