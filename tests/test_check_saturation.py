@@ -71,8 +71,12 @@ def test_an_initialisation_that_saturates_a_tanh_stack_is_named_with_the_shares_
     f = r["json"]["findings"][0]
     assert f["code"] == "saturated_at_init" and f["steps"] == [1]
     assert f["evidence"]["layers"] == pytest.approx(truth, abs=1e-6)
-    losses = [s["loss"] for s in r["truth"]["steps"]]
-    assert losses[-1] > 0.9 * losses[0]                     # it barely learns
+    def gain(run_):   # the mean loss of the last 5 steps against the first 5's, from the plain hook
+        losses = [s["loss"] for s in run_["truth"]["steps"]]
+        return 1 - sum(losses[-5:]) / sum(losses[:5])
+    # it barely learns: less than half of what its in-range twin learns (on one machine 13% against 61%; the
+    # premise once read "its last loss within 10% of its first", which another CPU's floats broke at 12%)
+    assert gain(r) < 0.5 * gain(run(tmp_path_factory, "--scale", "1"))
     # its tier is the stall rule's verdict on the same run (whether the loss improved against its noise: on a
     # network this saturated, training is chaotic enough that the thread count can tip it either way)
     stalled = "stall" in codes(r)

@@ -77,7 +77,7 @@ LAYERS: list[list[str]] = [
     ["fastgrad.diagnose.collect.interceptors", "fastgrad.diagnose.collect.manual",
      "fastgrad.diagnose.collect.naming", "fastgrad.diagnose.collect.optimizer_hooks",
      "fastgrad.diagnose.collect.bookkeeping", "fastgrad.diagnose.collect.readout", "fastgrad.diagnose.collect.buffers",
-     "fastgrad.diagnose.collect.logs", "fastgrad.diagnose.collect.targets",
+     "fastgrad.diagnose.collect.logs", "fastgrad.diagnose.collect.targets", "fastgrad.diagnose.collect.children",
      "fastgrad.diagnose.collect.saturation"],
     ["fastgrad.diagnose.collect.ranks"],
     ["fastgrad.diagnose.collect.hooks"],
