@@ -283,6 +283,13 @@ def test_training_in_child_processes_is_read_there(tmp_path):
     assert p.returncode == 4, p.stderr[-3000:]
     nc = next(x for x in r["findings"] if x["code"] == "not_checked")
     assert "started 2 child process(es)" in nc["detail"] and "no backward() call was seen" not in nc["detail"]
+    assert "none running a function of the script's own" in nc["detail"]
+    # children that ran the script's functions were read and trained nothing: said so, not "not seen"
+    p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--evaluators-only")
+    assert p.returncode == 4, p.stderr[-3000:]
+    nc = next(x for x in r["findings"] if x["code"] == "not_checked")
+    assert "the 2 that ran its own functions were read, and none reached an optimizer step" in nc["detail"]
+    assert "not seen" not in nc["detail"]
 
 
 def test_ddp_started_by_spawn_is_read_on_rank_0_as_a_plain_run_records_it(tmp_path):

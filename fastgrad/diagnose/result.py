@@ -120,6 +120,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                   zero_grad_calls=chk.zero_grad_calls, amp_skipped=chk.skipped,
                   optimizers_made=getattr(chk, "optimizers_made", 0), backward_calls=chk.backward_calls,
                   processes_started=getattr(chk, "processes_started", 0),
+                  processes_read=getattr(chk, "processes_wrapped", 0),
                   scalar_backward_calls=chk.scalar_backward_calls, errors=list(chk.errors), crashed=crashed,
                   crash_text=crash_text,
                   ctx={"scaler": getattr(chk, "scaler_used", False),

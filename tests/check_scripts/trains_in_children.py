@@ -2,7 +2,8 @@
 ``--foreign``: the workers' function as a library's would be (another module, a file outside the script's
 folder), which check does not run under a checker of its own. ``--evaluator-first``: the first process started
 only evaluates the shared model (ikostrikov/pytorch-a3c starts its test process first). ``--workers-fail``:
-every worker raises before its first step (a gym API its code predates), and the parent ends well anyway."""
+every worker raises before its first step (a gym API its code predates), and the parent ends well anyway.
+``--evaluators-only``: every process only evaluates the shared model; nothing trains anywhere."""
 import sys
 import types
 
@@ -36,6 +37,8 @@ if __name__ == "__main__":
     model = torch.nn.Linear(4, 1)
     model.share_memory()
     procs = [mp.Process(target=target, args=(model, r)) for r in range(2)]
+    if "--evaluators-only" in sys.argv:
+        procs = [mp.Process(target=evaluate, args=(model,)) for _ in range(2)]
     if "--evaluator-first" in sys.argv:
         procs.insert(0, mp.Process(target=evaluate, args=(model,)))
     for p in procs:

@@ -55,7 +55,8 @@ class RunView:
     zero_grad_calls: int = 0
     amp_skipped: int = 0
     optimizers_made: int = 0
-    processes_started: int = 0  # child processes the script started: their steps are not read
+    processes_started: int = 0  # child processes the script started
+    processes_read: int = 0     # of those, the ones that ran a function of the script's under a checker of their own
     backward_calls: int = 0
     scalar_backward_calls: int = 0
     errors: list[str] = field(default_factory=list)

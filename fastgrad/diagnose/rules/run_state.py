@@ -41,10 +41,15 @@ class NotChecked(Rule):
             why.append("no backward() call was seen (torch.autograd.grad and custom update rules are not watched)")
         elif not run.scalar_backward_calls and run.backward_calls:
             why.append(f"{run.backward_calls} backward() call(s), none on a scalar loss")
-        if kids:
-            why.append(f"the script started {run.processes_started} child process(es) (multiprocessing); "
-                       "check reads only the process it runs, so what those trained was not seen: check a "
-                       "version that trains in one process, or launch each training process with torchrun")
+        if kids and run.processes_read:
+            why.append(f"the script started {run.processes_started} child process(es) (multiprocessing); the "
+                       f"{run.processes_read} that ran its own functions were read, and none reached an optimizer "
+                       "step or a scalar backward()")
+        elif kids:
+            why.append(f"the script started {run.processes_started} child process(es) (multiprocessing), none "
+                       "running a function of the script's own (check reads a child that does), so what they "
+                       "trained was not seen: check a version that trains in one process or in its own "
+                       "functions, or launch each training process with torchrun")
         if run.errors:
             why.append("the checker failed to read the gradients: " + run.errors[0])
         return [Finding(self.code, "warning", "nothing could be checked",
