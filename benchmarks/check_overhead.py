@@ -34,7 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SCRIPT = '''
+# the network and optimizer both scripts train (the agent's online network is the classifier's)
+_NET = '''
+import copy
 import time
 import torch
 import torch.nn as nn
@@ -46,7 +48,9 @@ for _ in range(8):
     layers += [nn.Linear(256, 256), nn.GELU()]
 model = nn.Sequential(*layers, nn.Linear(256, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+'''
+
+SCRIPT = _NET + '''x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
 t0, c0 = time.perf_counter(), time.thread_time()
 for step in range({steps}):
     opt.zero_grad()
@@ -56,29 +60,17 @@ for step in range({steps}):
 TIMES.append((time.perf_counter() - t0, time.thread_time() - c0))
 '''
 
-AGENT = '''
-import copy
-import time
-import torch
-import torch.nn as nn
-
-torch.manual_seed(0)
-layers = []
-for _ in range(8):
-    layers += [nn.Linear(256, 256), nn.GELU()]
-q = nn.Sequential(*layers, nn.Linear(256, 10))
-target = copy.deepcopy(q)
-opt = torch.optim.AdamW(q.parameters(), lr=1e-3)
+AGENT = _NET + '''target = copy.deepcopy(model)
 obs, nxt = torch.randn(64, 256), torch.randn(64, 256)
 act, rew = torch.randint(0, 10, (64,)), torch.randn(64)
 t0, c0 = time.perf_counter(), time.thread_time()
 for step in range({steps}):
     if step % 50 == 0:
-        for pt, p in zip(target.parameters(), q.parameters()):
+        for pt, p in zip(target.parameters(), model.parameters()):
             pt.data.copy_(p.data)
     with torch.no_grad():
         y = rew + 0.99 * target(nxt).max(1).values
-    loss = (q(obs).gather(1, act[:, None]).squeeze(1) - y).pow(2).mean()
+    loss = (model(obs).gather(1, act[:, None]).squeeze(1) - y).pow(2).mean()
     opt.zero_grad()
     loss.backward()
     opt.step()

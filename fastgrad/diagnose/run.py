@@ -30,16 +30,48 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _COMPILE_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
-def _run_then_read_buffers(script: str, chk: Checker) -> dict:
-    """Run the script, then read its models' buffers while its objects still live: in the ``finally`` the
-    returned globals, or the frames of the exception in flight, still hold them."""
+def _read_buffers(chk: Checker, call):
+    """``call()``, then read the models' buffers while its objects still live: in the ``finally`` the returned
+    globals, or the frames of the exception in flight, still hold them."""
     try:
-        return runpy.run_path(script, run_name="__main__")
+        return call()
     finally:
         try:
             chk.buffers_at_end()
         except Exception as e:  # noqa: BLE001 - never change how the script ended
             chk.errors.append(f"could not read the buffers at the end: {e}")
+
+
+def _install(chk: Checker) -> None:
+    chk.install()
+    _ACTIVE.append(chk)
+
+
+def _uninstall(chk: Checker) -> None:
+    """Send a multi-process run's records to rank 0 (its script kept its default group), then remove every hook."""
+    try:
+        chk._rank_gather()
+    except Exception as e:  # noqa: BLE001
+        chk.errors.append(f"could not gather the ranks' norm records: {e}")
+    chk.remove()
+    _ACTIVE.clear()
+
+
+def _crash_text(e: BaseException) -> str:
+    # rich/colored exception texts carry ANSI escape codes: the report is Markdown and JSON
+    return _ANSI.sub("", "".join(traceback.format_exception_only(type(e), e))).strip()
+
+
+def _judged(chk: Checker, *, script: str, args: list[str], crashed: bool, crash_text: str | None, stopped: bool,
+            steps: int | None, policy: Policy | None) -> CheckResult:
+    """The result of a run that ended, read and judged."""
+    if chk.stop_raised and not stopped:
+        # the script caught the stop and ended its own way (pytest counts it a failed test and exits 1): the run
+        # was stopped by --steps, not crashed
+        stopped, crashed, crash_text = True, False, None
+    chk.finish()
+    return build_result(chk, script=script, args=args, crashed=crashed, crash_text=crash_text, stopped=stopped,
+                        max_steps=steps, policy=policy)
 
 
 class CheckedChild:
@@ -60,10 +92,9 @@ class CheckedChild:
         chk = Checker(self.steps, self.flush_every)
         chk.script_path, chk.child_index = self.script, self.index
         crashed, stopped, crash_text = False, False, None
-        chk.install()
-        _ACTIVE.append(chk)
+        _install(chk)
         try:
-            return self.fn(*args, **kwargs)
+            return _read_buffers(chk, lambda: self.fn(*args, **kwargs))
         except StopCheck:
             stopped = True
         except SystemExit as e:
@@ -71,26 +102,17 @@ class CheckedChild:
                 crashed, crash_text = True, f"the process exited with status {e.code!r}"
             raise
         except BaseException as e:
-            crashed = True
-            crash_text = _ANSI.sub("", "".join(traceback.format_exception_only(type(e), e))).strip()
+            crashed, crash_text = True, _crash_text(e)
             raise
         finally:
+            _uninstall(chk)
             self._leave(chk, crashed, crash_text, stopped)
 
     def _leave(self, chk: Checker, crashed: bool, crash_text: str | None, stopped: bool) -> None:
-        """Read the child's run and leave its result for the parent; a failure here never changes how it ends."""
+        """Leave the child's result for the parent; a failure here never changes how the child ends."""
         try:
-            try:
-                chk.buffers_at_end()
-                chk._rank_gather()
-            finally:
-                chk.remove()
-                _ACTIVE.clear()
-            if chk.stop_raised and not stopped:
-                stopped, crashed, crash_text = True, False, None
-            chk.finish()
-            result = build_result(chk, script=self.script, args=self.args, crashed=crashed, crash_text=crash_text,
-                                  stopped=stopped, max_steps=self.steps, policy=self.policy)
+            result = _judged(chk, script=self.script, args=self.args, crashed=crashed, crash_text=crash_text,
+                             stopped=stopped, steps=self.steps, policy=self.policy)
             path = os.path.join(self.folder, f"child-{self.index}.pkl")
             with open(path + ".tmp", "wb") as f:
                 pickle.dump(result, f)
@@ -124,14 +146,13 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     crashed, stopped, crash_text = False, False, None
-    chk.install()
-    _ACTIVE.append(chk)
+    _install(chk)
     try:
         with warnings.catch_warnings():
             # torch warns on calls of a torch.compile'd module while global module hooks exist: here those are
             # check's own (the forward watcher), not the script's, and the warning would repeat in its output
             warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
-            _run_then_read_buffers(script, chk)
+            _read_buffers(chk, lambda: runpy.run_path(script, run_name="__main__"))
     except StopCheck:
         stopped = True
     except SystemExit as e:
@@ -140,25 +161,13 @@ def run_script(script: str, args: list[str], *, steps: int | None = None, flush_
     except BaseException as e:  # noqa: BLE001 - any failure of the script is reported, not re-raised
         if isinstance(e, KeyboardInterrupt):
             raise
-        crashed = True
-        # rich/colored exception texts carry ANSI escape codes: the report is Markdown and JSON
-        crash_text = _ANSI.sub("", "".join(traceback.format_exception_only(type(e), e))).strip()
+        crashed, crash_text = True, _crash_text(e)
         traceback.print_exc()
     finally:
-        try:  # a multi-process run whose script kept its default group: the ranks' records go to rank 0 now
-            chk._rank_gather()
-        except Exception as e:  # noqa: BLE001
-            chk.errors.append(f"could not gather the ranks' norm records: {e}")
-        chk.remove()
-        _ACTIVE.clear()
+        _uninstall(chk)
         sys.argv, sys.path[:] = old_argv, old_path
-    if chk.stop_raised and not stopped:
-        # the script caught the stop and ended its own way (pytest counts it a failed test and exits 1): the run
-        # was stopped by --steps, not crashed
-        stopped, crashed, crash_text = True, False, None
-    chk.finish()
-    result = build_result(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text,
-                          stopped=stopped, max_steps=steps, policy=policy)
+    result = _judged(chk, script=script, args=list(args), crashed=crashed, crash_text=crash_text, stopped=stopped,
+                     steps=steps, policy=policy)
     try:
         if not result.steps and not crashed and chk.processes_wrapped:
             # the script trained only in the processes it started: the first of them that read steps speaks

@@ -60,7 +60,7 @@ def _params_listed(args, kwargs):
 
 class RedFlagInterceptors:
     """Wrappers of the clip functions, ``zero_grad``, ``GradScaler.scale/unscale_/step``, ``StepGuard.clip_``,
-    and the counted calls (``Optimizer.__init__``, ``Process.start``); each returns the replacement of ``orig``."""
+    and the counted calls (``Optimizer.__init__``); each returns the replacement of ``orig``."""
 
     def _patch_scaler(self, cls: type) -> None:
         # a subclass that overrides one of these (FSDP's ShardedGradScaler: scale and unscale_) needs its own
