@@ -623,6 +623,28 @@ def test_a_value_loss_that_rises_with_its_returns_is_no_harm_where_the_script_st
         assert p.returncode == 1 and ex["severity"] == "warning" and "loss_rose" in ex["evidence"]["harm"]
 
 
+@pytest.mark.parametrize("grad_rollout", [False, True])
+def test_an_on_policy_agents_rollouts_are_read_and_its_first_batches_are_new_data(tmp_path, grad_rollout):
+    """check counts the calls of a model made with gradients off between two steps: a PPO-style critic that
+    acts 128 times before each rollout's 128 steps has 128 at each rollout's first step and 0 elsewhere. Its
+    losses are then judged against those since the rollout began: the extreme batch at the fourth step of the
+    third rollout, 61x the fit to the rollout before, is no outlier on its own rollout's data, where fewer than
+    ten losses are known. The same run with its rollout collected with gradients on shows no rollout, and that
+    batch is an outlier (a warning: no clip bounded its update)."""
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "fastgrad.check", "--out", str(out), str(SCRIPTS / "ppo_rollouts.py"), "--env"]
+    env_vars = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd + (["--grad-rollout"] if grad_rollout else []), cwd=tmp_path, env=env_vars,
+                       capture_output=True, text=True, timeout=300)
+    j = json.loads((out / "report.json").read_text())
+    assert not j["crashed"], p.stderr[-3000:]
+    calls = [(s["step"], s["inference"]) for s in j["steps"] if s["inference"]]
+    assert calls == ([] if grad_rollout else [(1 + 128 * i, 128) for i in range(6)])
+    ex = next(f for f in j["findings"] if f["code"] == "exploding")
+    assert ("outlier_batch" in ex["evidence"]["harm"]) == grad_rollout and ("step 260 itself" in ex["detail"]) == \
+        grad_rollout, ex["detail"]
+
+
 def test_lightning_trainer(runs):
     # Lightning's automatic optimization always passes a closure
     r = runs["lightning"]

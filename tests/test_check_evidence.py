@@ -821,3 +821,62 @@ def test_the_cause_comes_first_whatever_its_rank():
     dead = Finding("dead", "warning", "dead", "", ["0.weight"])
     never = Finding("never_learns", "warning", "never", "", ["0.weight"], evidence={"zero": ["0.weight"]})
     assert [f.code for f in place_causes(link_causes([dead, never]))] == ["never_learns", "dead"]
+
+
+def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=None):
+    """An on-policy agent's critic: 6 rollouts, each fitted for 40 steps. A rollout brings returns the critic has
+    not fitted (its first batches' losses stand 5x above the fit to the rollout before, and its norms with
+    them); within it the loss comes back down. ``calls``: the calls of a model with gradients off before each
+    rollout's first step; ``every``: such calls before every other step too (a DQN acts before each). At
+    ``at`` (rollout, step within it) a norm 5x its level, and at the next step a loss 12x the fit to the
+    rollout before, above every loss of the rollout so far. ``outlier``: (rollout, step) of a batch whose loss is
+    100x the fit to the rollout before and whose norm is 30x its level (an extreme batch)."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+
+    steps = []
+    for p in range(6):
+        base = 1.0 + 0.2 * p
+        for j in range(40):
+            loss = base * (1.0 + 4.0 * math.exp(-j / 4)) * (1.0 + 0.05 * (j % 3))
+            norm = 20.0 * math.sqrt(loss / base) * (1.0 + 0.05 * (j % 4))
+            if (p, j) == at:
+                norm *= 5.0
+            if (p, j - 1) == at:
+                loss = 12.0 * base
+            if (p, j) == outlier:
+                loss, norm = 100.0 * base, 600.0
+            steps.append(StepRecord(step=len(steps) + 1, total_norm=norm, loss=loss, has_loss=True, numel=10,
+                                    inference=calls if j == 0 else every))
+    return RunView(steps=steps, ctx={"updates": [], "environment": env})
+
+
+def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
+    """DRL-Pytorch's PPO fits its critic to each new rollout's returns: the first batches of a rollout are new
+    to it, and their losses and norms stand far above its fit to the rollout before. A loss that jumps there
+    after a standing-out norm is the new data's, not that update's damage: each loss is compared with the losses
+    since the rollout began, not the level before it. A rollout is a burst of calls of the model with gradients
+    off before a step, in a run that steps an environment and whose other steps follow none. The nearest wrong
+    variants keep the harm: no environment, a model called before every step (a DQN), a burst one call short,
+    and a jump late in the rollout, on data the critic has fitted."""
+    from fastgrad.diagnose.rules.evidence import data_refreshes, harm_of
+
+    lim = RunLimits()
+    view = _rollouts_view()
+    assert data_refreshes(view, 0) == [1, 41, 81, 121, 161, 201]
+    assert data_refreshes(_rollouts_view(calls=lim.refresh_calls), 0) == [1, 41, 81, 121, 161, 201]
+    # the shortest rollout read as one: 16 calls (a vector environment's shortest usual one is some hundreds)
+    assert data_refreshes(_rollouts_view(calls=16), 0) and not data_refreshes(_rollouts_view(calls=15), 0)
+    assert "loss_jump" not in {k for k, _ in harm_of(view, 0).at([124], usual_ok=False)}
+    assert _exploding(_rollouts_view()).severity == "notice"
+    wrong = {"no environment": _rollouts_view(env=None), "a model called before every step": _rollouts_view(every=2),
+             "one call short": _rollouts_view(calls=lim.refresh_calls - 1),
+             "late in its rollout": _rollouts_view(at=(3, 25))}
+    for what, v in wrong.items():
+        s = 121 + (25 if what == "late in its rollout" else 3)
+        assert "loss_jump" in {k for k, _ in harm_of(v, 0).at([s], usual_ok=False)}, what
+        assert _exploding(v).severity == "warning", what
+    assert data_refreshes(_rollouts_view(every=2), 0) == [] and data_refreshes(_rollouts_view(env=None), 0) == []
+    # an extreme batch among a rollout's first ten has no level on its data to stand out of; later it has
+    assert "outlier_batch" not in {k for k, _ in harm_of(_rollouts_view(outlier=(3, 5)), 0).at([126], own_step=[126])}
+    assert "outlier_batch" in {k for k, _ in harm_of(_rollouts_view(outlier=(3, 15)), 0).at([136], own_step=[136])}

@@ -96,7 +96,8 @@ class StepBookkeeping:
                          leftover_checked=self._leftover is not None, series=series,
                          evals=max(self._evals, 1), clip_max=self._clip_max if self._clips else None,
                          clip_read=self._clip_norm is not None,
-                         lr=lr if isinstance(lr, (int, float)) else None, unread=unread)
+                         lr=lr if isinstance(lr, (int, float)) else None, unread=unread,
+                         inference=self.watcher.take_inference() if self.watcher is not None else 0)
         self._read_failed = False
         self._pending.append((rec, row))
         # a closure's evaluations are not a window of micro-batches

@@ -97,6 +97,9 @@ class ForwardWatcher:
         # modules that ran inside a root's forward but are no part of any root seen (a target network an agent
         # passes to its policy's forward: tianshou's ``model_old``), in the order first seen (host only)
         self._loose: list[weakref.ref] = []
+        # root calls made with gradients off since the last take_inference(): an agent's rollout between its
+        # updates, an evaluation (host only)
+        self._inference = 0
         if model is not None:
             self._roots.append(weakref.ref(model))
             for name, m in model.named_modules():
@@ -164,6 +167,8 @@ class ForwardWatcher:
         """A root call's first positional argument (the batch), keyed with the call index its first output
         will get (no call consumed). Later arguments are left alone: an attention mask of -inf passed to a root
         module is not bad data."""
+        if not torch.is_grad_enabled():
+            self._inference += 1
         if args:
             self._fold(mid, self._call, 0, args[0])
 
@@ -202,6 +207,12 @@ class ForwardWatcher:
         self.step_index += 1
         self._call = 0
         self._depth = 0
+
+    def take_inference(self) -> int:
+        """How many calls of a model (a root) ran with gradients off since the last call of this: the rollout an
+        on-policy agent collects between its updates, or an evaluation. Counting restarts at 0."""
+        n, self._inference = self._inference, 0
+        return n
 
     def name_of(self, module: torch.nn.Module) -> str | None:
         """The name the watcher gave ``module`` (as its root's ``named_modules()`` do; a later root's prefixed by

@@ -12,7 +12,9 @@ warning or a critical finding needs harm the run itself shows:
   ``loss_spike`` rule's robust jump, or ``RunLimits.far_ratio`` times the median of the losses before it), and
   out of the swings its own history shows in ratio (``trends.LOG_Z``), to above the loss of that step itself and
   of the excursion it was in (``Harm.rose_after``); not while the loss comes back from a jump a target network's
-  hard copy made (``Harm.sync_transients``);
+  hard copy made (``Harm.sync_transients``). A loss is compared only with losses on the same data: in an
+  on-policy agent's run, those since its last new rollout (``data_refreshes``), whose first batches are new to
+  the model;
 - ``rewrite``: a measured update moved the weights by ``RunLimits.blowup_update`` (1x) of their size or more;
 - ``far``: a step's norm is ``RunLimits.far_ratio`` times (or more) the run's own level: the median of the
   finite norms before it (up to 50 of them, at least ``RunLimits.far_history``), by more than the loss's own
@@ -24,6 +26,7 @@ episodes as it learns: neither shows any of these, so neither is warned about.""
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -32,8 +35,8 @@ from ..thresholds import RunLimits
 from .base import RunView, median
 from .trends import LOSS_JUMP, SPIKE_RATIO, beyond_ratio_noise, robust_jumps
 
-__all__ = ["loss_change", "own_level", "update_size", "tiny_update", "Harm", "harm_of", "BASELINE", "SCALE_QUESTION",
-           "RISE_REASON", "GUESSES"]
+__all__ = ["loss_change", "own_level", "update_size", "tiny_update", "data_refreshes", "Harm", "harm_of", "BASELINE",
+           "SCALE_QUESTION", "RISE_REASON", "GUESSES"]
 
 #: what a norm above the guide's limits with no harm most often is, and a rising one: guesses that a finding which
 #: follows from a known cause drops (``consistency.link_causes``)
@@ -87,6 +90,29 @@ def update_size(run: RunView, k: int) -> tuple[float | None, int]:
 def tiny_update(ratio: float | None, limits: RunLimits) -> bool:
     """Updates below ``RunLimits.stall_tiny_update`` of the weights: the learning rate cannot move them."""
     return ratio is not None and ratio < limits.stall_tiny_update
+
+
+def data_refreshes(run: RunView, k: int) -> list[int]:
+    """The steps of series ``k`` that are its first on freshly collected data. In a run that steps an RL
+    environment, a series most of whose steps follow no call of a model with gradients off (an on-policy agent's
+    update epochs) and some after a rollout of at least ``RunLimits.refresh_calls`` such calls: those. A DQN acts
+    before each of its steps, so it has none; nor has a run with no environment (an evaluation between epochs
+    collects no data)."""
+    if not run.ctx.get("environment"):
+        return []
+    recs = run.per.get(k, [])
+    calls = sorted((r.step, r.inference) for r in run.steps)
+    at = [s for s, _ in calls]
+    total = list(itertools.accumulate(n for _, n in calls))
+
+    def upto(step: int) -> int:  # the calls counted by the run's steps up to ``step``
+        i = bisect.bisect_right(at, step)
+        return total[i - 1] if i else 0
+
+    counts = [upto(r.step) - (upto(p.step) if p is not None else 0) for p, r in zip([None, *recs], recs)]
+    if not counts or median(counts) > 0:
+        return []
+    return [r.step for r, n in zip(recs, counts) if n >= run.limits.refresh_calls]
 
 
 @dataclass
@@ -277,6 +303,22 @@ class Harm:
         return f"{fmt(c['first'])} -> {fmt(c['last'])}" if c is not None and c["improved"] else None
 
 
+def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits) -> dict:
+    """step -> (loss, ratio to its recent median) of the jumps among ``pts`` (step, finite loss): the loss_spike
+    rule's (its warm-up counted in these steps: early training moves fast) and, after ``history`` losses, one
+    ``RunLimits.far_ratio`` times its own level (a positive one: a signed objective has none), out of its own
+    swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x)."""
+    vals = [v for _, v in pts]
+    out = {pts[i - 1][0]: (v, ratio)
+           for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP)}
+    for i, (s, v) in enumerate(pts):
+        lev = own_level(vals, i, history)
+        if (lev is not None and v >= lim.far_ratio * lev and s not in out
+                and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=history)):
+            out[s] = (v, v / lev)
+    return out
+
+
 def harm_of(run: RunView, k: int) -> Harm:
     """The harm series ``k`` of ``run`` shows (computed once per run and series)."""
     cache = run.ctx.setdefault("_harm", {})
@@ -297,17 +339,13 @@ def harm_of(run: RunView, k: int) -> Harm:
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)
-    # the loss_spike rule's jump (its warm-up counted in the series' own steps: early training moves fast)
-    vals = [v for _, v in pts]
-    for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP):
-        h.jumps[pts[i - 1][0]] = (v, ratio)
-    # ... and, from the second step on, a loss far above its own level (a positive one: a signed objective has
-    # none) and out of its own swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x)
-    for i, (s, v) in enumerate(pts):
-        lev = own_level(vals, i, lim.far_history)
-        if (lev is not None and v >= lim.far_ratio * lev and s not in h.jumps
-                and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=lim.far_history)):
-            h.jumps[s] = (v, v / lev)
+    # each loss against the losses before it on the same data: an on-policy agent's are those since its last (the run's level before it was the model's fit to the rollout before)
+    # new rollout (the run's level before it was the model's fit to the rollout before), and there against at
+    # least as many of them as the loss_spike rule needs: a rollout's first batches have no level yet
+    fresh = {bisect.bisect_left([s for s, _ in pts], r) for r in data_refreshes(run, k)}
+    cuts = sorted(fresh | {0, len(pts)})
+    for a, b in zip(cuts, cuts[1:]):
+        h.jumps.update(_loss_jumps(pts[a:b], LOSS_JUMP["min_history"] if a in fresh else lim.far_history, lim))
     # ... but not those of a loss coming back from a target network's hard copy: the targets moved under it
     spans = h.sync_transients(run.ctx.get("target_syncs") or ())
     if spans:
