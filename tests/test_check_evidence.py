@@ -878,5 +878,33 @@ def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
         assert _exploding(v).severity == "warning", what
     assert data_refreshes(_rollouts_view(every=2), 0) == [] and data_refreshes(_rollouts_view(env=None), 0) == []
     # an extreme batch among a rollout's first ten has no level on its data to stand out of; later it has
-    assert "outlier_batch" not in {k for k, _ in harm_of(_rollouts_view(outlier=(3, 5)), 0).at([126], own_step=[126])}
-    assert "outlier_batch" in {k for k, _ in harm_of(_rollouts_view(outlier=(3, 15)), 0).at([136], own_step=[136])}
+    assert 126 not in harm_of(_rollouts_view(outlier=(3, 5)), 0).jumps
+    assert 136 in harm_of(_rollouts_view(outlier=(3, 15)), 0).jumps
+
+
+def test_an_agents_outlier_transition_is_no_corrupt_batch():
+    """Lizhi-sjtu's one-step A2C updates its critic on each transition: at an episode's end the TD target stops
+    bootstrapping and that transition's loss stands 100x and more above the others, its norm with it. In a run
+    that steps an environment such a step, with no damage after it, is a hard state (a notice), not an unclipped
+    outlier batch (a warning). Without an environment the same step is an outlier batch, a target the run moves
+    (an EMA teacher of a supervised run) or not; and with one, a loss that jumps at the next step keeps its
+    damage."""
+    from fastgrad.diagnose.collect.steps import StepRecord
+    from fastgrad.diagnose.rules.base import RunView
+
+    def view(env, damage=False, targets=()):
+        loss = [0.5 + 0.05 * (i % 3) for i in range(80)]
+        norm = [5.0 + 0.5 * (i % 4) for i in range(80)]
+        loss[49], norm[49] = 90.0, 200.0                 # step 50: an episode's end
+        if damage:
+            loss[50] = 120.0                              # step 51: the loss after its update
+        steps = [StepRecord(step=i + 1, total_norm=n, loss=v, has_loss=True, numel=10)
+                 for i, (v, n) in enumerate(zip(loss, norm))]
+        return RunView(steps=steps, ctx={"updates": [], "environment": env, "moving_targets": list(targets)})
+    f = _exploding(view("gym"))
+    assert f.severity == "notice" and f.evidence["harm"] == ["hard_batch"], f.detail
+    for targets in ((), ("Teacher",)):
+        f = _exploding(view(None, targets=targets))
+        assert f.severity == "warning" and f.evidence["harm"] == ["outlier_batch"], f.detail
+    f = _exploding(view("gym", damage=True))
+    assert f.severity == "warning" and "loss_jump" in f.evidence["harm"], f.detail

@@ -131,6 +131,7 @@ class Harm:
     # returns, so a rise over the run is no harm by itself (``loss_diverging``'s bootstrapped notice); jumps,
     # NaN/Inf and rewrites still are
     bootstraps: bool = False
+    acts: bool = False   # the run steps an RL environment: its agent collects its own data
     used: list[float] = field(default_factory=list)       # the norm each update used (after any clip)
     far_ratio: float = RunLimits.far_ratio
     far_history: int = RunLimits.far_history
@@ -215,7 +216,8 @@ class Harm:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
         steps whose own loss jump counts too, as ``outlier_batch`` where that step's norm was also ``far`` (no
         damage: the batch or state the norm came from, before its update; ``exploding`` reads it as a warning where
-        no clip bounded that update), else as ``hard_batch`` (no damage, a notice).
+        no clip bounded that update), else, or in a run that steps an RL environment (an episode's end is an
+        outlier transition of the agent's own data), as ``hard_batch`` (no damage, a notice).
         ``usual_ok`` False: a loss jump counts only after a step whose norm was ``unusual`` (the harm of a large
         gradient; a rewrite's harm is its update's, whatever the norm)."""
         if not steps:
@@ -241,8 +243,10 @@ class Harm:
                 # extreme batch: a warning in `exploding`); nearer that level it is a hard batch, what a `spike`
                 # is, with no damage after it
                 # (a hard batch's finding goes on to say that nothing followed it)
-                kind, what = ("outlier_batch", "an outlier batch") if self.far(s) is not None else \
-                    ("hard_batch", "a hard batch")
+                # An agent that collects its own data meets outlier transitions by design (an episode's end,
+                # where a TD target stops bootstrapping): without damage after it, that is no corrupt batch
+                kind, what = ("outlier_batch", "an outlier batch") if self.far(s) is not None and not self.acts \
+                    else ("hard_batch", "a hard batch")
                 out.append((kind, f"the loss of step {s} itself jumped to {fmt(self.jumps[s][0])}, "
                                   f"{self.jumps[s][1]:.3g}x its recent median ({what} or state, and its gradient "
                                   "with it" + ("; the next step's loss did not jump)" if kind == "outlier_batch"
@@ -335,7 +339,8 @@ def harm_of(run: RunView, k: int) -> Harm:
                             and r.loss is not None and not math.isfinite(r.loss)})
     h.losses = [r.loss if r.loss is not None else math.nan for r in recs]
     h.used = [r.total_norm for r in recs]
-    h.bootstraps = bool(run.ctx.get("moving_targets") or run.ctx.get("environment"))
+    h.acts = bool(run.ctx.get("environment"))
+    h.bootstraps = bool(run.ctx.get("moving_targets") or h.acts)
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)
