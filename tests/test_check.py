@@ -630,7 +630,7 @@ def test_an_on_policy_agents_rollouts_are_read_and_its_first_batches_are_new_dat
     losses are then judged against those since the rollout began: the extreme batch at the fourth step of the
     third rollout, 61x the fit to the rollout before, is no outlier on its own rollout's data, where fewer than
     ten losses are known. The same run with its rollout collected with gradients on shows no rollout, and that
-    batch is an outlier (a warning: no clip bounded its update)."""
+    batch's loss stands out of the fit to the rollout before (a hard state of the agent's own data)."""
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "fastgrad.check", "--out", str(out), str(SCRIPTS / "ppo_rollouts.py"), "--env"]
     env_vars = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -641,7 +641,7 @@ def test_an_on_policy_agents_rollouts_are_read_and_its_first_batches_are_new_dat
     calls = [(s["step"], s["inference"]) for s in j["steps"] if s["inference"]]
     assert calls == ([] if grad_rollout else [(1 + 128 * i, 128) for i in range(6)])
     ex = next(f for f in j["findings"] if f["code"] == "exploding")
-    assert ("outlier_batch" in ex["evidence"]["harm"]) == grad_rollout and ("step 260 itself" in ex["detail"]) == \
+    assert ("hard_batch" in ex["evidence"]["harm"]) == grad_rollout and ("step 260 itself" in ex["detail"]) == \
         grad_rollout, ex["detail"]
 
 

@@ -823,13 +823,13 @@ def test_the_cause_comes_first_whatever_its_rank():
     assert [f.code for f in place_causes(link_causes([dead, never]))] == ["never_learns", "dead"]
 
 
-def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=None):
+def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=None, to=12.0):
     """An on-policy agent's critic: 6 rollouts, each fitted for 40 steps. A rollout brings returns the critic has
     not fitted (its first batches' losses stand 5x above the fit to the rollout before, and its norms with
     them); within it the loss comes back down. ``calls``: the calls of a model with gradients off before each
     rollout's first step; ``every``: such calls before every other step too (a DQN acts before each). At
     ``at`` (rollout, step within it) a norm 5x its level, and at the next step a loss 12x the fit to the
-    rollout before, above every loss of the rollout so far. ``outlier``: (rollout, step) of a batch whose loss is
+    rollout before (``to``), above every loss of the rollout so far. ``outlier``: (rollout, step) of a batch whose loss is
     100x the fit to the rollout before and whose norm is 30x its level (an extreme batch)."""
     from fastgrad.diagnose.collect.steps import StepRecord
     from fastgrad.diagnose.rules.base import RunView
@@ -843,7 +843,7 @@ def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=No
             if (p, j) == at:
                 norm *= 5.0
             if (p, j - 1) == at:
-                loss = 12.0 * base
+                loss = to * base
             if (p, j) == outlier:
                 loss, norm = 100.0 * base, 600.0
             steps.append(StepRecord(step=len(steps) + 1, total_norm=norm, loss=loss, has_loss=True, numel=10,
@@ -858,7 +858,8 @@ def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
     since the rollout began, not the level before it. A rollout is a burst of calls of the model with gradients
     off before a step, in a run that steps an environment and whose other steps follow none. The nearest wrong
     variants keep the harm: no environment, a model called before every step (a DQN), a burst one call short,
-    and a jump late in the rollout, on data the critic has fitted."""
+    and a jump late in the rollout, on data the critic has fitted, above every loss of the rollout before it
+    (one below the highest of its first pass is a minibatch of the rollout's rare states)."""
     from fastgrad.diagnose.rules.evidence import data_refreshes, harm_of
 
     lim = RunLimits()
@@ -877,6 +878,11 @@ def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
         assert "loss_jump" in {k for k, _ in harm_of(v, 0).at([s], usual_ok=False)}, what
         assert _exploding(v).severity == "warning", what
     assert data_refreshes(_rollouts_view(every=2), 0) == [] and data_refreshes(_rollouts_view(env=None), 0) == []
+    # late in a rollout, a loss 4x the rollout's level but below its first pass's highest is the data's
+    late = _rollouts_view(at=(3, 25), to=4.5)
+    assert 147 not in harm_of(late, 0).jumps and 147 in harm_of(_rollouts_view(at=(3, 25), to=6.0), 0).jumps
+    assert 147 in harm_of(_rollouts_view(at=(3, 25), to=4.5, env=None), 0).jumps
+    assert _exploding(late).severity == "notice"
     # an extreme batch among a rollout's first ten has no level on its data to stand out of; later it has
     assert 126 not in harm_of(_rollouts_view(outlier=(3, 5)), 0).jumps
     assert 136 in harm_of(_rollouts_view(outlier=(3, 15)), 0).jumps

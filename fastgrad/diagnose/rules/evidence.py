@@ -307,11 +307,14 @@ class Harm:
         return f"{fmt(c['first'])} -> {fmt(c['last'])}" if c is not None and c["improved"] else None
 
 
-def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits) -> dict:
+def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits, *, fresh: bool = False) -> dict:
     """step -> (loss, ratio to its recent median) of the jumps among ``pts`` (step, finite loss): the loss_spike
     rule's (its warm-up counted in these steps: early training moves fast) and, after ``history`` losses, one
     ``RunLimits.far_ratio`` times its own level (a positive one: a signed objective has none), out of its own
-    swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x)."""
+    swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x). ``fresh``: ``pts`` are
+    the losses of one rollout's update epochs, whose minibatches draw on the same data: a jump must also top
+    every loss before it there (a minibatch of the rollout's rare states, no higher than the first pass met
+    them, is the data's)."""
     vals = [v for _, v in pts]
     out = {pts[i - 1][0]: (v, ratio)
            for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP)}
@@ -320,6 +323,8 @@ def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits) -> d
         if (lev is not None and v >= lim.far_ratio * lev and s not in out
                 and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=history)):
             out[s] = (v, v / lev)
+    if fresh:
+        out = {s: j for s, j in out.items() if j[0] > max(vals[:[t for t, _ in pts].index(s)], default=-math.inf)}
     return out
 
 
@@ -344,13 +349,15 @@ def harm_of(run: RunView, k: int) -> Harm:
     pts = [(r.step, r.loss) for r in recs if r.loss is not None and math.isfinite(r.loss)]
     if len(pts) >= 4:
         h.change = loss_change([v for _, v in pts], window=lim.stall_window, z=lim.stall_z, rel=th.loss_progress)
-    # each loss against the losses before it on the same data: an on-policy agent's are those since its last (the run's level before it was the model's fit to the rollout before)
+    # each loss against the losses before it on the same data: an on-policy agent's are those since its last
     # new rollout (the run's level before it was the model's fit to the rollout before), and there against at
-    # least as many of them as the loss_spike rule needs: a rollout's first batches have no level yet
+    # least as many of them as the loss_spike rule needs (a rollout's first batches have no level yet) and above
+    # them all
     fresh = {bisect.bisect_left([s for s, _ in pts], r) for r in data_refreshes(run, k)}
     cuts = sorted(fresh | {0, len(pts)})
     for a, b in zip(cuts, cuts[1:]):
-        h.jumps.update(_loss_jumps(pts[a:b], LOSS_JUMP["min_history"] if a in fresh else lim.far_history, lim))
+        h.jumps.update(_loss_jumps(pts[a:b], LOSS_JUMP["min_history"] if a in fresh else lim.far_history, lim,
+                                   fresh=a in fresh))
     # ... but not those of a loss coming back from a target network's hard copy: the targets moved under it
     spans = h.sync_transients(run.ctx.get("target_syncs") or ())
     if spans:
