@@ -324,7 +324,9 @@ def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits, *, f
                 and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=history)):
             out[s] = (v, v / lev)
     if fresh:
-        out = {s: j for s, j in out.items() if j[0] > max(vals[:[t for t, _ in pts].index(s)], default=-math.inf)}
+        pos = {s: i for i, (s, _) in enumerate(pts)}
+        peak = [-math.inf, *itertools.accumulate(vals, max)]  # peak[i]: the highest of the losses before i
+        out = {s: j for s, j in out.items() if j[0] > peak[pos[s]]}
     return out
 
 
@@ -353,7 +355,8 @@ def harm_of(run: RunView, k: int) -> Harm:
     # new rollout (the run's level before it was the model's fit to the rollout before), and there against at
     # least as many of them as the loss_spike rule needs (a rollout's first batches have no level yet) and above
     # them all
-    fresh = {bisect.bisect_left([s for s, _ in pts], r) for r in data_refreshes(run, k)}
+    at = [s for s, _ in pts]
+    fresh = {bisect.bisect_left(at, r) for r in data_refreshes(run, k)}
     cuts = sorted(fresh | {0, len(pts)})
     for a, b in zip(cuts, cuts[1:]):
         h.jumps.update(_loss_jumps(pts[a:b], LOSS_JUMP["min_history"] if a in fresh else lim.far_history, lim,
