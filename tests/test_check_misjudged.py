@@ -5,6 +5,7 @@ against its nearest wrong variant on hand-built records."""
 import math
 
 import pytest
+import torch
 
 from fastgrad.diagnose.advice import advise
 from fastgrad.diagnose.collect.steps import StepRecord
@@ -1210,3 +1211,46 @@ def test_an_optimizer_whose_updates_cannot_move_its_weights_is_named_among_sever
     assert "opt_second.param_groups" in rec["code_to_add"]
     clean = run(tmp_path_factory, "two_opts_tiny_lr.py")
     assert "update_tiny" not in codes(clean) and clean["rc"] == 0
+
+
+@pytest.mark.parametrize("what", ["loss", "detached"])
+def test_a_clip_handed_the_loss_is_named_with_its_call_not_as_a_misplaced_clip(what, tmp_path_factory):
+    """``clip_grad_norm_(loss, 0.1)`` after backward(): the tensor it is handed holds no gradient at any step (by
+    plain reads), so every update used the unclipped norm. check names the call (its own line) and the tensor,
+    once per run, with the script's bound in the code to add; it is not a clip after step() or before backward().
+    The nearest wrong readings: the same loop handing the parameters, and one handing a frozen head's parameters
+    (a parameter, which may hold a gradient another step uses), are not this finding."""
+    r = run(tmp_path_factory, "clip_handed_loss.py", "--what", what)
+    t = r["truth"]["steps"]
+    assert not any(x["held"] for x in t) and min(x["norm"] for x in t) > 0.1   # the premise: nothing was bounded
+    f = finding(r, "clip_not_params")
+    assert f["severity"] == "warning" and f["steps"] == list(range(1, len(t) + 1)) and f["evidence"]["count"] == 30
+    assert "clip_after_step" not in codes(r) and "no_clipping" not in codes(r)
+    assert "clip_grad_norm_(handed[0] if len(handed) == 1 else handed, 0.1)" in f["detail"]
+    assert "clip_handed_loss.py:" in f["detail"]
+    assert ("a loss" in f["detail"]) == (what == "loss") and ("requires no gradient" in f["detail"]) == (what != "loss")
+    for s, x in zip(r["json"]["steps"], t):  # the updates used the unclipped gradients, and none is marked clipped
+        assert math.isclose(s["total_norm"], x["norm"], rel_tol=1e-4) and not s["clipped"]
+    rec = next(x for x in r["json"]["recommendations"] if x["code"] == "clip_not_params")
+    assert "net.parameters(), max_norm=0.1" in rec["code_to_add"]
+    assert row(r, "Gradient clipping") == {"metric": "Gradient clipping", "value": "30 call(s)", "status": "warning"}
+    assert r["rc"] == 0
+    for ok in ("params", "frozen"):
+        good = run(tmp_path_factory, "clip_handed_loss.py", "--what", ok)
+        assert "clip_not_params" not in codes(good), ok
+        assert any(x["held"] for x in good["truth"]["steps"]) == (ok == "params")
+
+
+def test_which_tensors_a_clip_can_bound():
+    """The rule behind ``clip_not_params``, between its nearest wrong variants: a loss, an activation and a
+    detached copy hold no gradient an update uses; a parameter (frozen or not) and a hand-made leaf that
+    requires grad (a loop without nn.Module) may; an empty list is no call to judge."""
+    from fastgrad.diagnose.collect.interceptors import _no_parameter
+
+    w = torch.randn(3, 2, requires_grad=True)
+    loss = (w ** 2).sum()
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    for bad in ([loss], [w @ torch.ones(2)], [loss.detach()], [w.detach()], [loss, w.detach()]):
+        assert _no_parameter(bad)
+    for good in ([w], [frozen], [torch.nn.Parameter(torch.randn(2))], [loss, w], []):
+        assert not _no_parameter(good)

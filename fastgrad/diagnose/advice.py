@@ -172,6 +172,13 @@ RUN_ADVICE: dict[str, tuple[str, str]] = {
         "optimizer.step()\n"
         "optimizer.zero_grad(set_to_none=True)",
     ),
+    "clip_not_params": (
+        "A clip bounds the gradients of the tensors it is handed: hand it the parameters the step updates, "
+        "between backward() and step(), not the loss.",
+        "loss.backward()\n"
+        "fastgrad.clip_grad_norm_(model.parameters(), max_norm=1.0)   # the parameters, not the loss\n"
+        "optimizer.step()",
+    ),
     "clip_partial": (
         "Clipping inside a gradient-accumulation window clips partial sums, and later micro-batches are added "
         "unclipped. Clip once, after the last micro-batch's backward, right before the step.",
@@ -566,6 +573,8 @@ def advise(findings: list[Finding], ctx: dict | None = None, *, run: bool = True
         if loose and variant == "exploding:no_harm" and f.evidence.get("max_norm") is not None:
             text += (f" The script's clip (max_norm={f.evidence['max_norm']:g}) is above every norm of the run: it "
                      "never acts.")
+        if f.code == "clip_not_params" and f.evidence.get("max_norm") is not None:  # the script's own bound
+            snippet = snippet.replace("max_norm=1.0", f"max_norm={f.evidence['max_norm']:g}")
         if f.code == "accum_not_divided":  # the run's own window, in the line to add
             snippet = snippet.replace("WINDOW", str(f.evidence.get("window", "accum_steps")))
         if f.code == "weight_decay_drag" and f.evidence.get("pull"):  # 1e-4 a step at the run's own lr

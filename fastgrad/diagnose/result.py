@@ -141,6 +141,7 @@ def build_result(chk, *, script: str, args: list[str], crashed: bool, crash_text
                        "misplaced_clip_max": getattr(chk, "misplaced_clip_max", None),
                        "misplaced_clip_bare": getattr(chk, "misplaced_clip_bare", None),
                        "clips_found_grads": getattr(chk, "clips_found_grads", 0),
+                       "clip_not_params": getattr(chk, "clip_not_params", None),
                        # the parameters whose module ran in a forward (None: not known)
                        "ran": getattr(chk, "ran_params", None),
                        "frozen_held": dict(getattr(chk, "frozen_held", {})),
@@ -531,8 +532,8 @@ def _summary(run: RunView, findings: list[Finding], trends: list[str], born, sto
                  "healthy" if born is None else (_sev(findings, "nonfinite", "nonfinite_history", "nonfinite_loss")
                                                  if _protected(findings) else "critical")))
     clip = f"{run.clip_calls} call(s)" if run.clip_calls else "none"
-    rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_partial",
-                                                 "no_clipping", "clip_zeroes")))
+    rows.append(("Gradient clipping", clip, _sev(findings, "clip_scaled", "clip_after_step", "clip_not_params",
+                                                 "clip_partial", "no_clipping", "clip_zeroes")))
     rows.append(("Gradient zeroing", f"{run.zero_grad_calls} zero_grad() call(s)", _sev(findings, "no_zero_grad")))
     compared = run.ctx.get("rank_norms")
     if compared:  # a multi-process run: the norm the script clipped with, against every rank's gradients

@@ -129,7 +129,9 @@ class Checker(OptimizerStepReader, StepBookkeeping, RunReadout, ParameterNames, 
         self._any_zero = False
         self._opt_started = False
         self._m_last = None
-        self.flags: dict[str, list[int]] = {"clip_scaled": [], "clip_after_step": [], "clip_partial": []}
+        self.flags: dict[str, list[int]] = {"clip_scaled": [], "clip_after_step": [], "clip_partial": [],
+                                            "clip_not_params": []}
+        self.clip_not_params: dict | None = None  # the first clip handed no parameter: where, which tensor
         self.clip_calls = 0
         self.zero_grad_calls = 0
         self.skipped = 0

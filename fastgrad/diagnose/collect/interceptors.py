@@ -5,6 +5,9 @@ A mixin of :class:`~fastgrad.diagnose.collect.hooks.Checker`, which owns the sta
 
 from __future__ import annotations
 
+import linecache
+import os
+import sys
 import weakref
 
 import torch
@@ -56,6 +59,38 @@ def _params_listed(args, kwargs):
         else:
             args = (params,) + tuple(args[1:])
     return args, kwargs, [p for p in params if isinstance(p, Tensor)]
+
+
+def _no_parameter(params: list) -> bool:
+    """A clip handed tensors none of which can hold a gradient an optimizer uses: no parameter and no leaf that
+    requires grad (a loss, an activation, a detached copy). A computed tensor keeps no ``.grad``, so such a clip
+    bounds nothing."""
+    return bool(params) and not any(isinstance(p, torch.nn.Parameter) or (p.is_leaf and p.requires_grad)
+                                    for p in params)
+
+
+def _what(t: Tensor) -> str:
+    """A tensor a clip was handed, in words (the shape, and what it is: a scalar with a graph is a loss)."""
+    shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
+    if t.requires_grad and t.numel() == 1:
+        return f"a scalar the graph computed (shape {shape}: a loss)"
+    if t.requires_grad:
+        return f"a tensor the graph computed (shape {shape})"
+    return f"a tensor that requires no gradient (shape {shape})"
+
+
+def _call_site() -> dict:
+    """The caller of a clip outside fastgrad and torch: its file's name, line and source text."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    skip = (here, os.path.dirname(os.path.abspath(torch.__file__)))
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(skip):
+        f = f.f_back
+    if f is None:
+        return {}
+    path = f.f_code.co_filename
+    return {"file": os.path.basename(path), "line": f.f_lineno,
+            "code": linecache.getline(path, f.f_lineno).strip()}
 
 
 class RedFlagInterceptors:
@@ -154,21 +189,27 @@ class RedFlagInterceptors:
             return out
         return step
 
-    def _wrap_clip(self, orig, bound_at: int | None = 1, norm_at: int | None = None, ranks: bool = False):
+    def _wrap_clip(self, orig, bound_at: int | None = 1, norm_at: int | None = None, ranks: bool = False,
+                   listed: bool = True):
         """``bound_at``: the position of the function's ``max_norm`` argument (None: a clip without a norm
         bound, e.g. clip_grad_value_'s clip_value or AGC's clipping ratio, which are never quoted as one);
         ``norm_at``: the position of the norm the script hands in (``clip_grads_with_norm_``'s total_norm),
         None where the clip returns the norm it computed; ``ranks``: a norm clip whose norm a multi-process
-        run compares with the truth (``collect.ranks``)."""
+        run compares with the truth (``collect.ranks``); ``listed``: its first argument is the tensors to clip."""
         chk = self
 
         def clip(*args, **kwargs):
             if chk._clip_depth:
                 return orig(*args, **kwargs)
+            params = None
+            if listed:  # (parameters, ...): read once, as a list (a one-pass iterator is made one)
+                args, kwargs, params = _params_listed(args, kwargs)
+                if params and _no_parameter(params):
+                    chk._on_clip_of_no_parameter(orig, params, args, kwargs, bound_at)
+                    return orig(*args, **kwargs)
             if not chk._opt_started and bound_at == 1:  # (parameters, max_norm, ...)
                 # a hand-written loop: a clip whose every parameter has no gradient (zero_grad() or the update
                 # dropped them) bounds nothing; it runs before the next backward()
-                args, kwargs, params = _params_listed(args, kwargs)
                 if params and any(p.grad is not None for p in params):
                     chk.clips_found_grads += 1
                 elif params and chk._m_row is not None:
@@ -177,7 +218,6 @@ class RedFlagInterceptors:
             if chk._bw == 0 and chk.steps_done and chk._opt_started and bound_at == 1:  # (parameters, max_norm)
                 # misplaced (after a step, before the next backward): where zero_grad() already dropped every
                 # gradient, the script's clip sits before backward(); reading .grad is no sync
-                args, kwargs, params = _params_listed(args, kwargs)
                 bare = bool(params) and all(p.grad is None for p in params)
                 chk.misplaced_clip_bare = bare and chk.misplaced_clip_bare is not False
             chk._on_clip(args, kwargs, bound_at)
@@ -229,7 +269,7 @@ class RedFlagInterceptors:
 
     def _wrap_fused_amp(self, orig):
         chk = self
-        clip = self._wrap_clip(orig, bound_at=2)  # (scaler, optimizer, max_norm)
+        clip = self._wrap_clip(orig, bound_at=2, listed=False)  # (scaler, optimizer, max_norm)
 
         def scaler_unscale_and_clip(*args, **kwargs):
             if not chk._clip_depth:
@@ -241,7 +281,7 @@ class RedFlagInterceptors:
         """StepGuard.clip_(scaler=None): a clip (its norm is the one before clipping, its bound the guard's
         max_norm) that also unscales when given a scaler."""
         chk = self
-        clip = self._wrap_clip(orig, bound_at=None)
+        clip = self._wrap_clip(orig, bound_at=None, listed=False)
 
         def clip_(guard, scaler=None):
             if not chk._clip_depth and scaler is not None:
@@ -251,6 +291,17 @@ class RedFlagInterceptors:
                 chk._clip_max = float(guard.max_norm)
             return out
         return clip_
+
+    def _on_clip_of_no_parameter(self, orig, params: list, args, kwargs, bound_at: int | None) -> None:
+        """A clip handed no parameter (``clip_grad_norm_(loss, 1.0)``): counted as a call (the script does
+        clip, at the wrong tensors), flagged at the step it sits in, its first call site and tensor kept for the
+        report; no step is marked clipped."""
+        self.clip_calls += 1
+        step = self.steps_done + 1
+        self.flags["clip_not_params"].append(step)
+        if self.clip_not_params is None:
+            self.clip_not_params = dict(_call_site(), fn=getattr(orig, "__name__", "clip"), what=_what(params[0]),
+                                        count=len(params), max_norm=_clip_bound(args, kwargs, bound_at))
 
     def _on_clip_without_grads(self, args, kwargs, bound_at: int) -> None:
         """A hand-written loop's clip that found no gradient at all: counted as a call, flagged as a clip that

@@ -1,5 +1,5 @@
 """The red flags of a training loop, seen at run time by the interceptors: ``clip_scaled`` (a clip of
-still-scaled AMP gradients), ``clip_after_step``, ``clip_partial`` (a clip inside an accumulation window),
+still-scaled AMP gradients), ``clip_after_step``, ``clip_not_params`` (a clip handed a loss), ``clip_partial`` (a clip inside an accumulation window),
 ``no_zero_grad`` (gradients never zeroed) and ``no_clipping`` (nothing clips a norm above 100)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from ..finding import Finding, fmt, steps_text
 from .base import Rule, RunView
 from .exploding import largest_layers
 
-__all__ = ["ClipScaled", "ClipAfterStep", "ClipPartial", "NoZeroGrad", "NoClipping"]
+__all__ = ["ClipScaled", "ClipAfterStep", "ClipNotParams", "ClipPartial", "NoZeroGrad", "NoClipping"]
 
 
 class ClipScaled(Rule):
@@ -51,6 +51,22 @@ class ClipAfterStep(Rule):
                       "bounds no gradient an update uses.")
         return [Finding(self.code, "warning", title, detail, steps=s,
                         evidence={"first_step": s[0], "count": len(s), "max_norm": bound})]
+
+
+class ClipNotParams(Rule):
+    def evaluate(self, run: RunView) -> list[Finding]:
+        s = run.flags.get("clip_not_params") or []
+        if not s:
+            return []
+        c = run.ctx.get("clip_not_params") or {}
+        call = f"`{c['code']}` ({c['file']}:{c['line']})" if c.get("code") else f"a {c.get('fn', 'clip')} call"
+        what = c.get("what", "tensors that are not parameters")
+        return [Finding(self.code, "warning", "the clip was handed no parameter: it bounds no gradient",
+                        f"{call} was handed {what}, not the parameters, at {len(s)} call(s) from step {s[0]}. Only a "
+                        "parameter (a leaf that requires grad) keeps a .grad an update uses: the clip bounds nothing "
+                        "and every step was taken unclipped.", steps=s,
+                        evidence={"first_step": s[0], "count": len(s), "max_norm": c.get("max_norm"),
+                                  "call": c.get("code"), "fn": c.get("fn")})]
 
 
 class ClipPartial(Rule):
@@ -107,6 +123,9 @@ CLIP_SCALED = ClipScaled("clip_scaled", "critical", "where each clip ran (the Gr
                          "a clip between scaler.scale(loss).backward() and scaler.unscale_", needs=("script",))
 CLIP_AFTER_STEP = ClipAfterStep("clip_after_step", "warning", "where each clip ran",
                                 "a clip after optimizer.step() and before the next backward", needs=("script",))
+CLIP_NOT_PARAMS = ClipNotParams("clip_not_params", "warning", "the tensors each clip was handed",
+                                "a clip handed no parameter (a loss, a computed tensor): it bounds nothing",
+                                needs=("script",))
 CLIP_PARTIAL = ClipPartial("clip_partial", "warning", "where each clip ran",
                            "a clip followed by more backward() calls before the step", needs=("script",))
 NO_ZERO_GRAD = NoZeroGrad("no_zero_grad", "critical", "the gradients left before each backward",
