@@ -914,3 +914,47 @@ def test_an_agents_outlier_transition_is_no_corrupt_batch():
         assert f.severity == "warning" and f.evidence["harm"] == ["outlier_batch"], f.detail
     f = _exploding(view("gym", damage=True))
     assert f.severity == "warning" and "loss_jump" in f.evidence["harm"], f.detail
+
+
+def _tailed(every: int, n: int = 120):
+    """Losses near 1 with a high one (60 to 400, in turn) every ``every`` steps, their norms 40-60 (a mixture: an
+    agent's terminal transitions); other norms near 10. Every 6: each quarter of the run holds the same highs."""
+    losses = [1.0 + 0.05 * (i % 5) for i in range(n)]
+    norms = [10.0 + 0.3 * (i % 4) for i in range(n)]
+    for k, i in enumerate(range(3, n, every)):
+        losses[i] = (60.0, 400.0, 150.0, 250.0, 90.0)[k % 5]
+        norms[i] = 40.0 + (i % 20)
+    return norms, losses
+
+
+def test_a_loss_whose_tail_is_routine_is_judged_against_its_tail():
+    """Where more than a tenth of the last 50 losses stand 60-400x the median (an A2C's terminal transitions), a
+    loss inside that tail after a norm of 150 is no jump: no harm to read. The nearest wrong variants keep it: the same tail under a tenth of the window, fewer than 50 losses before the jump, and a loss
+    min_ratio times above the tail's level. The loss_spike rule reads the same bar."""
+    from fastgrad.diagnose.rules.evidence import harm_of
+    from fastgrad.diagnose.rules.trends import LOSS_JUMP, TAIL_SHARE, detect_loss_jumps
+
+    def case(every, at=100, to=None, scale=None):
+        norms, losses = _tailed(every)
+        base = losses[max(0, at - 50):at]               # the (up to) 50 losses before step at + 1
+        tail = statistics.median(sorted(base)[-(int(len(base) * TAIL_SHARE) + 1):])   # the top tenth and one
+        norms[at - 1] = 150.0
+        losses[at] = to if to is not None else scale * LOSS_JUMP["min_ratio"] * tail
+        return _view(norms, losses), at + 1, base, tail
+
+    def jumped(v, s):  # the harm read at the spike's step: a loss jump after it
+        return s in harm_of(v, 0).jumps and "loss_jump" in {k for k, _ in harm_of(v, 0).at([s - 1], usual_ok=False)}
+
+    v, s, base, tail = case(6, scale=0.95)
+    assert sum(x >= 60 for x in base) > 5 and tail > 40       # the premise: over a tenth of the window is the tail
+    assert not jumped(v, s) and not jumped(*case(6, to=485.0)[:2])
+    wrong = {"a tail under a tenth": case(13, to=485.0), "a short history": case(6, at=40, to=485.0),
+             "above the tail": case(6, scale=1.05)}
+    for what, (v, s, base, tail) in wrong.items():
+        assert jumped(v, s), what
+    # the monitor's loss_spike: the routine highs are jumps only until a full window has read the tail
+    norms, losses = _tailed(6)
+    late = [s for f in detect_loss_jumps(range(1, 121), losses) for s in f.steps if s > 53]
+    assert late == []
+    norms, losses = _tailed(13)
+    assert [s for f in detect_loss_jumps(range(1, 121), losses) for s in f.steps if s > 53]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from ..finding import fmt
 from ..thresholds import RunLimits
 from .base import RunView, median
-from .trends import LOSS_JUMP, SPIKE_RATIO, beyond_ratio_noise, robust_jumps
+from .trends import LOSS_JUMP, SPIKE_RATIO, above_tail, beyond_ratio_noise, robust_jumps
 
 __all__ = ["loss_change", "own_level", "update_size", "tiny_update", "data_refreshes", "Harm", "harm_of", "BASELINE",
            "SCALE_QUESTION", "RISE_REASON", "GUESSES"]
@@ -311,7 +311,8 @@ def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits, *, f
     """step -> (loss, ratio to its recent median) of the jumps among ``pts`` (step, finite loss): the loss_spike
     rule's (its warm-up counted in these steps: early training moves fast) and, after ``history`` losses, one
     ``RunLimits.far_ratio`` times its own level (a positive one: a signed objective has none), out of its own
-    swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x). ``fresh``: ``pts`` are
+    swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x) and of their upper tail
+    (``above_tail``: a loss a tenth of whose steps stand 50x its median is judged against those). ``fresh``: ``pts`` are
     the losses of one rollout's update epochs, whose minibatches draw on the same data: a jump must also top
     every loss before it there (a minibatch of the rollout's rare states, no higher than the first pass met
     them, is the data's)."""
@@ -320,8 +321,10 @@ def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits, *, f
            for i, v, ratio, _ in robust_jumps(list(range(1, len(pts) + 1)), vals, new_after=0, **LOSS_JUMP)}
     for i, (s, v) in enumerate(pts):
         lev = own_level(vals, i, history)
+        base = vals[max(0, i - BASELINE):i]
         if (lev is not None and v >= lim.far_ratio * lev and s not in out
-                and beyond_ratio_noise(vals[max(0, i - BASELINE):i], v, min_history=history)):
+                and beyond_ratio_noise(base, v, min_history=history)
+                and above_tail(base, v, lim.far_ratio * lev, lim.far_ratio)):
             out[s] = (v, v / lev)
     if fresh:
         pos = {s: i for i, (s, _) in enumerate(pts)}

@@ -11,7 +11,7 @@ from typing import Sequence
 from ..finding import Finding, fmt as _fmt
 from ..thresholds import Thresholds
 
-__all__ = ["loss_progress", "robust_jumps", "beyond_ratio_noise", "LOG_Z", "detect_loss_jumps", "detect_trends", "loss_falling", "LOSS_JUMP"]
+__all__ = ["loss_progress", "robust_jumps", "beyond_ratio_noise", "above_tail", "LOG_Z", "detect_loss_jumps", "detect_trends", "loss_falling", "LOSS_JUMP"]
 
 #: a loss jump (``detect_loss_jumps``; ``python -m fastgrad.check`` reads the same rule as harm): over ``z``
 #: robust std above the median of the up to ``window`` losses before it, and at least ``min_ratio`` x it, after
@@ -25,6 +25,14 @@ LOSS_JUMP = {"window": 50, "warmup": 10, "min_history": 10, "z": 6.0, "min_ratio
 #: routine peak passes the linear test; on the log scale it is one more swing. Losses only: a loss is a level
 #: that multiplies, while a norm's spike is judged against its own spread as it is.
 LOG_Z = LOSS_JUMP["log_z"]
+
+#: ... and out of their upper tail. A loss that is a mixture (most steps near 1, a tenth or more of them at
+#: 50-500: an agent's rare terminal transitions, a kind of hard batch drawn often) has a median and a MAD, on
+#: either scale, that see only the majority, so its routine highs pass both tests. Where more than this share of
+#: the recent losses reached a jump's bar, their level is the tail's: the jump is judged against the median of
+#: that top share (``above_tail``; its lowest would pass the tail's own highs, which spread 5-10x). The share is read from a full window only: a tenth of a few losses (a
+#: rollout's first ones, a transient after a target copy) is one or two of them, no tail.
+TAIL_SHARE = 0.1
 
 #: a norm spike: this many times the median of the norms before it (and ``spike_z`` robust std above it). A
 #: loss jump after a step whose norm was below this is not that gradient's doing (``Harm.unusual``)
@@ -57,7 +65,8 @@ def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: in
     """``(step, value, value / median, median)`` of each step after ``new_after`` and ``warmup`` whose value
     is over ``z`` robust std (floored at 5% of the median) above the median of the up to ``window`` finite
     values before it, at least ``min_ratio`` times that median (positive medians only), and over ``log_z``
-    robust std of the logarithms of the positive ones above their median (``beyond_ratio_noise``)."""
+    robust std of the logarithms of the positive ones above their median (``beyond_ratio_noise``) and
+    ``min_ratio`` times their tail where more than a tenth of them reached the first two bars (``above_tail``)."""
     vals = list(values)
     out = []
     for i, (s, v) in enumerate(zip(steps, vals)):
@@ -68,9 +77,20 @@ def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: in
             continue
         med, sd = _robust_baseline(base)
         if (med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med
-                and (log_z is None or beyond_ratio_noise(base, v, log_z, min_history))):
+                and (log_z is None or (beyond_ratio_noise(base, v, log_z, min_history)
+                                       and above_tail(base, v, max(med + z * max(sd, 0.05 * med), min_ratio * med),
+                                                      min_ratio)))):
             out.append((s, v, v / med, med))
     return out
+
+
+def above_tail(base: Sequence[float], v: float, bar: float, ratio: float) -> bool:
+    """``v`` stands ``ratio`` times above the upper tail of ``base`` where that tail reached ``bar``: the tail is
+    the top ``TAIL_SHARE`` of ``base`` and one more (more than a tenth), its level their median. Losses only, as ``beyond_ratio_noise``; a ``base`` shorter than a full window (``LOSS_JUMP["window"]``) has none."""
+    if len(base) < LOSS_JUMP["window"]:
+        return True
+    top = sorted(base)[-(int(len(base) * TAIL_SHARE) + 1):]
+    return top[0] < bar or v >= ratio * median(top)
 
 
 def beyond_ratio_noise(base: Sequence[float], v: float, log_z: float = LOG_Z, min_history: int = 1) -> bool:
