@@ -270,6 +270,11 @@ def test_training_in_child_processes_is_read_there(tmp_path):
     assert len(r["steps"]) == 5 and "not_checked" not in [f["code"] for f in r["findings"]]
     assert "in child process 1, the first the script started that trained" in \
         next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
+    for how in (("--subclass",), ("--subclass", "--spawn")):  # a Process subclass of the script's: its run()
+        p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), *how)
+        assert p.returncode == 0 and len(r["steps"]) == 5, (how, p.stderr[-3000:])
+        assert "in child process 1, the first the script started that trained" in \
+            next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
     p, r = _check_cli(tmp_path, str(SCRIPTS / "trains_in_children.py"), "--evaluator-first")
     assert p.returncode == 0 and len(r["steps"]) == 5, p.stderr[-3000:]
     assert "in child process 2" in next(x["value"] for x in r["summary"] if x["metric"] == "Steps checked")
@@ -290,6 +295,26 @@ def test_training_in_child_processes_is_read_there(tmp_path):
     nc = next(x for x in r["findings"] if x["code"] == "not_checked")
     assert "the 2 that ran its own functions were read, and none reached an optimizer step" in nc["detail"]
     assert "not seen" not in nc["detail"]
+
+
+def test_a_process_subclass_is_read_only_where_its_run_is_the_scripts(tmp_path):
+    """The rule behind reading a Process subclass's child: its ``run`` defined in the script's folder. Not
+    multiprocessing's own processes, nor a library's subclass (a file elsewhere), nor a subclass of the script's
+    that keeps the inherited run (its target decides, as for a plain Process)."""
+    import multiprocessing as mp
+    import types
+
+    from fastgrad.diagnose.collect.children import _own_run
+
+    here = str(tmp_path)
+    code = compile("def run(self):\n    pass\n", str(tmp_path / "workers.py"), "exec")
+    ns: dict = {}
+    exec(code, ns)
+    own = type("Worker", (mp.Process,), {"run": ns["run"]})
+    elsewhere = types.FunctionType(ns["run"].__code__.replace(co_filename="/elsewhere/lib.py"), {}, "run")
+    assert _own_run(own, here)
+    assert not _own_run(type("Lib", (mp.Process,), {"run": elsewhere}), here)
+    assert not _own_run(mp.Process, here) and not _own_run(type("Plain", (mp.Process,), {}), here)
 
 
 def test_ddp_started_by_spawn_is_read_on_rank_0_as_a_plain_run_records_it(tmp_path):

@@ -3,7 +3,9 @@
 folder), which check does not run under a checker of its own. ``--evaluator-first``: the first process started
 only evaluates the shared model (ikostrikov/pytorch-a3c starts its test process first). ``--workers-fail``:
 every worker raises before its first step (a gym API its code predates), and the parent ends well anyway.
-``--evaluators-only``: every process only evaluates the shared model; nothing trains anywhere."""
+``--evaluators-only``: every process only evaluates the shared model; nothing trains anywhere. ``--subclass``: the
+workers are a Process subclass of the script's whose ``run`` trains (the other A3C pattern); ``--spawn``: started
+by the ``spawn`` method (a fresh interpreter that unpickles the process)."""
 import sys
 import types
 
@@ -29,14 +31,27 @@ def evaluate(model):
             model(torch.randn(8, 4))
 
 
+class Worker(mp.Process):
+    def __init__(self, model, rank):
+        super().__init__()
+        self.model, self.rank = model, rank
+
+    def run(self):
+        train(self.model, self.rank)
+
+
 if __name__ == "__main__":
     target = train
+    if "--spawn" in sys.argv:
+        mp.set_start_method("spawn")
     if "--foreign" in sys.argv:
         target = types.FunctionType(train.__code__.replace(co_filename="/elsewhere/workers.py"), globals(), "train")
         target.__module__ = "elsewhere"
     model = torch.nn.Linear(4, 1)
     model.share_memory()
     procs = [mp.Process(target=target, args=(model, r)) for r in range(2)]
+    if "--subclass" in sys.argv:
+        procs = [Worker(model, r) for r in range(2)]
     if "--evaluators-only" in sys.argv:
         procs = [mp.Process(target=evaluate, args=(model,)) for _ in range(2)]
     if "--evaluator-first" in sys.argv:

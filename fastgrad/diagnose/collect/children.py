@@ -4,7 +4,8 @@ to a checker of its own. A mixin of :class:`~fastgrad.diagnose.collect.hooks.Che
 
 At ``Process.start()`` (the parent's checker patches ``multiprocessing``'s ``BaseProcess.start``) a process whose
 function is the script's own (defined in the script or beside it; under ``spawn``, the function torch's
-``_wrap`` calls) has that function replaced by ``wrap_child(fn, index)``, supplied by whoever runs the check
+``_wrap`` calls; the ``run`` of a Process subclass the script defines) has that function replaced by
+``wrap_child(fn, index)``, supplied by whoever runs the check
 (``fastgrad.diagnose.run``: the function runs under a checker in the child and leaves its result for the parent).
 The functions of libraries (a DataLoader's workers, a vector environment's) are left alone: they train
 nothing. Host only, once per process started."""
@@ -30,6 +31,12 @@ def script_function(fn, script_dir: str) -> bool:
         return False
     path = os.path.abspath(code.co_filename)
     return path.startswith(os.path.join(script_dir, "")) and "site-packages" not in path
+
+
+def _own_run(cls: type, script_dir: str) -> bool:
+    """A Process subclass whose ``run`` (overriding multiprocessing's) is the script's own."""
+    run = getattr(cls, "run", None)
+    return run is not None and script_function(run, script_dir)
 
 
 def _spawn_wrap(target) -> bool:
@@ -67,6 +74,11 @@ class ChildProcesses:
             process._args = (self.wrap_child(fn, self.processes_wrapped), *rest)
         elif target is not None and script_function(target, script_dir):
             process._target = self.wrap_child(target, self.processes_wrapped)
+        elif _own_run(type(process), script_dir):
+            # a Process subclass of the script's whose run() is the training (A3C's ``class Worker(mp.Process)``):
+            # the instance's run goes first; the class's function and the process, not the bound method, are
+            # kept, so a spawned child unpickles the class's run, not this wrapper again
+            process.run = self.wrap_child(functools.partial(type(process).run, process), self.processes_wrapped)
         else:
             return
         self.processes_wrapped += 1
