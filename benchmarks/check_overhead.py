@@ -1,7 +1,7 @@
 """What ``python -m fastgrad.check`` adds to a training step on the host: the same small training script run
 plainly (``runpy``) and under the checker (``fastgrad.diagnose.run.run_script``), in one process, alternating.
 
-    python benchmarks/check_overhead.py [--script classifier|agent] [--steps 200] [--rounds 5] [--json out.json]
+    python benchmarks/check_overhead.py [--script classifier|agent|clipped] [--steps 200] [--rounds 5] [--json out.json]
 
 The script is a classifier (8 Linear layers of 256, GELU, AdamW, ``F.cross_entropy``; a scalar loss, one
 backward and one step per iteration): per step, the checker's hooks on every module's forward, the backward
@@ -13,7 +13,8 @@ of each side and their difference. The final reads and the report, once per run,
 
 ``--script agent``: the same network as a Q-learner's online network beside a target network that no optimizer
 holds, forwarded under ``torch.no_grad`` for a TD target and copied through ``.data`` every 50 steps (the way
-tianshou and cleanrl copy): the checker's per-step watch of a target's values is in its time.
+tianshou and cleanrl copy): the checker's per-step watch of a target's values is in its time. ``--script
+clipped``: the classifier with ``clip_grad_norm_(model.parameters(), 1.0)`` before each step.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ for step in range({steps}):
     opt.step()
 TIMES.append((time.perf_counter() - t0, time.thread_time() - c0))
 '''
-SCRIPTS = {"classifier": SCRIPT, "agent": AGENT}
+# the classifier with a norm clip before each step: the clip interceptor's reads (the tensors it is handed, where
+# it sits) are in its time
+CLIPPED = SCRIPT.replace("    opt.step()", "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    opt.step()")
+SCRIPTS = {"classifier": SCRIPT, "agent": AGENT, "clipped": CLIPPED}
 
 
 def main(argv=None) -> int:
