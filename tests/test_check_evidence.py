@@ -823,11 +823,13 @@ def test_the_cause_comes_first_whatever_its_rank():
     assert [f.code for f in place_causes(link_causes([dead, never]))] == ["never_learns", "dead"]
 
 
-def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=None, to=12.0):
+def _rollouts_view(*, env="gymnasium", calls=500, every=2, at=(3, 3), outlier=None, to=12.0, episodes=False):
     """An on-policy agent's critic: 6 rollouts, each fitted for 40 steps. A rollout brings returns the critic has
     not fitted (its first batches' losses stand 5x above the fit to the rollout before, and its norms with
-    them); within it the loss comes back down. ``calls``: the calls of a model with gradients off before each
-    rollout's first step; ``every``: such calls before every other step too (a DQN acts before each). At
+    them); within it the loss comes back down. ``every``: the calls of a model before every step (the update's
+    own forwards: an actor and a critic); ``calls``: those of the rollout, more before each rollout's first step
+    (0: a DQN, acting as often before each step); ``episodes``: the calls before each step vary, 20 to 79 (a
+    policy gradient updating once per episode, of that many steps). At
     ``at`` (rollout, step within it) a norm 5x its level, and at the next step a loss 12x the fit to the
     rollout before (``to``), above every loss of the rollout so far. ``outlier``: (rollout, step) of a batch whose loss is
     100x the fit to the rollout before and whose norm is 30x its level (an extreme batch)."""
@@ -847,7 +849,8 @@ def _rollouts_view(*, env="gymnasium", calls=500, every=0, at=(3, 3), outlier=No
             if (p, j) == outlier:
                 loss, norm = 100.0 * base, 600.0
             steps.append(StepRecord(step=len(steps) + 1, total_norm=norm, loss=loss, has_loss=True, numel=10,
-                                    inference=calls if j == 0 else every))
+                                    calls=(20 + (37 * len(steps)) % 60 if episodes else
+                                           every + (calls if j == 0 else 0))))
     return RunView(steps=steps, ctx={"updates": [], "environment": env})
 
 
@@ -855,10 +858,11 @@ def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
     """DRL-Pytorch's PPO fits its critic to each new rollout's returns: the first batches of a rollout are new
     to it, and their losses and norms stand far above its fit to the rollout before. A loss that jumps there
     after a standing-out norm is the new data's, not that update's damage: each loss is compared with the losses
-    since the rollout began, not the level before it. A rollout is a burst of calls of the model with gradients
-    off before a step, in a run that steps an environment and whose other steps follow none. The nearest wrong
-    variants keep the harm: no environment, a model called before every step (a DQN), a burst one call short,
-    and a jump late in the rollout, on data the critic has fitted, above every loss of the rollout before it
+    since the rollout began, not the level before it. A rollout is a burst of calls of a model before a step (with
+    gradients on or off), in a run that steps an environment and most of whose steps follow the same number of
+    calls. The nearest wrong variants keep the harm: no environment, a model called as often before every step
+    (a DQN), a burst one call short, calls that vary from step to step (a policy gradient updating once per
+    episode), and a jump late in the rollout, on data the critic has fitted, above every loss of the rollout before it
     (one below the highest of its first pass is a minibatch of the rollout's rare states)."""
     from fastgrad.diagnose.rules.evidence import data_refreshes, harm_of
 
@@ -870,14 +874,19 @@ def test_an_on_policy_agents_loss_is_judged_against_its_own_rollout():
     assert data_refreshes(_rollouts_view(calls=16), 0) and not data_refreshes(_rollouts_view(calls=15), 0)
     assert "loss_jump" not in {k for k, _ in harm_of(view, 0).at([124], usual_ok=False)}
     assert _exploding(_rollouts_view()).severity == "notice"
-    wrong = {"no environment": _rollouts_view(env=None), "a model called before every step": _rollouts_view(every=2),
+    wrong = {"no environment": _rollouts_view(env=None), "a model called as often before every step": _rollouts_view(calls=0),
              "one call short": _rollouts_view(calls=lim.refresh_calls - 1),
+             "calls that vary from step to step": _rollouts_view(episodes=True),
              "late in its rollout": _rollouts_view(at=(3, 25))}
     for what, v in wrong.items():
         s = 121 + (25 if what == "late in its rollout" else 3)
         assert "loss_jump" in {k for k, _ in harm_of(v, 0).at([s], usual_ok=False)}, what
         assert _exploding(v).severity == "warning", what
-    assert data_refreshes(_rollouts_view(every=2), 0) == [] and data_refreshes(_rollouts_view(env=None), 0) == []
+    assert data_refreshes(_rollouts_view(calls=0), 0) == [] and data_refreshes(_rollouts_view(env=None), 0) == []
+    assert data_refreshes(_rollouts_view(episodes=True), 0) == []
+    # the update's own forwards are the usual count, whatever it is: none, or several models
+    assert data_refreshes(_rollouts_view(every=0), 0) == data_refreshes(_rollouts_view(every=20), 0) == \
+        [1, 41, 81, 121, 161, 201]
     # late in a rollout, a loss 4x the rollout's level but below its first pass's highest is the data's
     late = _rollouts_view(at=(3, 25), to=4.5)
     assert 147 not in harm_of(late, 0).jumps and 147 in harm_of(_rollouts_view(at=(3, 25), to=6.0), 0).jumps

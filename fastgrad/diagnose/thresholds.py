@@ -93,11 +93,11 @@ class RunLimits:
     #: ... and the run's own level needs at least this many finite values before the step (one: a norm 10x the
     #: first step's at the second is far above it)
     far_history: int = 1
-    #: harm, in a run that steps an RL environment: a step of a series most of whose steps follow no call of a
-    #: model with gradients off, after at least this many such calls (since the series' step before), is its
-    #: first on freshly collected data (an on-policy rollout: PPO's); its losses and those after it are compared
-    #: with the losses since it, not with the fit to the data before. A usual rollout is some hundreds of calls;
-    #: a DQN acts once per step
+    #: harm, in a run that steps an RL environment: a step of a series most of whose steps follow the same
+    #: number of model calls, after at least this many more (since the series' step before), is its first on
+    #: freshly collected data (an on-policy rollout: PPO's); its losses and those after it are compared with the
+    #: losses since it, not with the fit to the data before. A usual rollout is some hundreds of calls; a DQN
+    #: acts once per step
     refresh_calls: int = 16
     #: never_learns: reads of a tensor's optimizer at least, for "zero (or absent) at every step" to be judged
     never_learns_steps: int = 2

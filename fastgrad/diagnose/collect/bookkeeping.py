@@ -97,7 +97,7 @@ class StepBookkeeping:
                          evals=max(self._evals, 1), clip_max=self._clip_max if self._clips else None,
                          clip_read=self._clip_norm is not None,
                          lr=lr if isinstance(lr, (int, float)) else None, unread=unread,
-                         inference=self.watcher.take_inference() if self.watcher is not None else 0)
+                         calls=self.watcher.take_calls() if self.watcher is not None else 0)
         self._read_failed = False
         self._pending.append((rec, row))
         # a closure's evaluations are not a window of micro-batches

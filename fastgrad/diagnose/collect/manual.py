@@ -98,7 +98,7 @@ class ManualLoopReader:
         rec = StepRecord(step=n, numel=numel, has_loss=loss is not None, clipped=self._m_clip, clip_read=self._m_clip,
                          zeroed=self._m_zeroed, source="backward", clip_max=self._m_clip_max,
                          leftover_checked=self._m_leftover is not None,
-                         inference=self.watcher.take_inference() if self.watcher is not None else 0)
+                         calls=self.watcher.take_calls() if self.watcher is not None else 0)
         self._m_leftover = None
         self._m_steps.append((rec, full))
         self._m_row = self._m_used = None

@@ -40,9 +40,9 @@ class StepRecord:
     loss: float | None = None   # the sum of the losses backpropagated over the step
     leftover: float | None = None
     clip_norm: float | None = None
-    # calls of a model with gradients off since the step before (any optimizer's): the rollout an on-policy agent
-    # collected before this update, or an evaluation
-    inference: int = 0
+    # calls of a model (a root module) since the step before (any optimizer's), with gradients on or off: this
+    # update's own forwards, and the rollout an on-policy agent collected before it, or an evaluation
+    calls: int = 0
     norm_read: bool = True      # False: a log without a gradient norm (total_norm NaN says nothing then)
 
     @property

@@ -97,9 +97,9 @@ class ForwardWatcher:
         # modules that ran inside a root's forward but are no part of any root seen (a target network an agent
         # passes to its policy's forward: tianshou's ``model_old``), in the order first seen (host only)
         self._loose: list[weakref.ref] = []
-        # root calls made with gradients off since the last take_inference(): an agent's rollout between its
-        # updates, an evaluation (host only)
-        self._inference = 0
+        # root calls since the last take_calls(): an update's own forwards, and an agent's rollout between its
+        # updates or an evaluation, with gradients on or off (host only)
+        self._calls = 0
         if model is not None:
             self._roots.append(weakref.ref(model))
             for name, m in model.named_modules():
@@ -167,8 +167,7 @@ class ForwardWatcher:
         """A root call's first positional argument (the batch), keyed with the call index its first output
         will get (no call consumed). Later arguments are left alone: an attention mask of -inf passed to a root
         module is not bad data."""
-        if not torch.is_grad_enabled():
-            self._inference += 1
+        self._calls += 1
         if args:
             self._fold(mid, self._call, 0, args[0])
 
@@ -208,10 +207,11 @@ class ForwardWatcher:
         self._call = 0
         self._depth = 0
 
-    def take_inference(self) -> int:
-        """How many calls of a model (a root) ran with gradients off since the last call of this: the rollout an
-        on-policy agent collects between its updates, or an evaluation. Counting restarts at 0."""
-        n, self._inference = self._inference, 0
+    def take_calls(self) -> int:
+        """How many calls of a model (a root) ran since the last call of this: the update's own forwards, and the
+        rollout an on-policy agent collects between its updates (with gradients on or off), or an evaluation.
+        Counting restarts at 0."""
+        n, self._calls = self._calls, 0
         return n
 
     def name_of(self, module: torch.nn.Module) -> str | None:

@@ -94,14 +94,15 @@ def tiny_update(ratio: float | None, limits: RunLimits) -> bool:
 
 def data_refreshes(run: RunView, k: int) -> list[int]:
     """The steps of series ``k`` that are its first on freshly collected data. In a run that steps an RL
-    environment, a series most of whose steps follow no call of a model with gradients off (an on-policy agent's
-    update epochs) and some after a rollout of at least ``RunLimits.refresh_calls`` such calls: those. A DQN acts
-    before each of its steps, so it has none; nor has a run with no environment (an evaluation between epochs
-    collects no data)."""
+    environment, a series most of whose steps follow the same number of model calls (its update's own forwards:
+    an on-policy agent's update epochs on one rollout) and some at least ``RunLimits.refresh_calls`` more (a
+    rollout, collected with gradients on or off): those. A DQN acts as often before each of its steps, and a
+    policy gradient updating once per episode follows as many calls as its episode had steps, so neither has
+    any; nor has a run with no environment (an evaluation between epochs collects no data)."""
     if not run.ctx.get("environment"):
         return []
     recs = run.per.get(k, [])
-    calls = sorted((r.step, r.inference) for r in run.steps)
+    calls = sorted((r.step, r.calls) for r in run.steps)
     at = [s for s, _ in calls]
     total = list(itertools.accumulate(n for _, n in calls))
 
@@ -110,9 +111,10 @@ def data_refreshes(run: RunView, k: int) -> list[int]:
         return total[i - 1] if i else 0
 
     counts = [upto(r.step) - (upto(p.step) if p is not None else 0) for p, r in zip([None, *recs], recs)]
-    if not counts or median(counts) > 0:
+    usual = median(counts) if counts else 0
+    if sum(n == usual for n in counts) * 2 <= len(counts):
         return []
-    return [r.step for r, n in zip(recs, counts) if n >= run.limits.refresh_calls]
+    return [r.step for r, n in zip(recs, counts) if n - usual >= run.limits.refresh_calls]
 
 
 @dataclass
