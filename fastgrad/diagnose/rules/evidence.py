@@ -314,8 +314,8 @@ def _loss_jumps(pts: list[tuple[int, float]], history: int, lim: RunLimits, *, f
     rule's (its warm-up counted in these steps: early training moves fast) and, after ``history`` losses, one
     ``RunLimits.far_ratio`` times its own level (a positive one: a signed objective has none), out of its own
     swings in ratio (a loss that routinely swings 10x between steps has no jump at 16x) and of their upper tail
-    (``above_tail``: a loss a tenth of whose steps stand 50x its median is judged against those). ``fresh``: ``pts`` are
-    the losses of one rollout's update epochs, whose minibatches draw on the same data: a jump must also top
+    (``above_tail``: a loss a tenth of whose steps stand 50x its median is judged against those). ``fresh``:
+    ``pts`` are the losses of one rollout's update epochs, whose minibatches draw on the same data: a jump must also top
     every loss before it there (a minibatch of the rollout's rare states, no higher than the first pass met
     them, is the data's)."""
     vals = [v for _, v in pts]

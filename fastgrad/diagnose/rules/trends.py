@@ -30,8 +30,9 @@ LOG_Z = LOSS_JUMP["log_z"]
 #: 50-500: an agent's rare terminal transitions, a kind of hard batch drawn often) has a median and a MAD, on
 #: either scale, that see only the majority, so its routine highs pass both tests. Where more than this share of
 #: the recent losses reached a jump's bar, their level is the tail's: the jump is judged against the median of
-#: that top share (``above_tail``; its lowest would pass the tail's own highs, which spread 5-10x). The share is read from a full window only: a tenth of a few losses (a
-#: rollout's first ones, a transient after a target copy) is one or two of them, no tail.
+#: that top share (``above_tail``; its lowest would pass the tail's own highs, which spread 5-10x). The share
+#: is read from a full window only: a tenth of a few losses (a rollout's first ones, a transient after a
+#: target copy) is one or two of them, no tail.
 TAIL_SHARE = 0.1
 
 #: a norm spike: this many times the median of the norms before it (and ``spike_z`` robust std above it). A
@@ -76,17 +77,18 @@ def robust_jumps(steps: Sequence[int], values: Sequence[float], *, new_after: in
         if len(base) < min_history:
             continue
         med, sd = _robust_baseline(base)
-        if (med > 0 and v > med + z * max(sd, 0.05 * med) and v >= min_ratio * med
+        above = med + z * max(sd, 0.05 * med)
+        if (med > 0 and v > above and v >= min_ratio * med
                 and (log_z is None or (beyond_ratio_noise(base, v, log_z, min_history)
-                                       and above_tail(base, v, max(med + z * max(sd, 0.05 * med), min_ratio * med),
-                                                      min_ratio)))):
+                                       and above_tail(base, v, max(above, min_ratio * med), min_ratio)))):
             out.append((s, v, v / med, med))
     return out
 
 
 def above_tail(base: Sequence[float], v: float, bar: float, ratio: float) -> bool:
     """``v`` stands ``ratio`` times above the upper tail of ``base`` where that tail reached ``bar``: the tail is
-    the top ``TAIL_SHARE`` of ``base`` and one more (more than a tenth), its level their median. Losses only, as ``beyond_ratio_noise``; a ``base`` shorter than a full window (``LOSS_JUMP["window"]``) has none."""
+    the top ``TAIL_SHARE`` of ``base`` and one more (more than a tenth), its level their median. Losses only, as
+    ``beyond_ratio_noise``; a ``base`` shorter than a full window (``LOSS_JUMP["window"]``) has none."""
     if len(base) < LOSS_JUMP["window"]:
         return True
     top = sorted(base)[-(int(len(base) * TAIL_SHARE) + 1):]
