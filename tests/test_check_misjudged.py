@@ -244,11 +244,12 @@ def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_fa
 
 
 def test_an_explosion_made_critical_by_a_rewrite_names_the_tier_its_norm_reached():
-    """A norm of 150 at step 1 and that step's update 900x the weights (a VAE's summed loss at SGD lr 30): critical
-    for the rewrite, and its title says "above 100", never "above 1000" (the norm never was)."""
+    """A norm of 150 at step 1 and that step's update 900x the weights (a VAE's summed loss at SGD lr 30), after
+    which the loss climbs: critical for the rewrite, and its title says "above 100", never "above 1000" (the norm
+    never was)."""
     from fastgrad.diagnose.rules.exploding import EXPLODING
     for norm, tier in ((150.0, "above 100:"), (1500.0, "above 1000:")):
-        v = _upd_view([900.0, 0.01, 0.01], lr=30.0, losses=[572.0, 600.0, 650.0])
+        v = _upd_view([900.0] + [0.01] * 7, lr=30.0, losses=[572.0 + 40.0 * i for i in range(8)])
         v.steps[0].total_norm = norm
         f, = EXPLODING.evaluate(v)
         assert f.severity == "critical" and tier in f.title, (norm, f.title)
