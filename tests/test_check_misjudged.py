@@ -1011,7 +1011,7 @@ def test_a_target_passed_to_a_policys_forward_is_a_candidate():
     assert t2._watched == []
 
 
-def _rise_view(targets=(), far_at=None, rewrite=False):
+def _rise_view(targets=(), far_at=None, rewrite=False, jump=True):
     from fastgrad.diagnose.collect.steps import StepRecord
     # a TD loss that starts near 0 and passes 10x its start at its second step, its norm growing 40x with it
     loss = [6e-4, 9e-3] + [0.01 * (1 + i / 4) for i in range(38)]
@@ -1019,6 +1019,8 @@ def _rise_view(targets=(), far_at=None, rewrite=False):
     if far_at is not None:   # just past the far rule's bound, beyond what the loss's own rise there explains
         rise = loss[far_at] / own_level(loss, far_at, RunLimits.far_history)
         norm[far_at] = RunLimits.far_ratio * 1.01 * rise ** 0.5 * own_level(norm, far_at, RunLimits.far_history)
+        if jump:   # ... and the loss jumping at the next step: damage after it
+            loss[far_at + 1] = 20.0 * loss[far_at]
     steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
     ups = [{"step": 20, "series": 0, "lr": 0.01, "ratio": 1.5, "layers": {}}] if rewrite else []
     return RunView(steps=steps, ctx={"moving_targets": list(targets), "updates": ups})
@@ -1033,12 +1035,15 @@ def test_a_rise_against_moving_targets_with_no_other_harm_is_a_notice():
     f, = LOSS_DIVERGING.evaluate(_rise_view(["Actor", "QNetwork"]))    # TD3: a target actor and critic
     assert "Actor, QNetwork are forwarded" in f.detail and "(a target network each)" in f.detail
     # nearest wrong variants: no target the run moves (an early jump: a divergence), a norm far above its own
-    # level, an update that rewrote the weights
+    # level with a loss jump after it, an update that rewrote the weights
     assert LOSS_DIVERGING.evaluate(_rise_view())[0].severity == "critical"
     assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], far_at=30))[0].severity == "critical"
     near = _rise_view(["Sequential"], far_at=30)
     near.steps[30].total_norm *= 0.97 / 1.01                            # just under the bound: no harm
     assert LOSS_DIVERGING.evaluate(near)[0].severity == "notice"
+    # the same far norm with nothing after it (DDPG's critic, 15x its early level while it learns): no damage,
+    # as `exploding` reads such a norm
+    assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], far_at=30, jump=False))[0].severity == "notice"
     assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], rewrite=True))[0].severity == "critical"
 
 
@@ -1119,6 +1124,9 @@ def test_a_run_that_steps_an_environment_learns_from_its_own_returns():
     far = _rise_view(far_at=30)
     far.ctx["environment"] = "gym"
     assert LOSS_DIVERGING.evaluate(far)[0].severity == "critical"     # harm beyond the rise still counts
+    quiet = _rise_view(far_at=30, jump=False)
+    quiet.ctx["environment"] = "gym"
+    assert LOSS_DIVERGING.evaluate(quiet)[0].severity == "notice"     # a far norm nothing followed is none
 
 
 def test_a_loss_jump_after_a_clipped_update_is_not_that_gradients_doing():
