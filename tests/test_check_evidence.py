@@ -967,3 +967,34 @@ def test_a_loss_whose_tail_is_routine_is_judged_against_its_tail():
     assert late == []
     norms, losses = _tailed(13)
     assert [s for f in detect_loss_jumps(range(1, 121), losses) for s in f.steps if s > 53]
+
+
+def test_one_rewrite_the_run_learnt_past_is_no_damage_to_an_explosion():
+    """patrickloeber's linear regression: targets in the hundreds, SGD at lr 0.01 from a near-zero weight. Its first
+    norm is 141 and its first update moves the weight 1.5x its size; the loss then falls from 5000 to 410 (its
+    noise floor). update_rewrote calls that one step a notice; exploding must not take it for the gravest harm.
+    The nearest wrong variants keep it as harm, in both rules: the rewrite recurs, the loss never comes back below
+    its value at the rewrite, the loss does not improve, the loss jumps after it."""
+    from fastgrad.diagnose.rules.rewrite import UPDATE_REWROTE
+
+    n = 100
+    falling = [5000.0 * 0.975 ** i + 400.0 + 3.0 * (i % 3) for i in range(n)]
+    norms = [141.0 * 0.98 ** i + 5.0 for i in range(n)]
+    cases = {
+        "learnt past": (falling, [(1, 1.5)], "notice"),
+        "recurs": (falling, [(1, 1.5), (2, 1.2)], "critical"),
+        "not recovered": ([3000.0] + [5000.0 * 0.975 ** i + 4000.0 for i in range(1, n)], [(1, 1.5)], "critical"),
+        "flat": ([5000.0 + 30.0 * (i % 3) for i in range(n)], [(1, 1.5)], "critical"),
+    }
+    for what, (losses, ups, sev) in cases.items():
+        v = _view(norms, losses, updates=ups)
+        ex = _exploding(v)
+        assert ex.severity == sev, (what, ex.detail)
+        assert ("rewrite" in ex.evidence["harm"]) == (sev == "critical"), what
+        (rw,) = UPDATE_REWROTE.evaluate(_view(norms, losses, updates=ups))
+        assert rw.severity == ("notice" if sev == "notice" else "warning"), what
+    jumped = list(falling)
+    jumped[1] = 40.0 * falling[0]                   # the loss at step 2, after the rewrite's update
+    v = _view(norms, jumped, updates=[(1, 1.5)])
+    assert _exploding(v).severity == "critical" and "rewrite" in _exploding(v).evidence["harm"]
+    assert UPDATE_REWROTE.evaluate(v)[0].severity == "warning"

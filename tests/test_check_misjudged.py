@@ -244,11 +244,12 @@ def test_an_update_that_rewrote_the_weights_is_a_finding_with_its_lr(tmp_path_fa
 
 
 def test_an_explosion_made_critical_by_a_rewrite_names_the_tier_its_norm_reached():
-    """A norm of 150 at step 1 and that step's update 900x the weights (a VAE's summed loss at SGD lr 30): critical
-    for the rewrite, and its title says "above 100", never "above 1000" (the norm never was)."""
+    """A norm of 150 at step 1 and that step's update 900x the weights (a VAE's summed loss at SGD lr 30), after
+    which the loss climbs: critical for the rewrite, and its title says "above 100", never "above 1000" (the norm
+    never was)."""
     from fastgrad.diagnose.rules.exploding import EXPLODING
     for norm, tier in ((150.0, "above 100:"), (1500.0, "above 1000:")):
-        v = _upd_view([900.0, 0.01, 0.01], lr=30.0, losses=[572.0, 600.0, 650.0])
+        v = _upd_view([900.0] + [0.01] * 7, lr=30.0, losses=[572.0 + 40.0 * i for i in range(8)])
         v.steps[0].total_norm = norm
         f, = EXPLODING.evaluate(v)
         assert f.severity == "critical" and tier in f.title, (norm, f.title)
@@ -1010,7 +1011,7 @@ def test_a_target_passed_to_a_policys_forward_is_a_candidate():
     assert t2._watched == []
 
 
-def _rise_view(targets=(), far_at=None, rewrite=False):
+def _rise_view(targets=(), far_at=None, rewrite=False, jump=True):
     from fastgrad.diagnose.collect.steps import StepRecord
     # a TD loss that starts near 0 and passes 10x its start at its second step, its norm growing 40x with it
     loss = [6e-4, 9e-3] + [0.01 * (1 + i / 4) for i in range(38)]
@@ -1018,6 +1019,8 @@ def _rise_view(targets=(), far_at=None, rewrite=False):
     if far_at is not None:   # just past the far rule's bound, beyond what the loss's own rise there explains
         rise = loss[far_at] / own_level(loss, far_at, RunLimits.far_history)
         norm[far_at] = RunLimits.far_ratio * 1.01 * rise ** 0.5 * own_level(norm, far_at, RunLimits.far_history)
+        if jump:   # ... and the loss jumping at the next step: damage after it
+            loss[far_at + 1] = 20.0 * loss[far_at]
     steps = [StepRecord(step=i + 1, has_loss=True, loss=v, total_norm=n) for i, (v, n) in enumerate(zip(loss, norm))]
     ups = [{"step": 20, "series": 0, "lr": 0.01, "ratio": 1.5, "layers": {}}] if rewrite else []
     return RunView(steps=steps, ctx={"moving_targets": list(targets), "updates": ups})
@@ -1032,12 +1035,15 @@ def test_a_rise_against_moving_targets_with_no_other_harm_is_a_notice():
     f, = LOSS_DIVERGING.evaluate(_rise_view(["Actor", "QNetwork"]))    # TD3: a target actor and critic
     assert "Actor, QNetwork are forwarded" in f.detail and "(a target network each)" in f.detail
     # nearest wrong variants: no target the run moves (an early jump: a divergence), a norm far above its own
-    # level, an update that rewrote the weights
+    # level with a loss jump after it, an update that rewrote the weights
     assert LOSS_DIVERGING.evaluate(_rise_view())[0].severity == "critical"
     assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], far_at=30))[0].severity == "critical"
     near = _rise_view(["Sequential"], far_at=30)
     near.steps[30].total_norm *= 0.97 / 1.01                            # just under the bound: no harm
     assert LOSS_DIVERGING.evaluate(near)[0].severity == "notice"
+    # the same far norm with nothing after it (DDPG's critic, 15x its early level while it learns): no damage,
+    # as `exploding` reads such a norm
+    assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], far_at=30, jump=False))[0].severity == "notice"
     assert LOSS_DIVERGING.evaluate(_rise_view(["Sequential"], rewrite=True))[0].severity == "critical"
 
 
@@ -1118,6 +1124,9 @@ def test_a_run_that_steps_an_environment_learns_from_its_own_returns():
     far = _rise_view(far_at=30)
     far.ctx["environment"] = "gym"
     assert LOSS_DIVERGING.evaluate(far)[0].severity == "critical"     # harm beyond the rise still counts
+    quiet = _rise_view(far_at=30, jump=False)
+    quiet.ctx["environment"] = "gym"
+    assert LOSS_DIVERGING.evaluate(quiet)[0].severity == "notice"     # a far norm nothing followed is none
 
 
 def test_a_loss_jump_after_a_clipped_update_is_not_that_gradients_doing():

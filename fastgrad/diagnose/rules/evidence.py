@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..finding import fmt
-from ..thresholds import RunLimits
+from ..thresholds import RunLimits, Thresholds
 from .base import RunView, median
 from .trends import LOSS_JUMP, SPIKE_RATIO, above_tail, beyond_ratio_noise, robust_jumps
 
@@ -137,6 +137,32 @@ class Harm:
     used: list[float] = field(default_factory=list)       # the norm each update used (after any clip)
     far_ratio: float = RunLimits.far_ratio
     far_history: int = RunLimits.far_history
+    # a loss that ends above its value before a rewrite by more than this many standard errors and this share
+    # of that value never came back (``unrecovered``): ``RunLimits.stall_z``, ``Thresholds.loss_progress``
+    back_z: float = RunLimits.stall_z
+    back_rel: float = Thresholds.loss_progress
+
+    def rewrite_harm(self, steps: list[int], first: int, *, stuck: bool = False) -> list[tuple[str, str]]:
+        """The harm the run shows from a rewrite at ``steps`` (begun at ``first``) on, besides the rewrite itself:
+        what ``at`` finds there, and what shows the run did not learn past it (``unrecovered``). Empty, for one
+        rewrite: the run learnt past it (Adam's first step on small weights, a linear model's first step from a
+        near-zero initialisation), and no finding takes it for damage; ``update_rewrote`` says so at notice."""
+        return self.at(steps, rewrite=False) + self.unrecovered(first, stuck=stuck)
+
+    def unrecovered(self, first: int, *, stuck: bool = False) -> list[tuple[str, str]]:
+        """What shows that the run did not learn past a rewrite that began at ``first``, each as (kind, evidence
+        in words): its loss did not improve over the run (``no_progress``; not where ``stuck``: tensors that never
+        learn explain a flat loss), or it fell yet never came back to its value at ``first`` (``not_recovered``).
+        Part of ``rewrite_harm``."""
+        c, out = self.change, []
+        if c is not None and not c["improved"] and not c["rose"] and not stuck:
+            out.append(("no_progress", "the loss did not improve over the run"))
+        before = self.losses[self.steps.index(first)] if first in self.steps else math.nan
+        if c is not None and c["improved"] and math.isfinite(before) and \
+                c["last"] - before > max(self.back_z * c["se"], self.back_rel * abs(before)):
+            out.append(("not_recovered", f"the loss never came back to {fmt(before)}, its value at step "
+                                         f"{first}: {fmt(c['last'])} over the last quarter of the run"))
+        return out
 
     def far(self, step: int) -> tuple[float, float] | None:
         """(norm / own level, own level) at ``step`` when that is at least ``far_ratio``, else None."""
@@ -213,7 +239,7 @@ class Harm:
                 out.add(self.steps[i + 1])
         return out
 
-    def at(self, steps: list[int], *, far: bool = True, own_step=(), usual_ok: bool = True
+    def at(self, steps: list[int], *, far: bool = True, own_step=(), usual_ok: bool = True, rewrite: bool = True
            ) -> list[tuple[str, str]]:
         """The harm shown at (or from) ``steps``, each as (kind, evidence in words); empty: none. ``own_step``:
         steps whose own loss jump counts too, as ``outlier_batch`` where that step's norm was also ``far`` (no
@@ -221,7 +247,8 @@ class Harm:
         no clip bounded that update), else, or in a run that steps an RL environment (an episode's end is an
         outlier transition of the agent's own data), as ``hard_batch`` (no damage, a notice).
         ``usual_ok`` False: a loss jump counts only after a step whose norm was ``unusual`` (the harm of a large
-        gradient; a rewrite's harm is its update's, whatever the norm)."""
+        gradient; a rewrite's harm is its update's, whatever the norm). ``rewrite`` False: leave the rewrite
+        itself out."""
         if not steps:
             return []
         out = []
@@ -257,7 +284,10 @@ class Harm:
         if c is not None and c["rose"] and not self.bootstraps:
             out.append(("loss_rose", f"the loss rose from {fmt(c['first'])} to {fmt(c['last'])} (first to last "
                                      f"quarter's mean), beyond its own noise ({fmt(c['need'])})"))
-        if self.rewrites:
+        # a rewrite is harm where it recurs or the run shows harm from it on (``rewrite_harm``); one the run
+        # learnt past is not
+        rw = [s for s, _ in self.rewrites]
+        if rewrite and rw and (len(rw) > 1 or self.rewrite_harm(rw, rw[0])):
             s, r = max(self.rewrites, key=lambda t: t[1])
             out.append(("rewrite", f"an update moved the weights by {fmt(r)}x their own size (step {s})"))
         if far:
@@ -343,7 +373,8 @@ def harm_of(run: RunView, k: int) -> Harm:
     lim, th = run.limits, run.th
     recs = run.per.get(k, [])
     steps = [r.step for r in recs]
-    h = Harm(k, steps, [r.grad_norm for r in recs], far_ratio=lim.far_ratio, far_history=lim.far_history)
+    h = Harm(k, steps, [r.grad_norm for r in recs], far_ratio=lim.far_ratio, far_history=lim.far_history,
+             back_z=lim.stall_z, back_rel=th.loss_progress)
     # ... and a NaN/Inf loss at a step a GradScaler or a StepGuard then skipped: the loss is computed before any
     # loss scale, so no scale made it (the weights or the data did); skipped gradients alone are the scale's
     h.nonfinite = sorted({r.step for r in recs if r.bad or (r.loss is not None and not math.isfinite(r.loss))}

@@ -21,8 +21,8 @@ modest norms.
 In a run that moves its own targets (a model it forwards, trains through no optimizer and rewrites in place:
 a DQN or actor-critic target network, an EMA teacher; ``collect.targets``), or that steps an RL environment (its
 agent's returns are its targets; ``collect.targets.environment_module``), a rise with no harm beyond it (no
-norm far above its own level by more than the loss's own rise explains, ``Harm.far_for_its_loss``; no rewrite,
-no NaN) is that notice however early it began and however far its
+norm far above its own level by more than the loss's own rise explains, ``Harm.far_for_its_loss``, with damage
+after it; no rewrite, no NaN) is that notice however early it began and however far its
 norms grew with it: such a loss starts near 0, while the targets are the model's own untrained outputs, and its
 gradients scale with the targets.
 
@@ -135,9 +135,12 @@ class LossDiverging(Rule):
             far = any(h.far(s) for s in h.steps)
             clean = rw is None and not h.nonfinite and not late
             # against moving targets, a norm that grew with its loss (a critic whose first TD error was near 0)
-            # is the loss's own scale: only a norm far beyond what the loss's rise explains is harm
+            # is the loss's own scale: only a norm far beyond what the loss's rise explains, with damage after it
+            # (a loss jump, a NaN), is harm; one that nothing followed is no damage, as `exploding` reads it (a
+            # critic's gradient grows with its activations too while it learns: DDPG's, 15x its early level)
             boot = (modest and gradual and ((stable and late_peak) or (unrecovered and not far))) or \
-                ((targets or env) and not any(h.far_for_its_loss(s) for s in h.steps))
+                ((targets or env) and not any(h.far_for_its_loss(s) and h.at([s], far=False, rewrite=False)
+                                              for s in h.steps))
             if clean and boot:
                 run.key_steps.add(sp)
                 out.append(Finding(

@@ -58,18 +58,10 @@ class UpdateRewrote(Rule):
             run.key_steps.add(first)
             whole_lr = run.lr_at(k, rw[0][0])
             at = "" if whole_lr is None else f" with a learning rate of {whole_lr:g}"
-            harm = [(kind, text) for kind, text in h.at([st for st, _ in rw]) if kind != "rewrite"]
             c = h.change
             stuck = [n for n in zero + cut if live[n][0] == k]
             flat = c is not None and not c["improved"] and not c["rose"]
-            if flat and not stuck:
-                harm.append(("no_progress", "the loss did not improve over the run"))
-            # a loss that fell from the blow-up the rewrite began, yet ended above its value before the rewrite
-            before = h.losses[h.steps.index(first)] if first in h.steps else math.nan
-            if c is not None and c["improved"] and math.isfinite(before) and \
-                    c["last"] - before > max(run.limits.stall_z * c["se"], run.th.loss_progress * abs(before)):
-                harm.append(("not_recovered", f"the loss never came back to {fmt(before)}, its value at step "
-                                              f"{first}: {fmt(c['last'])} over the last quarter of the run"))
+            harm = h.rewrite_harm([st for st, _ in rw], first, stuck=bool(stuck))
             grave = len(rw) > 1 or bool(harm)
             if harm:
                 after = " Harm the run shows from it on: " + "; ".join(t for _, t in harm) + "."
