@@ -142,6 +142,14 @@ class Harm:
     back_z: float = RunLimits.stall_z
     back_rel: float = Thresholds.loss_progress
 
+    def rewrite_words(self) -> str:
+        """What the measured updates did, for a finding that found no harm: none rewrote the weights, or the one
+        that did the run learnt past (``rewrite_harm``)."""
+        if not self.rewrites:
+            return "no update rewrote the weights"
+        s, r = self.rewrites[0]
+        return f"the one update that rewrote the weights ({fmt(r)}x, step {s}) the run learnt past"
+
     def rewrite_harm(self, steps: list[int], first: int, *, stuck: bool = False) -> list[tuple[str, str]]:
         """The harm the run shows from a rewrite at ``steps`` (begun at ``first``) on, besides the rewrite itself:
         what ``at`` finds there, and what shows the run did not learn past it (``unrecovered``). Empty, for one

@@ -145,11 +145,11 @@ def _harm_text(harm: list, h) -> str:
     if harm and all(kind in _NOTICE_ONLY for kind, _ in harm):
         # a spike that nothing followed: the same reading as ``spike``'s damage
         return (" " + "; ".join(text[0].upper() + text[1:] for _, text in harm) + ", but no damage followed: the "
-                "loss did not jump after it, nothing went NaN/Inf and no measured update rewrote the weights (a "
-                "clip, or an adaptive optimizer, bounds the step).")
+                f"loss did not jump after it, nothing went NaN/Inf and {h.rewrite_words()} (a clip, or an adaptive "
+                "optimizer, bounds the step).")
     if harm:
         return " Harm the run shows: " + "; ".join(text for _, text in harm) + "."
-    return (" No harm seen: " + h.loss_words() + ", no update rewrote the weights and no step was 10x the run's "
+    return (" No harm seen: " + h.loss_words() + ", " + h.rewrite_words() + " and no step was 10x the run's "
             "own level: the guide's limit alone asks a question." + SCALE_QUESTION)
 
 

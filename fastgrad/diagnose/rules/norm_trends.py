@@ -90,7 +90,7 @@ def _judge_rise(f: Finding, run: RunView, k: int, steps: list[int]) -> None:
     if "inside the healthy range" in f.title:  # the trend rule's own notice: its words stand
         return
     f.title = "gradient norm rising, with no harm seen"
-    f.detail += (" No harm seen: " + h.loss_words() + ", nothing went NaN/Inf and no update rewrote the weights."
+    f.detail += (" No harm seen: " + h.loss_words() + ", nothing went NaN/Inf and " + h.rewrite_words() + "."
                  + RISE_REASON)
 
 
