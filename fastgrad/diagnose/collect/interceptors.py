@@ -224,7 +224,7 @@ class RedFlagInterceptors:
             rec = None
             if ranks:
                 try:
-                    args, kwargs, rec = chk._rank_before_clip(args, kwargs)
+                    rec = chk._rank_before_clip(params)
                 except Exception as e:  # noqa: BLE001 - the record is evidence, never a reason to fail the clip
                     chk.errors.append(f"step {chk.steps_done + 1}: could not record the ranks' gradients: {e}")
             chk._clip_depth += 1
@@ -250,22 +250,12 @@ class RedFlagInterceptors:
             return out
         return clip
 
-    def _rank_before_clip(self, args, kwargs):
-        """``(args, kwargs, record)``: the clip's parameters made a list where they were a one-pass iterator
-        (the record reads them, the clip then gets the same list), and this rank's record of their gradients
-        (None when not recorded)."""
-        if self._grads_scaled:
-            return args, kwargs, None
-        params = kwargs.get("parameters", args[0] if args else None)
-        if params is None:
-            return args, kwargs, None
-        if not isinstance(params, (Tensor, list, tuple)):
-            params = list(params)
-            if "parameters" in kwargs:
-                kwargs = dict(kwargs, parameters=params)
-            else:
-                args = (params,) + tuple(args[1:])
-        return args, kwargs, self._rank_record(params)
+    def _rank_before_clip(self, params):
+        """This rank's record of the gradients of ``params`` (the clip's tensors, which its wrapper listed once
+        with ``_params_listed``: the clip then gets the same list), or None when not recorded."""
+        if self._grads_scaled or params is None:
+            return None
+        return self._rank_record(params)
 
     def _wrap_fused_amp(self, orig):
         chk = self
