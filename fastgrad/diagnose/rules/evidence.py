@@ -150,6 +150,10 @@ class Harm:
         s, r = self.rewrites[0]
         return f"the one update that rewrote the weights ({fmt(r)}x, step {s}) the run learnt past"
 
+    def rewrite_grave(self, harm: list) -> bool:
+        """The run's rewrites are harm: they recur, or ``harm`` (their ``rewrite_harm``) shows some."""
+        return len(self.rewrites) > 1 or bool(harm)
+
     def rewrite_harm(self, steps: list[int], first: int, *, stuck: bool = False) -> list[tuple[str, str]]:
         """The harm the run shows from a rewrite at ``steps`` (begun at ``first``) on, besides the rewrite itself:
         what ``at`` finds there, and what shows the run did not learn past it (``unrecovered``). Empty, for one
@@ -295,7 +299,7 @@ class Harm:
         # a rewrite is harm where it recurs or the run shows harm from it on (``rewrite_harm``); one the run
         # learnt past is not
         rw = [s for s, _ in self.rewrites]
-        if rewrite and rw and (len(rw) > 1 or self.rewrite_harm(rw, rw[0])):
+        if rewrite and rw and self.rewrite_grave(self.rewrite_harm(rw, rw[0])):
             s, r = max(self.rewrites, key=lambda t: t[1])
             out.append(("rewrite", f"an update moved the weights by {fmt(r)}x their own size (step {s})"))
         if far:

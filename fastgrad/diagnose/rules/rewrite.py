@@ -62,7 +62,7 @@ class UpdateRewrote(Rule):
             stuck = [n for n in zero + cut if live[n][0] == k]
             flat = c is not None and not c["improved"] and not c["rose"]
             harm = h.rewrite_harm([st for st, _ in rw], first, stuck=bool(stuck))
-            grave = len(rw) > 1 or bool(harm)
+            grave = h.rewrite_grave(harm)
             if harm:
                 after = " Harm the run shows from it on: " + "; ".join(t for _, t in harm) + "."
             elif grave:
